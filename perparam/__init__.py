@@ -1,0 +1,21 @@
+"""perparam: per-parameter ZeRO-3 sharding over DTensor, in the style of PyTorch's FSDP2.
+
+``fully_shard(module, mesh=...)`` turns each parameter, in place, into a sharded DTensor; forward and
+backward hooks all-gather one group's parameters in one collective and reduce-scatter its gradients.
+"""
+
+from .api import ShardingError, fully_shard
+from .collectives import CommCounter
+from .module import ShardedModule
+from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
+
+__all__ = [
+    "CommCounter",
+    "MixedPrecisionPolicy",
+    "ParamPolicy",
+    "QuantPolicy",
+    "ShardedModule",
+    "ShardingError",
+    "fully_shard",
+]
+__version__ = "0.1.0"

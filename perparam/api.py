@@ -1,0 +1,155 @@
+"""``fully_shard``: turn a module's parameters, in place, into sharded DTensors managed by one group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import hooks
+from .group import ParamGroup
+from .module import ShardedModule, attach, group_of
+from .param import ShardedParam
+from .policy import MixedPrecisionPolicy, ParamPolicy
+
+#: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
+#: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.
+_TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+ParamPolicyArg = ParamPolicy | Mapping[str, ParamPolicy] | Callable[[str, nn.Parameter], ParamPolicy | None]
+
+
+class ShardingError(ValueError):
+    """Raised by ``fully_shard`` for input it cannot shard; the message says what to do instead."""
+
+
+def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                param_policy: ParamPolicyArg | None = None):
+    """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
+
+    Every parameter not already managed by a ``fully_shard`` call on a submodule is replaced by an
+    ``nn.Parameter`` wrapping a DTensor: placements ``(Shard(0),)`` on a 1D mesh, ``(Replicate(),
+    Shard(0))`` on a 2D (replicate, shard) mesh. Rank r of the shard axis holds rows
+    ``torch.chunk(p, K, dim=0)[r]`` (the last ranks may hold fewer rows, or none). The module's class is
+    changed to a subclass of ``ShardedModule``. A list of modules makes one group (tied weights).
+
+    Args:
+        module: a module, or a list of modules sharded as one group.
+        mesh: a 1D or 2D ``DeviceMesh``; ``None`` means a 1D mesh over the default process group's ranks
+            on the default device (CUDA when the backend is NCCL, else CPU).
+        reshard_after_forward: free the unsharded parameters after forward (all-gather again in
+            backward); ``False`` keeps them until the end of backward.
+        mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.policy``.
+
+    Raises:
+        ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
+            sharded, a mesh of more than 2 dims, a non-floating-point parameter that requires grad.
+    """
+    modules = list(module) if isinstance(module, Sequence) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ShardingError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
+    if mp_policy not in (None, MixedPrecisionPolicy()) or param_policy is not None:
+        raise NotImplementedError("mixed-precision and per-parameter policies are not implemented yet")
+    mesh = mesh if mesh is not None else default_mesh()
+    _check_mesh(mesh)
+    for m in modules:
+        if isinstance(m, ShardedModule):
+            raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
+                                "module (to re-group, build the model again)")
+
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ShardingError("this rank is not part of the mesh passed to fully_shard")
+    shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
+    owner = ", ".join(type(m).__name__ for m in modules)
+
+    sharded_params = []
+    for fqn, original, slots in _collect(modules):
+        _check_param(fqn, original, owner)
+        sp = ShardedParam(fqn, slots, original, mesh, placements, shard_rank, num_shards)
+        sp.register_sharded()
+        _TAKEN[original] = (owner, fqn)
+        sharded_params.append(sp)
+
+    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward)
+    for m in modules:
+        attach(m, group)
+        m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),
+                                    prepend=True, with_kwargs=True)
+        m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
+                                with_kwargs=True)
+    return module
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1D mesh over every rank of the default process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ShardingError("fully_shard(mesh=None) needs torch.distributed.init_process_group() first, "
+                            "or pass mesh=init_device_mesh(...)")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise ShardingError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ShardingError(f"fully_shard takes a 1D mesh (shard) or a 2D mesh (replicate, shard); got a "
+                            f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)}: pass the data-parallel sub-mesh, "
+                            "e.g. mesh['dp_replicate', 'dp_shard']")
+
+
+def _collect(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """The parameters this call manages, with every slot each is registered in.
+
+    Walks the module trees, skipping subtrees already sharded by an earlier call; names are relative to
+    the module given (prefixed ``i.`` for the i-th module of a list).
+    """
+    found: dict[int, tuple[str, nn.Parameter, list]] = {}
+    for i, root in enumerate(modules):
+        prefix = f"{i}." if len(modules) > 1 else ""
+        stack = [(prefix, root)]
+        while stack:
+            mod_prefix, mod = stack.pop()
+            if mod is not root and group_of(mod) is not None:
+                continue
+            for name, p in mod._parameters.items():
+                if p is None:
+                    continue
+                entry = found.setdefault(id(p), (mod_prefix + name, p, []))
+                entry[2].append((mod, name))
+            for child_name, child in reversed(list(mod._modules.items())):
+                if child is not None:
+                    stack.append((f"{mod_prefix}{child_name}.", child))
+    return list(found.values())
+
+
+def _check_param(fqn: str, p: nn.Parameter, owner: str) -> None:
+    if isinstance(p.data, DTensor):
+        raise ShardingError(
+            f"parameter '{fqn}' of {owner} is already a DTensor: either an earlier fully_shard call on a "
+            "parent module already sharded it (apply fully_shard bottom-up: submodules first, then their "
+            "parent), or it is tensor-parallel, which this version of fully_shard does not compose with")
+    taken = _TAKEN.get(p)
+    if taken is not None:
+        other, other_fqn = taken
+        raise ShardingError(
+            f"parameter '{fqn}' is shared with parameter '{other_fqn}' of an earlier fully_shard call on "
+            f"{other}; a parameter can belong to one group only: shard the modules that share it in one "
+            f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
+    if p.dim() == 0:
+        raise ShardingError(f"parameter '{fqn}' of {owner} is 0-dim and cannot be sharded on dim 0; give it "
+                            "shape [1] instead (e.g. nn.Parameter(torch.ones(1)))")
+    if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
+        raise ShardingError(f"parameter '{fqn}' of {owner} has dtype {p.dtype} and requires grad; only "
+                            "floating-point parameters can be trained: set requires_grad=False")
+    if p.is_complex():
+        raise ShardingError(f"parameter '{fqn}' of {owner} is complex ({p.dtype}); store it as a real view "
+                            "(torch.view_as_real) instead")

@@ -1,0 +1,102 @@
+"""Every collective perparam issues goes through this module, so it can be counted.
+
+``CommCounter`` is a context manager that records each collective (kind, bytes, process group) issued
+while it is active; tests use it to prove "one all-gather per group per unshard" and to compare the bytes
+moved with the layout's prediction.
+
+Byte convention (per rank): an all-gather records the bytes of the gathered output
+(``K * input_bytes``), a reduce-scatter the bytes of its input (``K * output_bytes``), an all-reduce the
+bytes of the tensor. A ring implementation sends ``(K - 1) / K`` of that figure from each rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    nbytes: int  # see the module docstring for the convention
+    group_size: int
+    group_name: str
+    dtype: torch.dtype
+
+
+@dataclass
+class CommCounter:
+    """Records the collectives issued by this thread's perparam runtime while active.
+
+    Usage::
+
+        with CommCounter() as comm:
+            loss = model(x).sum(); loss.backward()
+        comm.count("all_gather"), comm.bytes("reduce_scatter")
+    """
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    def __enter__(self) -> CommCounter:
+        stack = getattr(_local, "counters", None)
+        if stack is None:
+            stack = _local.counters = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.counters.remove(self)
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for r in self.records if kind is None or r.kind == kind)
+
+    def bytes(self, kind: str | None = None) -> int:
+        return sum(r.nbytes for r in self.records if kind is None or r.kind == kind)
+
+    def by_kind(self) -> dict[str, int]:
+        return dict(Counter(r.kind for r in self.records))
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype) -> None:
+    counters = getattr(_local, "counters", None)
+    if not counters:
+        return
+    rec = CollectiveRecord(kind, nbytes, group.size(), group.group_name, dtype)
+    for c in counters:
+        c.records.append(rec)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Gather ``input`` (``[n]``) from every rank of ``group`` into ``output`` (``[K * n]``), rank-major."""
+    _record("all_gather", output.numel() * output.element_size(), group, output.dtype)
+    if group.size() == 1:
+        output.copy_(input)
+        return None
+    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                       async_op: bool = False):
+    """Sum ``input`` (``[K * n]``) over ``group`` and leave this rank's ``[n]`` piece in ``output``."""
+    _record("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
+    if group.size() == 1:
+        output.copy_(input)
+        return None
+    return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Sum ``tensor`` in place over ``group``."""
+    _record("all_reduce", tensor.numel() * tensor.element_size(), group, tensor.dtype)
+    if group.size() == 1:
+        return None
+    return dist.all_reduce(tensor, group=group, async_op=async_op)

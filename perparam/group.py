@@ -1,0 +1,142 @@
+"""One ``fully_shard`` call's parameters: one all-gather per unshard, one reduce-scatter per reduce dtype.
+
+The group owns the collectives; ``hooks.py`` decides when they run. States: the padded unsharded storage
+is *alive* or *freed*; the module has the *sharded* DTensors or the *unsharded* tensors registered.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import collectives
+from .layout import GroupLayout, reduce_scatter_offsets
+from .param import ShardedParam
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
+
+    ``modules``: the module(s) given to the call. ``params``: their managed parameters in registration
+    order. The all-gather runs over the shard axis; on a 2D mesh gradients are reduce-scattered over the
+    shard axis and then all-reduced over the replicate axis (HSDP).
+    """
+
+    def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
+                 reshard_after_forward: bool) -> None:
+        self.modules = modules
+        self.params = params
+        self.mesh = mesh
+        self.shard_pg = mesh.get_group(mesh.ndim - 1)
+        self.replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.num_shards = self.shard_pg.size()
+        self.num_replicas = self.replicate_pg.size() if self.replicate_pg is not None else 1
+        self.layout = GroupLayout(tuple(p.layout for p in params), tuple(p.wire_dtype for p in params))
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_gradient_sync = True
+        self.registered_unsharded = False
+        # per-forward/backward bookkeeping, driven by hooks.py
+        self.forward_depth = 0
+        self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
+        self.root: ParamGroup | None = None
+        self.in_backward = False
+        self.post_backward_done = False
+        self.grads_arrived: set[int] = set()
+        self.callback_queued = False
+
+    def __repr__(self) -> str:
+        names = ", ".join(type(m).__name__ for m in self.modules)
+        return f"ParamGroup({names}: {len(self.params)} params)"
+
+    # -- unshard / reshard ------------------------------------------------------------------------------
+    @property
+    def storage_alive(self) -> bool:
+        return bool(self.params) and self.params[0].storage_alive
+
+    def trainable(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.sharded.requires_grad]
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """All-gather every parameter of the group in one collective into its padded unsharded buffer.
+
+        No-op when the storage is already alive. Bytes gathered: ``layout.all_gather_bytes``.
+        """
+        if not self.params or self.storage_alive:
+            return
+        layout, k = self.layout, self.num_shards
+        device = self.params[0].local_shard().device
+        send = torch.empty(layout.slot_bytes, dtype=torch.uint8, device=device)
+        dsts, srcs = [], []
+        for p, offset in zip(self.params, layout.ag_offsets):
+            shard = p.local_shard()
+            if shard.numel():
+                dsts.append(send.narrow(0, offset, shard.numel() * p.wire_dtype.itemsize).view(p.wire_dtype))
+                srcs.append(shard.reshape(-1))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        recv = torch.empty(k * layout.slot_bytes, dtype=torch.uint8, device=device)
+        collectives.all_gather(recv, send, self.shard_pg)
+        targets = [p.alloc() for p in self.params]
+        order = layout.slot_order
+        torch.split_with_sizes_copy(recv.view(k, layout.slot_bytes), [layout.ag_nbytes[i] for i in order],
+                                    dim=1, out=[targets[i] for i in order])
+
+    def free(self) -> None:
+        """Release the unsharded storage (no communication)."""
+        for p in self.params:
+            p.free()
+
+    def register_unsharded(self) -> None:
+        for p in self.params:
+            p.register_unsharded()
+        self.registered_unsharded = True
+
+    def register_sharded(self) -> None:
+        for p in self.params:
+            p.register_sharded()
+        self.registered_unsharded = False
+
+    def reshard(self) -> None:
+        self.register_sharded()
+        self.free()
+
+    # -- gradients --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Reduce-scatter (and on HSDP all-reduce) the unsharded gradients into the sharded ``.grad``s.
+
+        One reduce-scatter per distinct reduce dtype; gradients are averaged over all data-parallel
+        ranks and accumulated into existing sharded gradients. Clears the unsharded ``.grad``s.
+        """
+        buckets: dict[torch.dtype, list[ShardedParam]] = defaultdict(list)
+        for p in self.params:
+            if p.unsharded is not None and p.unsharded.grad is not None:
+                buckets[p.unsharded.grad.dtype].append(p)
+        k, world = self.num_shards, self.num_shards * self.num_replicas
+        for dtype, params in buckets.items():
+            grads = [p.unsharded.grad for p in params]
+            send = pack_reduce_scatter_input(grads, k)  # [K, sum(padded_local_numel)]
+            offsets, total = reduce_scatter_offsets([p.layout for p in params])
+            recv = send.new_empty(total)
+            collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg)
+            if self.replicate_pg is not None:
+                collectives.all_reduce_sum(recv, self.replicate_pg)
+            recv.div_(world)
+            for p, offset in zip(params, offsets):
+                rows = p.layout.extent(p.shard_rank)[1]
+                local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.padded_local_shape)
+                p.accumulate_sharded_grad(local.narrow(0, 0, rows))
+                p.unsharded.grad = None
+
+
+def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:
+    """``[K, sum(padded_local_numel)]``: row r holds every gradient's rank-r ``torch.chunk`` piece,
+    padded to the chunk size, in order (``torch._chunk_cat``; empty gradients contribute nothing)."""
+    nonempty = [g for g in grads if g.numel()]
+    if not nonempty:
+        return grads[0].new_empty(num_shards, 0)
+    return torch._chunk_cat(nonempty, dim=0, num_chunks=num_shards)

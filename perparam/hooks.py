@@ -1,0 +1,129 @@
+"""When the collectives run: forward pre/post hooks, pre-backward hooks, post-backward and the root's
+final callback.
+
+Timeline of one training step for a group G (K ranks):
+
+* pre-forward: all-gather G (one collective), register the unsharded tensors.
+* post-forward: register the sharded DTensors again; free the unsharded storage when G reshards after
+  forward, or when no backward can follow (grad disabled). The root keeps its storage for the backward
+  that immediately follows (no second all-gather), as FSDP2 does.
+* pre-backward (a hook on G's forward outputs): all-gather again if the storage was freed.
+* post-backward (when every trainable unsharded parameter of G has accumulated its gradient):
+  reduce-scatter G's gradients into the sharded ``.grad``s (unless gradient sync is off) and free.
+* the root's final callback (queued on the autograd engine): finish every group whose post-backward did
+  not fire (unused parameters, frozen groups), then free everything, before ``backward()`` returns.
+
+The *root* is the outermost group whose forward runs while no other group's forward is running.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from .group import ParamGroup
+
+_local = threading.local()
+
+
+def _active_root() -> ParamGroup | None:
+    return getattr(_local, "root", None)
+
+
+def tree_of(group: ParamGroup) -> list[ParamGroup]:
+    """Every group in the module trees of ``group`` (itself first), computed once."""
+    if group.tree is None:
+        from .module import group_of
+
+        seen: dict[int, ParamGroup] = {id(group): group}
+        for module in group.modules:
+            for sub in module.modules():
+                g = group_of(sub)
+                if g is not None:
+                    seen.setdefault(id(g), g)
+        group.tree = list(seen.values())
+    return group.tree
+
+
+def _start_iteration(root: ParamGroup) -> None:
+    """A new root forward: drop storage kept for a backward that never came (it may be stale)."""
+    for g in tree_of(root):
+        if not g.registered_unsharded and g.storage_alive and not g.in_backward:
+            g.free()
+
+
+def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
+    if _active_root() is None:
+        _local.root = group
+        _start_iteration(group)
+    group.root = _active_root()
+    group.forward_depth += 1
+    group.unshard()
+    group.register_unsharded()
+    return args, kwargs
+
+
+def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
+    group.forward_depth -= 1
+    root = _active_root()
+    if group.forward_depth == 0:
+        group.register_sharded()
+        grad_enabled = torch.is_grad_enabled()
+        if not grad_enabled or (group.reshard_after_forward and group is not root):
+            group.free()
+        if grad_enabled:
+            _register_pre_backward(group, output)
+            for p in group.trainable():
+                p.ensure_post_accumulate_hook(lambda _p, g=group, q=p: _on_grad_ready(g, q))
+    if root is group and group.forward_depth == 0:
+        _local.root = None
+    return output
+
+
+def _register_pre_backward(group: ParamGroup, output) -> None:
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    for t in tensors:
+        t.register_hook(lambda grad, g=group: _pre_backward(g))
+
+
+def _pre_backward(group: ParamGroup) -> None:
+    root = group.root or group
+    if not root.callback_queued:
+        root.callback_queued = True
+        Variable._execution_engine.queue_callback(lambda r=root: _final_callback(r))
+    if group.in_backward:
+        return
+    group.in_backward = True
+    group.post_backward_done = False
+    group.grads_arrived.clear()
+    group.unshard()
+
+
+def _on_grad_ready(group: ParamGroup, param) -> None:
+    if not group.in_backward or group.post_backward_done:
+        return
+    group.grads_arrived.add(id(param))
+    if len(group.grads_arrived) == len(group.trainable()):
+        _post_backward(group)
+
+
+def _post_backward(group: ParamGroup) -> None:
+    if group.requires_gradient_sync:
+        group.reduce_grads()
+    group.free()
+    group.post_backward_done = True
+
+
+def _final_callback(root: ParamGroup) -> None:
+    for g in tree_of(root):
+        if g.in_backward and not g.post_backward_done:
+            _post_backward(g)
+        g.reshard()
+        g.in_backward = False
+        g.post_backward_done = False
+        g.grads_arrived.clear()
+    root.callback_queued = False

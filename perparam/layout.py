@@ -1,0 +1,204 @@
+"""The sharding layout as pure functions: which rows each rank holds, padding, local shapes, bytes.
+
+Nothing here touches a process group or allocates a tensor, so the runtime (``group.py``), the memory
+tools (``perparam.memory``) and the property tests all compute the same figures from the same code.
+
+Terms: an *axis* is a mesh axis, a *dim* is a tensor dimension. A parameter of global shape ``S`` sharded
+with ``Shard(d)`` over a mesh axis of size ``K`` is split like ``torch.chunk(t, K, dim=d)``: every rank but
+the last few holds ``ceil(S[d] / K)`` slices, the last ranks may hold fewer or none. For the collectives
+each rank's piece is padded to that chunk size, so all ranks send equal byte counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_extent(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of chunk ``index`` when ``size`` slices are split like ``torch.chunk``.
+
+    ``torch.chunk`` uses chunks of ``ceil(size / num_chunks)``; indices past the data get length 0 (their
+    start is clamped to ``size``). Raises ``ValueError`` for ``num_chunks < 1`` or an index out of range.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    if not 0 <= index < num_chunks:
+        raise ValueError(f"chunk index {index} out of range for {num_chunks} chunks")
+    chunk = ceil_div(size, num_chunks)
+    start = min(index * chunk, size)
+    return start, min(chunk, size - start)
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of the piece held at mesh ``coordinate``.
+
+    Placements are applied axis by axis, left to right: ``Shard(d)`` on an axis chunks what the earlier
+    axes left of dim ``d`` (nested ``torch.chunk``), ``Replicate()`` keeps it. This is DTensor's rule for
+    plain ``Shard`` placements.
+    """
+    if not (len(mesh_shape) == len(placements) == len(coordinate)):
+        raise ValueError("mesh_shape, placements and coordinate need one entry per mesh axis")
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for axis_size, placement, coord in zip(mesh_shape, placements, coordinate):
+        if isinstance(placement, Shard):
+            d = placement.dim
+            start, length = chunk_extent(shape[d], axis_size, coord)
+            offset[d] += start
+            shape[d] = length
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"layout supports Shard and Replicate placements, got {placement}")
+    return tuple(shape), tuple(offset)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one parameter is split over the shard axis of a data-parallel mesh.
+
+    ``global_shape``: the unsharded shape. ``shard_dim``: the tensor dim that is split, or ``None`` for a
+    replicated parameter. ``num_shards``: K, the size of the shard axis. ``dtype``: the stored dtype.
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    num_shards: int
+    shard_dim: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.global_shape):
+            raise ValueError(f"shard_dim {self.shard_dim} out of range for shape {self.global_shape}")
+
+    # -- sizes -----------------------------------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    @property
+    def chunk(self) -> int:
+        """Padded extent of every rank's piece along ``shard_dim`` (``ceil(S[d] / K)``)."""
+        if self.shard_dim is None:
+            return self.global_shape[0] if self.global_shape else 1
+        return ceil_div(self.global_shape[self.shard_dim], self.num_shards)
+
+    @property
+    def padded_local_shape(self) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.shard_dim] = self.chunk
+        return tuple(shape)
+
+    @property
+    def padded_local_numel(self) -> int:
+        return math.prod(self.padded_local_shape)
+
+    @property
+    def padded_global_shape(self) -> tuple[int, ...]:
+        """Shape of the all-gathered tensor before the padding is cut off (K chunks of ``chunk``)."""
+        if self.shard_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.shard_dim] = self.chunk * self.num_shards
+        return tuple(shape)
+
+    # -- per rank --------------------------------------------------------------------------------------
+    def extent(self, rank: int) -> tuple[int, int]:
+        """``(start, length)`` along ``shard_dim`` of the slices held by shard ``rank``."""
+        if self.shard_dim is None:
+            return 0, self.global_shape[0] if self.global_shape else 1
+        return chunk_extent(self.global_shape[self.shard_dim], self.num_shards, rank)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.shard_dim] = self.extent(rank)[1]
+        return tuple(shape)
+
+    def local_numel(self, rank: int) -> int:
+        return math.prod(self.local_shape(rank))
+
+    def local_bytes(self, rank: int) -> int:
+        """Bytes of this rank's shard as stored (no padding)."""
+        return self.local_numel(rank) * self.itemsize
+
+    def padding_numel(self, rank: int) -> int:
+        return self.padded_local_numel - self.local_numel(rank)
+
+    @property
+    def placement(self) -> Placement:
+        return Replicate() if self.shard_dim is None else Shard(self.shard_dim)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The packed all-gather buffer of one ``fully_shard`` group: one collective whatever the dtypes.
+
+    Every rank sends ``slot_bytes`` bytes: each parameter's padded local shard in the dtype it is sent in
+    (its *wire dtype*), packed without gaps. Pieces are ordered by element size, largest first
+    (``slot_order``), so every offset is a multiple of its piece's element size and ``.view(dtype)`` on the
+    byte buffer is legal. Parameter ``i`` occupies ``[ag_offsets[i], ag_offsets[i] + ag_nbytes[i])`` of
+    each rank's slot; the all-gathered buffer is ``num_shards * slot_bytes`` bytes, rank-major.
+    """
+
+    params: tuple[ShardLayout, ...]
+    wire_dtypes: tuple[torch.dtype, ...]
+    slot_order: tuple[int, ...] = field(init=False)
+    ag_offsets: tuple[int, ...] = field(init=False)
+    ag_nbytes: tuple[int, ...] = field(init=False)
+    slot_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.params) != len(self.wire_dtypes):
+            raise ValueError("one wire dtype per parameter")
+        if len({p.num_shards for p in self.params}) > 1:
+            raise ValueError("all parameters of a group share one shard axis")
+        nbytes = [p.padded_local_numel * d.itemsize for p, d in zip(self.params, self.wire_dtypes)]
+        order = sorted(range(len(self.params)), key=lambda i: (-self.wire_dtypes[i].itemsize, i))
+        offsets, cursor = [0] * len(self.params), 0
+        for i in order:
+            offsets[i] = cursor
+            cursor += nbytes[i]
+        object.__setattr__(self, "slot_order", tuple(order))
+        object.__setattr__(self, "ag_offsets", tuple(offsets))
+        object.__setattr__(self, "ag_nbytes", tuple(nbytes))
+        object.__setattr__(self, "slot_bytes", cursor)
+
+    @property
+    def num_shards(self) -> int:
+        return self.params[0].num_shards if self.params else 1
+
+    @property
+    def all_gather_bytes(self) -> int:
+        """Bytes of the all-gathered buffer (what each rank holds after the collective)."""
+        return self.slot_bytes * self.num_shards
+
+
+def reduce_scatter_offsets(params: Sequence[ShardLayout]) -> tuple[tuple[int, ...], int]:
+    """Element offsets of each parameter in one rank's reduce-scatter output, and that output's numel."""
+    offsets, cursor = [], 0
+    for p in params:
+        offsets.append(cursor)
+        cursor += p.padded_local_numel
+    return tuple(offsets), cursor
+
+
+def layout_for(param: torch.Tensor, num_shards: int, shard_dim: int | None = 0) -> ShardLayout:
+    """The layout of a plain (unsharded) tensor, e.g. one built on the meta device."""
+    return ShardLayout(tuple(param.shape), param.dtype, num_shards, shard_dim)

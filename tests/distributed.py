@@ -1,0 +1,112 @@
+"""Multi-process test harness: run a function on N ranks over gloo on loopback and collect the results.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a forkserver that
+has torch and perparam imported already, so a start costs milliseconds, not seconds), initialises a gloo
+process group in each over a ``FileStore`` (no ports to race for), sets one thread per rank, calls
+``fn(rank, world_size, *args)`` and returns the per-rank return values as a list. A rank that raises
+fails the test with every failing rank's traceback; a hang fails it after ``timeout`` seconds, naming the
+ranks still running, and kills them. ``fn`` must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "perparam"])
+    return _CTX
+
+
+def _worker(fn, rank: int, world_size: int, store_path: str, timeout: float, conn, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        conn.send(("ok", buf.getvalue()))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+    import torch
+
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="perparam-store-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(fn, rank, world_size, store_path, timeout, child, args),
+                            daemon=True)
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        results: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world_size:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise AssertionError(f"distributed test timed out after {timeout:.0f}s; ranks still "
+                                         f"running: {missing}" + _errors(results))
+                for rank, conn in enumerate(conns):
+                    if rank in results:
+                        continue
+                    if conn.poll(0.01):
+                        try:
+                            results[rank] = conn.recv()
+                        except EOFError:
+                            results[rank] = ("error", f"rank {rank} exited with code {procs[rank].exitcode} "
+                                                      "without reporting")
+                    elif not procs[rank].is_alive() and not conn.poll(0.05):
+                        results[rank] = ("error", f"rank {rank} died with exit code {procs[rank].exitcode}")
+                if any(status == "error" for status, _ in results.values()):
+                    # give the peers a moment to report their own errors, then stop waiting for them
+                    grace = time.monotonic() + 2.0
+                    while time.monotonic() < grace and len(results) < world_size:
+                        for rank, conn in enumerate(conns):
+                            if rank not in results and conn.poll(0.01):
+                                try:
+                                    results[rank] = conn.recv()
+                                except EOFError:
+                                    pass
+                    raise AssertionError("distributed test failed" + _errors(results))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def _errors(results: dict) -> str:
+    return "".join(f"\n--- rank {rank} ---\n{payload}" for rank, (status, payload) in sorted(results.items())
+                   if status == "error")

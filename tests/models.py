@@ -1,0 +1,48 @@
+"""Small models the tests share: uneven and empty shards, nesting, a module called twice."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d + 1)  # 2d+1 rows: uneven over most world sizes
+        self.fc2 = nn.Linear(2 * d + 1, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [batch, d]
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    """``Embedding(5, d)`` -> blocks -> ``Linear(d, 2)``: 5 and 2 rows leave empty shards on 3-4 ranks."""
+
+    def __init__(self, d: int = 6, n_blocks: int = 2, call_twice: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_blocks))
+        self.head = nn.Linear(d, 2)
+        self.call_twice = call_twice
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: [batch, tokens] -> [batch, 2]
+        x = self.embed(idx).mean(dim=1)  # [batch, d]
+        for block in self.blocks:
+            x = block(x)
+            if self.call_twice:
+                x = block(x)
+        return self.head(x)
+
+
+def make_batches(steps: int, global_batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 5, (global_batch, 3), generator=g), torch.randn(global_batch, 2, generator=g))
+            for _ in range(steps)]
+
+
+def local_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous share of a global batch (equal shares)."""
+    n = t.shape[0] // world_size
+    return t[rank * n:(rank + 1) * n]

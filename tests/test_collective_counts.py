@@ -1,0 +1,79 @@
+"""Collective counts: one all-gather per group per unshard, one reduce-scatter per group per backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import perparam
+from perparam import CommCounter
+from tests.distributed import run_distributed
+from tests.models import TinyNet, local_slice, make_batches
+
+
+def _shard(model: TinyNet, reshard_after_forward: bool = True) -> None:
+    for block in model.blocks:
+        perparam.fully_shard(block, reshard_after_forward=reshard_after_forward)
+    perparam.fully_shard(model, reshard_after_forward=reshard_after_forward)
+
+
+def count_one_step(rank: int, world_size: int, reshard_after_forward: bool) -> dict:
+    torch.manual_seed(0)
+    model = TinyNet(n_blocks=3)
+    _shard(model, reshard_after_forward)
+    x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
+    # count at the c10d level too, so the counter cannot hide a collective
+    raw = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_reduce": 0}
+    originals = {name: getattr(dist, name) for name in raw}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            raw[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in raw:
+        setattr(dist, name, counting(name))
+    try:
+        with CommCounter() as fwd:
+            loss = F.mse_loss(model(x), y)
+        with CommCounter() as bwd:
+            loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw}
+
+
+def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
+    # 4 groups: 3 blocks + root. Forward: 4 all-gathers. Backward: the 3 blocks gather again (the root
+    # keeps its parameters for the backward that follows), 4 reduce-scatters.
+    for counts in run_distributed(count_one_step, 2, True):
+        assert counts["fwd"] == {"all_gather": 4}
+        assert counts["bwd"] == {"all_gather": 3, "reduce_scatter": 4}
+        assert counts["raw"] == {"all_gather_single": 7, "reduce_scatter_single": 4, "all_reduce": 0}
+
+
+def test_no_reshard_after_forward_gathers_once_per_step():
+    for counts in run_distributed(count_one_step, 3, False):
+        assert counts["fwd"] == {"all_gather": 4}
+        assert counts["bwd"] == {"reduce_scatter": 4}
+
+
+def accumulate_counts(rank: int, world_size: int) -> list[dict]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    _shard(model)
+    per_micro_batch = []
+    for i, (x, y) in enumerate(make_batches(3, 4)):
+        model.set_requires_gradient_sync(i == 2)
+        with CommCounter() as comm:
+            F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        per_micro_batch.append(comm.by_kind())
+    return per_micro_batch
+
+
+def test_no_sync_micro_batches_do_not_reduce():
+    for counts in run_distributed(accumulate_counts, 2):
+        assert [c.get("reduce_scatter", 0) for c in counts] == [0, 0, 3]

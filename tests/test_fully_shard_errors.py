@@ -1,0 +1,114 @@
+"""Bad input gets a clear error at fully_shard time, naming the parameter or module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import perparam
+from perparam import ShardingError
+from tests.distributed import run_distributed
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 3)
+        self.head = nn.Linear(3, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class _ClaimsGrad(nn.Parameter):
+    """torch refuses requires_grad on integer tensors; a subclass (as quantized-weight libraries write)
+    can still claim it, which fully_shard must refuse."""
+
+    @property
+    def requires_grad(self) -> bool:
+        return True
+
+
+class IntParamRequiringGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        codes = nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False)
+        codes.__class__ = _ClaimsGrad
+        self.codes = codes
+
+
+def _case(name: str) -> None:
+    if name == "zero_dim":
+        perparam.fully_shard(Scalar())
+    elif name == "tied_across_calls":
+        model = Tied()
+        perparam.fully_shard(model.embed)
+        perparam.fully_shard(model)
+    elif name == "twice":
+        model = nn.Linear(2, 2)
+        perparam.fully_shard(model)
+        perparam.fully_shard(model)
+    elif name == "parent_first":
+        model = nn.Sequential(nn.Linear(2, 2))
+        perparam.fully_shard(model)
+        perparam.fully_shard(model[0])
+    elif name == "mesh_3d":
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+        perparam.fully_shard(nn.Linear(2, 2), mesh=mesh)
+    elif name == "not_a_mesh":
+        perparam.fully_shard(nn.Linear(2, 2), mesh="cpu")
+    elif name == "int_requires_grad":
+        perparam.fully_shard(IntParamRequiringGrad())
+    elif name == "empty_list":
+        perparam.fully_shard([])
+    else:
+        raise AssertionError(name)
+
+
+def raise_case(rank: int, world_size: int, name: str) -> tuple[str, str]:
+    try:
+        _case(name)
+    except (ShardingError, NotImplementedError) as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+CASES = {
+    "zero_dim": ["'scale'", "0-dim", "shape [1]"],
+    "tied_across_calls": ["'head.weight'", "'weight'", "Embedding", "fully_shard([module_a, module_b])"],
+    "twice": ["already applied", "Linear"],
+    "parent_first": ["'weight'", "already a DTensor", "bottom-up"],
+    "mesh_3d": ["3D mesh", "2D mesh"],
+    "not_a_mesh": ["DeviceMesh", "str"],
+    "int_requires_grad": ["'codes'", "torch.uint8", "requires_grad=False"],
+    "empty_list": ["non-empty list"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_named_and_explained(name):
+    kind, message = run_distributed(raise_case, 1, name)[0]
+    assert kind == "ShardingError", (kind, message)
+    for fragment in CASES[name]:
+        assert fragment in message, (fragment, message)
+
+
+def mesh_none_without_process_group(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    try:
+        perparam.fully_shard(nn.Linear(2, 2))
+    except ShardingError as e:
+        return str(e)
+    return ""
+
+
+def test_mesh_none_needs_a_process_group():
+    assert "init_process_group" in run_distributed(mesh_none_without_process_group, 1)[0]
