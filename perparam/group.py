@@ -117,7 +117,7 @@ class ParamGroup:
             if p.unsharded is not None and p.unsharded.grad is not None:
                 buckets[p.unsharded.grad.dtype].append(p)
         k, world = self.num_shards, self.num_shards * self.num_replicas
-        for dtype, params in buckets.items():
+        for params in buckets.values():
             grads = [p.unsharded.grad for p in params]
             send = pack_reduce_scatter_input(grads, k)  # [K, sum(padded_local_numel)]
             offsets, total = reduce_scatter_offsets([p.layout for p in params])

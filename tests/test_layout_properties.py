@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from perparam.group import pack_reduce_scatter_input
-from perparam.layout import GroupLayout, ShardLayout, chunk_extent, local_shape_and_offset, reduce_scatter_offsets
+from perparam.layout import (
+    GroupLayout,
+    ShardLayout,
+    chunk_extent,
+    local_shape_and_offset,
+    reduce_scatter_offsets,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8]
 
