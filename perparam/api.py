@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
-from .policy import MixedPrecisionPolicy, ParamPolicy
+from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, check_patterns, resolve
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
 #: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.
@@ -54,8 +53,11 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     modules = list(module) if isinstance(module, Sequence) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ShardingError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
-    if mp_policy not in (None, MixedPrecisionPolicy()) or param_policy is not None:
-        raise NotImplementedError("mixed-precision and per-parameter policies are not implemented yet")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ShardingError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
     for m in modules:
@@ -63,22 +65,30 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
                                 "module (to re-group, build the model again)")
 
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ShardingError("this rank is not part of the mesh passed to fully_shard")
     shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
     owner = ", ".join(type(m).__name__ for m in modules)
 
-    sharded_params = []
-    for fqn, original, slots in _collect(modules):
+    found = _collect(modules)
+    for fqn, original, _ in found:
         _check_param(fqn, original, owner)
-        sp = ShardedParam(fqn, slots, original, mesh, placements, shard_rank, num_shards)
+    try:
+        check_patterns([fqn for fqn, _, _ in found], param_policy)
+        policies = [resolve(fqn, p, mp_policy, param_policy, p.dim()) for fqn, p, _ in found]
+    except PolicyError as e:
+        raise ShardingError(str(e)) from None
+    sharded_params = []
+    for (fqn, original, slots), policy in zip(found, policies):
+        sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy)
         sp.register_sharded()
+        if sp.stored_quantized:
+            sp.register_scales()
         _TAKEN[original] = (owner, fqn)
         sharded_params.append(sp)
 
-    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward)
+    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
     for m in modules:
         attach(m, group)
         m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),

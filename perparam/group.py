@@ -1,4 +1,5 @@
-"""One ``fully_shard`` call's parameters: one all-gather per unshard, one reduce-scatter per reduce dtype.
+"""One ``fully_shard`` call's parameters: one all-gather per unshard whatever the mix of dtypes,
+quantizations and placements; one reduce-scatter per distinct reduce dtype.
 
 The group owns the collectives; ``hooks.py`` decides when they run. States: the padded unsharded storage
 is *alive* or *freed*; the module has the *sharded* DTensors or the *unsharded* tensors registered.
@@ -22,19 +23,23 @@ class ParamGroup:
 
     ``modules``: the module(s) given to the call. ``params``: their managed parameters in registration
     order. The all-gather runs over the shard axis; on a 2D mesh gradients are reduce-scattered over the
-    shard axis and then all-reduced over the replicate axis (HSDP).
+    shard axis and then all-reduced over the replicate axis (HSDP). Replicated parameters are never
+    gathered; their gradients are all-reduced over every data-parallel rank.
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, mp_policy) -> None:
         self.modules = modules
         self.params = params
         self.mesh = mesh
+        self.mp_policy = mp_policy
         self.shard_pg = mesh.get_group(mesh.ndim - 1)
         self.replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
         self.num_shards = self.shard_pg.size()
         self.num_replicas = self.replicate_pg.size() if self.replicate_pg is not None else 1
-        self.layout = GroupLayout(tuple(p.layout for p in params), tuple(p.wire_dtype for p in params))
+        self.gathered = [p for p in params if p.dim is not None]
+        self.replicated = [p for p in params if p.dim is None]
+        self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self.registered_unsharded = False
@@ -61,29 +66,49 @@ class ParamGroup:
 
     @torch.no_grad()
     def unshard(self) -> None:
-        """All-gather every parameter of the group in one collective into its padded unsharded buffer.
+        """All-gather every sharded parameter of the group in one collective into its padded unsharded
+        buffer (and copy replicated ones). No-op when the storage is already alive.
 
-        No-op when the storage is already alive. Bytes gathered: ``layout.all_gather_bytes``.
+        Bytes gathered: ``layout.all_gather_bytes`` (recorded by ``CommCounter``).
         """
         if not self.params or self.storage_alive:
             return
+        for p in self.replicated:
+            p.fill_replicated()
+        if not self.gathered:
+            return
         layout, k = self.layout, self.num_shards
-        device = self.params[0].local_shard().device
+        device = self.gathered[0].local_shard().device
         send = torch.empty(layout.slot_bytes, dtype=torch.uint8, device=device)
         dsts, srcs = [], []
-        for p, offset in zip(self.params, layout.ag_offsets):
-            shard = p.local_shard()
-            if shard.numel():
-                dsts.append(send.narrow(0, offset, shard.numel() * p.wire_dtype.itemsize).view(p.wire_dtype))
-                srcs.append(shard.reshape(-1))
+        for p, offsets in zip(self.gathered, layout.offsets):
+            if p.plain:
+                src = p.wire_source()
+                if src.numel():
+                    dsts.append(send.narrow(0, offsets[0], src.numel() * p.pieces[0].dtype.itemsize)
+                                .view(p.pieces[0].dtype))
+                    srcs.append(src)
+            else:
+                p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
         recv = torch.empty(k * layout.slot_bytes, dtype=torch.uint8, device=device)
         collectives.all_gather(recv, send, self.shard_pg)
-        targets = [p.alloc() for p in self.params]
-        order = layout.slot_order
-        torch.split_with_sizes_copy(recv.view(k, layout.slot_bytes), [layout.ag_nbytes[i] for i in order],
-                                    dim=1, out=[targets[i] for i in order])
+        # copy out of the rank-major buffer: straight into the padded buffers of plain parameters,
+        # into scratch pieces for quantized ones (dequantized below)
+        targets: list[list[torch.Tensor]] = []
+        for p in self.gathered:
+            if p.plain:
+                targets.append([p.alloc()])
+            else:
+                targets.append([recv.new_empty(k, piece.nbytes) for piece in p.pieces])
+        order = layout.order
+        torch.split_with_sizes_copy(recv.view(k, layout.slot_bytes),
+                                    [layout.pieces[i][j].nbytes for i, j in order], dim=1,
+                                    out=[targets[i][j] for i, j in order])
+        for p, pieces in zip(self.gathered, targets):
+            if not p.plain:
+                p.unpack(pieces)
 
     def free(self) -> None:
         """Release the unsharded storage (no communication)."""
@@ -106,20 +131,25 @@ class ParamGroup:
 
     # -- gradients --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce_grads(self) -> None:
-        """Reduce-scatter (and on HSDP all-reduce) the unsharded gradients into the sharded ``.grad``s.
+    def reduce_grads(self, sync: bool = True) -> None:
+        """Reduce the unsharded gradients into the sharded ``.grad``s, averaged over all data-parallel
+        ranks and accumulated into existing sharded gradients.
 
-        One reduce-scatter per distinct reduce dtype; gradients are averaged over all data-parallel
-        ranks and accumulated into existing sharded gradients. Clears the unsharded ``.grad``s.
+        Sharded parameters: one reduce-scatter per distinct reduce dtype (then, on HSDP, one all-reduce
+        of its output over the replicate axis). Replicated parameters: one all-reduce per reduce dtype
+        over each mesh axis. ``sync=False`` only moves the gradients into the reduce-dtype accumulators
+        (gradient accumulation without communication).
         """
-        buckets: dict[torch.dtype, list[ShardedParam]] = defaultdict(list)
+        sharded: dict[torch.dtype, list] = defaultdict(list)
+        replicated: dict[torch.dtype, list] = defaultdict(list)
         for p in self.params:
-            if p.unsharded is not None and p.unsharded.grad is not None:
-                buckets[p.unsharded.grad.dtype].append(p)
-        k, world = self.num_shards, self.num_shards * self.num_replicas
-        for params in buckets.values():
-            grads = [p.unsharded.grad for p in params]
-            send = pack_reduce_scatter_input(grads, k)  # [K, sum(padded_local_numel)]
+            grad = p.take_unsharded_grad(keep=not sync)
+            if grad is not None:
+                (sharded if p.dim is not None else replicated)[grad.dtype].append((p, grad))
+        world = self.num_shards * self.num_replicas
+        for items in sharded.values():
+            params, grads = zip(*items)
+            send = pack_reduce_scatter_input(list(grads), self.num_shards)  # [K, sum(padded_local_numel)]
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
             collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg)
@@ -128,9 +158,17 @@ class ParamGroup:
             recv.div_(world)
             for p, offset in zip(params, offsets):
                 rows = p.layout.extent(p.shard_rank)[1]
-                local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.padded_local_shape)
+                local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
                 p.accumulate_sharded_grad(local.narrow(0, 0, rows))
-                p.unsharded.grad = None
+        for items in replicated.values():
+            params, grads = zip(*items)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            collectives.all_reduce_sum(flat, self.shard_pg)
+            if self.replicate_pg is not None:
+                collectives.all_reduce_sum(flat, self.replicate_pg)
+            flat.div_(world)
+            for p, piece in zip(params, flat.split([g.numel() for g in grads])):
+                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ import threading
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 
+from .cast import cast_floating, tensors_in
 from .group import ParamGroup
 
 _local = threading.local()
@@ -64,6 +64,9 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     group.forward_depth += 1
     group.unshard()
     group.register_unsharded()
+    mp = group.mp_policy
+    if mp.param_dtype is not None and mp.cast_forward_inputs:
+        args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
     return args, kwargs
 
 
@@ -81,11 +84,13 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
                 p.ensure_post_accumulate_hook(lambda _p, g=group, q=p: _on_grad_ready(g, q))
     if root is group and group.forward_depth == 0:
         _local.root = None
+    if group.mp_policy.output_dtype is not None:
+        output = cast_floating(output, group.mp_policy.output_dtype)
     return output
 
 
 def _register_pre_backward(group: ParamGroup, output) -> None:
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in tensors_in(output) if t.requires_grad]
     for t in tensors:
         t.register_hook(lambda grad, g=group: _pre_backward(g))
 
@@ -112,8 +117,7 @@ def _on_grad_ready(group: ParamGroup, param) -> None:
 
 
 def _post_backward(group: ParamGroup) -> None:
-    if group.requires_gradient_sync:
-        group.reduce_grads()
+    group.reduce_grads(sync=group.requires_gradient_sync)
     group.free()
     group.post_backward_done = True
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -109,6 +110,14 @@ class ShardLayout:
         return math.prod(self.padded_local_shape)
 
     @property
+    def wire_shape(self) -> tuple[int, ...]:
+        """The padded local shard with ``shard_dim`` moved to the front: how it travels, so that the K
+        gathered pieces stack along dim 0 into ``(K * chunk, *other dims)``."""
+        shape = list(self.padded_local_shape)
+        d = self.shard_dim or 0
+        return (shape[d], *shape[:d], *shape[d + 1:])
+
+    @property
     def padded_global_shape(self) -> tuple[int, ...]:
         """Shape of the all-gathered tensor before the padding is cut off (K chunks of ``chunk``)."""
         if self.shard_dim is None:
@@ -147,42 +156,75 @@ class ShardLayout:
 
 
 @dataclass(frozen=True)
+class WirePiece:
+    """One contiguous piece a rank sends in the all-gather: ``numel`` elements of ``dtype``."""
+
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quant_dtype: torch.dtype | None = None,
+                block_size: int = 256, row_blocks: bool = False) -> tuple[WirePiece, ...]:
+    """What one rank sends for one parameter in the group's all-gather.
+
+    * plain: the padded local shard in ``wire_dtype`` (the compute dtype), ``padded_local_numel``
+      elements.
+    * quantized (``quant_dtype`` set): one code per element (1 byte) plus one fp32 scale per block.
+      Communication-only quantization tiles the flattened padded shard in blocks of ``block_size``
+      (as ZeRO++'s quantized weight all-gather); stored quantization (``row_blocks``) tiles each dim-0
+      row separately, so the scales shard with the rows and do not depend on K.
+    * replicated (``shard_dim is None``): nothing; the parameter is not all-gathered.
+    """
+    if layout.shard_dim is None:
+        return ()
+    if quant_dtype is None:
+        return (WirePiece(wire_dtype, layout.padded_local_numel),)
+    if row_blocks:
+        row = math.prod(layout.global_shape[1:])
+        scales = layout.chunk * ceil_div(row, block_size)
+    else:
+        scales = ceil_div(layout.padded_local_numel, block_size)
+    return WirePiece(quant_dtype, layout.padded_local_numel), WirePiece(torch.float32, scales)
+
+
+@dataclass(frozen=True)
 class GroupLayout:
     """The packed all-gather buffer of one ``fully_shard`` group: one collective whatever the dtypes.
 
-    Every rank sends ``slot_bytes`` bytes: each parameter's padded local shard in the dtype it is sent in
-    (its *wire dtype*), packed without gaps. Pieces are ordered by element size, largest first
-    (``slot_order``), so every offset is a multiple of its piece's element size and ``.view(dtype)`` on the
-    byte buffer is legal. Parameter ``i`` occupies ``[ag_offsets[i], ag_offsets[i] + ag_nbytes[i])`` of
-    each rank's slot; the all-gathered buffer is ``num_shards * slot_bytes`` bytes, rank-major.
+    ``pieces[i]`` are parameter i's wire pieces (see ``wire_pieces``). Every rank sends ``slot_bytes``
+    bytes: all pieces packed without gaps, ordered by element size, largest first, so every offset is a
+    multiple of its piece's element size and ``.view(dtype)`` on the byte buffer is legal.
+    ``offsets[i][j]`` is piece j of parameter i's byte offset in a rank's slot. The all-gathered buffer
+    is ``num_shards * slot_bytes`` bytes, rank-major.
     """
 
-    params: tuple[ShardLayout, ...]
-    wire_dtypes: tuple[torch.dtype, ...]
-    slot_order: tuple[int, ...] = field(init=False)
-    ag_offsets: tuple[int, ...] = field(init=False)
-    ag_nbytes: tuple[int, ...] = field(init=False)
+    pieces: tuple[tuple[WirePiece, ...], ...]
+    num_shards: int
+    offsets: tuple[tuple[int, ...], ...] = field(init=False)
+    order: tuple[tuple[int, int], ...] = field(init=False)
     slot_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if len(self.params) != len(self.wire_dtypes):
-            raise ValueError("one wire dtype per parameter")
-        if len({p.num_shards for p in self.params}) > 1:
-            raise ValueError("all parameters of a group share one shard axis")
-        nbytes = [p.padded_local_numel * d.itemsize for p, d in zip(self.params, self.wire_dtypes)]
-        order = sorted(range(len(self.params)), key=lambda i: (-self.wire_dtypes[i].itemsize, i))
-        offsets, cursor = [0] * len(self.params), 0
-        for i in order:
-            offsets[i] = cursor
-            cursor += nbytes[i]
-        object.__setattr__(self, "slot_order", tuple(order))
-        object.__setattr__(self, "ag_offsets", tuple(offsets))
-        object.__setattr__(self, "ag_nbytes", tuple(nbytes))
+        flat = [(i, j) for i, ps in enumerate(self.pieces) for j in range(len(ps))]
+        order = sorted(flat, key=lambda ij: -self.pieces[ij[0]][ij[1]].dtype.itemsize)
+        offsets = [[0] * len(ps) for ps in self.pieces]
+        cursor = 0
+        for i, j in order:
+            offsets[i][j] = cursor
+            cursor += self.pieces[i][j].nbytes
+        object.__setattr__(self, "order", tuple(order))
+        object.__setattr__(self, "offsets", tuple(tuple(o) for o in offsets))
         object.__setattr__(self, "slot_bytes", cursor)
 
-    @property
-    def num_shards(self) -> int:
-        return self.params[0].num_shards if self.params else 1
+    @classmethod
+    def plain(cls, params: Sequence[ShardLayout], wire_dtypes: Sequence[torch.dtype]) -> GroupLayout:
+        """The layout of unquantized sharded parameters sent in ``wire_dtypes``."""
+        k = params[0].num_shards if params else 1
+        return cls(tuple(wire_pieces(p, d) for p, d in zip(params, wire_dtypes)), k)
 
     @property
     def all_gather_bytes(self) -> int:

@@ -1,10 +1,13 @@
-"""One managed parameter: its sharded DTensor, its layout, and the unsharded tensor used in compute.
+"""One managed parameter: its sharded DTensor, its layout and policy, and the unsharded tensor used in
+compute.
 
 The sharded parameter (an ``nn.Parameter`` wrapping a DTensor) is what the optimizer, ``state_dict`` and
 the user see between forwards. The unsharded parameter is a plain ``nn.Parameter`` over one persistent
-padded buffer of shape ``padded_global_shape``; "freeing" it resizes that buffer's storage to 0 bytes
-and "unsharding" refills the same storage, so tensors autograd saved in forward become valid again when
-the backward all-gather has run.
+padded buffer; "freeing" it resizes that buffer's storage to 0 bytes and "unsharding" refills the same
+storage, so tensors autograd saved in forward become valid again when the backward all-gather has run.
+
+The padded buffer is laid out as the gathered pieces arrive: ``(K * chunk, *other dims)`` with the shard
+dim first; the unsharded parameter is a view of it (``narrow`` then ``movedim`` back for ``Shard(d)``).
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .layout import ShardLayout
+from . import quant
+from .layout import ShardLayout, WirePiece, wire_pieces
+from .policy import ResolvedPolicy
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -25,43 +30,87 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape) -> DTensor:
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(tuple(shape)))
+
+
 class ShardedParam:
     """A parameter managed by one group.
 
     ``slots``: every ``(module, attribute name)`` under which the parameter is registered (several for a
     parameter tied inside one group). ``fqn``: its name relative to the module given to ``fully_shard``.
-    ``layout``: the pure sharding layout. ``wire_dtype``: the dtype it is all-gathered and computed in.
+    ``policy``: its resolved per-parameter policy. ``layout``: the pure sharding layout.
     """
 
-    def __init__(self, fqn: str, slots: list[tuple[nn.Module, str]], original: nn.Parameter,
-                 mesh: DeviceMesh, placements: tuple[Placement, ...], shard_rank: int, num_shards: int,
-                 wire_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, fqn: str, slots: list[tuple[nn.Module, str]], original: nn.Parameter, mesh: DeviceMesh,
+                 shard_rank: int, num_shards: int, policy: ResolvedPolicy) -> None:
         self.fqn = fqn
         self.slots = slots
         self.mesh = mesh
-        self.placements = placements
-        self.layout = ShardLayout(tuple(original.shape), original.dtype, num_shards, 0)
+        self.policy = policy
         self.shard_rank = shard_rank
-        self.wire_dtype = wire_dtype or original.dtype
+        self.dim = policy.shard_dim  # None: replicated
+        inner = Replicate() if self.dim is None else Shard(self.dim)
+        self.placements = (inner,) if mesh.ndim == 1 else (Replicate(), inner)
+        q = policy.quant
+        self.stored_quantized = q is not None and q.store_quantized
+        stored_dtype = q.dtype if self.stored_quantized else original.dtype
+        self.layout = ShardLayout(tuple(original.shape), stored_dtype, num_shards, self.dim)
+        self.pieces: tuple[WirePiece, ...] = wire_pieces(
+            self.layout, policy.param_dtype, q.dtype if q else None, q.block_size if q else 256,
+            row_blocks=self.stored_quantized)
+        self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
+        self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)
-        self._padded: torch.Tensor | None = None  # [K * chunk, *rest], wire dtype
-        self._padded_write: torch.Tensor | None = None  # uint8 [K, slot bytes] alias used as copy target
+        self._padded: torch.Tensor | None = None  # (K * chunk, *other dims), compute dtype
+        self._padded_write: torch.Tensor | None = None  # uint8 [K, bytes] alias: the copy target
         self.unsharded: nn.Parameter | None = None
+        self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
         self._grad_hook = None
+
+    @property
+    def plain(self) -> bool:
+        """Sent as one piece in the compute dtype (no quantization, not replicated)."""
+        return self.dim is not None and self.policy.quant is None
 
     # -- construction -----------------------------------------------------------------------------------
     def _make_sharded(self, original: nn.Parameter) -> nn.Parameter:
+        meta = original.is_meta
+        device = torch.device("meta") if meta else self.mesh_device
         start, length = self.layout.extent(self.shard_rank)
-        device = torch.device("meta") if original.is_meta else self.mesh_device
         with torch.no_grad():
-            if original.is_meta:
+            if meta:
                 local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=original.dtype, device=device)
             else:
-                local = original.detach().to(device).narrow(0, start, length).clone()
-        dtensor = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                     shape=torch.Size(self.layout.global_shape),
-                                     stride=contiguous_stride(self.layout.global_shape))
-        return nn.Parameter(dtensor, requires_grad=original.requires_grad)
+                full = original.detach().to(device)
+                local = full.clone() if self.dim is None else full.narrow(self.dim, start, length).clone()
+        if self.stored_quantized:
+            q = self.policy.quant
+            rows = local.reshape(local.shape[0], -1)
+            if meta:
+                codes = torch.empty(rows.shape, dtype=q.dtype, device=device)
+                scales = torch.empty(rows.shape[0], -(-rows.shape[1] // q.block_size), device=device)
+            else:
+                codes, scales = quant.quantize_blocks(rows, q.dtype, q.block_size)
+            local = codes.view(local.shape)
+            row_blocks = -(-rows.shape[1] // q.block_size)
+            self._scales = _dtensor(scales, self.mesh, self.placements, (self.layout.global_shape[0], row_blocks))
+        dtensor = _dtensor(local, self.mesh, self.placements, self.layout.global_shape)
+        return nn.Parameter(dtensor, requires_grad=self.policy.requires_grad)
+
+    @property
+    def scales(self) -> DTensor | None:
+        """The fp32 per-row block scales of a stored-quantized parameter, registered as the buffer
+        ``<name>_qscale`` beside it (read from the module: ``to_empty`` may replace the object)."""
+        if not self.stored_quantized:
+            return None
+        module = self.slots[0][0]
+        return module._buffers.get(self.scales_name, self._scales)
+
+    def register_scales(self) -> None:
+        for module, name in self.slots:
+            module.register_buffer(f"{name}_qscale", self._scales)
 
     @property
     def mesh_device(self) -> torch.device:
@@ -75,18 +124,30 @@ class ShardedParam:
         ``load_state_dict`` may replace it)."""
         return self.sharded.to_local()
 
+    def wire_source(self) -> torch.Tensor:
+        """The local shard with the shard dim first, flattened: what a plain piece starts with."""
+        shard = self.local_shard()
+        if self.dim:
+            shard = shard.movedim(self.dim, 0)
+        return shard.reshape(-1)
+
     def _ensure_buffers(self) -> None:
         device = self.local_shard().device
         if self._padded is not None and self._padded.device == device:
             return
+        lay = self.layout
         with torch.inference_mode(False), torch.no_grad():
-            padded = torch.empty(self.layout.padded_global_shape, dtype=self.wire_dtype, device=device)
+            shape = lay.global_shape if self.dim is None else (lay.chunk * lay.num_shards, *lay.wire_shape[1:])
+            padded = torch.empty(shape, dtype=self.policy.param_dtype, device=device)
             self._padded = padded
             # ``.data`` has its own version counter: refilling the buffer must not look like an in-place
             # change of the tensors autograd saved from the unsharded parameter.
-            nbytes = self.layout.padded_local_numel * padded.element_size()
-            self._padded_write = padded.data.view(torch.uint8).view(self.layout.num_shards, nbytes)
-            view = padded.narrow(0, 0, self.layout.global_shape[0])
+            rows = lay.num_shards if self.dim is not None else 1
+            self._padded_write = padded.data.view(torch.uint8).view(rows, padded.numel() * padded.element_size()
+                                                                    // rows)
+            view = padded if self.dim is None else padded.narrow(0, 0, lay.global_shape[self.dim])
+            if self.dim:
+                view = view.movedim(0, self.dim)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
         self.free()
 
@@ -108,6 +169,44 @@ class ShardedParam:
         if self._padded is not None:
             self._padded.untyped_storage().resize_(0)
 
+    def fill_replicated(self) -> None:
+        """A replicated parameter is not gathered: copy (and cast) the local tensor into the buffer."""
+        self.alloc()
+        self._padded.data.copy_(self.local_shard())
+
+    # -- quantized pieces -------------------------------------------------------------------------------
+    def pack(self, views: list[torch.Tensor]) -> None:
+        """Write this rank's quantized pieces (codes, scales) into ``views`` (uint8 slices of the send
+        buffer, one per piece)."""
+        q = self.policy.quant
+        codes_out = views[0].view(q.dtype)
+        scales_out = views[1].view(torch.float32)
+        if self.stored_quantized:
+            codes = self.local_shard().reshape(-1)
+            scales = self.scales.to_local().reshape(-1)
+            codes_out.view(torch.uint8).zero_()
+            scales_out.zero_()
+        else:
+            flat = torch.zeros(self.layout.padded_local_numel, dtype=torch.float32, device=views[0].device)
+            src = self.wire_source()
+            flat[:src.numel()] = src
+            codes, scales = quant.quantize_blocks(flat.view(1, -1), q.dtype, q.block_size)
+            codes, scales = codes.view(-1), scales.view(-1)
+        codes_out[:codes.numel()].copy_(codes)
+        scales_out[:scales.numel()].copy_(scales)
+
+    def unpack(self, gathered: list[torch.Tensor]) -> None:
+        """Dequantize the gathered pieces (uint8 ``[K, piece bytes]`` each) into the padded buffer."""
+        q = self.policy.quant
+        k = self.layout.num_shards
+        target = self.alloc().view(self._padded.dtype)  # [K, padded_local_numel]
+        codes = gathered[0].view(q.dtype)
+        scales = gathered[1].view(torch.float32)
+        if self.stored_quantized:
+            rows = k * self.layout.chunk
+            codes, scales, target = codes.reshape(rows, -1), scales.reshape(rows, -1), target.reshape(rows, -1)
+        quant.dequantize_blocks(codes, scales, q.block_size, out=target)
+
     # -- registration -----------------------------------------------------------------------------------
     def register(self, tensor: nn.Parameter) -> None:
         for module, name in self.slots:
@@ -126,14 +225,34 @@ class ShardedParam:
             self._grad_hook = self.unsharded.register_post_accumulate_grad_hook(fn)
 
     # -- gradients --------------------------------------------------------------------------------------
+    def take_unsharded_grad(self, keep: bool) -> torch.Tensor | None:
+        """Move the unsharded gradient into the reduce dtype, summed with what earlier micro-batches left.
+
+        ``keep``: hold it for the next micro-batch (gradient sync off) and return ``None``; otherwise
+        return it (shard dim first, for packing) and hold nothing.
+        """
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is not None:
+            self.unsharded.grad = None
+            grad = grad.to(self.policy.reduce_dtype)
+        if self.grad_acc is not None:
+            grad = self.grad_acc if grad is None else self.grad_acc.add_(grad)
+            self.grad_acc = None
+        if keep:
+            self.grad_acc = grad
+            return None
+        if grad is not None and self.dim:
+            grad = grad.movedim(self.dim, 0)
+        return grad
+
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Add this rank's reduced gradient (``local_shape(rank)``) into the sharded ``.grad``."""
+        """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""
+        if self.dim:
+            local_grad = local_grad.movedim(0, self.dim).contiguous()
         if local_grad.dtype != self.sharded.dtype:
             local_grad = local_grad.to(self.sharded.dtype)
         grad = self.sharded.grad
         if grad is None:
-            self.sharded.grad = DTensor.from_local(
-                local_grad, self.mesh, self.placements, run_check=False,
-                shape=self.sharded.shape, stride=self.sharded.stride())
+            self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.layout.global_shape)
         else:
             grad.to_local().add_(local_grad)

@@ -6,10 +6,12 @@ overrides them for single parameters; ``None`` in any field inherits the call's 
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,104 @@ class ParamPolicy:
     requires_grad: bool | None = None
     quant: QuantPolicy | None = None
     placement: Placement | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedPolicy:
+    """One parameter's effective policy after inheritance (what the runtime uses).
+
+    ``param_dtype``: compute dtype of the unsharded parameter. ``reduce_dtype``: gradient reduction dtype.
+    ``shard_dim``: the sharded tensor dim, ``None`` for a replicated parameter.
+    """
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    requires_grad: bool
+    quant: QuantPolicy | None
+    shard_dim: int | None
+
+
+def _pick(name: str, param, param_policy) -> ParamPolicy | None:
+    if param_policy is None or isinstance(param_policy, ParamPolicy):
+        return param_policy
+    if callable(param_policy) and not isinstance(param_policy, Mapping):
+        return param_policy(name, param)
+    for pattern, policy in param_policy.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return policy
+    return None
+
+
+def check_patterns(names: list[str], param_policy) -> None:
+    """Raise ``PolicyError`` for a pattern of a mapping ``param_policy`` that matches no parameter."""
+    if not isinstance(param_policy, Mapping):
+        return
+    for pattern in param_policy:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise PolicyError(f"param_policy pattern '{pattern}' matches no parameter of this fully_shard call "
+                              f"(names are relative to the module given, e.g. {names[:3]}); fix the pattern")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot apply to a parameter; the message names the parameter and the fix."""
+
+
+def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
+    if dtype is not None and not dtype.is_floating_point:
+        raise PolicyError(f"{what} must be a floating-point dtype, got {dtype}")
+
+
+def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int) -> ResolvedPolicy:
+    """Combine the call's ``MixedPrecisionPolicy`` with ``param``'s ``ParamPolicy`` override.
+
+    Raises ``PolicyError`` naming ``name`` for a policy that cannot apply.
+    """
+    pp = _pick(name, param, param_policy) or ParamPolicy()
+    if not isinstance(pp, ParamPolicy):
+        raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+    _float_dtype(pp.param_dtype, f"param_dtype of '{name}'")
+    _float_dtype(pp.reduce_dtype, f"reduce_dtype of '{name}'")
+    is_float = param.dtype.is_floating_point
+    if pp.param_dtype is not None and not is_float:
+        raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; param_dtype {pp.param_dtype} applies to "
+                          "floating-point parameters only: drop it for this parameter")
+    param_dtype = pp.param_dtype or (mp.param_dtype if is_float else None) or param.dtype
+    reduce_dtype = pp.reduce_dtype or (mp.reduce_dtype if is_float else None) or param_dtype
+    requires_grad = param.requires_grad if pp.requires_grad is None else pp.requires_grad
+    if requires_grad and not is_float:
+        raise PolicyError(f"parameter '{name}' has dtype {param.dtype} and cannot require grad; "
+                          "set ParamPolicy(requires_grad=False)")
+    shard_dim: int | None = 0
+    if pp.placement is not None:
+        if isinstance(pp.placement, Replicate):
+            shard_dim = None
+        elif isinstance(pp.placement, Shard):
+            shard_dim = pp.placement.dim
+            if not -ndim <= shard_dim < ndim:
+                raise PolicyError(f"placement Shard({shard_dim}) is out of range for parameter '{name}' with "
+                                  f"{ndim} dims; use a dim in [0, {ndim - 1}]")
+            shard_dim %= ndim
+        else:
+            raise PolicyError(f"placement {pp.placement} for '{name}' is not supported; use Shard(d) or "
+                              "Replicate()")
+    quant = pp.quant
+    if quant is not None:
+        if quant.dtype not in (torch.int8, torch.float8_e4m3fn):
+            raise PolicyError(f"QuantPolicy dtype for '{name}' must be torch.int8 or torch.float8_e4m3fn, "
+                              f"got {quant.dtype}")
+        if quant.block_size < 1:
+            raise PolicyError(f"QuantPolicy block_size for '{name}' must be >= 1, got {quant.block_size}")
+        if not is_float:
+            raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; only floating-point parameters "
+                              "can be quantized: drop quant for it")
+        if shard_dim is None:
+            raise PolicyError(f"parameter '{name}' is replicated, so it is never all-gathered: quantization "
+                              "has no effect; drop quant or shard it")
+        if quant.store_quantized and requires_grad:
+            raise PolicyError(f"parameter '{name}' is trainable but store_quantized=True keeps only its "
+                              "quantized codes; freeze it (ParamPolicy(requires_grad=False)) or use "
+                              "store_quantized=False (communication-only quantization)")
+        if quant.store_quantized and (shard_dim != 0 or ndim < 2):
+            raise PolicyError(f"store_quantized needs a parameter of 2+ dims sharded on dim 0 (scales are "
+                              f"kept per row); '{name}' has {ndim} dims and Shard({shard_dim})")
+    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, shard_dim)

@@ -68,23 +68,25 @@ def test_padding_is_minimal(lay):
 def test_packed_all_gather_buffer_round_trips_any_mix_of_dtypes(case):
     k, params = case
     lays = tuple(ShardLayout(s, d, k) for s, d in params)
-    group = GroupLayout(lays, tuple(d for _, d in params))
+    group = GroupLayout.plain(lays, tuple(d for _, d in params))
+    offsets = [o[0] for o in group.offsets]
+    sizes = [ps[0].nbytes for ps in group.pieces]
     fulls = [(torch.randint(0, 100, s) if not d.is_floating_point else torch.randn(s)).to(d) for s, d in params]
     # every rank packs its padded local shards into its slot
     gathered = torch.zeros(k, group.slot_bytes, dtype=torch.uint8)
     for rank in range(k):
-        for lay, full, off, nbytes in zip(lays, fulls, group.ag_offsets, group.ag_nbytes):
+        for lay, full, off, nbytes in zip(lays, fulls, offsets, sizes):
             assert off % lay.itemsize == 0  # aligned for .view(dtype)
             start, length = lay.extent(rank)
             padded = torch.zeros(lay.padded_local_shape, dtype=lay.dtype)
             padded.narrow(0, 0, length).copy_(full.narrow(0, start, length))
             gathered[rank, off:off + nbytes] = padded.reshape(-1).view(torch.uint8)
     # and every parameter unpacks exactly
-    for lay, full, off, nbytes in zip(lays, fulls, group.ag_offsets, group.ag_nbytes):
+    for lay, full, off, nbytes in zip(lays, fulls, offsets, sizes):
         mine = gathered[:, off:off + nbytes].reshape(-1).view(lay.dtype).view(lay.padded_global_shape)
         assert torch.equal(mine.narrow(0, 0, lay.global_shape[0]), full)
     # no gaps: the slot is exactly the sum of the pieces
-    assert group.slot_bytes == sum(group.ag_nbytes)
+    assert group.slot_bytes == sum(sizes)
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,0 +1,93 @@
+"""Property tests of block quantization and of packing mixed wire pieces into one all-gather buffer."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perparam.layout import GroupLayout, WirePiece
+from perparam.quant import dequantize_blocks, quantize_blocks
+
+
+@st.composite
+def blocks_case(draw):
+    rows = draw(st.integers(0, 4))
+    n = draw(st.integers(0, 70))
+    block = draw(st.integers(1, 40))
+    scale = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    seed = draw(st.integers(0, 2**16))
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * scale
+    if rows and n and draw(st.booleans()):
+        x[:, : min(n, block)] = 0.0  # an all-zero block
+    return x, block
+
+
+def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    rows, n = x.shape
+    nb = -(-n // block)
+    padded = torch.zeros(rows, nb * block)
+    padded[:, :n] = x.abs()
+    return padded.view(rows, nb, block).amax(2).repeat_interleave(block, 1)[:, :n]
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks_case())
+def test_int8_round_trip_error_is_at_most_amax_over_254(case):
+    x, block = case
+    codes, scales = quantize_blocks(x, torch.int8, block)
+    assert codes.dtype == torch.int8 and codes.shape == x.shape
+    assert scales.shape == (x.shape[0], -(-x.shape[1] // block))
+    out = dequantize_blocks(codes, scales, block, out=torch.empty_like(x))
+    bound = _block_amax(x, block) / 254
+    assert torch.all((out - x).abs() <= bound * (1 + 1e-5) + 1e-30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks_case())
+def test_fp8_round_trip_stays_within_its_relative_bound(case):
+    x, block = case
+    codes, scales = quantize_blocks(x, torch.float8_e4m3fn, block)
+    out = dequantize_blocks(codes, scales, block, out=torch.empty_like(x))
+    scale = _block_amax(x, block) / 448
+    # 3 mantissa bits: half an ulp is 2**-4 of |x| for normal codes, 2**-10 * scale below 2**-6
+    bound = x.abs() * 2**-4 + scale * 2**-10
+    assert torch.all((out - x).abs() <= bound * (1 + 1e-5) + 1e-30)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 9))
+def test_an_empty_block_has_scale_zero(rows, block):
+    codes, scales = quantize_blocks(torch.zeros(rows, 3 * block), torch.int8, block)
+    assert torch.all(scales == 0) and torch.all(codes == 0)
+
+
+PIECE_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
+                torch.float8_e4m3fn]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.lists(st.lists(st.tuples(st.sampled_from(PIECE_DTYPES), st.integers(0, 20)),
+                                            min_size=0, max_size=3), min_size=0, max_size=6), st.integers(0, 99))
+def test_packing_any_mix_of_pieces_into_one_buffer_round_trips_exactly(k, spec, seed):
+    pieces = tuple(tuple(WirePiece(d, n) for d, n in param) for param in spec)
+    layout = GroupLayout(pieces, k)
+    g = torch.Generator().manual_seed(seed)
+    data = [[[torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=g) for p in ps] for ps in pieces]
+            for _ in range(k)]
+    gathered = torch.zeros(k, layout.slot_bytes, dtype=torch.uint8)
+    covered = torch.zeros(layout.slot_bytes, dtype=torch.int32)
+    for (i, j) in layout.order:
+        off, piece = layout.offsets[i][j], pieces[i][j]
+        assert off % piece.dtype.itemsize == 0
+        covered[off:off + piece.nbytes] += 1
+        for rank in range(k):
+            gathered[rank, off:off + piece.nbytes] = data[rank][i][j]
+    assert torch.all(covered == 1)  # no gaps, no overlaps
+    out = gathered.reshape(-1).view(k, layout.slot_bytes)
+    for rank in range(k):
+        for i, ps in enumerate(pieces):
+            for j, piece in enumerate(ps):
+                raw = out[rank, layout.offsets[i][j]:layout.offsets[i][j] + piece.nbytes]
+                assert torch.equal(raw, data[rank][i][j])
+                assert raw.clone().view(piece.dtype).numel() == piece.numel  # copied out, as the runtime does
