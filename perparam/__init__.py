@@ -5,6 +5,7 @@ backward hooks all-gather one group's parameters in one collective and reduce-sc
 """
 
 from .api import ShardingError, fully_shard
+from .clip import clip_grad_norm_
 from .collectives import CommCounter
 from .module import ShardedModule
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
@@ -16,6 +17,7 @@ __all__ = [
     "QuantPolicy",
     "ShardedModule",
     "ShardingError",
+    "clip_grad_norm_",
     "fully_shard",
 ]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch.distributed as dist
@@ -15,10 +16,15 @@ from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, check_patterns, resolve
+from .tp import CompositionError, compose
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
 #: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.
 _TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: every live group, to recognise a parameter that an earlier call already sharded (a weak set of groups:
+#: a weakref on the parameter itself would block ``to_empty``'s ``swap_tensors``).
+_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
 ParamPolicyArg = ParamPolicy | Mapping[str, ParamPolicy] | Callable[[str, nn.Parameter], ParamPolicy | None]
 
@@ -81,7 +87,16 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         raise ShardingError(str(e)) from None
     sharded_params = []
     for (fqn, original, slots), policy in zip(found, policies):
-        sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy)
+        tp = None
+        if isinstance(original.data, DTensor):
+            try:
+                tp = compose(fqn, original.data, mesh, policy.shard_dim)
+            except CompositionError as e:
+                raise ShardingError(str(e)) from None
+            if policy.quant is not None and policy.quant.store_quantized:
+                raise ShardingError(f"parameter '{fqn}' is tensor-parallel; store_quantized is not supported "
+                                    "for tensor-parallel parameters: quantize its communication only")
+        sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy, tp)
         sp.register_sharded()
         if sp.stored_quantized:
             sp.register_scales()
@@ -89,6 +104,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         sharded_params.append(sp)
 
     group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
+    _GROUPS.add(group)
     for m in modules:
         attach(m, group)
         m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),
@@ -142,11 +158,10 @@ def _collect(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter, list[tup
 
 
 def _check_param(fqn: str, p: nn.Parameter, owner: str) -> None:
-    if isinstance(p.data, DTensor):
+    if any(g.manages(p) for g in _GROUPS):
         raise ShardingError(
-            f"parameter '{fqn}' of {owner} is already a DTensor: either an earlier fully_shard call on a "
-            "parent module already sharded it (apply fully_shard bottom-up: submodules first, then their "
-            "parent), or it is tensor-parallel, which this version of fully_shard does not compose with")
+            f"parameter '{fqn}' of {owner} is already sharded by an earlier fully_shard call on a parent "
+            "module; apply fully_shard bottom-up: submodules first, then their parent")
     taken = _TAKEN.get(p)
     if taken is not None:
         other, other_fqn = taken

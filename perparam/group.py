@@ -52,6 +52,9 @@ class ParamGroup:
         self.grads_arrived: set[int] = set()
         self.callback_queued = False
 
+    def manages(self, tensor: torch.Tensor) -> bool:
+        return any(tensor is p.sharded for p in self.params)
+
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.modules)
         return f"ParamGroup({names}: {len(self.params)} params)"
@@ -168,7 +171,7 @@ class ParamGroup:
                 collectives.all_reduce_sum(flat, self.replicate_pg)
             flat.div_(world)
             for p, piece in zip(params, flat.split([g.numel() for g in grads])):
-                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))
+                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:

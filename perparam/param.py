@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import quant
 from .layout import ShardLayout, WirePiece, wire_pieces
 from .policy import ResolvedPolicy
+from .tp import TensorParallel
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -44,19 +45,26 @@ class ShardedParam:
     """
 
     def __init__(self, fqn: str, slots: list[tuple[nn.Module, str]], original: nn.Parameter, mesh: DeviceMesh,
-                 shard_rank: int, num_shards: int, policy: ResolvedPolicy) -> None:
+                 shard_rank: int, num_shards: int, policy: ResolvedPolicy,
+                 tp: TensorParallel | None = None) -> None:
         self.fqn = fqn
         self.slots = slots
-        self.mesh = mesh
+        self.dp_mesh = mesh
         self.policy = policy
         self.shard_rank = shard_rank
         self.dim = policy.shard_dim  # None: replicated
-        inner = Replicate() if self.dim is None else Shard(self.dim)
-        self.placements = (inner,) if mesh.ndim == 1 else (Replicate(), inner)
+        self.tp = tp
+        self.global_shape = tuple(original.shape)
+        inner = Replicate() if self.dim is None else (tp.dp_placement if tp else Shard(self.dim))
+        dp_placements = (inner,) if mesh.ndim == 1 else (Replicate(), inner)
+        self.mesh = tp.mesh if tp else mesh  # the sharded parameter's mesh: (dp..., tp...) under TP
+        self.placements = (*dp_placements, *tp.tp_placements) if tp else dp_placements
+        # what the dp axis splits: the whole parameter, or under TP this rank's tp-local tensor
+        dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
         stored_dtype = q.dtype if self.stored_quantized else original.dtype
-        self.layout = ShardLayout(tuple(original.shape), stored_dtype, num_shards, self.dim)
+        self.layout = ShardLayout(dp_shape, stored_dtype, num_shards, self.dim)
         self.pieces: tuple[WirePiece, ...] = wire_pieces(
             self.layout, policy.param_dtype, q.dtype if q else None, q.block_size if q else 256,
             row_blocks=self.stored_quantized)
@@ -83,7 +91,7 @@ class ShardedParam:
             if meta:
                 local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=original.dtype, device=device)
             else:
-                full = original.detach().to(device)
+                full = (original.to_local() if self.tp else original).detach().to(device)
                 local = full.clone() if self.dim is None else full.narrow(self.dim, start, length).clone()
         if self.stored_quantized:
             q = self.policy.quant
@@ -96,7 +104,7 @@ class ShardedParam:
             local = codes.view(local.shape)
             row_blocks = -(-rows.shape[1] // q.block_size)
             self._scales = _dtensor(scales, self.mesh, self.placements, (self.layout.global_shape[0], row_blocks))
-        dtensor = _dtensor(local, self.mesh, self.placements, self.layout.global_shape)
+        dtensor = _dtensor(local, self.mesh, self.placements, self.global_shape)
         return nn.Parameter(dtensor, requires_grad=self.policy.requires_grad)
 
     @property
@@ -114,9 +122,10 @@ class ShardedParam:
 
     @property
     def mesh_device(self) -> torch.device:
-        if self.mesh.device_type == "cpu":
+        kind = self.dp_mesh.device_type
+        if kind == "cpu":
             return torch.device("cpu")
-        return torch.device(self.mesh.device_type, torch.get_device_module(self.mesh.device_type).current_device())
+        return torch.device(kind, torch.get_device_module(kind).current_device())
 
     # -- views ------------------------------------------------------------------------------------------
     def local_shard(self) -> torch.Tensor:
@@ -148,6 +157,8 @@ class ShardedParam:
             view = padded if self.dim is None else padded.narrow(0, 0, lay.global_shape[self.dim])
             if self.dim:
                 view = view.movedim(0, self.dim)
+            if self.tp:  # the module computes with DTensors on the tp mesh
+                view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
         self.free()
 
@@ -234,6 +245,10 @@ class ShardedParam:
         grad = self.unsharded.grad if self.unsharded is not None else None
         if grad is not None:
             self.unsharded.grad = None
+            if isinstance(grad, DTensor):  # tp: e.g. Partial -> the parameter's own tp placements
+                if tuple(grad.placements) != self.tp.tp_placements:
+                    grad = grad.redistribute(self.tp.tp_mesh, self.tp.tp_placements)
+                grad = grad.to_local()
             grad = grad.to(self.policy.reduce_dtype)
         if self.grad_acc is not None:
             grad = self.grad_acc if grad is None else self.grad_acc.add_(grad)
@@ -253,6 +268,6 @@ class ShardedParam:
             local_grad = local_grad.to(self.sharded.dtype)
         grad = self.sharded.grad
         if grad is None:
-            self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.layout.global_shape)
+            self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.global_shape)
         else:
             grad.to_local().add_(local_grad)

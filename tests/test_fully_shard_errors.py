@@ -83,7 +83,7 @@ CASES = {
     "zero_dim": ["'scale'", "0-dim", "shape [1]"],
     "tied_across_calls": ["'head.weight'", "'weight'", "Embedding", "fully_shard([module_a, module_b])"],
     "twice": ["already applied", "Linear"],
-    "parent_first": ["'weight'", "already a DTensor", "bottom-up"],
+    "parent_first": ["'weight'", "already sharded", "bottom-up"],
     "mesh_3d": ["3D mesh", "2D mesh"],
     "not_a_mesh": ["DeviceMesh", "str"],
     "int_requires_grad": ["'codes'", "torch.uint8", "requires_grad=False"],

