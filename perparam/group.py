@@ -50,6 +50,7 @@ class ParamGroup:
         self.in_backward = False
         self.post_backward_done = False
         self.grads_arrived: set[int] = set()
+        self.num_trainable = 0
         self.callback_queued = False
 
     def manages(self, tensor: torch.Tensor) -> bool:

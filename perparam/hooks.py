@@ -105,6 +105,7 @@ def _pre_backward(group: ParamGroup) -> None:
     group.in_backward = True
     group.post_backward_done = False
     group.grads_arrived.clear()
+    group.num_trainable = len(group.trainable())
     group.unshard()
 
 
@@ -112,7 +113,7 @@ def _on_grad_ready(group: ParamGroup, param) -> None:
     if not group.in_backward or group.post_backward_done:
         return
     group.grads_arrived.add(id(param))
-    if len(group.grads_arrived) == len(group.trainable()):
+    if len(group.grads_arrived) == group.num_trainable:
         _post_backward(group)
 
 

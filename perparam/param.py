@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import quant
 from .layout import ShardLayout, WirePiece, wire_pieces
@@ -31,9 +32,16 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape) -> DTensor:
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(tuple(shape)))
+def _spec(mesh: DeviceMesh, placements, shape, dtype: torch.dtype) -> DTensorSpec:
+    shape = tuple(shape)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape),
+                                                                       dtype))
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape, spec: DTensorSpec | None = None) -> DTensor:
+    """A DTensor over ``local`` without copying or communicating (``DTensor.from_local`` with
+    ``run_check=False``, minus its per-call argument handling: this runs once per parameter per step)."""
+    return DTensor(local, spec or _spec(mesh, placements, shape, local.dtype), requires_grad=False)
 
 
 class ShardedParam:
@@ -76,6 +84,7 @@ class ShardedParam:
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
         self._grad_hook = None
+        self._grad_spec: DTensorSpec | None = None
 
     @property
     def plain(self) -> bool:
@@ -131,7 +140,7 @@ class ShardedParam:
     def local_shard(self) -> torch.Tensor:
         """This rank's shard, ``local_shape(rank)``, as stored (re-read every time: ``to_empty`` and
         ``load_state_dict`` may replace it)."""
-        return self.sharded.to_local()
+        return self.sharded._local_tensor
 
     def wire_source(self) -> torch.Tensor:
         """The local shard with the shard dim first, flattened: what a plain piece starts with."""
@@ -268,6 +277,8 @@ class ShardedParam:
             local_grad = local_grad.to(self.sharded.dtype)
         grad = self.sharded.grad
         if grad is None:
-            self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.global_shape)
+            if self._grad_spec is None:
+                self._grad_spec = _spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+            self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.global_shape, self._grad_spec)
         else:
-            grad.to_local().add_(local_grad)
+            grad._local_tensor.add_(local_grad)

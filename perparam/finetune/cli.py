@@ -57,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-tokens", type=int, default=d["eval_tokens"],
                         help="held-out tokens evaluated before and after training "
                         f"(default {d['eval_tokens']})")
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the "
+                        "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
+                        "fp32, gradients are reduced in fp32 (default fp32)")
+    parser.add_argument("--quant", choices=("none", "int8", "fp8"), default="none", help="quantize the "
+                        "all-gather of the decoder layers' Linear weights (communication only; default none)")
+    parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of the sharded model "
+                        "(R); each replica shards over nproc / (R * tp) ranks (default 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each data-parallel "
+                        "group: attention heads and MLP width are split over them (default 1)")
     # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
@@ -73,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def check_sizes(args: argparse.Namespace, world: int, max_seq_len: int | None = None) -> None:
-    """One-line errors for sizes that cannot work, before anything heavy runs."""
+def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
+    """One-line errors for sizes that cannot work, before anything heavy runs (``cfg``: the model's
+    :class:`~perparam.finetune.model.LlamaConfig`, once known)."""
     if world < 1:
         raise FinetuneInputError(f"--nproc {world} must be at least 1")
     for flag, value in (("--steps", args.steps), ("--eval-tokens", args.eval_tokens)):
@@ -82,12 +92,28 @@ def check_sizes(args: argparse.Namespace, world: int, max_seq_len: int | None = 
             raise FinetuneInputError(f"{flag} {value} must be 0 or more")
     if args.seq_len < 1:
         raise FinetuneInputError(f"--seq-len {args.seq_len} must be at least 1")
-    if max_seq_len is not None and args.seq_len > max_seq_len:
-        raise FinetuneInputError(f"--seq-len {args.seq_len} is above the model's context of {max_seq_len} "
-                                 f"tokens: pass --seq-len {max_seq_len} or less")
-    if args.batch_size < world or args.batch_size % world:
-        raise FinetuneInputError(f"--batch-size {args.batch_size} cannot be split evenly over {world} ranks: "
-                                 f"pass a multiple of {world} (or use fewer processes)")
+    replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
+    for flag, value in (("--dp-replicate", replicate), ("--tp", tp)):
+        if value < 1:
+            raise FinetuneInputError(f"{flag} {value} must be at least 1")
+    if world % (replicate * tp):
+        raise FinetuneInputError(f"--nproc {world} cannot be laid out as --dp-replicate {replicate} x shard "
+                                 f"ranks x --tp {tp}: pass a --nproc that is a multiple of {replicate * tp}")
+    dp = world // tp  # data-parallel ranks: the global batch is split over these
+    if cfg is not None and args.seq_len > cfg.max_seq_len:
+        raise FinetuneInputError(f"--seq-len {args.seq_len} is above the model's context of {cfg.max_seq_len} "
+                                 f"tokens: pass --seq-len {cfg.max_seq_len} or less")
+    if cfg is not None and tp > 1:
+        for what, size in (("query heads", cfg.n_heads), ("key/value heads", cfg.n_kv_heads),
+                           ("MLP width", cfg.ffn_dim)):
+            if size % tp:
+                raise FinetuneInputError(f"--tp {tp} does not divide the model's {size} {what}: pass a --tp "
+                                         f"that divides {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads "
+                                         f"and an MLP width of {cfg.ffn_dim}")
+    if args.batch_size < dp or args.batch_size % dp:
+        where = f"{dp} data-parallel ranks (--nproc {world} / --tp {tp})" if tp > 1 else f"{dp} ranks"
+        raise FinetuneInputError(f"--batch-size {args.batch_size} cannot be split evenly over {where}: "
+                                 f"pass a multiple of {dp} (or use fewer processes)")
     if not args.lr > 0:
         raise FinetuneInputError(f"--lr {args.lr} must be positive")
 
@@ -111,7 +137,7 @@ def resolve(args: argparse.Namespace, world: int):
         cfg = read_config(reader, path)
         tokenizer = GGUFTokenizer.from_reader(reader, str(path))
         args.gguf_path = str(path)
-    check_sizes(args, world, cfg.max_seq_len)
+    check_sizes(args, world, cfg)
     if args.text is not None:
         docs, held, source = text_documents(args.text), (), args.text
     else:
@@ -132,7 +158,8 @@ def run_worker(args: argparse.Namespace) -> int:
         args.gguf_path = args.gguf
     else:  # plain torchrun: every rank prepares the same rows itself
         data = resolve(args, world)
-    if data.heldout.shape[0] % world or data.train.shape[0] < world or args.batch_size % world:
+    check_sizes(args, world)
+    if data.heldout.shape[0] % world or data.train.shape[0] < world:
         raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
     try:
         train(args, data)
@@ -151,7 +178,8 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
     argv = ["-m", "perparam.finetune", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--assets", str(args.assets),
             "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
-            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout)]
+            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--param-dtype", args.param_dtype,
+            "--quant", args.quant, "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
     if args.gguf_path:
         argv += ["--gguf", args.gguf_path]
     if args.summary_json:

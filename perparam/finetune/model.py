@@ -3,6 +3,11 @@
 Shapes use ``batch`` (B), ``seq`` (T), ``dim`` (D, the model width), ``heads`` (H query heads), ``kv_heads``
 (G key/value heads shared by ``H / G`` query heads each) and ``head_dim`` (``D / H``).
 
+Tensor parallelism is applied from outside (``parallelize_module`` on the projections): attention reads the
+number of heads from the q/k/v projections' outputs (``view(b, t, -1, head_dim)``), so a projection that
+holds only this rank's heads works unchanged. In low-precision compute (bf16 parameters), RMSNorm
+normalises in fp32 and :func:`next_token_loss` takes the cross-entropy in fp32.
+
 Parameters only (no buffers): the rotary angles are recomputed in every forward from the sequence length,
 so a model built on the meta device works after ``model.to_empty(device=...)`` plus ``reset_parameters()``
 (or ``load_state_dict(..., assign=True)``), and sharding the parameters leaves nothing replicated behind.
@@ -85,7 +90,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return (normed * self.weight.float()).to(x.dtype)  # the scale in fp32 too (bf16 compute)
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
@@ -122,15 +127,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[batch, seq, dim]`` -> ``[batch, seq, dim]``."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [b, heads, seq, hd]
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, kv, seq, hd]
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, kv, seq, hd]
+        # -1 heads: the projections may hold only some of the heads (a tensor-parallel split of their rows)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, heads, seq, hd]
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, kv, seq, hd]
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, kv, seq, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        group = self.n_heads // self.n_kv_heads
+        group = q.shape[1] // k.shape[1]  # query heads per kv head, from the heads actually here
         k = k.repeat_interleave(group, dim=1)  # [b, heads, seq, hd]: query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)  # [b, heads, seq, hd]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, seq, hd]
-        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # [b, seq, heads * hd]
+        out = out.transpose(1, 2).reshape(b, t, -1)  # [b, seq, heads * hd]
         return self.o_proj(out)
 
 

@@ -2,15 +2,22 @@
 
 Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Steps: process group (gloo on CPU, NCCL on CUDA,
-with a timeout so a rank blocked on a dead peer fails instead of hanging), a 1D mesh over all ranks, the
-model (GGUF weights, or a random ``tiny`` one), ``fully_shard`` per decoder layer then on the root, AdamW,
-held-out loss before and after training (averaged over all held-out tokens of all ranks), a progress bar
-on rank 0, and at the end a table of per-rank model-state bytes and the ``--summary-json`` file.
+with a timeout so a rank blocked on a dead peer fails instead of hanging), one named mesh
+``(dp_replicate, dp_shard, tp)`` over all ranks (:mod:`mesh`), the model (GGUF weights, or a random
+``tiny`` one), tensor parallelism inside each decoder layer when ``--tp`` > 1, ``fully_shard`` per decoder
+layer then on the root over the data-parallel mesh (1D, or 2D for HSDP), AdamW, held-out loss before and
+after training (averaged over all held-out tokens of all ranks), a progress bar on rank 0, and at the end
+a table of per-rank model-state bytes and the ``--summary-json`` file.
+
+Layout: rank ``r`` of the world mesh has tp coordinate ``r % T`` and data-parallel rank ``r // T`` (of
+``R * S``). The global batch and the held-out rows are split over the data-parallel ranks only; the ``T``
+ranks of one tensor-parallel group read the same rows.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -19,36 +26,84 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from perparam.finetune.data import BatchStream, PreparedData, rank_slice
+from perparam.finetune.errors import FinetuneInputError
 from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
 
+#: ``--param-dtype``: the dtype of the all-gathered parameters used in forward and backward (stored
+#: shards, gradients and optimizer state stay fp32; gradients are reduced in fp32).
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: ``--quant``: the dtype of the decoder layers' Linear weights on the all-gather wire (communication
+#: only: the stored shards, the compute and the gradients are unchanged).
+QUANT_DTYPES = {"none": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+#: The Linear weights of one decoder layer, named relative to the layer (the module of one
+#: ``fully_shard`` call): ``attn.{q,k,v,o}_proj.weight`` and ``mlp.{gate,up,down}_proj.weight``. Used only
+#: on the layers' calls (the root's call holds the embedding and final norm, which it would not match).
+LAYER_LINEAR_WEIGHTS = "*_proj.weight"
+#: Tensor-parallel plan of one decoder layer: q/k/v and gate/up split their output features (heads,
+#: MLP width) over the tp axis, o/down their input features; each layer's output is whole again.
+TP_COLWISE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+TP_ROWWISE = ("attn.o_proj", "mlp.down_proj")
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
+def build_meshes(world: int, dp_replicate: int, tp: int, device_type: str):
+    """The world mesh ``(dp_replicate, dp_shard, tp)`` and its sub-meshes (``mesh.Meshes``); collective.
 
-def model_state_bytes(model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer state, counted from the live tensors.
-
-    DTensors count their local shard (``to_local()``); everything else counts whole. Returns
-    ``{"params": P, "grads": G, "optimizer": O}`` in bytes (``numel * element_size`` summed).
+    ``dp_shard`` takes the rest of the world. Raises :class:`FinetuneInputError` for sizes that do not
+    multiply to ``world``.
     """
-    def nbytes(t: torch.Tensor) -> int:
-        t = _local(t)
-        return t.numel() * t.element_size()
+    import mesh
 
-    params = list(model.parameters())
-    counts = {"params": sum(nbytes(p) for p in params),
-              "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-              "optimizer": 0}
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            counts["optimizer"] += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return counts
+    try:
+        dims = mesh.ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, world_size=world)
+    except mesh.MeshError as exc:
+        raise FinetuneInputError(f"--dp-replicate {dp_replicate} and --tp {tp} do not fit {world} ranks "
+                                 f"({exc})") from None
+    return dims.build(device_type)
+
+
+def tp_plan() -> dict:
+    """``parallelize_module``'s plan for one :class:`~perparam.finetune.model.DecoderLayer`."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {**{name: ColwiseParallel() for name in TP_COLWISE}, **{name: RowwiseParallel() for name in TP_ROWWISE}}
+
+
+def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
+                quant: torch.dtype | None = None) -> Llama:
+    """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
+    ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
+
+    ``param_dtype`` other than fp32: ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`` on every
+    call. ``quant``: int8/fp8 all-gather of the layers' Linear weights (:data:`LAYER_LINEAR_WEIGHTS`).
+    """
+    from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
+
+    mp = None
+    if param_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layer_policy = {LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else None
+    tp = meshes.tp_mesh.size()
+    for layer in model.layers:
+        if tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(layer, meshes.tp_mesh, tp_plan())
+        fully_shard(layer, mesh=meshes.dp_mesh, mp_policy=mp, param_policy=layer_policy)
+    fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp)
+    return model
+
+
+def shard_factor(p: torch.Tensor) -> int:
+    """Into how many pieces the ranks split ``p``: the product of its mesh axes that shard it (1 for a
+    plain tensor; replicated axes, e.g. HSDP's, do not count)."""
+    if not isinstance(p, DTensor):
+        return 1
+    return math.prod(p.device_mesh.size(axis) for axis, pl in enumerate(p.placements)
+                     if pl.is_shard() or isinstance(pl, _StridedShard))
 
 
 def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
@@ -135,51 +190,87 @@ class Progress:
             self.bar.stop()
 
 
-def print_memory_table(per_rank: list[dict[str, int]], params_total: int, world: int) -> dict[str, int]:
-    """Rank 0: the rich table of live per-rank bytes against unsharded and ZeRO-3 ``(P+G+O)/K``.
+def ideal_state_bytes(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, float]]:
+    """``(unsharded, zero3)`` model-state bytes of ``model`` (sharded already) with AdamW.
 
-    Returns the unsharded figures ``{"params", "grads", "optimizer"}`` (fp32 AdamW: 4, 4 and 8 bytes/param).
+    ``unsharded``: one rank holding everything, in the stored dtype: ``P``, ``G`` (the stored dtype) and
+    ``O`` (AdamW's two moments, ``2P``). ``zero3``: each parameter's share ``(P+G+O) / k`` where ``k`` is
+    the number of ranks that split it (:func:`shard_factor`: the dp shard axis, times the tp axis for
+    tensor-parallel weights; HSDP's replicate axis keeps whole copies). No padding, no step counters.
     """
+    unsharded = {"params": 0, "grads": 0, "optimizer": 0}
+    zero3 = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for p in model.parameters():
+        full = p.numel() * p.element_size()
+        k = shard_factor(p)
+        for key, mult in (("params", 1), ("grads", 1), ("optimizer", 2)):
+            unsharded[key] += mult * full
+            zero3[key] += mult * full / k
+    return unsharded, zero3
+
+
+def zero3_label(dp_replicate: int, dp_shard: int, tp: int) -> str:
+    """The memory table's name for the ZeRO-3 row: what ``K`` divides."""
+    if tp > 1:
+        return f"ZeRO-3 (P+G+O)/K, K={dp_shard}x{tp} (tp layers) or {dp_shard}"
+    if dp_replicate > 1:
+        return f"ZeRO-3 (P+G+O)/K, K={dp_shard} (x{dp_replicate} replicas)"
+    return f"ZeRO-3 (P+G+O)/{dp_shard}"
+
+
+def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int], zero3: dict[str, float],
+                       label: str, params_total: int) -> None:
+    """Rank 0: the rich table of live per-rank bytes against unsharded and ZeRO-3 ``(P+G+O)/K``."""
     from rich.console import Console
     from rich.table import Table
 
-    unsharded = {"params": 4 * params_total, "grads": 4 * params_total, "optimizer": 8 * params_total}
     mib = 1024 ** 2
-    table = Table(title=f"Model state per rank (MiB), {world} ranks, {params_total:,} parameters")
+    keys = ("params", "grads", "optimizer")
+    table = Table(title=f"Model state per rank (MiB), {len(per_rank)} ranks, {params_total:,} parameters",
+                  caption="measured: live storage, incl. reduce-scatter padding (grads) and AdamW step "
+                  "counters (optimizer)")
     table.add_column("rank")
-    for key in ("params", "grads", "optimizer", "total"):
+    for key in (*keys, "total"):
         table.add_column(key, justify="right")
     for r, row in enumerate(per_rank):
-        table.add_row(str(r), *(f"{row[k] / mib:.2f}" for k in ("params", "grads", "optimizer")),
-                      f"{sum(row.values()) / mib:.2f}")
-    table.add_row("unsharded (1 rank)", *(f"{unsharded[k] / mib:.2f}" for k in unsharded),
+        table.add_row(str(r), *(f"{row[k] / mib:.2f}" for k in keys), f"{sum(row[k] for k in keys) / mib:.2f}")
+    table.add_row("unsharded (1 rank)", *(f"{unsharded[k] / mib:.2f}" for k in keys),
                   f"{sum(unsharded.values()) / mib:.2f}", style="dim")
-    table.add_row(f"ZeRO-3 (P+G+O)/{world}", *(f"{unsharded[k] / world / mib:.2f}" for k in unsharded),
-                  f"{sum(unsharded.values()) / world / mib:.2f}", style="bold")
+    table.add_row(label, *(f"{zero3[k] / mib:.2f}" for k in keys), f"{sum(zero3.values()) / mib:.2f}",
+                  style="bold")
     Console().print(table)
-    return unsharded
 
 
 def train(args, data: PreparedData) -> dict:
     """The whole worker; returns the summary dict (on every rank; rank 0 also prints and writes it)."""
-    from perparam import fully_shard
+    from perparam import CommCounter
+    from perparam.memory.measure import model_state_bytes
 
     start = float(os.environ.get("PERPARAM_LAUNCH_TIME", time.time()))  # wall_s: from launch (or this worker)
     rank, world, device = setup_distributed(args.pg_timeout)
     try:
-        mesh = init_device_mesh(device.type, (world,))
+        dp_replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
+        param_dtype_name, quant_name = getattr(args, "param_dtype", "fp32"), getattr(args, "quant", "none")
+        meshes = build_meshes(world, dp_replicate, tp, device.type)
+        dims = meshes.dims
+        dp_rank, dp_size = meshes.dp_rank, meshes.dp_size
         model, cfg, name = build_model(args, device)
         params_total = sum(p.numel() for p in model.parameters())
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_model(model, meshes, PARAM_DTYPES[param_dtype_name], QUANT_DTYPES[quant_name])
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        layout = f"{dims.dp_shard} shard ranks"
+        if dims.dp_replicate > 1:
+            layout = f"{dims.dp_replicate} replicas x {layout} (HSDP)"
+        if dims.tp > 1:
+            layout += f" x {dims.tp} tensor-parallel ranks"
         if rank == 0:
             print(f"model {name}: {params_total:,} parameters, {cfg.n_layers} layers sharded over {world} "
-                  f"ranks ({device.type}); text {data.source}: {data.train.shape[0]} training rows and "
-                  f"{data.heldout.shape[0]} held-out rows of {data.seq_len} tokens", flush=True)
-        eval_rows = rank_slice(data.heldout, rank, world)
-        micro = max(1, args.batch_size // world)
+                  f"ranks ({device.type}; {layout}; compute {param_dtype_name}, all-gather of the layers' "
+                  f"Linear weights {quant_name if quant_name != 'none' else param_dtype_name}); text "
+                  f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
+                  f"rows of {data.seq_len} tokens", flush=True)
+        eval_rows = rank_slice(data.heldout, dp_rank, dp_size)
+        micro = max(1, args.batch_size // dp_size)
         loss_before = heldout_loss(model, eval_rows, device, micro)
         if rank == 0:
             print(f"held-out loss before: {loss_before:.4f}", flush=True)
@@ -188,40 +279,56 @@ def train(args, data: PreparedData) -> dict:
         progress = Progress(rank == 0, args.steps)
         train_losses, train_start = [], time.perf_counter()
         tokens_per_step = args.batch_size * data.seq_len
-        for step in range(args.steps):
-            if args.crash_at_step is not None and step == args.crash_at_step and rank == world - 1:
-                os._exit(17)  # test hook: a worker dying mid-run
-            inputs, targets = (t.to(device) for t in stream.rank_batch(step, rank, world))  # [B/K, seq]
-            optimizer.zero_grad(set_to_none=True)
-            loss = next_token_loss(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            train_losses.append(_mean_over_ranks(loss))
-            elapsed = time.perf_counter() - train_start
-            progress.update(step + 1, train_losses[-1], tokens_per_step * (step + 1) / elapsed, elapsed)
+        with CommCounter() as comm:  # perparam's collectives of the training steps (not tp's, not eval's)
+            for step in range(args.steps):
+                if args.crash_at_step is not None and step == args.crash_at_step and rank == world - 1:
+                    os._exit(17)  # test hook: a worker dying mid-run
+                # [B / dp, seq]: this data-parallel rank's slice; the ranks of one tp group read the same rows
+                inputs, targets = (t.to(device) for t in stream.rank_batch(step, dp_rank, dp_size))
+                optimizer.zero_grad(set_to_none=True)
+                loss = next_token_loss(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                train_losses.append(_mean_over_ranks(loss))
+                elapsed = time.perf_counter() - train_start
+                progress.update(step + 1, train_losses[-1], tokens_per_step * (step + 1) / elapsed, elapsed)
         progress.close()
         train_s = time.perf_counter() - train_start
-        state_bytes = model_state_bytes(model, optimizer)  # grads of the last step are still alive
+        comm_per_step = {kind: comm.bytes(kind) // args.steps if args.steps else 0
+                         for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+        state_bytes = model_state_bytes(model, optimizer).as_dict()  # grads of the last step are still alive
+        unsharded, zero3 = ideal_state_bytes(model)
         loss_after = heldout_loss(model, eval_rows, device, micro)
         per_rank: list = [None] * world
         dist.all_gather_object(per_rank, state_bytes)
+        label = zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)
         summary = {
-            "world_size": world, "steps": args.steps, "model": name, "params_total": params_total,
+            "world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+            "param_dtype": param_dtype_name, "quant": quant_name,
+            "steps": args.steps, "model": name, "params_total": params_total,
             "seq_len": data.seq_len, "global_batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
             "text": data.source, "heldout_rows": data.heldout.shape[0],
             "heldout_loss_before": loss_before, "heldout_loss_after": loss_after,
             "train_losses": train_losses,
             "tokens_per_s": tokens_per_step * args.steps / train_s if args.steps else 0.0,
-            # the largest rank's live bytes (rank 0: torch.chunk puts any remainder rows first)
-            "model_state_bytes_per_rank": {k: max(r[k] for r in per_rank) for k in state_bytes},
+            # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
+            # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
+            "comm_bytes_per_step": comm_per_step,
+            # the largest rank's live bytes (rank 0: torch.chunk puts any remainder rows first); grads
+            # include the reduce-scatter padding, optimizer AdamW's step counters
+            "model_state_bytes_per_rank": {k: max(r[k] for r in per_rank)
+                                           for k in ("params", "grads", "optimizer")},
             "model_state_bytes_by_rank": per_rank,
+            "model_state_bytes_unsharded": unsharded,
+            "model_state_bytes_zero3_formula": zero3,
+            "zero3_formula": label,
             "device": device.type,
         }
         if rank == 0:
             print(f"held-out loss after:  {loss_after:.4f} (before {loss_before:.4f})", flush=True)
-            unsharded = print_memory_table(per_rank, params_total, world)
-            summary["model_state_bytes_unsharded"] = unsharded
-            summary["model_state_bytes_zero3_formula"] = {k: v / world for k, v in unsharded.items()}
+            print_memory_table(per_rank, unsharded, zero3, label, params_total)
+            print("perparam collectives per step and rank: "
+                  + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in comm_per_step.items()), flush=True)
         summary["wall_s"] = time.time() - start
         if rank == 0 and args.summary_json:
             out = Path(args.summary_json)
