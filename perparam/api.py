@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mesh import MeshError, check_dp_mesh
+
 from . import hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
@@ -124,12 +126,10 @@ def default_mesh() -> DeviceMesh:
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise ShardingError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ShardingError(f"fully_shard takes a 1D mesh (shard) or a 2D mesh (replicate, shard); got a "
-                            f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)}: pass the data-parallel sub-mesh, "
-                            "e.g. mesh['dp_replicate', 'dp_shard']")
+    try:
+        check_dp_mesh(mesh)
+    except MeshError as e:
+        raise ShardingError(f"fully_shard: {e}") from None
 
 
 def _collect(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:

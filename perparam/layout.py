@@ -55,7 +55,8 @@ def local_shape_and_offset(
         if isinstance(placement, Shard):
             d = placement.dim
             start, length = chunk_extent(shape[d], axis_size, coord)
-            offset[d] += start
+            # an empty piece sits at the end of the dim (DTensor's convention), whatever axis emptied it
+            offset[d] = offset[d] + start if length else global_shape[d]
             shape[d] = length
         elif not isinstance(placement, Replicate):
             raise ValueError(f"layout supports Shard and Replicate placements, got {placement}")

@@ -77,3 +77,30 @@ def accumulate_counts(rank: int, world_size: int) -> list[dict]:
 def test_no_sync_micro_batches_do_not_reduce():
     for counts in run_distributed(accumulate_counts, 2):
         assert [c.get("reduce_scatter", 0) for c in counts] == [0, 0, 3]
+
+
+def step_bytes(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyNet(n_blocks=2)
+    groups = [[p.shape for p in block.parameters()] for block in model.blocks]
+    groups.append([p.shape for n, p in model.named_parameters() if not n.startswith("blocks.")])
+    _shard(model)
+    x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 6)[0])
+    with CommCounter() as comm:
+        F.mse_loss(model(x), y).backward()
+    return {"groups": groups, "all_gather": comm.bytes("all_gather"), "reduce_scatter": comm.bytes("reduce_scatter"),
+            "sizes": {r.group_size for r in comm.records}}
+
+
+def test_a_zero3_step_moves_exactly_the_layouts_bytes():
+    from perparam.layout import GroupLayout, ShardLayout
+
+    world_size = 3
+    out = run_distributed(step_bytes, world_size)[0]
+    layouts = [[ShardLayout(tuple(s), torch.float32, world_size) for s in shapes] for shapes in out["groups"]]
+    gather = [GroupLayout.plain(ls, [torch.float32] * len(ls)).all_gather_bytes for ls in layouts]
+    # forward gathers every group; backward gathers the blocks again (the root kept its parameters)
+    assert out["all_gather"] == sum(gather) + sum(gather[:-1])
+    # one reduce-scatter per group, over every rank's padded chunk
+    assert out["reduce_scatter"] == sum(world_size * lay.padded_local_numel * 4 for ls in layouts for lay in ls)
+    assert out["sizes"] == {world_size}

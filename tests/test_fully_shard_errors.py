@@ -61,6 +61,8 @@ def _case(name: str) -> None:
     elif name == "mesh_3d":
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
         perparam.fully_shard(nn.Linear(2, 2), mesh=mesh)
+    elif name == "mesh_2d_unnamed":
+        perparam.fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1)))
     elif name == "not_a_mesh":
         perparam.fully_shard(nn.Linear(2, 2), mesh="cpu")
     elif name == "int_requires_grad":
@@ -84,7 +86,8 @@ CASES = {
     "tied_across_calls": ["'head.weight'", "'weight'", "Embedding", "fully_shard([module_a, module_b])"],
     "twice": ["already applied", "Linear"],
     "parent_first": ["'weight'", "already sharded", "bottom-up"],
-    "mesh_3d": ["3D mesh", "2D mesh"],
+    "mesh_3d": ["3D mesh", "(replicate, shard)"],
+    "mesh_2d_unnamed": ["2D mesh", "no axis names"],
     "not_a_mesh": ["DeviceMesh", "str"],
     "int_requires_grad": ["'codes'", "torch.uint8", "requires_grad=False"],
     "empty_list": ["non-empty list"],

@@ -210,12 +210,29 @@ def ideal_state_bytes(model: torch.nn.Module) -> tuple[dict[str, int], dict[str,
 
 
 def zero3_label(dp_replicate: int, dp_shard: int, tp: int) -> str:
-    """The memory table's name for the ZeRO-3 row: what ``K`` divides."""
+    """What ``K`` is in the memory table's ZeRO-3 row ``(P+G+O)/K``."""
+    label = f"K = {dp_shard} shard ranks"
     if tp > 1:
-        return f"ZeRO-3 (P+G+O)/K, K={dp_shard}x{tp} (tp layers) or {dp_shard}"
+        label = f"K = {dp_shard} shard x {tp} tp ranks for the tensor-parallel weights, {dp_shard} for the rest"
     if dp_replicate > 1:
-        return f"ZeRO-3 (P+G+O)/K, K={dp_shard} (x{dp_replicate} replicas)"
-    return f"ZeRO-3 (P+G+O)/{dp_shard}"
+        label += f"; each of the {dp_replicate} replicas holds a copy"
+    return label
+
+
+def all_gather_bytes_per_unshard(model: Llama) -> dict[str, int]:
+    """Bytes one all-gather of each group moves (this rank, ``CommCounter``'s convention): ``layers``, all
+    decoder layers once each (the groups ``--quant`` applies to), and ``root`` (embedding and final norm).
+    A training step gathers each layer twice (forward, and again in backward) and the root once."""
+    from perparam import CommCounter
+
+    with CommCounter() as layers:
+        for layer in model.layers:
+            layer.unshard()
+            layer.reshard()
+    with CommCounter() as root:
+        model.unshard()
+        model.reshard()
+    return {"layers": layers.bytes("all_gather"), "root": root.bytes("all_gather")}
 
 
 def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int], zero3: dict[str, float],
@@ -227,8 +244,8 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
     mib = 1024 ** 2
     keys = ("params", "grads", "optimizer")
     table = Table(title=f"Model state per rank (MiB), {len(per_rank)} ranks, {params_total:,} parameters",
-                  caption="measured: live storage, incl. reduce-scatter padding (grads) and AdamW step "
-                  "counters (optimizer)")
+                  caption=f"ranks: measured live storage, with the reduce-scatter padding (grads) and AdamW's "
+                  f"step counters (optimizer); ZeRO-3: {label}")
     table.add_column("rank")
     for key in (*keys, "total"):
         table.add_column(key, justify="right")
@@ -236,8 +253,8 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
         table.add_row(str(r), *(f"{row[k] / mib:.2f}" for k in keys), f"{sum(row[k] for k in keys) / mib:.2f}")
     table.add_row("unsharded (1 rank)", *(f"{unsharded[k] / mib:.2f}" for k in keys),
                   f"{sum(unsharded.values()) / mib:.2f}", style="dim")
-    table.add_row(label, *(f"{zero3[k] / mib:.2f}" for k in keys), f"{sum(zero3.values()) / mib:.2f}",
-                  style="bold")
+    table.add_row("ZeRO-3 (P+G+O)/K", *(f"{zero3[k] / mib:.2f}" for k in keys),
+                  f"{sum(zero3.values()) / mib:.2f}", style="bold")
     Console().print(table)
 
 
@@ -297,6 +314,7 @@ def train(args, data: PreparedData) -> dict:
         comm_per_step = {kind: comm.bytes(kind) // args.steps if args.steps else 0
                          for kind in ("all_gather", "reduce_scatter", "all_reduce")}
         state_bytes = model_state_bytes(model, optimizer).as_dict()  # grads of the last step are still alive
+        per_unshard = all_gather_bytes_per_unshard(model)
         unsharded, zero3 = ideal_state_bytes(model)
         loss_after = heldout_loss(model, eval_rows, device, micro)
         per_rank: list = [None] * world
@@ -314,6 +332,7 @@ def train(args, data: PreparedData) -> dict:
             # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
             # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
             "comm_bytes_per_step": comm_per_step,
+            "all_gather_bytes_per_unshard": per_unshard,
             # the largest rank's live bytes (rank 0: torch.chunk puts any remainder rows first); grads
             # include the reduce-scatter padding, optimizer AdamW's step counters
             "model_state_bytes_per_rank": {k: max(r[k] for r in per_rank)
@@ -321,7 +340,7 @@ def train(args, data: PreparedData) -> dict:
             "model_state_bytes_by_rank": per_rank,
             "model_state_bytes_unsharded": unsharded,
             "model_state_bytes_zero3_formula": zero3,
-            "zero3_formula": label,
+            "zero3_formula_k": label,
             "device": device.type,
         }
         if rank == 0:
