@@ -111,8 +111,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         attach(m, group)
         m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),
                                     prepend=True, with_kwargs=True)
+        # always_call: a forward that raises still reshards and releases the root
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
-                                with_kwargs=True)
+                                with_kwargs=True, always_call=True)
     return module
 
 

@@ -185,3 +185,67 @@ def test_clip_grad_norm_returns_the_global_norm():
         assert abs(norm - want_norm) <= 1e-6 * max(1.0, want_norm)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=0, msg=name)
+
+
+class Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.fail = True
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+def forward_that_raises(rank: int, world_size: int) -> dict:
+    model = nn.Sequential(Fails(), nn.Linear(2, 2))
+    perparam.fully_shard(model[0])
+    perparam.fully_shard(model)
+    try:
+        model(torch.ones(1, 2))
+    except RuntimeError:
+        pass
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    model[0].fail = False
+    model(torch.ones(1, 2)).sum().backward()  # the next step works normally
+    return {"sharded": sharded, "grads": all(isinstance(p.grad, DTensor) for p in model.parameters())}
+
+
+def test_a_forward_that_raises_leaves_the_model_sharded_and_usable():
+    for out in run_distributed(forward_that_raises, 2):
+        assert out == {"sharded": True, "grads": True}
+
+
+def activation_checkpointing(rank: int, world_size: int) -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    x, y = make_batches(1, 4)[0]
+    if world_size > 1:
+        for i, block in enumerate(model.blocks):
+            perparam.fully_shard(block)
+            model.blocks[i] = Wrapped(block)
+        perparam.fully_shard(model)
+        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    F.mse_loss(model(x), y).backward()
+    return {n.replace("inner.", ""): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_recomputes_with_gathered_parameters():
+    want = activation_checkpointing(0, 1)
+    for got in run_distributed(activation_checkpointing, 2):
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
