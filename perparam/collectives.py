@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_local = threading.local()
+# Process-wide, not per thread: on CUDA autograd runs backward hooks (and so the backward collectives) on
+# its own device thread.
+_counters: list[CommCounter] = []
+_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class CollectiveRecord:
 
 @dataclass
 class CommCounter:
-    """Records the collectives issued by this thread's perparam runtime while active.
+    """Records the collectives perparam issues in this process while active (any thread).
 
     Usage::
 
@@ -44,14 +47,13 @@ class CommCounter:
     records: list[CollectiveRecord] = field(default_factory=list)
 
     def __enter__(self) -> CommCounter:
-        stack = getattr(_local, "counters", None)
-        if stack is None:
-            stack = _local.counters = []
-        stack.append(self)
+        with _lock:
+            _counters.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.counters.remove(self)
+        with _lock:
+            _counters.remove(self)
 
     def count(self, kind: str | None = None) -> int:
         return sum(1 for r in self.records if kind is None or r.kind == kind)
@@ -67,12 +69,12 @@ class CommCounter:
 
 
 def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype) -> None:
-    counters = getattr(_local, "counters", None)
-    if not counters:
+    if not _counters:
         return
     rec = CollectiveRecord(kind, nbytes, group.size(), group.group_name, dtype)
-    for c in counters:
-        c.records.append(rec)
+    with _lock:
+        for c in _counters:
+            c.records.append(rec)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):

@@ -7,7 +7,8 @@ is *alive* or *freed*; the module has the *sharded* DTensors or the *unsharded* 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self.registered_unsharded = False
+        self._alive = False  # the unsharded storage holds the gathered parameters
+        self._pending_gather = None  # (work, send, recv) of an all-gather in flight
         # per-forward/backward bookkeeping, driven by hooks.py
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
@@ -52,6 +55,7 @@ class ParamGroup:
         self.grads_arrived: set[int] = set()
         self.num_trainable = 0
         self.callback_queued = False
+        self.pending_reduces: deque = deque()  # on a root: (group, PendingReduce) in flight
 
     def manages(self, tensor: torch.Tensor) -> bool:
         return any(tensor is p.sharded for p in self.params)
@@ -63,7 +67,8 @@ class ParamGroup:
     # -- unshard / reshard ------------------------------------------------------------------------------
     @property
     def storage_alive(self) -> bool:
-        return bool(self.params) and self.params[0].storage_alive
+        """The unsharded storage is filled (or being filled by an all-gather in flight)."""
+        return self._alive or self._pending_gather is not None
 
     def trainable(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded.requires_grad]
@@ -71,17 +76,24 @@ class ParamGroup:
     @torch.no_grad()
     def unshard(self) -> None:
         """All-gather every sharded parameter of the group in one collective into its padded unsharded
-        buffer (and copy replicated ones). No-op when the storage is already alive.
+        buffer (and copy replicated ones); waits for it. No-op when the storage is already alive.
 
         Bytes gathered: ``layout.all_gather_bytes`` (recorded by ``CommCounter``).
         """
+        self.start_unshard()
+        self.wait_unshard()
+
+    @torch.no_grad()
+    def start_unshard(self) -> None:
+        """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
         if not self.params or self.storage_alive:
             return
         for p in self.replicated:
             p.fill_replicated()
         if not self.gathered:
+            self._alive = True
             return
-        layout, k = self.layout, self.num_shards
+        layout = self.layout
         device = self.gathered[0].local_shard().device
         send = torch.empty(layout.slot_bytes, dtype=torch.uint8, device=device)
         dsts, srcs = [], []
@@ -96,10 +108,21 @@ class ParamGroup:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        recv = torch.empty(k * layout.slot_bytes, dtype=torch.uint8, device=device)
-        collectives.all_gather(recv, send, self.shard_pg)
-        # copy out of the rank-major buffer: straight into the padded buffers of plain parameters,
-        # into scratch pieces for quantized ones (dequantized below)
+        recv = torch.empty(self.num_shards * layout.slot_bytes, dtype=torch.uint8, device=device)
+        work = collectives.all_gather(recv, send, self.shard_pg, async_op=True)
+        self._pending_gather = (work, send, recv)
+
+    @torch.no_grad()
+    def wait_unshard(self) -> None:
+        """Wait for the all-gather in flight and copy its rank-major buffer out: straight into the padded
+        buffers of plain parameters, through scratch pieces (dequantized) for quantized ones."""
+        if self._pending_gather is None:
+            return
+        work, _send, recv = self._pending_gather
+        self._pending_gather = None
+        if work is not None:
+            work.wait()
+        layout, k = self.layout, self.num_shards
         targets: list[list[torch.Tensor]] = []
         for p in self.gathered:
             if p.plain:
@@ -113,11 +136,15 @@ class ParamGroup:
         for p, pieces in zip(self.gathered, targets):
             if not p.plain:
                 p.unpack(pieces)
+        self._alive = True
 
     def free(self) -> None:
-        """Release the unsharded storage (no communication)."""
+        """Release the unsharded storage (no communication; an all-gather in flight is finished first)."""
+        if self._pending_gather is not None:
+            self.wait_unshard()
         for p in self.params:
             p.free()
+        self._alive = False
 
     def register_unsharded(self) -> None:
         for p in self.params:
@@ -135,14 +162,16 @@ class ParamGroup:
 
     # -- gradients --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce_grads(self, sync: bool = True) -> None:
+    def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
         """Reduce the unsharded gradients into the sharded ``.grad``s, averaged over all data-parallel
         ranks and accumulated into existing sharded gradients.
 
         Sharded parameters: one reduce-scatter per distinct reduce dtype (then, on HSDP, one all-reduce
         of its output over the replicate axis). Replicated parameters: one all-reduce per reduce dtype
         over each mesh axis. ``sync=False`` only moves the gradients into the reduce-dtype accumulators
-        (gradient accumulation without communication).
+        (gradient accumulation without communication). ``defer=True`` returns the reduce-scatters still
+        in flight, for ``finish_reduce`` (so backward compute continues meanwhile); otherwise they are
+        finished before returning.
         """
         sharded: dict[torch.dtype, list] = defaultdict(list)
         replicated: dict[torch.dtype, list] = defaultdict(list)
@@ -150,20 +179,15 @@ class ParamGroup:
             grad = p.take_unsharded_grad(keep=not sync)
             if grad is not None:
                 (sharded if p.dim is not None else replicated)[grad.dtype].append((p, grad))
-        world = self.num_shards * self.num_replicas
+        pending = []
         for items in sharded.values():
             params, grads = zip(*items)
             send = pack_reduce_scatter_input(list(grads), self.num_shards)  # [K, sum(padded_local_numel)]
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
-            collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg)
-            if self.replicate_pg is not None:
-                collectives.all_reduce_sum(recv, self.replicate_pg)
-            recv.div_(world)
-            for p, offset in zip(params, offsets):
-                rows = p.layout.extent(p.shard_rank)[1]
-                local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
-                p.accumulate_sharded_grad(local.narrow(0, 0, rows))
+            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg, async_op=True)
+            pending.append(PendingReduce(work, send, recv, params, offsets))
+        world = self.num_shards * self.num_replicas
         for items in replicated.values():
             params, grads = zip(*items)
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -173,6 +197,37 @@ class ParamGroup:
             flat.div_(world)
             for p, piece in zip(params, flat.split([g.numel() for g in grads])):
                 p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
+        if not defer:
+            for item in pending:
+                self.finish_reduce(item)
+            return []
+        return pending
+
+    @torch.no_grad()
+    def finish_reduce(self, item: PendingReduce) -> None:
+        """Wait for a reduce-scatter, all-reduce it over the replicate axis (HSDP), average, and
+        accumulate each parameter's piece into its sharded ``.grad``."""
+        if item.work is not None:
+            item.work.wait()
+        recv = item.recv
+        if self.replicate_pg is not None:
+            collectives.all_reduce_sum(recv, self.replicate_pg)
+        recv.div_(self.num_shards * self.num_replicas)
+        for p, offset in zip(item.params, item.offsets):
+            rows = p.layout.extent(p.shard_rank)[1]
+            local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
+            p.accumulate_sharded_grad(local.narrow(0, 0, rows))
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight: its work handle, buffers (kept alive until it finishes) and params."""
+
+    work: object
+    send: torch.Tensor
+    recv: torch.Tensor
+    params: tuple[ShardedParam, ...]
+    offsets: tuple[int, ...]
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:

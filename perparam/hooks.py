@@ -117,8 +117,17 @@ def _on_grad_ready(group: ParamGroup, param) -> None:
         _post_backward(group)
 
 
+#: reduce-scatters left in flight while backward computes on; the oldest is finished past this many
+MAX_REDUCES_IN_FLIGHT = 2
+
+
 def _post_backward(group: ParamGroup) -> None:
-    group.reduce_grads(sync=group.requires_gradient_sync)
+    root = group.root or group
+    for item in group.reduce_grads(sync=group.requires_gradient_sync, defer=True):
+        root.pending_reduces.append((group, item))
+    while len(root.pending_reduces) > MAX_REDUCES_IN_FLIGHT:
+        g, item = root.pending_reduces.popleft()
+        g.finish_reduce(item)
     group.free()
     group.post_backward_done = True
 
@@ -127,6 +136,10 @@ def _final_callback(root: ParamGroup) -> None:
     for g in tree_of(root):
         if g.in_backward and not g.post_backward_done:
             _post_backward(g)
+    while root.pending_reduces:
+        g, item = root.pending_reduces.popleft()
+        g.finish_reduce(item)
+    for g in tree_of(root):
         g.reshard()
         g.in_backward = False
         g.post_backward_done = False

@@ -50,7 +50,8 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, shard_dim: int | Non
                                "the tp mesh need axis names: build one named mesh (mesh.ParallelDims) and pass "
                                "its sub-meshes")
     root = dp_mesh._get_root_mesh()
-    if tp_mesh._get_root_mesh() is not root or root.mesh_dim_names is None:
+    # equal, not identical: torch may hand a tp slice of an equal, earlier-built mesh to the parameter
+    if tp_mesh._get_root_mesh() != root or root.mesh_dim_names is None:
         raise CompositionError(f"parameter '{name}' lives on tp mesh {tp_mesh.mesh_dim_names}, which is not a "
                                f"sub-mesh of the same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both "
                                "from one DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'])")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,25 +44,109 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=REPO, env=_env())
 
 
-@pytest.mark.slow
-def test_tiny_two_process_run_writes_summary(tmp_path, text_dir):
-    out = tmp_path / "runs" / "summary.json"
-    proc = _cli("--config", "tiny", "--text", str(text_dir), "--nproc", "2", "--steps", "4",
-                "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--eval-tokens", "128",
-                "--summary-json", str(out))
+#: the tiny runs below share these flags, so their losses and bytes compare one to one
+TINY = ("--config", "tiny", "--steps", "4", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3",
+        "--eval-tokens", "128")
+
+
+def _tiny_run(folder: Path, text_dir: Path, *flags: str, nproc: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
+    out = folder / "runs" / "summary.json"
+    proc = _cli(*TINY, "--text", str(text_dir), "--nproc", str(nproc), *flags, "--summary-json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
+    losses = [summary["heldout_loss_before"], summary["heldout_loss_after"], *summary["train_losses"]]
+    assert len(summary["train_losses"]) == 4 and all(math.isfinite(x) for x in losses), losses
+    return proc, summary
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory, text_dir) -> tuple[subprocess.CompletedProcess, dict]:
+    """The plain run (2 ranks, fp32, no quantization, 1D mesh): the baseline the other runs compare to."""
+    return _tiny_run(tmp_path_factory.mktemp("fp32"), text_dir)
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol
+
+
+def test_tiny_two_process_run_writes_summary(fp32_run):
+    proc, summary = fp32_run
     for key in ("world_size", "steps", "params_total", "heldout_loss_before", "heldout_loss_after",
-                "train_losses", "model_state_bytes_per_rank", "wall_s"):
+                "train_losses", "model_state_bytes_per_rank", "wall_s", "param_dtype", "quant",
+                "comm_bytes_per_step", "all_gather_bytes_per_unshard"):
         assert key in summary, key
     assert summary["world_size"] == 2 and summary["steps"] == 4 and len(summary["train_losses"]) == 4
+    assert (summary["dp_replicate"], summary["dp_shard"], summary["tp"]) == (1, 2, 1)
+    assert (summary["param_dtype"], summary["quant"]) == ("fp32", "none")
     assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
     n = summary["params_total"]
     per_rank = summary["model_state_bytes_per_rank"]
     assert abs(per_rank["params"] - 4 * n / 2) <= 4 * 64 * 20  # half the fp32 params, up to chunk rounding
-    assert per_rank["grads"] == per_rank["params"]
+    assert per_rank["grads"] == per_rank["params"]  # no reduce-scatter padding: every dim is even
     assert abs(per_rank["optimizer"] - 8 * n / 2) <= 8 * 64 * 20 + 4 * 20
+    assert summary["model_state_bytes_zero3_formula"] == {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n}
+    # a step gathers each layer twice (forward, backward) and the root once; reduce-scatters every fp32 grad
+    comm, unshard = summary["comm_bytes_per_step"], summary["all_gather_bytes_per_unshard"]
+    assert comm["all_gather"] == 2 * unshard["layers"] + unshard["root"]
+    assert comm["reduce_scatter"] == 4 * n and comm["all_reduce"] == 0
     assert "Model state per rank" in proc.stdout and "held-out loss after" in proc.stdout
+
+
+def test_hsdp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
+    """--nproc 4 --dp-replicate 2: 2 replicas of a model sharded over 2 ranks; the same global batches, so
+    the same losses as the plain 2-rank run (which also means the replicas stayed equal)."""
+    _, base = fp32_run
+    _, summary = _tiny_run(tmp_path, text_dir, "--dp-replicate", "2", nproc=4)
+    assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"], summary["tp"]) == (4, 2, 2, 1)
+    assert _close(summary["train_losses"], base["train_losses"])
+    assert _close([summary["heldout_loss_after"]], [base["heldout_loss_after"]])
+    # each rank holds what a rank of the 2-rank run holds; gradients are also all-reduced over the replicas
+    assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
+    comm = summary["comm_bytes_per_step"]
+    assert comm["all_gather"] == base["comm_bytes_per_step"]["all_gather"]
+    assert comm["all_reduce"] == comm["reduce_scatter"] // 2 > 0
+
+
+def test_tp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
+    """--nproc 4 --tp 2: 2 data-parallel ranks, each a tensor-parallel pair; the same losses as the plain
+    run, and each rank holds 1/(2x2) of the tensor-parallel weights and 1/2 of the rest."""
+    _, base = fp32_run
+    proc, summary = _tiny_run(tmp_path, text_dir, "--tp", "2", nproc=4)
+    assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"], summary["tp"]) == (4, 1, 2, 2)
+    assert _close(summary["train_losses"], base["train_losses"])
+    assert _close([summary["heldout_loss_after"]], [base["heldout_loss_after"]])
+    per_rank, zero3 = summary["model_state_bytes_per_rank"], summary["model_state_bytes_zero3_formula"]
+    assert per_rank["params"] == zero3["params"] and per_rank["grads"] == zero3["grads"]  # no padding here
+    assert zero3["params"] < 0.6 * base["model_state_bytes_zero3_formula"]["params"]
+    assert "2 shard x 2 tp ranks" in summary["zero3_formula_k"] and "2 tensor-parallel ranks" in proc.stdout
+
+
+def test_bf16_compute_smoke(tmp_path, text_dir, fp32_run):
+    _, base = fp32_run
+    _, summary = _tiny_run(tmp_path, text_dir, "--param-dtype", "bf16")
+    assert (summary["param_dtype"], summary["quant"]) == ("bf16", "none")
+    assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
+    assert _close(summary["train_losses"], base["train_losses"], tol=0.02)  # bf16 rounding only
+    # bf16 on the wire; gradients reduced in fp32; shards, grads and AdamW state stay fp32
+    unshard, base_unshard = summary["all_gather_bytes_per_unshard"], base["all_gather_bytes_per_unshard"]
+    assert 2 * unshard["layers"] == base_unshard["layers"] and 2 * unshard["root"] == base_unshard["root"]
+    assert summary["comm_bytes_per_step"]["reduce_scatter"] == base["comm_bytes_per_step"]["reduce_scatter"]
+    assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
+
+
+def test_int8_all_gather_smoke(tmp_path, text_dir, fp32_run):
+    _, base = fp32_run
+    _, summary = _tiny_run(tmp_path, text_dir, "--quant", "int8")
+    assert (summary["param_dtype"], summary["quant"]) == ("fp32", "int8")
+    assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
+    assert _close(summary["train_losses"], base["train_losses"], tol=0.01)
+    # measured on this config: the layers' gathers (int8 codes + an fp32 scale per 256, fp32 norms) are
+    # 0.2565x fp32; a whole step, with the fp32 embedding gathered once, 0.331x
+    unshard, base_unshard = summary["all_gather_bytes_per_unshard"], base["all_gather_bytes_per_unshard"]
+    assert unshard["layers"] <= 0.27 * base_unshard["layers"] and unshard["root"] == base_unshard["root"]
+    assert summary["comm_bytes_per_step"]["all_gather"] <= 0.34 * base["comm_bytes_per_step"]["all_gather"]
+    assert summary["comm_bytes_per_step"]["reduce_scatter"] == base["comm_bytes_per_step"]["reduce_scatter"]
+    assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
 
 
 @pytest.mark.slow
@@ -130,3 +215,9 @@ def test_bad_inputs_give_one_line_errors(capsys, tmp_path, text_dir, bad_ggufs, 
     _one_line_error(capsys, ["--gguf", str(bad_ggufs["good"]), "--text", str(text_dir), "--seq-len", "300"],
                     "above the model's context of 256")
     _one_line_error(capsys, [*tiny, "--nproc", "3", "--batch-size", "4"], "cannot be split evenly")
+    _one_line_error(capsys, [*tiny, "--nproc", "6", "--dp-replicate", "4"], "pass a --nproc that is a multiple of 4")
+    _one_line_error(capsys, [*tiny, "--nproc", "2", "--tp", "4"], "multiple of 4")
+    _one_line_error(capsys, [*tiny, "--tp", "0"], "--tp 0 must be at least 1")
+    _one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "4"], "--tp 4 does not divide the model's 2 key/value")
+    _one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "2", "--batch-size", "3"],
+                    "cannot be split evenly over 2 data-parallel ranks")

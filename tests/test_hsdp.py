@@ -212,8 +212,10 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
             assert _by(step["fwd"], "kind", "group_name", "group_size") == {("all_gather", shard_name, k): 4}
             assert _by(step["bwd"], "kind", "group_name", "group_size") == {
                 ("reduce_scatter", shard_name, k): 4, ("all_reduce", rep_name, r): 4}
-            # reduce-scatter then all-reduce, group by group
-            assert [r.kind for r in step["bwd"]] == ["reduce_scatter", "all_reduce"] * 4
+            # each group's all-reduce follows its reduce-scatter (reduce-scatters may run ahead: they are
+            # left in flight while backward computes on)
+            kinds = [r.kind for r in step["bwd"]]
+            assert all(kinds[:i].count("all_reduce") <= kinds[:i].count("reduce_scatter") for i in range(9))
             # a size-1 axis issues no c10d call, but the replicate all-reduce always runs
             assert step["raw"] == {"all_gather_single": 4 if k > 1 else 0,
                                    "reduce_scatter_single": 4 if k > 1 else 0, "all_reduce": 4}

@@ -95,3 +95,20 @@ def test_fsdp_plus_tp_matches_a_single_process(layout):
         assert max(abs(a - b) for a, b in zip(out["norms"], want["norms"])) <= TOL
         for name, value in want["params"].items():
             torch.testing.assert_close(out["params"][name], value, atol=TOL, rtol=0, msg=name)
+
+
+def two_meshes_in_one_process(rank: int, world_size: int) -> list[str]:
+    placements = []
+    for shape in ((1, 2, 2), (2, 1, 2)):
+        world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        lin = nn.Linear(4, 4)
+        parallelize_module(lin, world["tp"], ColwiseParallel())
+        perparam.fully_shard(lin, mesh=world["dp_replicate", "dp_shard"])
+        placements.append(str(lin.weight.placements))
+    return placements
+
+
+def test_a_tp_slice_of_an_equal_earlier_mesh_composes():
+    # torch hands the parameter a tp slice of the first (equal) mesh; composition compares meshes by value
+    for placements in run_distributed(two_meshes_in_one_process, 4):
+        assert len(placements) == 2

@@ -6,7 +6,9 @@ Two roles, chosen from the environment:
   the text once and saves the token rows to a temporary file, then starts ``--nproc`` workers with torch's
   elastic launch API (``python -m perparam.finetune ... --prepared FILE`` each, c10d rendezvous on
   127.0.0.1 with a free port, no restarts). Bad input is reported here, as one line, before any worker
-  starts. If a worker dies the agent stops the others and the launcher exits non-zero.
+  starts, including a layout that cannot work (``--nproc`` not a multiple of ``--dp-replicate`` x ``--tp``,
+  a ``--tp`` that does not divide the heads or the MLP width, a batch that does not split over the
+  data-parallel ranks). If a worker dies the agent stops the others and the launcher exits non-zero.
 - worker (``RANK``/``WORLD_SIZE`` set, as under the launcher or ``torchrun``): loads the prepared rows (or,
   under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.train.train`.
 """

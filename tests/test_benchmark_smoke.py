@@ -1,0 +1,58 @@
+"""``benchmarks/step_time.py --quick`` runs end to end and writes the JSON the README describes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["ddp", "fsdp2", "perparam", "perparam_bf16", "perparam_int8"]
+OK_KEYS = {"description", "status", "step_time_s", "phase_time_s", "cpu_time_s", "final_loss",
+           "model_state_bytes", "model_state_bytes_per_rank", "comm_bytes_per_step", "comm_source",
+           "peak_rss_bytes", "peak_rss_bytes_per_rank", "ratio_vs_fsdp2", "memory_ratio_vs_fsdp2"}
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_json(tmp_path):
+    out = tmp_path / "step_time.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--quick", "--json", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+
+    meta = result["meta"]
+    assert {"date", "machine", "loadavg", "model", "steps", "warmup", "world_size"} <= meta.keys()
+    assert {"nproc", "cpu_model"} <= meta["machine"].keys()
+    assert meta["world_size"] == 2 and meta["quick"] is True
+    assert list(result["configs"]) == CONFIGS
+
+    for name in ("ddp", "fsdp2", "perparam"):  # the baselines must always run
+        assert result["configs"][name]["status"] == "ok", (name, result["configs"][name].get("reason"))
+    for name, c in result["configs"].items():
+        assert c["status"] in ("ok", "unsupported"), (name, c.get("reason"))
+        if c["status"] == "unsupported":
+            assert c["reason"]
+            continue
+        assert OK_KEYS <= c.keys(), (name, OK_KEYS - c.keys())
+        assert c["step_time_s"]["median"] > 0 and c["step_time_s"]["n"] == meta["steps"]
+        assert c["model_state_bytes"]["total"] > 0 and c["peak_rss_bytes"] > 0
+        assert c["comm_bytes_per_step"]["total"] > 0
+        assert c["ratio_vs_fsdp2"] > 0 and c["memory_ratio_vs_fsdp2"] > 0
+
+    fsdp2, pp, ddp = (result["configs"][n] for n in ("fsdp2", "perparam", "ddp"))
+    assert fsdp2["ratio_vs_fsdp2"] == 1.0 and fsdp2["memory_ratio_vs_fsdp2"] == 1.0
+    # same model, data and initial weights: the fp32 configurations train alike
+    assert abs(pp["final_loss"] - fsdp2["final_loss"]) < 1e-3 and abs(ddp["final_loss"] - fsdp2["final_loss"]) < 1e-3
+    # FSDP2 and perparam move the same bytes in fp32 (one all-gather per group in forward, again in
+    # backward for the blocks; one reduce-scatter per group); DDP all-reduces every gradient once
+    assert pp["comm_bytes_per_step"] == fsdp2["comm_bytes_per_step"]
+    assert fsdp2["comm_bytes_per_step"]["reduce_scatter"] == ddp["comm_bytes_per_step"]["all_reduce"]
+    assert pp["comm_bytes_per_step_dist_wrappers"] == {k: v for k, v in pp["comm_bytes_per_step"].items() if k != "total"}
+    # ZeRO-3 over 2 ranks holds half of DDP's model state (AdamW's per-parameter step counters are not
+    # sharded: a few bytes more)
+    assert pp["model_state_bytes"]["params"] * 2 == ddp["model_state_bytes"]["params"]
+    assert abs(pp["model_state_bytes"]["total"] * 2 / ddp["model_state_bytes"]["total"] - 1) < 0.01
