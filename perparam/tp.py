@@ -50,11 +50,14 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, shard_dim: int | Non
                                "the tp mesh need axis names: build one named mesh (mesh.ParallelDims) and pass "
                                "its sub-meshes")
     root = dp_mesh._get_root_mesh()
-    # equal, not identical: torch may hand a tp slice of an equal, earlier-built mesh to the parameter
-    if tp_mesh._get_root_mesh() != root or root.mesh_dim_names is None:
-        raise CompositionError(f"parameter '{name}' lives on tp mesh {tp_mesh.mesh_dim_names}, which is not a "
-                               f"sub-mesh of the same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both "
-                               "from one DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'])")
+    # by value, not identity: torch may hand the parameter an equal tp slice of an earlier-built mesh
+    tp_names = tuple(tp_mesh.mesh_dim_names)
+    same = (root.mesh_dim_names is not None and set(tp_names) <= set(root.mesh_dim_names)
+            and root[tp_names] == tp_mesh)
+    if not same:
+        raise CompositionError(f"parameter '{name}' lives on tp mesh {tp_names}, which is not a sub-mesh of the "
+                               f"same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both from one "
+                               "DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'])")
     names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
     if len(set(names)) != len(names):
         raise CompositionError(f"the dp mesh {dp_mesh.mesh_dim_names} and the tp mesh {tp_mesh.mesh_dim_names} of "

@@ -112,3 +112,31 @@ def test_a_tp_slice_of_an_equal_earlier_mesh_composes():
     # torch hands the parameter a tp slice of the first (equal) mesh; composition compares meshes by value
     for placements in run_distributed(two_meshes_in_one_process, 4):
         assert len(placements) == 2
+
+
+def composition_error(rank: int, world_size: int, case: str) -> str:
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    lin = nn.Linear(4, 5 if case == "indivisible" else 4)
+    parallelize_module(lin, world["tp"], ColwiseParallel())
+    if case == "other_mesh":
+        dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    elif case == "unnamed":
+        dp = init_device_mesh("cpu", (4,))
+    else:
+        dp = world["dp_shard"]
+    try:
+        perparam.fully_shard(lin, mesh=dp)
+    except perparam.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,fragments", [
+    ("other_mesh", ["'weight'", "not a sub-mesh", "slice both from one DeviceMesh"]),
+    ("unnamed", ["'weight'", "axis names"]),
+    ("indivisible", ["'weight'", "size 5", "tp axis of size 2", "multiple of 2"]),
+])
+def test_bad_tensor_parallel_compositions_fail_at_fully_shard_time(case, fragments):
+    for message in run_distributed(composition_error, 4, case):
+        for fragment in fragments:
+            assert fragment in message, (fragment, message)
