@@ -42,6 +42,18 @@ def make_batches(steps: int, global_batch: int, seed: int = 0) -> list[tuple[tor
             for _ in range(steps)]
 
 
+def mean_over_ranks(x: torch.Tensor) -> float:
+    """The mean of a per-rank scalar (e.g. a local loss) over all ranks of the default process group;
+    with equal local batches that is the global batch's mean."""
+    import torch.distributed as dist
+
+    x = x.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(x)
+        x /= dist.get_world_size()
+    return x.item()
+
+
 def local_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous share of a global batch (equal shares)."""
     n = t.shape[0] // world_size

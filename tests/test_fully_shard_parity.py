@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 import perparam
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, local_slice, make_batches, mean_over_ranks
 
 STEPS, GLOBAL_BATCH, TOL = 10, 12, 1e-5
 
 
 def _all_sharded(model: torch.nn.Module) -> bool:
     return all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
-
-
-def _mean_over_ranks(x: torch.Tensor) -> float:
-    x = x.detach().clone()
-    dist.all_reduce(x)
-    return (x / dist.get_world_size()).item()
 
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -69,7 +62,7 @@ def sharded_run(rank: int, world_size: int, call_twice: bool = False, micro_batc
             assert _all_sharded(model), "parameters must be sharded DTensors after forward"
             loss.backward()
             assert _all_sharded(model), "parameters must be sharded DTensors after backward"
-            total += _mean_over_ranks(loss)
+            total += mean_over_ranks(loss)
         if eval_every and step % eval_every == 0:
             with torch.no_grad():
                 model(x)

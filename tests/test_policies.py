@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -14,6 +13,7 @@ import perparam
 from perparam import CommCounter, MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 from perparam.memory.measure import model_state_bytes
 from tests.distributed import run_distributed
+from tests.models import mean_over_ranks
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -85,11 +85,7 @@ def train_mixed(rank: int, world_size: int, bf16: bool) -> tuple[list[float], di
         loss.backward()
         opt.step()
         opt.zero_grad()
-        loss = loss.detach().clone()
-        if world_size:
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(mean_over_ranks(loss))
     named = dict(model.named_parameters())
     if not world_size and bf16:
         named["proj.weight"] = model.proj.parametrizations.weight.original

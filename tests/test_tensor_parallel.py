@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -13,6 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import perparam
 from tests.distributed import run_distributed
+from tests.models import mean_over_ranks
 
 STEPS, TOL = 6, 1e-5
 
@@ -71,11 +71,7 @@ def train(rank: int, world_size: int, clip: bool, layout: str = "1d") -> dict:
         norms.append(norm.item())
         opt.step()
         opt.zero_grad()
-        loss = loss.detach().clone()
-        if world_size:
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(mean_over_ranks(loss))
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
     placements = {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     return {"losses": losses, "norms": norms, "params": full, "exact": exact, "placements": placements}
