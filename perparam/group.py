@@ -7,7 +7,7 @@ is *alive* or *freed*; the module has the *sharded* DTensors or the *unsharded* 
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +55,9 @@ class ParamGroup:
         self.grads_arrived: set[int] = set()
         self.num_trainable = 0
         self.callback_queued = False
-        self.pending_reduces: deque = deque()  # on a root: (group, PendingReduce) in flight
+        self.forward_order: list[ParamGroup] = []  # on a root: groups in the order this forward ran them
+        self.prefetch_order: dict[ParamGroup, int] = {}  # on a root: the last forward's order
+        self.prefetch_list: list[ParamGroup] = []
 
     def manages(self, tensor: torch.Tensor) -> bool:
         return any(tensor is p.sharded for p in self.params)

@@ -19,6 +19,7 @@ The *root* is the outermost group whose forward runs while no other group's forw
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from .cast import cast_floating, tensors_in
 from .group import ParamGroup
 
 _local = threading.local()
+
+#: issue the next group's all-gather (in the last forward's order) before computing this one
+PREFETCH = True
 
 
 def _active_root() -> ParamGroup | None:
@@ -50,20 +54,49 @@ def tree_of(group: ParamGroup) -> list[ParamGroup]:
 
 
 def _start_iteration(root: ParamGroup) -> None:
-    """A new root forward: drop storage kept for a backward that never came (it may be stale)."""
+    """A new root forward: drop storage kept for a backward that never came (it may be stale), and keep
+    the last forward's group order for prefetching."""
     for g in tree_of(root):
         if not g.registered_unsharded and g.storage_alive and not g.in_backward:
             g.free()
+    if root.forward_order:
+        root.prefetch_order = {g: i for i, g in enumerate(root.forward_order)}
+        root.prefetch_list = root.forward_order
+    root.forward_order = []
+
+
+def _prefetch(root: ParamGroup, group: ParamGroup, step: int) -> None:
+    """Issue the all-gather of the group that ran ``step`` places after ``group`` in the last forward
+    (``+1``: the next forward, ``-1``: the next backward), so it overlaps this group's compute."""
+    index = root.prefetch_order.get(group)
+    if index is None or not PREFETCH:
+        return
+    j = index + step
+    if 0 <= j < len(root.prefetch_list):
+        root.prefetch_list[j].start_unshard()
+
+
+def _recomputing() -> bool:
+    """A forward run inside backward: activation checkpointing recomputing a region."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
-    if _active_root() is None:
-        _local.root = group
-        _start_iteration(group)
-    group.root = _active_root()
-    group.forward_depth += 1
-    group.unshard()
-    group.register_unsharded()
+    if _recomputing():  # the iteration's root, order and prefetching stay as the real forward left them
+        group.forward_depth += 1
+        group.unshard()
+        group.register_unsharded()
+    else:
+        if _active_root() is None:
+            _local.root = group
+            _start_iteration(group)
+        root = group.root = _active_root()
+        if group.forward_depth == 0 and group not in root.forward_order:
+            root.forward_order.append(group)
+        group.forward_depth += 1
+        group.unshard()
+        group.register_unsharded()
+        _prefetch(root, group, +1)
     mp = group.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
@@ -73,16 +106,18 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     group.forward_depth -= 1
     root = _active_root()
+    recomputing = _recomputing()
     if group.forward_depth == 0:
         group.register_sharded()
         grad_enabled = torch.is_grad_enabled()
-        if not grad_enabled or (group.reshard_after_forward and group is not root):
+        # a recomputed region's backward follows at once: keep its parameters
+        if not grad_enabled or (group.reshard_after_forward and group is not root and not recomputing):
             group.free()
         if grad_enabled:
             _register_pre_backward(group, output)
             for p in group.trainable():
                 p.ensure_post_accumulate_hook(lambda _p, g=group, q=p: _on_grad_ready(g, q))
-    if root is group and group.forward_depth == 0:
+    if root is group and group.forward_depth == 0 and not recomputing:
         _local.root = None
     if group.mp_policy.output_dtype is not None:
         output = cast_floating(output, group.mp_policy.output_dtype)
@@ -107,6 +142,7 @@ def _pre_backward(group: ParamGroup) -> None:
     group.grads_arrived.clear()
     group.num_trainable = len(group.trainable())
     group.unshard()
+    _prefetch(root, group, -1)
 
 
 def _on_grad_ready(group: ParamGroup, param) -> None:
@@ -119,14 +155,15 @@ def _on_grad_ready(group: ParamGroup, param) -> None:
 
 #: reduce-scatters left in flight while backward computes on; the oldest is finished past this many
 MAX_REDUCES_IN_FLIGHT = 2
+#: (group, PendingReduce) in flight, oldest first; the final callback of backward finishes them all
+_pending_reduces: deque = deque()
 
 
 def _post_backward(group: ParamGroup) -> None:
-    root = group.root or group
     for item in group.reduce_grads(sync=group.requires_gradient_sync, defer=True):
-        root.pending_reduces.append((group, item))
-    while len(root.pending_reduces) > MAX_REDUCES_IN_FLIGHT:
-        g, item = root.pending_reduces.popleft()
+        _pending_reduces.append((group, item))
+    while len(_pending_reduces) > MAX_REDUCES_IN_FLIGHT:
+        g, item = _pending_reduces.popleft()
         g.finish_reduce(item)
     group.free()
     group.post_backward_done = True
@@ -136,8 +173,8 @@ def _final_callback(root: ParamGroup) -> None:
     for g in tree_of(root):
         if g.in_backward and not g.post_backward_done:
             _post_backward(g)
-    while root.pending_reduces:
-        g, item = root.pending_reduces.popleft()
+    while _pending_reduces:
+        g, item = _pending_reduces.popleft()
         g.finish_reduce(item)
     for g in tree_of(root):
         g.reshard()
