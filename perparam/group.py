@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives
-from .layout import GroupLayout, reduce_scatter_offsets
+from . import buffers, collectives
+from .layout import GroupLayout, ceil_div, reduce_scatter_offsets
 from .param import ShardedParam
 
 
@@ -97,7 +97,7 @@ class ParamGroup:
             return
         layout = self.layout
         device = self.gathered[0].local_shard().device
-        send = torch.empty(layout.slot_bytes, dtype=torch.uint8, device=device)
+        send = buffers.take(layout.slot_bytes, device)
         dsts, srcs = [], []
         for p, offsets in zip(self.gathered, layout.offsets):
             if p.plain:
@@ -110,7 +110,7 @@ class ParamGroup:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        recv = torch.empty(self.num_shards * layout.slot_bytes, dtype=torch.uint8, device=device)
+        recv = buffers.take(self.num_shards * layout.slot_bytes, device)
         work = collectives.all_gather(recv, send, self.shard_pg, async_op=True)
         self._pending_gather = (work, send, recv)
 
@@ -120,10 +120,11 @@ class ParamGroup:
         buffers of plain parameters, through scratch pieces (dequantized) for quantized ones."""
         if self._pending_gather is None:
             return
-        work, _send, recv = self._pending_gather
+        work, send, recv = self._pending_gather
         self._pending_gather = None
         if work is not None:
             work.wait()
+        buffers.give_back(send)
         layout, k = self.layout, self.num_shards
         targets: list[list[torch.Tensor]] = []
         for p in self.gathered:
@@ -138,6 +139,7 @@ class ParamGroup:
         for p, pieces in zip(self.gathered, targets):
             if not p.plain:
                 p.unpack(pieces)
+        buffers.give_back(recv)
         self._alive = True
 
     def free(self) -> None:
@@ -211,6 +213,7 @@ class ParamGroup:
         accumulate each parameter's piece into its sharded ``.grad``."""
         if item.work is not None:
             item.work.wait()
+        buffers.give_back(item.send)
         recv = item.recv
         if self.replicate_pg is not None:
             collectives.all_reduce_sum(recv, self.replicate_pg)
@@ -234,8 +237,12 @@ class PendingReduce:
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:
     """``[K, sum(padded_local_numel)]``: row r holds every gradient's rank-r ``torch.chunk`` piece,
-    padded to the chunk size, in order (``torch._chunk_cat``; empty gradients contribute nothing)."""
+    padded to the chunk size, in order (``torch._chunk_cat``; empty gradients contribute nothing).
+    The buffer comes from ``buffers.take``: give it back once the reduce-scatter has finished."""
     nonempty = [g for g in grads if g.numel()]
     if not nonempty:
         return grads[0].new_empty(num_shards, 0)
-    return torch._chunk_cat(nonempty, dim=0, num_chunks=num_shards)
+    cols = sum(ceil_div(g.shape[0], num_shards) * (g.numel() // g.shape[0]) for g in nonempty)
+    dtype = nonempty[0].dtype
+    out = buffers.take(num_shards * cols * dtype.itemsize, nonempty[0].device).view(dtype).view(num_shards, cols)
+    return torch._chunk_cat(nonempty, dim=0, num_chunks=num_shards, out=out)

@@ -66,13 +66,15 @@ def _start_iteration(root: ParamGroup) -> None:
 
 
 def _prefetch(root: ParamGroup, group: ParamGroup, step: int) -> None:
-    """Issue the all-gather of the group that ran ``step`` places after ``group`` in the last forward
-    (``+1``: the next forward, ``-1``: the next backward), so it overlaps this group's compute."""
+    """Issue the all-gather of the group expected to run next, so it overlaps this group's compute:
+    ``step=+1`` the next group of the last forward, ``-1`` the next in backward (reverse order)."""
     index = root.prefetch_order.get(group)
     if index is None or not PREFETCH:
         return
-    j = index + step
-    if 0 <= j < len(root.prefetch_list):
+    # backward runs the root first (its output is the loss), then the groups in reverse forward order:
+    # after the root (index 0) comes the last group
+    j = (index + step) % len(root.prefetch_list)
+    if j != index:
         root.prefetch_list[j].start_unshard()
 
 
