@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-IDLE_PER_SIZE = 2
+IDLE_PER_SIZE = 4
 _idle: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
 
 
