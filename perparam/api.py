@@ -18,7 +18,7 @@ from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, check_patterns, resolve
-from .tp import CompositionError, compose
+from .tp import CompositionError, TensorParallel, compose
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
 #: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.
@@ -56,7 +56,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
 
     Raises:
         ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
-            sharded, a mesh of more than 2 dims, a non-floating-point parameter that requires grad.
+            sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
+            parameter that requires grad, a policy that cannot apply (named in the message), a
+            tensor-parallel parameter that cannot compose with ``mesh``. Nothing is changed then.
     """
     modules = list(module) if isinstance(module, Sequence) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -82,22 +84,15 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     found = _collect(modules)
     for fqn, original, _ in found:
         _check_param(fqn, original, owner)
+    # validate everything before changing anything: a failed call leaves the module as it was
     try:
         check_patterns([fqn for fqn, _, _ in found], param_policy)
         policies = [resolve(fqn, p, mp_policy, param_policy, p.dim()) for fqn, p, _ in found]
-    except PolicyError as e:
+        tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
+    except (PolicyError, CompositionError) as e:
         raise ShardingError(str(e)) from None
     sharded_params = []
-    for (fqn, original, slots), policy in zip(found, policies):
-        tp = None
-        if isinstance(original.data, DTensor):
-            try:
-                tp = compose(fqn, original.data, mesh, policy.shard_dim)
-            except CompositionError as e:
-                raise ShardingError(str(e)) from None
-            if policy.quant is not None and policy.quant.store_quantized:
-                raise ShardingError(f"parameter '{fqn}' is tensor-parallel; store_quantized is not supported "
-                                    "for tensor-parallel parameters: quantize its communication only")
+    for (fqn, original, slots), policy, tp in zip(found, policies, tps):
         sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy, tp)
         sp.register_sharded()
         if sp.stored_quantized:
@@ -115,6 +110,16 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
                                 with_kwargs=True, always_call=True)
     return module
+
+
+def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:
+    """The tensor-parallel composition of a parameter that is already a DTensor, else ``None``."""
+    if not isinstance(p.data, DTensor):
+        return None
+    if policy.quant is not None and policy.quant.store_quantized:
+        raise CompositionError(f"parameter '{fqn}' is tensor-parallel; store_quantized is not supported for "
+                               "tensor-parallel parameters: quantize its communication only")
+    return compose(fqn, p.data, mesh, policy.shard_dim)
 
 
 def default_mesh() -> DeviceMesh:

@@ -327,7 +327,9 @@ def policy_error(rank: int, world_size: int, case: str) -> str:
         else:
             perparam.fully_shard(model, param_policy=policies[case])
     except perparam.ShardingError as e:
-        return str(e)
+        unchanged = not any(isinstance(p, DTensor) for p in model.parameters()) and not isinstance(
+            model, perparam.ShardedModule)
+        return str(e) + ("" if unchanged else " [MODULE WAS CHANGED]")
     return "no error"
 
 
@@ -345,5 +347,6 @@ POLICY_ERRORS = {
 @pytest.mark.parametrize("case", sorted(POLICY_ERRORS))
 def test_bad_policies_fail_at_fully_shard_time(case):
     message = run_distributed(policy_error, 1, case)[0]
+    assert "[MODULE WAS CHANGED]" not in message  # a failed call leaves the module as it was
     for fragment in POLICY_ERRORS[case]:
         assert fragment in message, (fragment, message)
