@@ -54,6 +54,8 @@ class ParamGroup:
         self.post_backward_done = False
         self.grads_arrived: set[int] = set()
         self.num_trainable = 0
+        self.frozen_calls = 0  # forwards (with grad) of a group without trainable parameters ...
+        self.frozen_backwards = 0  # ... and how many of their backwards have finished
         self.callback_queued = False
         self.forward_order: list[ParamGroup] = []  # on a root: groups in the order this forward ran them
         self.prefetch_order: dict[ParamGroup, int] = {}  # on a root: the last forward's order

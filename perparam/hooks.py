@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from .cast import cast_floating, tensors_in
+from .cast import cast_floating, replace_tensors, tensors_in
 from .group import ParamGroup
 
 _local = threading.local()
@@ -99,6 +99,8 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
         group.unshard()
         group.register_unsharded()
         _prefetch(root, group, +1)
+        if torch.is_grad_enabled() and not group.trainable():
+            args, kwargs = _free_after_backward(group, args, kwargs)
     mp = group.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
@@ -124,6 +126,35 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     if group.mp_policy.output_dtype is not None:
         output = cast_floating(output, group.mp_policy.output_dtype)
     return output
+
+
+class _FrozenPostBackward(torch.autograd.Function):
+    """Identity on a frozen group's inputs; its backward runs once the group's backward is done (the
+    gradient w.r.t. its inputs is computed), so the group can free its parameters then."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        group.frozen_backwards += 1
+        if group.frozen_backwards >= group.frozen_calls:  # every call's backward is done
+            group.free()
+        return (None, *grads)
+
+
+def _free_after_backward(group: ParamGroup, args, kwargs):
+    """A group without trainable parameters gets no gradient hooks; free it after its backward through
+    an identity function on its inputs (when some input requires grad: else no backward passes)."""
+    inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if not inputs:
+        return args, kwargs
+    group.frozen_calls += 1
+    outputs = dict(zip(map(id, inputs), _FrozenPostBackward.apply(group, *inputs)))
+    return replace_tensors((args, kwargs), lambda t: outputs.get(id(t), t))
 
 
 def _register_pre_backward(group: ParamGroup, output) -> None:
@@ -180,6 +211,7 @@ def _final_callback(root: ParamGroup) -> None:
         g.finish_reduce(item)
     for g in tree_of(root):
         g.reshard()
+        g.frozen_calls = g.frozen_backwards = 0
         g.in_backward = False
         g.post_backward_done = False
         g.grads_arrived.clear()

@@ -249,3 +249,49 @@ def test_activation_checkpointing_recomputes_with_gathered_parameters():
     for got in run_distributed(activation_checkpointing, 2):
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+class FrozenMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.last = nn.Linear(4, 2)
+        self.frozen_alive_when_first_reduces: list[bool] = []
+
+    def forward(self, x):
+        return self.last(self.frozen(self.frozen(self.first(x))))  # the frozen layer is called twice
+
+
+def frozen_group_is_freed_after_its_backward(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = FrozenMiddle()
+    x = torch.randn(4, 4)
+    if world_size > 1:
+        for sub in (model.first, model.frozen, model.last):
+            perparam.fully_shard(sub)
+        perparam.fully_shard(model)
+        frozen = group_of(model.frozen)
+        # when `first` reduces (its backward comes after the frozen layer's), the frozen layer is freed
+        seen = model.frozen_alive_when_first_reduces
+        original = group_of(model.first).reduce_grads
+
+        def spy(*args, **kwargs):
+            seen.append(frozen.storage_alive)
+            return original(*args, **kwargs)
+
+        group_of(model.first).reduce_grads = spy
+        x = x.chunk(world_size)[rank]
+    model(x).square().mean().backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in
+             model.named_parameters() if p.grad is not None}
+    return {"alive": model.frozen_alive_when_first_reduces, "grads": grads}
+
+
+def test_a_frozen_group_frees_its_parameters_after_its_backward():
+    want = frozen_group_is_freed_after_its_backward(0, 1)["grads"]
+    for out in run_distributed(frozen_group_is_freed_after_its_backward, 2):
+        assert out["alive"] == [False]
+        assert out["grads"].keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(out["grads"][name], grad * 1.0, atol=1e-6, rtol=0, msg=name)
