@@ -42,6 +42,9 @@ def _worker(fn, rank: int, world_size: int, store_path: str, timeout: float, con
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
+        # nobody tears down (closing sockets and the store) while a peer may still use them
+        if dist.is_initialized():
+            dist.barrier()
         buf = io.BytesIO()
         torch.save(result, buf)
         conn.send(("ok", buf.getvalue()))
