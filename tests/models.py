@@ -58,3 +58,18 @@ def local_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous share of a global batch (equal shares)."""
     n = t.shape[0] // world_size
     return t[rank * n:(rank + 1) * n]
+
+
+def comm_per_micro_batch(model: nn.Module, rank: int, world_size: int, micro_batches: int = 3) -> list[dict]:
+    """Collectives (kind -> count) of each micro-batch's forward+backward; gradient sync only on the last."""
+    import torch.nn.functional as F
+
+    from perparam import CommCounter
+
+    counts = []
+    for i, (x, y) in enumerate(make_batches(micro_batches, 4)):
+        model.set_requires_gradient_sync(i == micro_batches - 1)
+        with CommCounter() as comm:
+            F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        counts.append(comm.by_kind())
+    return counts

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import perparam
 from perparam import CommCounter
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
 
 def _shard(model: TinyNet, reshard_after_forward: bool = True) -> None:
@@ -66,13 +66,7 @@ def accumulate_counts(rank: int, world_size: int) -> list[dict]:
     torch.manual_seed(0)
     model = TinyNet()
     _shard(model)
-    per_micro_batch = []
-    for i, (x, y) in enumerate(make_batches(3, 4)):
-        model.set_requires_gradient_sync(i == 2)
-        with CommCounter() as comm:
-            F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
-        per_micro_batch.append(comm.by_kind())
-    return per_micro_batch
+    return comm_per_micro_batch(model, rank, world_size)
 
 
 def test_no_sync_micro_batches_do_not_reduce():

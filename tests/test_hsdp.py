@@ -18,7 +18,7 @@ from mesh import ParallelDims
 from perparam import CommCounter, ParamPolicy
 from perparam.layout import ShardLayout
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
 STEPS, GLOBAL_BATCH, TOL, MAX_NORM = 10, 12, 1e-5, 0.5
 NAMES = ("dp_replicate", "dp_shard")
@@ -255,13 +255,7 @@ def accumulate(rank: int, world_size: int) -> list[dict]:
     model = TinyNet()
     mesh = _mesh((2, 2))
     _shard(model, mesh)
-    per_micro_batch = []
-    for i, (x, y) in enumerate(make_batches(3, 4)):
-        model.set_requires_gradient_sync(i == 2)
-        with CommCounter() as comm:
-            F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
-        per_micro_batch.append(comm.by_kind())
-    return per_micro_batch
+    return comm_per_micro_batch(model, rank, world_size)
 
 
 def test_no_sync_micro_batches_neither_reduce_scatter_nor_all_reduce():
