@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -63,9 +64,19 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     modules = list(module) if isinstance(module, Sequence) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ShardingError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ShardingError("fully_shard got the same module twice in its list; list each module once")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ShardingError(f"mp_policy must be a perparam.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping)) or callable(param_policy)):
+        raise ShardingError(f"param_policy must be a ParamPolicy, a mapping from glob patterns to ParamPolicy, or a "
+                            f"callable (name, param) -> ParamPolicy | None; got {type(param_policy).__name__}")
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(mp_policy, field)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ShardingError(f"MixedPrecisionPolicy.{field} must be a torch.dtype (e.g. torch.bfloat16), "
+                                f"got {dtype!r}")
         if dtype is not None and not dtype.is_floating_point:
             raise ShardingError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
     mesh = mesh if mesh is not None else default_mesh()
@@ -172,8 +183,8 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str) -> None:
     if taken is not None:
         other, other_fqn = taken
         raise ShardingError(
-            f"parameter '{fqn}' is shared with parameter '{other_fqn}' of an earlier fully_shard call on "
-            f"{other}; a parameter can belong to one group only: shard the modules that share it in one "
+            f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
+            f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
             f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
     if p.dim() == 0:
         raise ShardingError(f"parameter '{fqn}' of {owner} is 0-dim and cannot be sharded on dim 0; give it "

@@ -96,6 +96,8 @@ class PolicyError(ValueError):
 
 
 def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise PolicyError(f"{what} must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     if dtype is not None and not dtype.is_floating_point:
         raise PolicyError(f"{what} must be a floating-point dtype, got {dtype}")
 

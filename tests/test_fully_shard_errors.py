@@ -69,6 +69,15 @@ def _case(name: str) -> None:
         perparam.fully_shard(IntParamRequiringGrad())
     elif name == "empty_list":
         perparam.fully_shard([])
+    elif name == "listed_twice":
+        block = nn.Linear(2, 2)
+        perparam.fully_shard([block, block])
+    elif name == "mp_policy_type":
+        perparam.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})
+    elif name == "param_policy_type":
+        perparam.fully_shard(nn.Linear(2, 2), param_policy=[perparam.ParamPolicy()])
+    elif name == "dtype_as_string":
+        perparam.fully_shard(nn.Linear(2, 2), mp_policy=perparam.MixedPrecisionPolicy(param_dtype="bf16"))
     else:
         raise AssertionError(name)
 
@@ -83,7 +92,8 @@ def raise_case(rank: int, world_size: int, name: str) -> tuple[str, str]:
 
 CASES = {
     "zero_dim": ["'scale'", "0-dim", "shape [1]"],
-    "tied_across_calls": ["'head.weight'", "'weight'", "Embedding", "fully_shard([module_a, module_b])"],
+    "tied_across_calls": ["'head.weight'", "'weight'", "Embedding", "Tied (this call)",
+                          "fully_shard([module_a, module_b])"],
     "twice": ["already applied", "Linear"],
     "parent_first": ["'weight'", "already sharded", "bottom-up"],
     "mesh_3d": ["3D mesh", "(replicate, shard)"],
@@ -91,6 +101,10 @@ CASES = {
     "not_a_mesh": ["DeviceMesh", "str"],
     "int_requires_grad": ["'codes'", "torch.uint8", "requires_grad=False"],
     "empty_list": ["non-empty list"],
+    "listed_twice": ["same module twice"],
+    "mp_policy_type": ["MixedPrecisionPolicy", "dict"],
+    "param_policy_type": ["ParamPolicy", "list"],
+    "dtype_as_string": ["torch.dtype", "'bf16'"],
 }
 
 
