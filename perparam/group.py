@@ -34,10 +34,8 @@ class ParamGroup:
         self.params = params
         self.mesh = mesh
         self.mp_policy = mp_policy
-        self.shard_pg = mesh.get_group(mesh.ndim - 1)
-        self.replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
-        self.num_shards = self.shard_pg.size()
-        self.num_replicas = self.replicate_pg.size() if self.replicate_pg is not None else 1
+        self.num_shards = mesh.size(mesh.ndim - 1)
+        self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.gathered = [p for p in params if p.dim is not None]
         self.replicated = [p for p in params if p.dim is None]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
@@ -60,6 +58,17 @@ class ParamGroup:
         self.forward_order: list[ParamGroup] = []  # on a root: groups in the order this forward ran them
         self.prefetch_order: dict[ParamGroup, int] = {}  # on a root: the last forward's order
         self.prefetch_list: list[ParamGroup] = []
+
+    # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
+    # destroy_process_group() (the module tree holds groups until interpreter exit) was seen to abort the
+    # process at exit ("terminate called without an active exception").
+    @property
+    def shard_pg(self):
+        return self.mesh.get_group(self.mesh.ndim - 1)
+
+    @property
+    def replicate_pg(self):
+        return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
 
     def manages(self, tensor: torch.Tensor) -> bool:
         return any(tensor is p.sharded for p in self.params)
