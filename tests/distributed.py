@@ -51,6 +51,9 @@ def _worker(fn, rank: int, world_size: int, store_path: str, timeout: float, con
     except BaseException:  # report everything, including assertion failures, to the parent
         conn.send(("error", traceback.format_exc()))
     finally:
+        import gc
+
+        gc.collect()  # free sharded models (reference cycles) before their process groups go
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()

@@ -16,6 +16,7 @@ ranks of one tensor-parallel group read the same rows.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -356,6 +357,10 @@ def train(args, data: PreparedData) -> dict:
             print(f"summary written to {out}", flush=True)
         return summary
     finally:
+        # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
+        # kept into interpreter teardown it was seen to abort the process at exit
+        model = optimizer = meshes = None  # noqa: F841
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()
