@@ -116,3 +116,33 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
 def _errors(results: dict) -> str:
     return "".join(f"\n--- rank {rank} ---\n{payload}" for rank, (status, payload) in sorted(results.items())
                    if status == "error")
+
+
+C10D_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+
+class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
+    """Count calls of torch.distributed's collective functions while active, so a test can check that
+    ``perparam.CommCounter`` hides none: ``with c10d_calls() as raw: ...; raw["all_reduce"]``."""
+
+    def __enter__(self) -> dict[str, int]:
+        import torch.distributed as dist
+
+        self.counts = dict.fromkeys(C10D_COLLECTIVES, 0)
+        self.originals = {name: getattr(dist, name) for name in C10D_COLLECTIVES}
+
+        def counting(name):
+            def call(*args, **kwargs):
+                self.counts[name] += 1
+                return self.originals[name](*args, **kwargs)
+            return call
+
+        for name in C10D_COLLECTIVES:
+            setattr(dist, name, counting(name))
+        return self.counts
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)

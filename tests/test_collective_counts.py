@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import perparam
 from perparam import CommCounter
-from tests.distributed import run_distributed
+from tests.distributed import c10d_calls, run_distributed
 from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
 
@@ -24,26 +23,11 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool) -> d
     _shard(model, reshard_after_forward)
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
     F.mse_loss(model(x), y).backward()  # a first step: from the second on, the next group is prefetched
-    # count at the c10d level too, so the counter cannot hide a collective
-    raw = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_reduce": 0}
-    originals = {name: getattr(dist, name) for name in raw}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            raw[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in raw:
-        setattr(dist, name, counting(name))
-    try:
+    with c10d_calls() as raw:  # at the c10d level too, so the counter cannot hide a collective
         with CommCounter() as fwd:
             loss = F.mse_loss(model(x), y)
         with CommCounter() as bwd:
             loss.backward()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw}
 
 

@@ -17,7 +17,7 @@ import perparam
 from mesh import ParallelDims
 from perparam import CommCounter, ParamPolicy
 from perparam.layout import ShardLayout
-from tests.distributed import run_distributed
+from tests.distributed import c10d_calls, run_distributed
 from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
 STEPS, GLOBAL_BATCH, TOL, MAX_NORM = 10, 12, 1e-5, 0.5
@@ -169,30 +169,14 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
     mesh = _mesh(mesh_shape)
     layouts = _group_layouts(model, mesh.size(1))
     _shard(model, mesh, reshard_after_forward)
-    # count at the c10d level too, so the counter cannot hide a collective
-    raw = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_reduce": 0}
-    originals = {name: getattr(dist, name) for name in raw}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            raw[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
     steps = []
     for x, y in make_batches(2, 8):
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        for name in raw:
-            raw[name] = 0
-            setattr(dist, name, counting(name))
-        try:
+        with c10d_calls() as raw:  # at the c10d level too, so the counter cannot hide a collective
             with CommCounter() as fwd:
                 loss = F.mse_loss(model(x), y)
             with CommCounter() as bwd:
                 loss.backward()
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
         steps.append({"fwd": fwd.records, "bwd": bwd.records, "raw": dict(raw)})
     groups = {axis: (mesh.get_group(axis).group_name, mesh.get_group(axis).size()) for axis in NAMES}
     return {"steps": steps, "groups": groups, "layouts": layouts}
