@@ -7,10 +7,12 @@ backward hooks all-gather one group's parameters in one collective and reduce-sc
 from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .collectives import CommCounter
+from .debug import CollectiveMismatchError, set_debug
 from .module import ShardedModule
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 
 __all__ = [
+    "CollectiveMismatchError",
     "CommCounter",
     "MixedPrecisionPolicy",
     "ParamPolicy",
@@ -19,5 +21,6 @@ __all__ = [
     "ShardingError",
     "clip_grad_norm_",
     "fully_shard",
+    "set_debug",
 ]
 __version__ = "0.1.0"

@@ -94,7 +94,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
 
     found = _collect(modules)
     for fqn, original, _ in found:
-        _check_param(fqn, original, owner)
+        _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
     try:
         check_patterns([fqn for fqn, _, _ in found], param_policy)
@@ -113,6 +113,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
 
     group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
     _GROUPS.add(group)
+    for sp in sharded_params:
+        sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)
     for m in modules:
         attach(m, group)
         m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),
@@ -174,11 +176,21 @@ def _collect(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter, list[tup
     return list(found.values())
 
 
-def _check_param(fqn: str, p: nn.Parameter, owner: str) -> None:
-    if any(g.manages(p) for g in _GROUPS):
+def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]) -> None:
+    earlier = next((g for g in _GROUPS if g.manages(p)), None)
+    if earlier is not None:
+        other_fqn = next(sp.fqn for sp in earlier.params if sp.sharded is p)
+        inside = any(sub is m for em in earlier.modules for sub in em.modules() for m in modules)
+        if inside:
+            raise ShardingError(
+                f"parameter '{fqn}' of {owner} is already sharded by an earlier fully_shard call on its parent "
+                f"{earlier.name} (as '{other_fqn}'); apply fully_shard bottom-up: submodules first, then "
+                "their parent")
         raise ShardingError(
-            f"parameter '{fqn}' of {owner} is already sharded by an earlier fully_shard call on a parent "
-            "module; apply fully_shard bottom-up: submodules first, then their parent")
+            f"parameter '{fqn}' of {owner} (this call) is already sharded by an earlier fully_shard call on "
+            f"{earlier.name} (as '{other_fqn}'): the submodule holding it is shared by both. A parameter "
+            f"belongs to one group: shard both modules in one call (fully_shard([the {earlier.name}, this "
+            f"{owner}])), or shard the shared submodule first with its own fully_shard call, before both")
     taken = _TAKEN.get(p)
     if taken is not None:
         other, other_fqn = taken

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import debug
+
 # Process-wide, not per thread: on CUDA autograd runs backward hooks (and so the backward collectives) on
 # its own device thread.
 _counters: list[CommCounter] = []
@@ -77,8 +79,12 @@ def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype
             c.records.append(rec)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """Gather ``input`` (``[n]``) from every rank of ``group`` into ``output`` (``[K * n]``), rank-major."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
+               what: str = ""):
+    """Gather ``input`` (``[n]``) from every rank of ``group`` into ``output`` (``[K * n]``), rank-major.
+    ``what`` names the group and parameters (checked across ranks in debug mode, ``perparam.debug``)."""
+    if debug.debug_enabled():
+        debug.check("all_gather", input, output.numel() * output.element_size(), group, what)
     _record("all_gather", output.numel() * output.element_size(), group, output.dtype)
     if group.size() == 1:
         output.copy_(input)
@@ -87,8 +93,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
 
 
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                       async_op: bool = False):
+                       async_op: bool = False, what: str = ""):
     """Sum ``input`` (``[K * n]``) over ``group`` and leave this rank's ``[n]`` piece in ``output``."""
+    if debug.debug_enabled():
+        debug.check("reduce_scatter", input, output.numel() * output.element_size(), group, what)
     _record("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
     if group.size() == 1:
         output.copy_(input)
@@ -96,8 +104,10 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False, what: str = ""):
     """Sum ``tensor`` in place over ``group``."""
+    if debug.debug_enabled():
+        debug.check("all_reduce", tensor, tensor.numel() * tensor.element_size(), group, what)
     _record("all_reduce", tensor.numel() * tensor.element_size(), group, tensor.dtype)
     if group.size() == 1:
         return None

@@ -1,8 +1,9 @@
 """One ``fully_shard`` call's parameters: one all-gather per unshard whatever the mix of dtypes,
 quantizations and placements; one reduce-scatter per distinct reduce dtype.
 
-The group owns the collectives; ``hooks.py`` decides when they run. States: the padded unsharded storage
-is *alive* or *freed*; the module has the *sharded* DTensors or the *unsharded* tensors registered.
+The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` and iteration
+context are in ``perparam.state``. Beside that state: the padded unsharded storage is *alive* or *freed*;
+the module has the *sharded* DTensors or the *unsharded* tensors registered.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import buffers, collectives
+from . import collectives
+from .buffers import BufferPool
 from .layout import GroupLayout, ceil_div, reduce_scatter_offsets
 from .param import ShardedParam
+from .state import ALLOWED, IterationContext, StateError, TrainingState
 
 
 class ParamGroup:
@@ -40,24 +43,22 @@ class ParamGroup:
         self.replicated = [p for p in params if p.dim is None]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.registered_unsharded = False
         self._alive = False  # the unsharded storage holds the gathered parameters
+        self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
         self._pending_gather = None  # (work, send, recv) of an all-gather in flight
-        # per-forward/backward bookkeeping, driven by hooks.py
+        self.name = ", ".join(type(m).__name__ for m in modules)
+        self._what = f"group [{self.name}] ({', '.join(p.fqn for p in params)})"
+        # per-iteration bookkeeping, driven by hooks.py (see perparam.state for the states)
+        self.state = TrainingState.IDLE
+        self.ctx = IterationContext([self])  # replaced by the root's context at its first forward
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
-        self.root: ParamGroup | None = None
-        self.in_backward = False
-        self.post_backward_done = False
-        self.grads_arrived: set[int] = set()
-        self.num_trainable = 0
-        self.frozen_calls = 0  # forwards (with grad) of a group without trainable parameters ...
-        self.frozen_backwards = 0  # ... and how many of their backwards have finished
-        self.callback_queued = False
-        self.forward_order: list[ParamGroup] = []  # on a root: groups in the order this forward ran them
-        self.prefetch_order: dict[ParamGroup, int] = {}  # on a root: the last forward's order
-        self.prefetch_list: list[ParamGroup] = []
+        self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
+        self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
+        self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
 
     # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
     # destroy_process_group() (the module tree holds groups until interpreter exit) was seen to abort the
@@ -69,6 +70,18 @@ class ParamGroup:
     @property
     def replicate_pg(self):
         return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
+
+    def transition(self, new: TrainingState) -> None:
+        """Move to state ``new``; raises ``StateError`` for a transition ``perparam.state`` does not allow."""
+        if new is not self.state and new not in ALLOWED[self.state]:
+            raise StateError(f"perparam: group [{self.name}] cannot go from {self.state.value} to {new.value}; "
+                             "call module.reset() after an interrupted step, or report this as a bug")
+        self.state = new
+
+    def force_state(self, new: TrainingState) -> None:
+        self.state = new
+        self.forward_depth = 0
+        self.calls_pending = self.untracked_calls = 0
 
     def manages(self, tensor: torch.Tensor) -> bool:
         return any(tensor is p.sharded for p in self.params)
@@ -82,6 +95,14 @@ class ParamGroup:
     def storage_alive(self) -> bool:
         """The unsharded storage is filled (or being filled by an all-gather in flight)."""
         return self._alive or self._pending_gather is not None
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p.sharded._version for p in self.params)
+
+    def stale(self) -> bool:
+        """The gathered storage no longer matches the shards (an in-place update such as an optimizer step
+        bumped a sharded parameter's version since the all-gather)."""
+        return self._alive and self._versions() != self._gathered_versions
 
     def trainable(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded.requires_grad]
@@ -99,8 +120,10 @@ class ParamGroup:
     @torch.no_grad()
     def start_unshard(self) -> None:
         """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
-        if not self.params or self.storage_alive:
+        if not self.params or (self.storage_alive and not self.stale()):
             return
+        self._alive = False
+        self._gathered_versions = self._versions()
         for p in self.replicated:
             p.fill_replicated()
         if not self.gathered:
@@ -108,7 +131,8 @@ class ParamGroup:
             return
         layout = self.layout
         device = self.gathered[0].local_shard().device
-        send = buffers.take(layout.slot_bytes, device)
+        pool = self.ctx.pool
+        send = pool.take(layout.slot_bytes, device)
         dsts, srcs = [], []
         for p, offsets in zip(self.gathered, layout.offsets):
             if p.plain:
@@ -121,8 +145,8 @@ class ParamGroup:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        recv = buffers.take(self.num_shards * layout.slot_bytes, device)
-        work = collectives.all_gather(recv, send, self.shard_pg, async_op=True)
+        recv = pool.take(self.num_shards * layout.slot_bytes, device)
+        work = collectives.all_gather(recv, send, self.shard_pg, async_op=True, what=self._what)
         self._pending_gather = (work, send, recv)
 
     @torch.no_grad()
@@ -135,7 +159,7 @@ class ParamGroup:
         self._pending_gather = None
         if work is not None:
             work.wait()
-        buffers.give_back(send)
+        self.ctx.pool.give_back(send)
         layout, k = self.layout, self.num_shards
         targets: list[list[torch.Tensor]] = []
         for p in self.gathered:
@@ -150,7 +174,7 @@ class ParamGroup:
         for p, pieces in zip(self.gathered, targets):
             if not p.plain:
                 p.unpack(pieces)
-        buffers.give_back(recv)
+        self.ctx.pool.give_back(recv)
         self._alive = True
 
     def free(self) -> None:
@@ -176,42 +200,69 @@ class ParamGroup:
         self.free()
 
     # -- gradients --------------------------------------------------------------------------------------
+    def drop_unsharded_grads(self) -> None:
+        """Forget unsharded gradients and gradients accumulated without sync (``reset``)."""
+        for p in self.params:
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+            p.grad_acc = None
+        self.unsynced = False
+
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
         """Reduce the unsharded gradients into the sharded ``.grad``s, averaged over all data-parallel
         ranks and accumulated into existing sharded gradients.
 
-        Sharded parameters: one reduce-scatter per distinct reduce dtype (then, on HSDP, one all-reduce
-        of its output over the replicate axis). Replicated parameters: one all-reduce per reduce dtype
-        over each mesh axis. ``sync=False`` only moves the gradients into the reduce-dtype accumulators
-        (gradient accumulation without communication). ``defer=True`` returns the reduce-scatters still
-        in flight, for ``finish_reduce`` (so backward compute continues meanwhile); otherwise they are
-        finished before returning.
+        The collectives depend on the group alone, never on which gradients this rank computed: every
+        trainable parameter of the group is packed, in the group's fixed order, into one reduce-scatter
+        per distinct reduce dtype (then, on HSDP, one all-reduce of its output over the replicate axis); a
+        parameter without a gradient on this rank contributes zeros. Each rank's piece ends with one
+        *used* flag per parameter (1 where this rank had a gradient), summed by the same collective, so
+        a parameter that no rank used keeps its ``.grad`` unchanged (``None`` after ``zero_grad()``) on
+        every rank, as in an unsharded model. Replicated parameters: one all-reduce per reduce dtype over
+        each mesh axis, flags likewise. ``sync=False`` only moves the gradients into the reduce-dtype
+        accumulators (gradient accumulation without communication). ``defer=True`` returns the
+        reduce-scatters still in flight, for ``finish_reduce``; otherwise they are finished here.
         """
+        trainable = [p for p in self.params if p.sharded.requires_grad]
+        if not sync:
+            for p in trainable:
+                p.take_unsharded_grad(keep=True)
+            self.unsynced = bool(trainable)
+            return []
+        self.unsynced = False
         sharded: dict[torch.dtype, list] = defaultdict(list)
         replicated: dict[torch.dtype, list] = defaultdict(list)
-        for p in self.params:
-            grad = p.take_unsharded_grad(keep=not sync)
-            if grad is not None:
-                (sharded if p.dim is not None else replicated)[grad.dtype].append((p, grad))
+        for p in trainable:
+            grad = p.take_unsharded_grad(keep=False)
+            used = grad is not None
+            if not used:
+                grad = p.zero_grad_for_reduce()
+            (sharded if p.dim is not None else replicated)[p.policy.reduce_dtype].append((p, grad, used))
         pending = []
-        for items in sharded.values():
-            params, grads = zip(*items)
-            send = pack_reduce_scatter_input(list(grads), self.num_shards)  # [K, sum(padded_local_numel)]
+        for dtype, items in sharded.items():
+            params, grads, used = zip(*items)
+            flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
+            # [K, sum(padded_local_numel) + len(params)]
+            send = pack_reduce_scatter_input(list(grads), self.num_shards, self.ctx.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
-            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg, async_op=True)
+            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg, async_op=True,
+                                                  what=f"{self._what} [{dtype}]")
             pending.append(PendingReduce(work, send, recv, params, offsets))
         world = self.num_shards * self.num_replicas
-        for items in replicated.values():
-            params, grads = zip(*items)
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            collectives.all_reduce_sum(flat, self.shard_pg)
+        for dtype, items in replicated.items():
+            params, grads, used = zip(*items)
+            flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
+            flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
+            collectives.all_reduce_sum(flat, self.shard_pg, what=f"{self._what} replicated [{dtype}]")
             if self.replicate_pg is not None:
-                collectives.all_reduce_sum(flat, self.replicate_pg)
+                collectives.all_reduce_sum(flat, self.replicate_pg, what=f"{self._what} replicated [{dtype}]")
             flat.div_(world)
-            for p, piece in zip(params, flat.split([g.numel() for g in grads])):
-                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
+            pieces = flat.split([*(g.numel() for g in grads), len(params)])
+            for p, piece, flag in zip(params, pieces, pieces[-1].tolist()):
+                if flag > 0:  # some rank had a gradient
+                    p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
         if not defer:
             for item in pending:
                 self.finish_reduce(item)
@@ -221,18 +272,28 @@ class ParamGroup:
     @torch.no_grad()
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduce-scatter, all-reduce it over the replicate axis (HSDP), average, and
-        accumulate each parameter's piece into its sharded ``.grad``."""
+        accumulate each parameter's piece into its sharded ``.grad`` (when some rank had a gradient)."""
         if item.work is not None:
             item.work.wait()
-        buffers.give_back(item.send)
+        self.ctx.pool.give_back(item.send)
         recv = item.recv
         if self.replicate_pg is not None:
-            collectives.all_reduce_sum(recv, self.replicate_pg)
+            collectives.all_reduce_sum(recv, self.replicate_pg, what=f"{self._what} [{recv.dtype}]")
+        flags = recv.narrow(0, recv.numel() - len(item.params), len(item.params)).tolist()
         recv.div_(self.num_shards * self.num_replicas)
-        for p, offset in zip(item.params, item.offsets):
+        for p, offset, flag in zip(item.params, item.offsets, flags):
+            if flag <= 0:  # no rank had a gradient for it
+                continue
             rows = p.layout.extent(p.shard_rank)[1]
             local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
             p.accumulate_sharded_grad(local.narrow(0, 0, rows))
+
+    @torch.no_grad()
+    def discard_reduce(self, item: PendingReduce) -> None:
+        """Finish a reduce-scatter of an interrupted backward and drop its result."""
+        if item.work is not None:
+            item.work.wait()
+        self.ctx.pool.give_back(item.send)
 
 
 @dataclass
@@ -246,14 +307,21 @@ class PendingReduce:
     offsets: tuple[int, ...]
 
 
-def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:
-    """``[K, sum(padded_local_numel)]``: row r holds every gradient's rank-r ``torch.chunk`` piece,
-    padded to the chunk size, in order (``torch._chunk_cat``; empty gradients contribute nothing).
-    The buffer comes from ``buffers.take``: give it back once the reduce-scatter has finished."""
-    nonempty = [g for g in grads if g.numel()]
-    if not nonempty:
+def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,
+                              flags: torch.Tensor | None = None) -> torch.Tensor:
+    """``[K, sum(padded_local_numel) (+ len(flags))]``: row r holds every gradient's rank-r ``torch.chunk``
+    piece, padded to the chunk size, in order (``torch._chunk_cat``; empty gradients contribute nothing),
+    then ``flags`` (``[n]``) repeated in every row. The buffer comes from ``pool.take`` when a pool is
+    given: give it back once the reduce-scatter has finished."""
+    tensors = [g for g in grads if g.numel()]
+    if flags is not None:
+        tensors.append(flags.view(1, -1).expand(num_shards, -1).contiguous())
+    if not tensors:
         return grads[0].new_empty(num_shards, 0)
-    cols = sum(ceil_div(g.shape[0], num_shards) * (g.numel() // g.shape[0]) for g in nonempty)
-    dtype = nonempty[0].dtype
-    out = buffers.take(num_shards * cols * dtype.itemsize, nonempty[0].device).view(dtype).view(num_shards, cols)
-    return torch._chunk_cat(nonempty, dim=0, num_chunks=num_shards, out=out)
+    cols = sum(ceil_div(t.shape[0], num_shards) * (t.numel() // t.shape[0]) for t in tensors)
+    dtype = tensors[0].dtype
+    nbytes = num_shards * cols * dtype.itemsize
+    raw = pool.take(nbytes, tensors[0].device) if pool is not None else torch.empty(nbytes, dtype=torch.uint8,
+                                                                                     device=tensors[0].device)
+    out = raw.view(dtype).view(num_shards, cols)
+    return torch._chunk_cat(tensors, dim=0, num_chunks=num_shards, out=out)

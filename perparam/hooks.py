@@ -1,25 +1,36 @@
-"""When the collectives run: forward pre/post hooks, pre-backward hooks, post-backward and the root's
-final callback.
+"""When the collectives run: forward pre/post hooks, pre-backward hooks, post-backward and the final callback.
 
-Timeline of one training step for a group G (K ranks):
+Timeline of one training step for a group G (K ranks); the states are ``perparam.state.TrainingState``:
 
-* pre-forward: all-gather G (one collective), register the unsharded tensors.
-* post-forward: register the sharded DTensors again; free the unsharded storage when G reshards after
-  forward, or when no backward can follow (grad disabled). The root keeps its storage for the backward
-  that immediately follows (no second all-gather), as FSDP2 does.
-* pre-backward (a hook on G's forward outputs): all-gather again if the storage was freed.
-* post-backward (when every trainable unsharded parameter of G has accumulated its gradient):
-  reduce-scatter G's gradients into the sharded ``.grad``s (unless gradient sync is off) and free.
-* the root's final callback (queued on the autograd engine): finish every group whose post-backward did
-  not fire (unused parameters, frozen groups), then free everything, before ``backward()`` returns.
+* pre-forward (IDLE -> FORWARD): all-gather G (one collective), register the unsharded tensors; when grad
+  is enabled, pass G's inputs that require grad through an identity function whose backward marks the
+  end of this call's backward (FSDP2 does the same).
+* post-forward (FORWARD -> IDLE): register the sharded DTensors again; free the unsharded storage when
+  G reshards after forward, or when no backward can follow (grad disabled). The root keeps its storage
+  for the backward that immediately follows (no second all-gather), as FSDP2's does. Hooks on G's outputs
+  wait for the gradient.
+* pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: all-gather again if the
+  storage was freed and register the unsharded tensors, so a region recomputed inside G (activation
+  checkpointing of a submodule) computes with them.
+* post-backward (PRE_BACKWARD -> POST_BACKWARD), when the backward of every forward call of G has reached
+  its inputs: reduce-scatter G's gradients (every trainable parameter in a fixed order, zeros where this
+  rank had none, so every rank issues the same collective) or, without gradient sync, keep them; register
+  the sharded tensors and free.
+* the final callback (-> IDLE), queued on the autograd engine by the first pre-backward or gradient of
+  the iteration: in the fixed module order (the same on every rank), finish every group whose post-backward
+  did not fire (inputs without grad, unused outputs), every group that accumulated gradients without sync
+  and is now synchronising although unused, then wait for every reduce-scatter in flight, before
+  ``backward()`` returns.
 
-The *root* is the outermost group whose forward runs while no other group's forward is running.
+A gradient that reaches an unsharded parameter outside a backward the hooks saw (``unshard()`` then a
+method other than ``forward``; a backward through a graph built with ``create_graph=True``) moves its group
+to PRE_BACKWARD and queues the final callback, so every route reduces its gradients exactly once.
+
+The *root* is the outermost group whose forward runs while no forward of its context is running; the
+iteration's state lives in the root's ``IterationContext``.
 """
 
 from __future__ import annotations
-
-import threading
-from collections import deque
 
 import torch
 from torch import nn
@@ -27,19 +38,21 @@ from torch.autograd import Variable
 
 from .cast import cast_floating, replace_tensors, tensors_in
 from .group import ParamGroup
+from .state import IterationContext, TrainingState
 
-_local = threading.local()
+IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
+PRE_BACKWARD, POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
 
-#: issue the next group's all-gather (in the last forward's order) before computing this one
+#: issue the all-gather of the group expected next (forward and backward) before computing this one
 PREFETCH = True
 
 
-def _active_root() -> ParamGroup | None:
-    return getattr(_local, "root", None)
+class TransformError(RuntimeError):
+    """A sharded module was called inside a ``torch.func`` transform."""
 
 
 def tree_of(group: ParamGroup) -> list[ParamGroup]:
-    """Every group in the module trees of ``group`` (itself first), computed once."""
+    """Every group in the module trees of ``group`` (itself first, then module order), computed once."""
     if group.tree is None:
         from .module import group_of
 
@@ -53,29 +66,14 @@ def tree_of(group: ParamGroup) -> list[ParamGroup]:
     return group.tree
 
 
-def _start_iteration(root: ParamGroup) -> None:
-    """A new root forward: drop storage kept for a backward that never came (it may be stale), and keep
-    the last forward's group order for prefetching."""
-    for g in tree_of(root):
-        if not g.registered_unsharded and g.storage_alive and not g.in_backward:
-            g.free()
-    if root.forward_order:
-        root.prefetch_order = {g: i for i, g in enumerate(root.forward_order)}
-        root.prefetch_list = root.forward_order
-    root.forward_order = []
-
-
-def _prefetch(root: ParamGroup, group: ParamGroup, step: int) -> None:
-    """Issue the all-gather of the group expected to run next, so it overlaps this group's compute:
-    ``step=+1`` the next group of the last forward, ``-1`` the next in backward (reverse order)."""
-    index = root.prefetch_order.get(group)
-    if index is None or not PREFETCH:
-        return
-    # backward runs the root first (its output is the loss), then the groups in reverse forward order:
-    # after the root (index 0) comes the last group
-    j = (index + step) % len(root.prefetch_list)
-    if j != index:
-        root.prefetch_list[j].start_unshard()
+def _init_root(group: ParamGroup) -> None:
+    """The first forward with ``group`` as root: one context for its whole tree."""
+    tree = tree_of(group)
+    ctx = IterationContext(tree)
+    for g in tree:
+        if g.ctx.dirty():
+            g.ctx.reset("a sharded submodule was left mid-iteration before its parent's first forward")
+        g.ctx = ctx
 
 
 def _recomputing() -> bool:
@@ -83,24 +81,62 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _check_transforms(group: ParamGroup) -> None:
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is not None:
+        raise TransformError(
+            f"perparam: sharded module [{group.name}] was called inside a torch.func transform "
+            f"({interpreter.key()}); its parameters are all-gathered by hooks that torch.func cannot "
+            "transform. Run the transform on an unsharded copy of the model, or use torch.autograd "
+            "(torch.autograd.grad(..., create_graph=True) and double backward are supported)")
+
+
+def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
+    """A new root forward: drop storage kept for a backward that never came (it may be stale) unless the
+    group keeps it deliberately (``set_reshard_after_backward(False)``), and index the last forward's
+    order for prefetching."""
+    for g in ctx.groups:
+        if not g.registered_unsharded and g.storage_alive and g.reshard_after_backward:
+            g.free()
+    ctx.iteration_root = root
+    ctx.forward_order = []
+    ctx.backward_order = []
+    last = ctx.last_forward.get(id(root), [])
+    ctx.forward_next = {g: last[i + 1] for i, g in enumerate(last[:-1])}
+
+
+def _prefetch(nxt: ParamGroup | None) -> None:
+    """Issue ``nxt``'s all-gather if it has not started its backward yet (never a group that is done)."""
+    if PREFETCH and nxt is not None and nxt.state is IDLE:
+        nxt.start_unshard()
+
+
 def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
-    if _recomputing():  # the iteration's root, order and prefetching stay as the real forward left them
+    _check_transforms(group)
+    if _recomputing():  # the iteration's state, order and prefetching stay as the real forward left them
         group.forward_depth += 1
         group.unshard()
         group.register_unsharded()
     else:
-        if _active_root() is None:
-            _local.root = group
-            _start_iteration(group)
-        root = group.root = _active_root()
-        if group.forward_depth == 0 and group not in root.forward_order:
-            root.forward_order.append(group)
+        ctx = group.ctx
+        if ctx.active_root is None:
+            if group.tree is None and group.ctx.groups[0] is group:  # not yet adopted by a parent root
+                _init_root(group)
+                ctx = group.ctx
+            if ctx.dirty():
+                ctx.reset("the previous iteration did not finish (an exception in forward or backward?)")
+            ctx.active_root = group
+            _start_iteration(ctx, group)
+        if group.forward_depth == 0:
+            group.transition(FORWARD)
+            if group not in ctx.forward_order:
+                ctx.forward_order.append(group)
         group.forward_depth += 1
         group.unshard()
         group.register_unsharded()
-        _prefetch(root, group, +1)
-        if torch.is_grad_enabled() and not group.trainable():
-            args, kwargs = _free_after_backward(group, args, kwargs)
+        _prefetch(ctx.forward_next.get(group))
+        if torch.is_grad_enabled():
+            args, kwargs = _track_backward(group, args, kwargs)
     mp = group.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
@@ -109,28 +145,33 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
 
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     group.forward_depth -= 1
-    root = _active_root()
+    ctx = group.ctx
     recomputing = _recomputing()
     if group.forward_depth == 0:
-        group.register_sharded()
         grad_enabled = torch.is_grad_enabled()
-        # a recomputed region's backward follows at once: keep its parameters
-        if not grad_enabled or (group.reshard_after_forward and group is not root and not recomputing):
-            group.free()
+        if recomputing:
+            # a recomputed region's backward follows at once: keep the storage; a group already in its
+            # backward keeps its unsharded parameters registered for the rest of it
+            if group.state is not PRE_BACKWARD:
+                group.register_sharded()
+        else:
+            group.register_sharded()
+            if not grad_enabled or (group.reshard_after_forward and group is not ctx.active_root):
+                group.free()
+            group.transition(IDLE)
         if grad_enabled:
             _register_pre_backward(group, output)
-            for p in group.trainable():
-                p.ensure_post_accumulate_hook(lambda _p, g=group, q=p: _on_grad_ready(g, q))
-    if root is group and group.forward_depth == 0 and not recomputing:
-        _local.root = None
+    if not recomputing and ctx.active_root is group and group.forward_depth == 0:
+        ctx.active_root = None
+        ctx.last_forward[id(group)] = ctx.forward_order
     if group.mp_policy.output_dtype is not None:
         output = cast_floating(output, group.mp_policy.output_dtype)
     return output
 
 
-class _FrozenPostBackward(torch.autograd.Function):
-    """Identity on a frozen group's inputs; its backward runs once the group's backward is done (the
-    gradient w.r.t. its inputs is computed), so the group can free its parameters then."""
+class _PostBackward(torch.autograd.Function):
+    """Identity on a group's inputs; its backward runs once the backward of that forward call has reached
+    the inputs, i.e. the group's gradients for that call are computed."""
 
     @staticmethod
     def forward(ctx, group, *tensors):
@@ -140,79 +181,98 @@ class _FrozenPostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         group = ctx.group
-        group.frozen_backwards += 1
-        if group.frozen_backwards >= group.frozen_calls:  # every call's backward is done
-            group.free()
+        group.calls_pending -= 1
+        if group.calls_pending == 0 and group.untracked_calls == 0 and group.state is PRE_BACKWARD:
+            _post_backward(group)
         return (None, *grads)
 
 
-def _free_after_backward(group: ParamGroup, args, kwargs):
-    """A group without trainable parameters gets no gradient hooks; free it after its backward through
-    an identity function on its inputs (when some input requires grad: else no backward passes)."""
+def _track_backward(group: ParamGroup, args, kwargs):
+    """Count this forward call; route its inputs that require grad through ``_PostBackward``. A call
+    without such inputs cannot be tracked: the group's post-backward then runs in the final callback."""
     inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not inputs:
+        group.untracked_calls += 1
         return args, kwargs
-    group.frozen_calls += 1
-    outputs = dict(zip(map(id, inputs), _FrozenPostBackward.apply(group, *inputs)))
+    group.calls_pending += 1
+    outputs = dict(zip(map(id, inputs), _PostBackward.apply(group, *inputs)))
     return replace_tensors((args, kwargs), lambda t: outputs.get(id(t), t))
 
 
 def _register_pre_backward(group: ParamGroup, output) -> None:
-    tensors = [t for t in tensors_in(output) if t.requires_grad]
-    for t in tensors:
-        t.register_hook(lambda grad, g=group: _pre_backward(g))
+    for t in tensors_in(output):
+        if t.requires_grad:
+            t.register_hook(lambda grad, g=group: _pre_backward(g))
+
+
+def _queue_final_callback(ctx: IterationContext) -> None:
+    if not ctx.callback_queued:
+        ctx.callback_queued = True
+        Variable._execution_engine.queue_callback(lambda c=ctx: _final_callback(c))
+
+
+def _backward_next(ctx: IterationContext, group: ParamGroup) -> ParamGroup | None:
+    """The group expected to start its backward after ``group``: from the last backward of the same forward
+    order when there was one, else the reverse of this forward's order after the root (which starts
+    backward first: its output is the loss). Never wraps around to a group already done."""
+    forward = ctx.forward_order
+    last_forward, last_backward = ctx.last_backward.get(id(ctx.iteration_root), ((), []))
+    order = last_backward if last_forward == tuple(forward) else (forward[:1] + forward[:0:-1])
+    try:
+        i = order.index(group)
+    except ValueError:
+        return None
+    return order[i + 1] if i + 1 < len(order) else None
 
 
 def _pre_backward(group: ParamGroup) -> None:
-    root = group.root or group
-    if not root.callback_queued:
-        root.callback_queued = True
-        Variable._execution_engine.queue_callback(lambda r=root: _final_callback(r))
-    if group.in_backward:
+    ctx = group.ctx
+    _queue_final_callback(ctx)
+    if group.state is PRE_BACKWARD:
         return
-    group.in_backward = True
-    group.post_backward_done = False
-    group.grads_arrived.clear()
-    group.num_trainable = len(group.trainable())
+    group.transition(PRE_BACKWARD)
+    if torch.is_grad_enabled():  # backward(create_graph=True): a backward through this graph may follow
+        ctx.keep_gathered = True
+    ctx.backward_order.append(group)
     group.unshard()
-    _prefetch(root, group, -1)
+    group.register_unsharded()
+    _prefetch(_backward_next(ctx, group))
 
 
-def _on_grad_ready(group: ParamGroup, param) -> None:
-    if not group.in_backward or group.post_backward_done:
+def grad_ready(group: ParamGroup) -> None:
+    """A gradient was accumulated into one of ``group``'s unsharded parameters."""
+    if group.state is PRE_BACKWARD:
         return
-    group.grads_arrived.add(id(param))
-    if len(group.grads_arrived) == group.num_trainable:
-        _post_backward(group)
-
-
-#: reduce-scatters left in flight while backward computes on; the oldest is finished past this many
-MAX_REDUCES_IN_FLIGHT = 2
-#: (group, PendingReduce) in flight, oldest first; the final callback of backward finishes them all
-_pending_reduces: deque = deque()
+    # outside a backward the hooks saw (manual unshard, a graph built with create_graph), or after the
+    # group's post-backward (a parameter also used before the group's forward): reduce at the final callback
+    group.transition(PRE_BACKWARD)
+    _queue_final_callback(group.ctx)
 
 
 def _post_backward(group: ParamGroup) -> None:
-    for item in group.reduce_grads(sync=group.requires_gradient_sync, defer=True):
-        _pending_reduces.append((group, item))
-    while len(_pending_reduces) > MAX_REDUCES_IN_FLIGHT:
-        g, item = _pending_reduces.popleft()
-        g.finish_reduce(item)
-    group.free()
-    group.post_backward_done = True
+    ctx = group.ctx
+    group.transition(POST_BACKWARD)
+    ctx.add_pending(group, group.reduce_grads(sync=group.requires_gradient_sync, defer=True))
+    group.register_sharded()
+    if group.reshard_after_backward and not ctx.keep_gathered:
+        group.free()
 
 
-def _final_callback(root: ParamGroup) -> None:
-    for g in tree_of(root):
-        if g.in_backward and not g.post_backward_done:
+def _final_callback(ctx: IterationContext) -> None:
+    for g in ctx.groups:  # module order: the same on every rank
+        if g.state is PRE_BACKWARD:
             _post_backward(g)
-    while _pending_reduces:
-        g, item = _pending_reduces.popleft()
-        g.finish_reduce(item)
-    for g in tree_of(root):
-        g.reshard()
-        g.frozen_calls = g.frozen_backwards = 0
-        g.in_backward = False
-        g.post_backward_done = False
-        g.grads_arrived.clear()
-    root.callback_queued = False
+        elif g.state is IDLE and g.unsynced and g.requires_gradient_sync:
+            g.transition(PRE_BACKWARD)  # accumulated without sync earlier, unused in this backward
+            _post_backward(g)
+    ctx.finish_pending()
+    for g in ctx.groups:
+        g.register_sharded()
+        if g.reshard_after_backward and not ctx.keep_gathered:
+            g.free()
+        g.force_state(IDLE)
+    if ctx.iteration_root is not None and ctx.backward_order:
+        ctx.last_backward[id(ctx.iteration_root)] = (tuple(ctx.forward_order), ctx.backward_order)
+    ctx.backward_order = []
+    ctx.keep_gathered = False
+    ctx.callback_queued = False

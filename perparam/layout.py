@@ -234,12 +234,17 @@ class GroupLayout:
 
 
 def reduce_scatter_offsets(params: Sequence[ShardLayout]) -> tuple[tuple[int, ...], int]:
-    """Element offsets of each parameter in one rank's reduce-scatter output, and that output's numel."""
+    """Element offsets of each parameter in one rank's reduce-scatter output, and that output's numel.
+
+    A rank's piece holds every parameter's padded local gradient in order, then one *used* flag per
+    parameter (so the ranks learn, in the same collective, which parameters any rank had a gradient for):
+    ``numel = sum(padded_local_numel) + len(params)``.
+    """
     offsets, cursor = [], 0
     for p in params:
         offsets.append(cursor)
         cursor += p.padded_local_numel
-    return tuple(offsets), cursor
+    return tuple(offsets), cursor + len(params)
 
 
 def layout_for(param: torch.Tensor, num_shards: int, shard_dim: int | None = 0) -> ShardLayout:

@@ -27,6 +27,27 @@ class ShardedModule:
         """Register the sharded DTensors again and free the unsharded storage (no communication)."""
         group_of(self).reshard()
 
+    def reset(self) -> None:
+        """Abandon an interrupted iteration (an exception in forward or backward) of the model this module
+        belongs to: finish the collectives in flight and drop their results, drop gradients accumulated
+        without sync, reshard everything and start clean. The next root forward does this by itself (with
+        a warning) when it finds such a state. Sharded ``.grad``s already reduced are kept: call
+        ``optimizer.zero_grad()`` to drop them too."""
+        group = group_of(self)
+        group.ctx.reset()
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps the unsharded parameters gathered after backward until ``reshard()`` (or until a
+        shard changes in place, e.g. an optimizer step, which the next unshard detects and all-gathers
+        anew): no all-gather in the next forward of a gradient-accumulation micro-batch, and the
+        parameters a second backward through a ``create_graph=True`` graph needs stay valid. A backward
+        with ``create_graph=True`` keeps them until the end of the next backward by itself. Writes through
+        ``.data`` are not detected: call ``reshard()`` after them."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"reshard_after_backward must be a bool, got {reshard_after_backward!r}")
+        for group in _groups_below(self, recurse):
+            group.reshard_after_backward = reshard_after_backward
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: keep accumulating unsharded gradients locally across micro-batches, with no
         communication; the next backward with sync on reduce-scatters the sum. ``recurse`` applies the

@@ -12,6 +12,9 @@ dim first; the unsharded parameter is a view of it (``narrow`` then ``movedim`` 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -83,7 +86,8 @@ class ShardedParam:
         self._padded_write: torch.Tensor | None = None  # uint8 [K, bytes] alias: the copy target
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
-        self._grad_hook = None
+        #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
+        self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
 
     @property
@@ -104,7 +108,7 @@ class ShardedParam:
                 local = full.clone() if self.dim is None else full.narrow(self.dim, start, length).clone()
         if self.stored_quantized:
             q = self.policy.quant
-            rows = local.reshape(local.shape[0], -1)
+            rows = local.reshape(local.shape[0], math.prod(local.shape[1:]))  # (0 rows on an empty shard)
             if meta:
                 codes = torch.empty(rows.shape, dtype=q.dtype, device=device)
                 scales = torch.empty(rows.shape[0], -(-rows.shape[1] // q.block_size), device=device)
@@ -169,6 +173,11 @@ class ShardedParam:
             if self.tp:  # the module computes with DTensors on the tp mesh
                 view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+            if self.on_grad_ready is not None and self.unsharded.is_floating_point():
+                # also on a frozen parameter: it may be unfrozen later (the hook only fires on gradients)
+                self.unsharded.requires_grad_(True)
+                self.unsharded.register_post_accumulate_grad_hook(lambda _t: self.on_grad_ready(self))
+                self.unsharded.requires_grad_(self.sharded.requires_grad)
         self.free()
 
     # -- storage ----------------------------------------------------------------------------------------
@@ -239,11 +248,6 @@ class ShardedParam:
     def register_sharded(self) -> None:
         self.register(self.sharded)
 
-    def ensure_post_accumulate_hook(self, fn) -> None:
-        """Call ``fn(unsharded)`` each time autograd has accumulated the unsharded gradient."""
-        if self._grad_hook is None and self.unsharded is not None:
-            self._grad_hook = self.unsharded.register_post_accumulate_grad_hook(fn)
-
     # -- gradients --------------------------------------------------------------------------------------
     def take_unsharded_grad(self, keep: bool) -> torch.Tensor | None:
         """Move the unsharded gradient into the reduce dtype, summed with what earlier micro-batches left.
@@ -268,6 +272,14 @@ class ShardedParam:
         if grad is not None and self.dim:
             grad = grad.movedim(self.dim, 0)
         return grad
+
+    def zero_grad_for_reduce(self) -> torch.Tensor:
+        """Zeros in the reduce dtype, shaped like ``take_unsharded_grad``'s result (shard dim first): what a
+        rank without a gradient for this parameter contributes to the group's reduction."""
+        shape = list(self.layout.global_shape)
+        if self.dim:
+            shape.insert(0, shape.pop(self.dim))
+        return torch.zeros(shape, dtype=self.policy.reduce_dtype, device=self.local_shard().device)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""

@@ -80,6 +80,6 @@ def test_a_zero3_step_moves_exactly_the_layouts_bytes():
     gather = [GroupLayout.plain(ls, [torch.float32] * len(ls)).all_gather_bytes for ls in layouts]
     # forward gathers every group; backward gathers the blocks again (the root kept its parameters)
     assert out["all_gather"] == sum(gather) + sum(gather[:-1])
-    # one reduce-scatter per group, over every rank's padded chunk
-    assert out["reduce_scatter"] == sum(world_size * lay.padded_local_numel * 4 for ls in layouts for lay in ls)
+    # one reduce-scatter per group, over every rank's padded chunk and one used flag per parameter
+    assert out["reduce_scatter"] == sum(world_size * (lay.padded_local_numel + 1) * 4 for ls in layouts for lay in ls)
     assert out["sizes"] == {world_size}

@@ -82,13 +82,15 @@ def test_tiny_two_process_run_writes_summary(fp32_run):
     n = summary["params_total"]
     per_rank = summary["model_state_bytes_per_rank"]
     assert abs(per_rank["params"] - 4 * n / 2) <= 4 * 64 * 20  # half the fp32 params, up to chunk rounding
-    assert per_rank["grads"] == per_rank["params"]  # no reduce-scatter padding: every dim is even
+    # no reduce-scatter padding (every dim is even); the used flags: 4 bytes per parameter tensor
+    assert per_rank["grads"] == per_rank["params"] + 4 * summary["param_tensors"]
     assert abs(per_rank["optimizer"] - 8 * n / 2) <= 8 * 64 * 20 + 4 * 20
     assert summary["model_state_bytes_zero3_formula"] == {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n}
     # a step gathers each layer twice (forward, backward) and the root once; reduce-scatters every fp32 grad
     comm, unshard = summary["comm_bytes_per_step"], summary["all_gather_bytes_per_unshard"]
     assert comm["all_gather"] == 2 * unshard["layers"] + unshard["root"]
-    assert comm["reduce_scatter"] == 4 * n and comm["all_reduce"] == 0
+    # every fp32 gradient, plus one fp32 used flag per parameter tensor in each of the 2 ranks' pieces
+    assert comm["reduce_scatter"] == 4 * n + 2 * 4 * summary["param_tensors"] and comm["all_reduce"] == 0
     assert "Model state per rank" in proc.stdout and "held-out loss after" in proc.stdout
 
 
@@ -116,7 +118,9 @@ def test_tp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     assert _close(summary["train_losses"], base["train_losses"])
     assert _close([summary["heldout_loss_after"]], [base["heldout_loss_after"]])
     per_rank, zero3 = summary["model_state_bytes_per_rank"], summary["model_state_bytes_zero3_formula"]
-    assert per_rank["params"] == zero3["params"] and per_rank["grads"] == zero3["grads"]  # no padding here
+    # no padding here; the gradients' storage also holds the reduce-scatter's used flags (4 bytes each)
+    assert per_rank["params"] == zero3["params"]
+    assert per_rank["grads"] == zero3["grads"] + 4 * summary["param_tensors"]
     assert zero3["params"] < 0.6 * base["model_state_bytes_zero3_formula"]["params"]
     assert "2 shard x 2 tp ranks" in summary["zero3_formula_k"] and "2 tensor-parallel ranks" in proc.stdout
 

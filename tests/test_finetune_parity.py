@@ -68,7 +68,7 @@ def _parity_rank(rank: int, world: int) -> dict:
     ref = dict(reference.named_parameters())
     max_diff = max((full[n] - ref[n]).abs().max().item() for n in ref)
     return {"sharded": sharded, "losses": losses, "ref_losses": ref_losses, "max_param_diff": max_diff,
-            "names": sorted(full) == sorted(ref), "bytes": model_state_bytes(model, opt).as_dict(),
+            "names": sorted(full) == sorted(ref), "tensors": len(full), "bytes": model_state_bytes(model, opt).as_dict(),
             "params_total": sum(p.numel() for p in reference.parameters())}
 
 
@@ -84,11 +84,18 @@ def test_two_ranks_match_one_process_for_five_adamw_steps():
     # live per-rank bytes: each rank holds about half of P, G and AdamW's 2 states (plus step counters)
     n = results[0]["params_total"]
     total = {k: sum(r["bytes"][k] for r in results) for k in ("params", "grads", "optimizer")}
-    assert total["params"] == total["grads"] == 4 * n
+    # the gradients are views of the reduce-scatter outputs, whose tails hold one fp32 used flag per
+    # parameter tensor on each rank
+    assert total["params"] == 4 * n and total["grads"] == 4 * n + 2 * 4 * results[0]["tensors"]
     assert 8 * n <= total["optimizer"] <= 8 * n + 4 * 2 * 64
 
 
 LAYOUT_STEPS, LAYOUT_BATCH, LAYOUT_TOL = 3, 4, 1e-5
+# Weights after AdamW steps: Adam moves each weight by about lr * m / sqrt(v), invariant to the gradient's
+# scale, so an fp32 reduction-order difference of 1e-8 in a gradient entry of 1e-5 becomes 1e-3 * lr in the
+# weight. Measured on tp=2 x dp=2: step-0 gradients equal within 2.1e-8 (max |g| 0.09), losses within 5e-7,
+# weights within 1.6e-5 after 3 steps (lr 1e-2). The bound is 5e-3 * lr.
+LAYOUT_PARAM_TOL = 5e-5
 
 
 def _layout_parity_rank(rank: int, world: int, layouts: tuple[tuple[int, int], ...]) -> dict:
@@ -141,6 +148,7 @@ def _layout_parity_rank(rank: int, world: int, layouts: tuple[tuple[int, int], .
         out[(replicate, tp)] = {
             "dp_rank": meshes.dp_rank, "losses": losses, "factors": factors,
             "max_param_diff": max((full[n] - ref[n]).abs().max().item() for n in ref),
+            "worst_param": max(ref, key=lambda n: (full[n] - ref[n]).abs().max().item()),
         }
     return out
 
@@ -157,9 +165,9 @@ def test_tp_and_hsdp_layouts_on_four_ranks_match_one_process(layouts):
             assert got["dp_rank"] == rank // tp  # mesh order (dp_replicate, dp_shard, tp)
             diffs = [abs(a - b) for a, b in zip(got["losses"], r["ref_losses"], strict=True)]
             assert max(diffs) <= LAYOUT_TOL, ((replicate, tp), got["losses"], r["ref_losses"])
-            assert got["max_param_diff"] <= LAYOUT_TOL, ((replicate, tp), got["max_param_diff"])
+            assert got["max_param_diff"] <= LAYOUT_PARAM_TOL, ((replicate, tp), got["max_param_diff"], got["worst_param"])
             shard = 4 // (replicate * tp)
             f = got["factors"]
             assert f["embed.weight"] == f["layers.0.attn_norm.weight"] == shard  # not tensor-parallel
             assert f["layers.0.attn.q_proj.weight"] == f["layers.1.mlp.down_proj.weight"] == shard * tp
-    assert results[0]["moved"] > 100 * LAYOUT_TOL  # the steps changed the weights well beyond the tolerance
+    assert results[0]["moved"] > 100 * LAYOUT_PARAM_TOL  # the steps changed the weights well beyond the tolerance

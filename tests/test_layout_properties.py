@@ -96,8 +96,11 @@ def test_reduce_scatter_offsets_match_the_packed_gradients(case):
     lays = [ShardLayout(s, torch.float32, k) for s in shape_list]
     offsets, total = reduce_scatter_offsets(lays)
     grads = [torch.randn(s) for s in shape_list]
-    packed = pack_reduce_scatter_input(grads, k)
+    flags = torch.arange(len(grads), dtype=torch.float32)
+    packed = pack_reduce_scatter_input(grads, k, flags=flags)
     assert packed.shape == (k, total)
+    # every rank's piece ends with the same used flags, one per parameter
+    assert torch.equal(packed[:, total - len(grads):], flags.expand(k, -1))
     for rank in range(k):
         for lay, grad, off in zip(lays, grads, offsets):
             start, length = lay.extent(rank)

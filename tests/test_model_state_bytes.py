@@ -36,8 +36,9 @@ def test_bytes_per_rank_equal_the_layout():
     for rank, out in enumerate(results):
         layouts = {n: ShardLayout(s, torch.float32, world_size) for n, s in out["shapes"].items()}
         params = sum(lay.local_bytes(rank) for lay in layouts.values())
-        # gradients are views of one reduce-scatter output per group: padded shards, counted once
-        grads = sum(layouts[n].padded_local_numel * 4 for names in out["groups"] for n in names)
+        # gradients are views of one reduce-scatter output per group: padded shards, counted once, and
+        # the output's tail of used flags (one fp32 per parameter of the group)
+        grads = sum((layouts[n].padded_local_numel + 1) * 4 for names in out["groups"] for n in names)
         # AdamW: exp_avg and exp_avg_sq shaped like the local shard, plus a 4-byte fp32 step per parameter
         optimizer = sum(2 * lay.local_bytes(rank) + 4 for lay in layouts.values())
         assert out["measured"] == {"params": params, "grads": grads, "optimizer": optimizer,

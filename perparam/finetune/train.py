@@ -325,6 +325,7 @@ def train(args, data: PreparedData) -> dict:
             "world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
             "param_dtype": param_dtype_name, "quant": quant_name,
             "steps": args.steps, "model": name, "params_total": params_total,
+            "param_tensors": len(list(model.parameters())),
             "seq_len": data.seq_len, "global_batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
             "text": data.source, "heldout_rows": data.heldout.shape[0],
             "heldout_loss_before": loss_before, "heldout_loss_after": loss_after,

@@ -1,0 +1,123 @@
+"""The runtime's state: one ``TrainingState`` per group and one ``IterationContext`` per root.
+
+A group moves through its states with asserted transitions (``ParamGroup.transition``)::
+
+    IDLE --pre-forward--> FORWARD --post-forward--> IDLE          (one forward; nested calls stay FORWARD)
+    IDLE --pre-backward (or a gradient arrives)--> PRE_BACKWARD    (backward has reached the group)
+    PRE_BACKWARD --post-backward--> POST_BACKWARD                  (gradients reduced or accumulated)
+    PRE_BACKWARD | POST_BACKWARD --final callback--> IDLE
+    any --reset--> IDLE                                            (after an exception in flight)
+
+A forward run inside backward (activation checkpointing recomputing a region) changes no state.
+
+Everything that lives for one iteration (the root running now, the order in which groups ran forward and
+backward, the reduce-scatters in flight, whether the final callback is queued) belongs to the context of
+the root whose tree the group is in, never to module globals: two models in one process (or one thread
+each) never see each other's in-flight state. Every group starts with a context of its own; the first
+forward in which a group acts as root hands its context to every group below it (FSDP2 does the same in
+its lazy init).
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .buffers import BufferPool
+
+if TYPE_CHECKING:
+    from .group import ParamGroup, PendingReduce
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+ALLOWED = {
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
+    TrainingState.FORWARD: {TrainingState.IDLE},
+    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD, TrainingState.IDLE},
+    TrainingState.POST_BACKWARD: {TrainingState.IDLE, TrainingState.PRE_BACKWARD},
+}
+
+
+class StateError(RuntimeError):
+    """An illegal state transition: a bug in perparam, or a use it does not support (named in the message)."""
+
+
+#: reduce-scatters left in flight while backward computes on; the oldest is finished past this many
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+class IterationContext:
+    """Per-root state of one iteration (forward + backward) of a tree of groups.
+
+    ``groups``: every group of the tree, the root first, in module order (the order the final callback
+    walks, the same on every rank). ``active_root``: the group whose forward is the outermost one running
+    now (``None`` between forwards). ``forward_order``/``backward_order``: the groups in the order their
+    pre-forward / pre-backward ran this iteration; the last iteration's orders drive prefetching.
+    ``pending``: reduce-scatters in flight, oldest first. ``keep_gathered``: this backward builds a graph
+    (``create_graph=True``), so parameters stay gathered for the backward through that graph.
+    """
+
+    def __init__(self, groups: list[ParamGroup]) -> None:
+        self.groups = groups
+        self.active_root: ParamGroup | None = None
+        self.forward_order: list[ParamGroup] = []
+        self.forward_next: dict[ParamGroup, ParamGroup] = {}  # the last forward's successor of each group
+        self.backward_order: list[ParamGroup] = []
+        self.last_forward: dict[int, list[ParamGroup]] = {}  # id(root) -> that root's last forward order
+        #: id(root) -> (the forward order, the backward order) of that root's last backward
+        self.last_backward: dict[int, tuple[tuple[ParamGroup, ...], list[ParamGroup]]] = {}
+        self.iteration_root: ParamGroup | None = None  # the root of the iteration running now
+        self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
+        self.callback_queued = False
+        self.keep_gathered = False
+        self.pool = BufferPool()
+
+    # -- in-flight state -----------------------------------------------------------------------------
+    def dirty(self) -> bool:
+        """Something of an earlier iteration is still in flight (a backward that raised, or never ran its
+        final callback)."""
+        return (self.callback_queued or bool(self.pending)
+                or any(g.state is not TrainingState.IDLE for g in self.groups))
+
+    def add_pending(self, group: ParamGroup, items: list[PendingReduce]) -> None:
+        for item in items:
+            self.pending.append((group, item))
+        while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
+            g, item = self.pending.popleft()
+            g.finish_reduce(item)
+
+    def finish_pending(self) -> None:
+        while self.pending:
+            g, item = self.pending.popleft()
+            g.finish_reduce(item)
+
+    def reset(self, reason: str | None = None) -> None:
+        """Drop whatever an interrupted iteration left: wait for the collectives in flight and discard their
+        results, drop unsharded and locally accumulated gradients, register the sharded parameters, free
+        the unsharded storage and put every group back to IDLE. Sharded ``.grad``s that earlier groups of
+        the interrupted backward already received are kept (call ``optimizer.zero_grad()``)."""
+        if reason:
+            warnings.warn(f"perparam: {reason}; resetting the sharded model: collectives in flight are "
+                          "finished and their results dropped, gradients accumulated without sync are "
+                          "dropped", RuntimeWarning, stacklevel=3)
+        while self.pending:
+            g, item = self.pending.popleft()
+            g.discard_reduce(item)
+        for g in self.groups:
+            g.drop_unsharded_grads()
+            g.reshard()
+            g.force_state(TrainingState.IDLE)
+        self.active_root = None
+        self.iteration_root = None
+        self.forward_order = []
+        self.backward_order = []
+        self.callback_queued = False
+        self.keep_gathered = False

@@ -1,0 +1,145 @@
+"""Ranks that use different parameters of one group (mixture-of-experts, conditional branches) issue the
+same collectives and get the gradients an unsharded model averaged over ranks would; the debug mode
+names a mismatched collective on every rank instead of hanging or reducing the wrong bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import perparam
+from tests.distributed import run_distributed
+
+
+def _full(grad):
+    return None if grad is None else (grad.full_tensor() if isinstance(grad, DTensor) else grad)
+
+
+def two_experts(rank: int, world_size: int, rows1: int) -> list:
+    torch.manual_seed(0)
+    e0, e1 = nn.Linear(2, 2, bias=False), nn.Linear(2, rows1, bias=False)
+    perparam.fully_shard([e0, e1])
+    if rank == 0:
+        e0(torch.full((1, 2), 1.0)).sum().backward()
+    else:
+        e1(torch.full((1, 2), 10.0)).sum().backward()
+    return [_full(e0.weight.grad), _full(e1.weight.grad)]
+
+
+@pytest.mark.parametrize("rows1", [2, 3])  # 3: the ranks' gradients differ in size too
+def test_ranks_using_different_parameters_get_the_averaged_gradient(rows1):
+    for g0, g1 in run_distributed(two_experts, 2, rows1):
+        torch.testing.assert_close(g0, torch.full((2, 2), 0.5), atol=0, rtol=0)
+        torch.testing.assert_close(g1, torch.full((rows1, 2), 5.0), atol=0, rtol=0)
+
+
+class Experts(nn.Module):
+    """A mixture of experts without a router: which experts a rank runs is given per rank; the gate runs
+    everywhere (every rank must run a backward: a rank without one would leave its peers' reduction)."""
+
+    def __init__(self, n: int, rows: list[int]) -> None:
+        super().__init__()
+        self.gate = nn.Linear(3, 1)
+        self.experts = nn.ModuleList(nn.Linear(3, r) for r in rows)
+        self.n = n
+
+    def forward(self, x: torch.Tensor, use: list[int]) -> torch.Tensor:
+        total = self.gate(x).sum()
+        for i in use:
+            total = total + self.experts[i](x).square().sum()
+        return total
+
+
+def experts_step(rank: int, world_size: int, rows: list[int], uses: list[list[int]], xs: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    model = Experts(len(rows), rows)
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if world_size > 1:
+        perparam.fully_shard(model)
+        perparam.set_debug(True)  # a mismatch would raise on every rank, not hang
+    model(xs[rank:rank + 1], uses[rank]).backward()
+    perparam.set_debug(False)
+    return {"grads": {n: _full(p.grad) for n, p in model.named_parameters()}, "init": reference}
+
+
+def _reference(rows, uses, xs) -> dict[str, torch.Tensor | None]:
+    """Mean over ranks of each rank's gradient on an unsharded model; None where no rank used a parameter."""
+    torch.manual_seed(0)
+    model = Experts(len(rows), rows)
+    sums: dict[str, torch.Tensor | None] = {n: None for n, _ in model.named_parameters()}
+    for rank, use in enumerate(uses):
+        model.zero_grad()
+        model(xs[rank:rank + 1], use).backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                sums[n] = p.grad.clone() if sums[n] is None else sums[n] + p.grad
+    return {n: None if g is None else g / len(uses) for n, g in sums.items()}
+
+
+@settings(max_examples=8, deadline=None, phases=[Phase.explicit, Phase.generate])
+@example(data=None)
+@given(st.data())
+def test_any_assignment_of_experts_to_ranks_matches_the_unsharded_average(data):
+    if data is None:  # the explicit example: 4 ranks, 3 experts, one unused everywhere, empty shards
+        world, rows, uses = 4, [3, 1, 5], [[], [0], [0, 0], [2]]
+        return _check_experts(world, rows, uses)
+    world = data.draw(st.integers(2, 4), label="world")
+    n = data.draw(st.integers(1, 4), label="experts")
+    rows = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n), label="rows")  # < K: empty shards
+    uses = data.draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=world, max_size=world),
+                     label="uses")
+    _check_experts(world, rows, uses)
+
+
+def _check_experts(world: int, rows: list[int], uses: list[list[int]]) -> None:
+    xs = torch.randn(world, 3, generator=torch.Generator().manual_seed(1))
+    want = _reference(rows, uses, xs)
+    for out in run_distributed(experts_step, world, rows, uses, xs, timeout=30):
+        for name, grad in want.items():
+            got = out["grads"][name]
+            assert (got is None) == (grad is None), name  # unused everywhere: None on every rank
+            if grad is not None:
+                torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def mismatched(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3 if rank == 0 else 5)  # the ranks disagree on the shape
+    perparam.fully_shard(model)
+    perparam.set_debug(True)
+    try:
+        model(torch.ones(1, 4))
+    except perparam.CollectiveMismatchError as e:
+        return str(e)
+    finally:
+        perparam.set_debug(False)
+    return "no error"
+
+
+def test_debug_mode_names_a_mismatched_collective_on_every_rank():
+    messages = run_distributed(mismatched, 2, timeout=60)
+    for message in messages:
+        assert "different collectives" in message
+        assert "rank 0: all_gather" in message and "rank 1: all_gather" in message
+        assert "weight" in message and "Linear" in message
+
+
+def debug_mode_agrees(rank: int, world_size: int) -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    perparam.fully_shard(model[0])
+    perparam.fully_shard(model)
+    perparam.set_debug(True)
+    model(torch.ones(2, 4)).sum().backward()
+    perparam.set_debug(False)
+    dist.barrier()
+    return 0
+
+
+def test_debug_mode_passes_a_consistent_step():
+    assert run_distributed(debug_mode_agrees, 3) == [0, 0, 0]
