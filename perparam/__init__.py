@@ -8,7 +8,7 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .collectives import CommCounter
 from .debug import CollectiveMismatchError, set_debug
-from .module import ShardedModule
+from .module import ShardedModule, UnshardHandle, register_forward_method
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 
 __all__ = [
@@ -19,8 +19,10 @@ __all__ = [
     "QuantPolicy",
     "ShardedModule",
     "ShardingError",
+    "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
+    "register_forward_method",
     "set_debug",
 ]
 __version__ = "0.1.0"

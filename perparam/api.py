@@ -14,7 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh
 
-from . import hooks
+from . import adopt, hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
@@ -37,7 +37,7 @@ class ShardingError(ValueError):
 
 
 def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool | int | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                 param_policy: ParamPolicyArg | None = None):
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
 
@@ -51,8 +51,11 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         module: a module, or a list of modules sharded as one group.
         mesh: a 1D or 2D ``DeviceMesh``; ``None`` means a 1D mesh over the default process group's ranks
             on the default device (CUDA when the backend is NCCL, else CPU).
-        reshard_after_forward: free the unsharded parameters after forward (all-gather again in
-            backward); ``False`` keeps them until the end of backward.
+        reshard_after_forward: as FSDP2: ``True`` frees the unsharded parameters after forward
+            (all-gather again in backward); ``False`` keeps them until the end of backward; ``None`` (the
+            default) is ``True``, the root keeping its parameters for the backward that follows anyway.
+            An int is the world size to reshard to: ``1`` means ``False`` and the shard axis's size
+            means ``True``; resharding to another size is not supported (``ShardingError``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.policy``.
 
     Raises:
@@ -81,6 +84,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             raise ShardingError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
+    reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     for m in modules:
         if isinstance(m, ShardedModule):
             raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
@@ -105,6 +109,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     sharded_params = []
     for (fqn, original, slots), policy, tp in zip(found, policies, tps):
         sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy, tp)
+        adopt.record(original, sp.sharded)
         sp.register_sharded()
         if sp.stored_quantized:
             sp.register_scales()
@@ -133,6 +138,26 @@ def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParal
         raise CompositionError(f"parameter '{fqn}' is tensor-parallel; store_quantized is not supported for "
                                "tensor-parallel parameters: quantize its communication only")
     return compose(fqn, p.data, mesh, policy.shard_dim)
+
+
+def _reshard_after_forward(value, num_shards: int) -> bool:
+    """FSDP2's ``reshard_after_forward`` values, as a bool."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value == 1:
+            return False
+        if value == num_shards:
+            return True
+        if 1 < value < num_shards and num_shards % value == 0:
+            raise ShardingError(f"reshard_after_forward={value} asks to reshard to {value} ranks after forward; "
+                                "perparam reshards to the whole shard axis or not at all: pass True or False")
+        raise ShardingError(f"reshard_after_forward={value}: an int must be a factor of the shard axis size "
+                            f"{num_shards} (1 means False, {num_shards} means True); pass True or False")
+    raise ShardingError(f"reshard_after_forward must be a bool, an int or None (as FSDP2), got {value!r}; pass "
+                        "True or False")
 
 
 def default_mesh() -> DeviceMesh:

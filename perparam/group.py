@@ -185,6 +185,10 @@ class ParamGroup:
             p.free()
         self._alive = False
 
+    def check_slots(self) -> None:
+        for p in self.params:
+            p.check_slots()
+
     def register_unsharded(self) -> None:
         for p in self.params:
             p.register_unsharded()

@@ -95,8 +95,11 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
     """A new root forward: drop storage kept for a backward that never came (it may be stale) unless the
     group keeps it deliberately (``set_reshard_after_backward(False)``), and index the last forward's
     order for prefetching."""
+    grad_enabled = torch.is_grad_enabled()
     for g in ctx.groups:
-        if not g.registered_unsharded and g.storage_alive and g.reshard_after_backward:
+        if g.registered_unsharded or not g.storage_alive or not g.reshard_after_backward:
+            continue
+        if grad_enabled or g.reshard_after_forward:  # kept by no_grad forwards until a training forward
             g.free()
     ctx.iteration_root = root
     ctx.forward_order = []
@@ -118,6 +121,8 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
         group.unshard()
         group.register_unsharded()
     else:
+        if group.forward_depth == 0:
+            group.check_slots()
         ctx = group.ctx
         if ctx.active_root is None:
             if group.tree is None and group.ctx.groups[0] is group:  # not yet adopted by a parent root
@@ -156,7 +161,9 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
                 group.register_sharded()
         else:
             group.register_sharded()
-            if not grad_enabled or (group.reshard_after_forward and group is not ctx.active_root):
+            # with grad the root keeps its parameters for the backward that follows; without grad no
+            # backward follows, and reshard_after_forward=False keeps them for the next forward
+            if group.reshard_after_forward and (group is not ctx.active_root or not grad_enabled):
                 group.free()
             group.transition(IDLE)
         if grad_enabled:

@@ -16,12 +16,21 @@ class ShardedModule:
     The methods act on the module's group (all modules of one ``fully_shard`` call share one group).
     """
 
-    def unshard(self) -> None:
-        """All-gather the group's parameters and register them as plain tensors, until ``reshard()`` or
-        the end of the next forward (which reshards as usual)."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the
+        end of the next forward (which reshards as usual) or the end of a backward through them.
+
+        ``async_op=True`` issues the all-gather and returns an ``UnshardHandle`` at once (as FSDP2's):
+        its ``wait()`` finishes the all-gather and registers the parameters; a forward also waits for it.
+        """
         group = group_of(self)
-        group.unshard()
-        group.register_unsharded()
+        group.check_slots()
+        group.start_unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Register the sharded DTensors again and free the unsharded storage (no communication)."""
@@ -57,9 +66,57 @@ class ShardedModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """``True`` frees the unsharded parameters after forward and all-gathers again in backward;
-        ``False`` keeps them from forward to backward (more memory, one all-gather fewer)."""
+        ``False`` keeps them from forward to backward (more memory, one all-gather fewer), and after a
+        forward without grad (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the
+        next forward with grad, so several evaluation forwards all-gather once. (FSDP2's root also keeps
+        its parameters after a forward, to save the backward's all-gather; under no_grad it frees them.)"""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for group in _groups_below(self, recurse):
             group.reshard_after_forward = reshard_after_forward
+
+
+class UnshardHandle:
+    """The all-gather of ``module.unshard(async_op=True)``; ``wait()`` finishes it and registers the
+    unsharded parameters (idempotent)."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_unshard()
+            self._group.register_unsharded()
+            self._group = None
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run the unshard/reshard hooks of ``module`` (sharded by ``fully_shard``) around
+    ``module.<method_name>`` as around ``forward`` (FSDP2's ``register_fsdp_forward_method``): e.g.
+    ``generate``, whose forwards inside then find the parameters gathered and issue no all-gather.
+
+    Raises ``ValueError`` for a module ``fully_shard`` was not applied to or a method it does not have.
+    """
+    from . import hooks
+
+    group = group_of(module)
+    if group is None:
+        raise ValueError(f"register_forward_method: {type(module).__name__} was not passed to fully_shard; "
+                         "call it on the module fully_shard was applied to")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_forward_method: {type(module).__name__} has no method '{method_name}'")
+
+    def wrapped(*args, **kwargs):
+        args, kwargs = hooks.pre_forward(group, module, args, kwargs)
+        output = None
+        try:
+            output = method(*args, **kwargs)
+        finally:  # as forward's always_call hooks: a method that raises still reshards
+            output = hooks.post_forward(group, module, args, kwargs, output)
+        return output
+
+    object.__setattr__(module, method_name, wrapped)
 
 
 def group_of(module: nn.Module) -> ParamGroup | None:

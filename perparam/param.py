@@ -27,6 +27,10 @@ from .policy import ResolvedPolicy
 from .tp import TensorParallel
 
 
+class ReplacedAfterShardingError(RuntimeError):
+    """A managed parameter slot holds an object perparam did not register (assigned after sharding)."""
+
+
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
@@ -237,6 +241,19 @@ class ShardedParam:
         quant.dequantize_blocks(codes, scales, q.block_size, out=target)
 
     # -- registration -----------------------------------------------------------------------------------
+    def check_slots(self) -> None:
+        """Raise ``ReplacedAfterShardingError`` when a slot holds an object perparam did not put there (a
+        parameter assigned after ``fully_shard``, e.g. ``module.weight = nn.Parameter(...)``)."""
+        for module, name in self.slots:
+            current = module._parameters.get(name)
+            if current is not self.sharded and current is not self.unsharded:
+                raise ReplacedAfterShardingError(
+                    f"parameter '{self.fqn}' ({type(module).__name__}.{name}) was replaced after fully_shard; "
+                    "perparam manages the sharded parameter it created. Change values in place instead "
+                    f"(with torch.no_grad(): {name}.copy_(distribute_tensor(new, {name}.device_mesh, "
+                    f"{name}.placements)), load_state_dict without assign=True, or set_model_state_dict(..., "
+                    "StateDictOptions(full_state_dict=True))), or build the module again and shard it")
+
     def register(self, tensor: nn.Parameter) -> None:
         for module, name in self.slots:
             module._parameters[name] = tensor

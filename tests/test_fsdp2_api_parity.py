@@ -1,0 +1,195 @@
+"""FSDP2 habits that work: attributes on parameters, an optimizer built before sharding, reassigned
+parameters refused, reshard_after_forward's values, register_forward_method, unshard(async_op=True), and
+evaluation forwards that keep the parameters gathered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import perparam
+from perparam import CommCounter
+from perparam.module import group_of
+from tests.distributed import run_distributed
+from tests.models import TinyNet, local_slice, make_batches
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _shard(model: TinyNet, **kwargs) -> None:
+    for block in model.blocks:
+        perparam.fully_shard(block, **kwargs)
+    perparam.fully_shard(model, **kwargs)
+
+
+def optimizer_before_sharding(rank: int, world_size: int, before: bool) -> dict:
+    torch.manual_seed(0)
+    model = TinyNet()
+    for name, p in model.named_parameters():
+        p.no_decay = name.endswith("bias")  # a habit for building optimizer groups
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if before else None
+    _shard(model)
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in make_batches(3, 4):
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {n: _full(p) for n, p in model.named_parameters()},
+            "no_decay": {n: getattr(p, "no_decay", None) for n, p in model.named_parameters()},
+            "in_optimizer": all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])}
+
+
+def test_an_optimizer_built_before_sharding_trains_exactly_like_one_built_after():
+    after = run_distributed(optimizer_before_sharding, 2, False)
+    before = run_distributed(optimizer_before_sharding, 2, True)
+    for a, b in zip(after, before):
+        assert b["in_optimizer"]
+        for name, value in a["params"].items():
+            assert torch.equal(b["params"][name], value), name
+        # attributes set on the parameters before sharding are on the sharded parameters
+        assert b["no_decay"] == {n: n.endswith("bias") for n in a["params"]}
+
+
+def optimizer_that_stepped(rank: int, world_size: int) -> str:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    perparam.fully_shard(model)
+    model(torch.ones(1, 2)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_optimizer_with_state_from_before_sharding_is_refused():
+    (message,) = run_distributed(optimizer_that_stepped, 1)
+    assert "AdamW holds state" in message and "after fully_shard" in message
+
+
+def reassigned(rank: int, world_size: int) -> str:
+    model = nn.Sequential(nn.Linear(2, 2))
+    perparam.fully_shard(model)
+    model[0].weight = nn.Parameter(torch.zeros(2, 2))
+    try:
+        model(torch.ones(1, 2))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_parameter_assigned_after_sharding_is_refused_at_the_next_forward():
+    (message,) = run_distributed(reassigned, 1)
+    assert "'0.weight'" in message and "replaced after fully_shard" in message and "copy_" in message
+
+
+def reshard_values(rank: int, world_size: int, value) -> str:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    try:
+        perparam.fully_shard(model[0], reshard_after_forward=value)
+    except perparam.ShardingError as e:
+        return f"error: {e}"
+    perparam.fully_shard(model)
+    model(torch.ones(1, 2))
+    return "kept" if group_of(model[0]).storage_alive else "freed"
+
+
+@pytest.mark.parametrize(("value", "want"), [(True, "freed"), (False, "kept"), (None, "freed"), (1, "kept"),
+                                             (2, "freed"), (3, "error"), (0, "error"), ("yes", "error")])
+def test_reshard_after_forward_takes_fsdp2_values(value, want):
+    got = run_distributed(reshard_values, 2, value)[0]
+    assert got.split(":")[0] == want, got
+    if want == "error":
+        assert "reshard_after_forward" in got and "True or False" in got
+
+
+class Generator(nn.Module):
+    """A root with one sharded block; ``generate`` runs ``steps`` forwards, feeding each output back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.block(self.inp(x)))
+
+    def generate(self, x, steps: int):
+        outs = []
+        for _ in range(steps):
+            x = self(x)
+            outs.append(x)
+        return torch.stack(outs)
+
+
+def generate(rank: int, world_size: int, keep: bool, async_unshard: bool) -> dict:
+    torch.manual_seed(0)
+    model = Generator()
+    x = torch.ones(1, 4)
+    if not world_size:
+        with torch.no_grad():
+            return {"out": model.generate(x, 5)}
+    perparam.fully_shard(model.block)
+    perparam.fully_shard(model)
+    perparam.register_forward_method(model, "generate")
+    if keep:
+        model.set_reshard_after_forward(False)
+    with CommCounter() as comm, torch.no_grad():
+        if async_unshard:
+            handle = model.unshard(async_op=True)
+            handle.wait()
+        out = model.generate(x, 5)
+        again = model.generate(x, 5)
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    return {"out": out, "again": again, "all_gathers": comm.count("all_gather"), "sharded": sharded}
+
+
+@pytest.mark.parametrize(("keep", "async_unshard", "gathers"),
+                         [(False, False, 2 * (1 + 5)),  # root once per generate, the block per forward
+                          (True, False, 2),  # kept across both generates: one all-gather per group
+                          (True, True, 2)],  # the async unshard is the root's only all-gather
+                         ids=["default", "keep", "async_unshard"])
+def test_generate_through_register_forward_method(keep, async_unshard, gathers):
+    want = generate(0, 0, keep, async_unshard)["out"]
+    for got in run_distributed(generate, 2, keep, async_unshard):
+        torch.testing.assert_close(got["out"], want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got["again"], want, atol=1e-6, rtol=0)
+        assert got["all_gathers"] == gathers and got["sharded"]
+
+
+def evaluation_then_training(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyNet()
+    _shard(model)
+    model.set_reshard_after_forward(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_batches(1, 4)[0]
+    with CommCounter() as evals, torch.no_grad():
+        first = model(x)
+        for _ in range(3):
+            model(x)
+    with CommCounter() as train:
+        F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    with CommCounter() as after_step, torch.no_grad():
+        updated = model(x)
+        model(x)
+    return {"evals": evals.count("all_gather"), "train": train.count("all_gather"),
+            "after_step": after_step.count("all_gather"), "first": first, "updated": updated}
+
+
+def test_evaluation_forwards_keep_parameters_gathered_until_the_next_training_forward():
+    for out in run_distributed(evaluation_then_training, 2):
+        assert out["evals"] == 3  # one all-gather per group for 4 evaluation forwards
+        assert out["train"] == 3  # the training forward gathers afresh; kept into backward
+        assert out["after_step"] == 3  # the step changed the shards: gathered again, then kept
+        assert not torch.equal(out["first"], out["updated"])
