@@ -10,6 +10,9 @@ So that the replacement is invisible where it can be:
   one, so it trains exactly like an optimizer built after. An optimizer that already holds state for a
   replaced parameter (it stepped before sharding) is refused with ``ShardingError``. Cost: one dict
   lookup per step once an optimizer has been checked;
+* every optimizer step is counted (a global step post-hook), so parameters kept gathered across steps
+  (``set_reshard_after_backward(False)``) are all-gathered afresh after one, whatever the optimizer's
+  update path (foreach updates do not bump a DTensor's version counter);
 * a parameter assigned after ``fully_shard`` (``module.weight = nn.Parameter(...)``) is refused with a
   clear error at the next forward or unshard (``ShardedParam.register``), instead of being silently put
   back.
@@ -23,14 +26,14 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _generation = 0
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> generation checked
-_hook = None
+_steps = 0
 
 #: attributes nn.Parameter / DTensor keep in ``__dict__`` themselves: never copied
 _INTERNAL = {"_is_param", "_local_tensor", "_spec"}
@@ -42,14 +45,23 @@ class ReplacedParameterError(RuntimeError):
 
 def record(original: torch.Tensor, sharded: torch.Tensor) -> None:
     """Remember that ``sharded`` replaced ``original`` and copy the user's attributes onto it."""
-    global _generation, _hook
+    global _generation
     for key, value in original.__dict__.items():
         if key not in _INTERNAL and key not in sharded.__dict__:
             sharded.__dict__[key] = value
     _REPLACED[original] = sharded
     _generation += 1
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_retarget)
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim`` optimizer steps this process has taken: parameters gathered before a step
+    are stale after it (``ParamGroup.stale``)."""
+    return _steps
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _steps
+    _steps += 1
 
 
 def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -68,3 +80,7 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "(or load its state with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)")
             params[i] = sharded
     _checked[optimizer] = _generation
+
+
+register_optimizer_step_pre_hook(_retarget)
+register_optimizer_step_post_hook(_count_step)

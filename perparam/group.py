@@ -8,6 +8,7 @@ the module has the *sharded* DTensors or the *unsharded* tensors registered.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,11 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives
+from . import adopt, collectives
 from .buffers import BufferPool
 from .layout import GroupLayout, ceil_div, reduce_scatter_offsets
 from .param import ShardedParam
+from .process_groups import reduce_group
 from .state import ALLOWED, IterationContext, StateError, TrainingState
+
+_COUNTER = itertools.count()
 
 
 class ParamGroup:
@@ -50,7 +54,6 @@ class ParamGroup:
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
         self._pending_gather = None  # (work, send, recv) of an all-gather in flight
         self.name = ", ".join(type(m).__name__ for m in modules)
-        self._what = f"group [{self.name}] ({', '.join(p.fqn for p in params)})"
         # per-iteration bookkeeping, driven by hooks.py (see perparam.state for the states)
         self.state = TrainingState.IDLE
         self.ctx = IterationContext([self])  # replaced by the root's context at its first forward
@@ -59,6 +62,9 @@ class ParamGroup:
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
         self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
+        self.reduced = False  # this backward's reduction of the group has been issued
+        self.index = next(_COUNTER)  # creation order: the same on every rank that builds the same model
+        self.path: str | None = None  # the module path below the root, set at the root's first forward
 
     # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
     # destroy_process_group() (the module tree holds groups until interpreter exit) was seen to abort the
@@ -70,6 +76,23 @@ class ParamGroup:
     @property
     def replicate_pg(self):
         return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
+
+    # Gradient reductions run on process groups of their own (``perparam.process_groups``): their order
+    # on every rank then never depends on how they interleave with the all-gathers.
+    @property
+    def reduce_shard_pg(self):
+        return reduce_group(self.shard_pg)
+
+    @property
+    def reduce_replicate_pg(self):
+        return reduce_group(self.replicate_pg)
+
+    @property
+    def _what(self) -> str:
+        """How collectives and errors name the group: creation index, path below the root, classes,
+        parameters (the index tells apart groups of equal classes and shapes in debug mode)."""
+        where = f" '{self.path}'" if self.path else ""
+        return f"group #{self.index}{where} [{self.name}] ({', '.join(p.fqn for p in self.params)})"
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.state`` does not allow."""
@@ -96,12 +119,17 @@ class ParamGroup:
         """The unsharded storage is filled (or being filled by an all-gather in flight)."""
         return self._alive or self._pending_gather is not None
 
+    def prefetch_pending(self) -> bool:
+        """An all-gather was issued (a prefetch) and nobody has waited for it yet."""
+        return self._pending_gather is not None
+
     def _versions(self) -> tuple[int, ...]:
-        return tuple(p.sharded._version for p in self.params)
+        return (adopt.optimizer_steps(), *(p.sharded._version for p in self.params))
 
     def stale(self) -> bool:
-        """The gathered storage no longer matches the shards (an in-place update such as an optimizer step
-        bumped a sharded parameter's version since the all-gather)."""
+        """The gathered storage may no longer match the shards: a ``torch.optim`` optimizer stepped (any
+        optimizer in the process: foreach updates do not bump a DTensor's version) or an in-place update
+        bumped a sharded parameter's version since the all-gather."""
         return self._alive and self._versions() != self._gathered_versions
 
     def trainable(self) -> list[ShardedParam]:
@@ -251,7 +279,7 @@ class ParamGroup:
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.ctx.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
-            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.shard_pg, async_op=True,
+            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
                                                   what=f"{self._what} [{dtype}]")
             pending.append(PendingReduce(work, send, recv, params, offsets))
         world = self.num_shards * self.num_replicas
@@ -259,9 +287,9 @@ class ParamGroup:
             params, grads, used = zip(*items)
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
             flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
-            collectives.all_reduce_sum(flat, self.shard_pg, what=f"{self._what} replicated [{dtype}]")
+            collectives.all_reduce_sum(flat, self.reduce_shard_pg, what=f"{self._what} replicated [{dtype}]")
             if self.replicate_pg is not None:
-                collectives.all_reduce_sum(flat, self.replicate_pg, what=f"{self._what} replicated [{dtype}]")
+                collectives.all_reduce_sum(flat, self.reduce_replicate_pg, what=f"{self._what} replicated [{dtype}]")
             flat.div_(world)
             pieces = flat.split([*(g.numel() for g in grads), len(params)])
             for p, piece, flag in zip(params, pieces, pieces[-1].tolist()):
@@ -282,7 +310,7 @@ class ParamGroup:
         self.ctx.pool.give_back(item.send)
         recv = item.recv
         if self.replicate_pg is not None:
-            collectives.all_reduce_sum(recv, self.replicate_pg, what=f"{self._what} [{recv.dtype}]")
+            collectives.all_reduce_sum(recv, self.reduce_replicate_pg, what=f"{self._what} [{recv.dtype}]")
         flags = recv.narrow(0, recv.numel() - len(item.params), len(item.params)).tolist()
         recv.div_(self.num_shards * self.num_replicas)
         for p, offset, flag in zip(item.params, item.offsets, flags):

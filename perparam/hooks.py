@@ -9,18 +9,23 @@ Timeline of one training step for a group G (K ranks); the states are ``perparam
   G reshards after forward, or when no backward can follow (grad disabled). The root keeps its storage
   for the backward that immediately follows (no second all-gather), as FSDP2's does. Hooks on G's outputs
   wait for the gradient.
-* pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: all-gather again if the
-  storage was freed and register the unsharded tensors, so a region recomputed inside G (activation
-  checkpointing of a submodule) computes with them.
+* pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: the backward all-gathers
+  are issued in a fixed order (the root, then the reverse forward order), up to G and one beyond (the
+  prefetch); register the unsharded tensors, so a region recomputed inside G (activation checkpointing of
+  a submodule) computes with them.
 * post-backward (PRE_BACKWARD -> POST_BACKWARD), when the backward of every forward call of G has reached
-  its inputs: reduce-scatter G's gradients (every trainable parameter in a fixed order, zeros where this
-  rank had none, so every rank issues the same collective) or, without gradient sync, keep them; register
-  the sharded tensors and free.
+  its inputs: register the sharded tensors and free. The reductions are issued in the reverse of the
+  forward order as far as the groups' backwards are done on this rank: every trainable parameter in a
+  fixed order, zeros where this rank had none (or, without gradient sync, the gradients are kept).
 * the final callback (-> IDLE), queued on the autograd engine by the first pre-backward or gradient of
-  the iteration: in the fixed module order (the same on every rank), finish every group whose post-backward
-  did not fire (inputs without grad, unused outputs), every group that accumulated gradients without sync
-  and is now synchronising although unused, then wait for every reduce-scatter in flight, before
-  ``backward()`` returns.
+  the iteration: issue the all-gathers and reductions of the fixed orders that this rank's backward did
+  not reach (a branch whose output this rank did not use), then, in module order, those of groups
+  unsharded by hand and of groups that accumulated gradients without sync and are unused now; wait for
+  every reduction in flight, before ``backward()`` returns.
+
+Every rank therefore issues the same all-gathers in the same order, and the same reductions in the same
+order, whatever its backward computed; the two sequences run on different process groups
+(``perparam.process_groups``), so how they interleave on a rank does not matter.
 
 A gradient that reaches an unsharded parameter outside a backward the hooks saw (``unshard()`` then a
 method other than ``forward``; a backward through a graph built with ``create_graph=True``) moves its group
@@ -70,6 +75,14 @@ def _init_root(group: ParamGroup) -> None:
     """The first forward with ``group`` as root: one context for its whole tree."""
     tree = tree_of(group)
     ctx = IterationContext(tree)
+    from .module import group_of
+
+    for i, module in enumerate(group.modules):
+        prefix = f"{i}." if len(group.modules) > 1 else ""
+        for name, sub in module.named_modules():
+            g = group_of(sub)
+            if g is not None and g.path is None:
+                g.path = (prefix + name).rstrip(".") or type(module).__name__
     for g in tree:
         if g.ctx.dirty():
             g.ctx.reset("a sharded submodule was left mid-iteration before its parent's first forward")
@@ -103,14 +116,20 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
             g.free()
     ctx.iteration_root = root
     ctx.forward_order = []
+    ctx.forward_seen = set()
     ctx.backward_order = []
+    if ctx.grad_order_closed:  # a backward ended since: this forward starts the next reduction order
+        ctx.grad_order = []
+        ctx.backward_groups = []
+        ctx.grad_order_closed = False
     last = ctx.last_forward.get(id(root), [])
     ctx.forward_next = {g: last[i + 1] for i, g in enumerate(last[:-1])}
 
 
-def _prefetch(nxt: ParamGroup | None) -> None:
-    """Issue ``nxt``'s all-gather if it has not started its backward yet (never a group that is done)."""
-    if PREFETCH and nxt is not None and nxt.state is IDLE:
+def _prefetch(nxt: ParamGroup | None, done: set | None = None) -> None:
+    """Issue ``nxt``'s all-gather if it has not started its backward yet (never a group that is done) and,
+    in forward, has not run its forward in this iteration yet (``done``)."""
+    if PREFETCH and nxt is not None and nxt.state is IDLE and (done is None or nxt not in done):
         nxt.start_unshard()
 
 
@@ -134,12 +153,15 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
             _start_iteration(ctx, group)
         if group.forward_depth == 0:
             group.transition(FORWARD)
-            if group not in ctx.forward_order:
+            if group not in ctx.forward_seen:
+                ctx.forward_seen.add(group)
                 ctx.forward_order.append(group)
+            if torch.is_grad_enabled() and group not in ctx.grad_order:
+                ctx.grad_order.append(group)
         group.forward_depth += 1
         group.unshard()
         group.register_unsharded()
-        _prefetch(ctx.forward_next.get(group))
+        _prefetch(ctx.forward_next.get(group), ctx.forward_seen)
         if torch.is_grad_enabled():
             args, kwargs = _track_backward(group, args, kwargs)
     mp = group.mp_policy
@@ -171,6 +193,9 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     if not recomputing and ctx.active_root is group and group.forward_depth == 0:
         ctx.active_root = None
         ctx.last_forward[id(group)] = ctx.forward_order
+        for g in ctx.groups:  # prefetched for a forward that took another path this time: release
+            if g.state is IDLE and g.prefetch_pending() and g not in ctx.forward_seen:
+                g.free()
     if group.mp_policy.output_dtype is not None:
         output = cast_floating(output, group.mp_policy.output_dtype)
     return output
@@ -207,29 +232,48 @@ def _track_backward(group: ParamGroup, args, kwargs):
 
 
 def _register_pre_backward(group: ParamGroup, output) -> None:
+    hooked = False
     for t in tensors_in(output):
         if t.requires_grad:
             t.register_hook(lambda grad, g=group: _pre_backward(g))
+            hooked = True
+    ctx = group.ctx
+    if hooked and not _recomputing() and group not in ctx.backward_groups:
+        ctx.backward_groups.append(group)  # its backward all-gather is part of the fixed backward order
 
 
 def _queue_final_callback(ctx: IterationContext) -> None:
+    """At the first hook of a backward: fix this backward's reduction order and queue the final callback."""
     if not ctx.callback_queued:
         ctx.callback_queued = True
+        ctx.reduce_order = ctx.grad_order[::-1]
+        ctx.reduce_cursor = 0
+        # the root first, then the reverse forward order (groups whose outputs require grad)
+        hooked = ctx.backward_groups
+        ctx.backward_expected = hooked[:1] + hooked[:0:-1]
+        ctx.gather_index = {g: i for i, g in enumerate(ctx.backward_expected)}
+        ctx.gather_cursor = 0
+        for g in ctx.groups:
+            g.reduced = False
         Variable._execution_engine.queue_callback(lambda c=ctx: _final_callback(c))
 
 
-def _backward_next(ctx: IterationContext, group: ParamGroup) -> ParamGroup | None:
-    """The group expected to start its backward after ``group``: from the last backward of the same forward
-    order when there was one, else the reverse of this forward's order after the root (which starts
-    backward first: its output is the loss). Never wraps around to a group already done."""
-    forward = ctx.forward_order
-    last_forward, last_backward = ctx.last_backward.get(id(ctx.iteration_root), ((), []))
-    order = last_backward if last_forward == tuple(forward) else (forward[:1] + forward[:0:-1])
-    try:
-        i = order.index(group)
-    except ValueError:
-        return None
-    return order[i + 1] if i + 1 < len(order) else None
+def _backward_gathers(ctx: IterationContext, group: ParamGroup) -> None:
+    """Issue the backward all-gathers in a fixed order, the same on every rank: the root first (its output
+    is the loss), then the groups in the reverse of their forward order. When ``group`` starts its
+    backward, every group before it in that order that has not been gathered in this backward is
+    gathered first (a group whose backward does not run on this rank still gets the all-gather its peers
+    issue), then the one after it (the prefetch). Each group is gathered at most once per backward, so a
+    group whose backward is done is never gathered again; a group that holds its storage issues nothing."""
+    index = ctx.gather_index.get(group)
+    if index is None:  # not forwarded with grad in this iteration (unsharded by hand): its own all-gather
+        group.start_unshard()
+        return
+    order = ctx.backward_expected
+    stop = min(index + (2 if PREFETCH else 1), len(order))
+    while ctx.gather_cursor < stop:
+        order[ctx.gather_cursor].start_unshard()
+        ctx.gather_cursor += 1
 
 
 def _pre_backward(group: ParamGroup) -> None:
@@ -238,12 +282,13 @@ def _pre_backward(group: ParamGroup) -> None:
     if group.state is PRE_BACKWARD:
         return
     group.transition(PRE_BACKWARD)
+    group.reduced = False
     if torch.is_grad_enabled():  # backward(create_graph=True): a backward through this graph may follow
         ctx.keep_gathered = True
     ctx.backward_order.append(group)
+    _backward_gathers(ctx, group)
     group.unshard()
     group.register_unsharded()
-    _prefetch(_backward_next(ctx, group))
 
 
 def grad_ready(group: ParamGroup) -> None:
@@ -253,33 +298,68 @@ def grad_ready(group: ParamGroup) -> None:
     # outside a backward the hooks saw (manual unshard, a graph built with create_graph), or after the
     # group's post-backward (a parameter also used before the group's forward): reduce at the final callback
     group.transition(PRE_BACKWARD)
+    group.reduced = False
     _queue_final_callback(group.ctx)
 
 
 def _post_backward(group: ParamGroup) -> None:
-    ctx = group.ctx
+    """``group``'s backward is done on this rank: free its parameters, then issue whatever reductions the
+    fixed order now allows."""
+    _backward_done(group)
+    _issue_reductions(group.ctx)
+
+
+def _backward_done(group: ParamGroup) -> None:
     group.transition(POST_BACKWARD)
-    ctx.add_pending(group, group.reduce_grads(sync=group.requires_gradient_sync, defer=True))
     group.register_sharded()
-    if group.reshard_after_backward and not ctx.keep_gathered:
+    if group.reshard_after_backward and not group.ctx.keep_gathered:
         group.free()
 
 
+def _reduce(group: ParamGroup) -> None:
+    ctx = group.ctx
+    ctx.add_pending(group, group.reduce_grads(sync=group.requires_gradient_sync, defer=True))
+    group.reduced = True
+
+
+def _issue_reductions(ctx: IterationContext) -> None:
+    """Issue the reductions of the groups whose forward ran with grad, in the reverse of their forward
+    order (the same on every rank), as far as their backwards are done on this rank. A group whose
+    backward does not run here (its output unused on this rank) holds the queue until the final
+    callback: later reductions wait, but every rank issues the same collectives in the same order."""
+    order = ctx.reduce_order
+    while ctx.reduce_cursor < len(order):
+        g = order[ctx.reduce_cursor]
+        if not g.reduced:
+            if g.state is not POST_BACKWARD:
+                return
+            _reduce(g)
+        ctx.reduce_cursor += 1
+
+
 def _final_callback(ctx: IterationContext) -> None:
-    for g in ctx.groups:  # module order: the same on every rank
+    for g in ctx.groups:
         if g.state is PRE_BACKWARD:
-            _post_backward(g)
-        elif g.state is IDLE and g.unsynced and g.requires_gradient_sync:
-            g.transition(PRE_BACKWARD)  # accumulated without sync earlier, unused in this backward
-            _post_backward(g)
+            _backward_done(g)
+    while ctx.gather_cursor < len(ctx.backward_expected):  # the all-gathers peers issued for backwards
+        ctx.backward_expected[ctx.gather_cursor].start_unshard()  # that did not run here
+        ctx.gather_cursor += 1
+    for g in ctx.reduce_order[ctx.reduce_cursor:]:  # the fixed order, whatever ran here
+        if not g.reduced:
+            _reduce(g)
+    ctx.reduce_cursor = len(ctx.reduce_order)
+    for g in ctx.groups:  # module order: the same on every rank
+        if g.state is POST_BACKWARD and not g.reduced:  # unsharded by hand, or a late gradient
+            _reduce(g)
+        elif g.state is IDLE and g.unsynced and g.requires_gradient_sync and not g.reduced:
+            _reduce(g)  # accumulated without sync earlier, unused in this synchronising backward
     ctx.finish_pending()
     for g in ctx.groups:
         g.register_sharded()
         if g.reshard_after_backward and not ctx.keep_gathered:
             g.free()
         g.force_state(IDLE)
-    if ctx.iteration_root is not None and ctx.backward_order:
-        ctx.last_backward[id(ctx.iteration_root)] = (tuple(ctx.forward_order), ctx.backward_order)
     ctx.backward_order = []
+    ctx.grad_order_closed = True
     ctx.keep_gathered = False
     ctx.callback_queued = False

@@ -248,8 +248,10 @@ class ShardedParam:
             current = module._parameters.get(name)
             if current is not self.sharded and current is not self.unsharded:
                 raise ReplacedAfterShardingError(
-                    f"parameter '{self.fqn}' ({type(module).__name__}.{name}) was replaced after fully_shard; "
-                    "perparam manages the sharded parameter it created. Change values in place instead "
+                    f"parameter '{self.fqn}' ({type(module).__name__}.{name}) was replaced after fully_shard "
+                    "(module.weight = ..., load_state_dict(assign=True), or torch.func.functional_call, which "
+                    "cannot pass its own tensors through a sharded module); perparam manages the sharded "
+                    "parameter it created. Change values in place instead "
                     f"(with torch.no_grad(): {name}.copy_(distribute_tensor(new, {name}.device_mesh, "
                     f"{name}.placements)), load_state_dict without assign=True, or set_model_state_dict(..., "
                     "StateDictOptions(full_state_dict=True))), or build the module again and shard it")

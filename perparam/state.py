@@ -4,7 +4,7 @@ A group moves through its states with asserted transitions (``ParamGroup.transit
 
     IDLE --pre-forward--> FORWARD --post-forward--> IDLE          (one forward; nested calls stay FORWARD)
     IDLE --pre-backward (or a gradient arrives)--> PRE_BACKWARD    (backward has reached the group)
-    PRE_BACKWARD --post-backward--> POST_BACKWARD                  (gradients reduced or accumulated)
+    PRE_BACKWARD --post-backward--> POST_BACKWARD                  (its backward is done on this rank)
     PRE_BACKWARD | POST_BACKWARD --final callback--> IDLE
     any --reset--> IDLE                                            (after an exception in flight)
 
@@ -60,7 +60,9 @@ class IterationContext:
     ``groups``: every group of the tree, the root first, in module order (the order the final callback
     walks, the same on every rank). ``active_root``: the group whose forward is the outermost one running
     now (``None`` between forwards). ``forward_order``/``backward_order``: the groups in the order their
-    pre-forward / pre-backward ran this iteration; the last iteration's orders drive prefetching.
+    pre-forward / pre-backward ran this iteration; the last forward's order drives forward prefetching.
+    Backward all-gathers and reductions follow orders derived from the forward only (the same on every
+    rank), never the order in which this rank's backward happened to run.
     ``pending``: reduce-scatters in flight, oldest first. ``keep_gathered``: this backward builds a graph
     (``create_graph=True``), so parameters stay gathered for the backward through that graph.
     """
@@ -69,11 +71,22 @@ class IterationContext:
         self.groups = groups
         self.active_root: ParamGroup | None = None
         self.forward_order: list[ParamGroup] = []
+        #: groups whose forward ran with grad since the last backward ended, in first-call order; reversed,
+        #: the order in which every rank issues their reductions (``hooks._issue_reductions``)
+        self.grad_order: list[ParamGroup] = []
+        self.backward_groups: list[ParamGroup] = []  # of those, the ones whose outputs require grad
+        self.grad_order_closed = False  # a backward ended: the next root forward starts a new list
+        self.reduce_order: list[ParamGroup] = []
+        self.reduce_cursor = 0
+        self.forward_seen: set[ParamGroup] = set()
         self.forward_next: dict[ParamGroup, ParamGroup] = {}  # the last forward's successor of each group
         self.backward_order: list[ParamGroup] = []
         self.last_forward: dict[int, list[ParamGroup]] = {}  # id(root) -> that root's last forward order
-        #: id(root) -> (the forward order, the backward order) of that root's last backward
-        self.last_backward: dict[int, tuple[tuple[ParamGroup, ...], list[ParamGroup]]] = {}
+        #: this backward's expected order (root, then reverse forward order) and how far its all-gathers
+        #: have been issued (``hooks._backward_gathers``)
+        self.backward_expected: list[ParamGroup] = []
+        self.gather_index: dict[ParamGroup, int] = {}
+        self.gather_cursor = 0
         self.iteration_root: ParamGroup | None = None  # the root of the iteration running now
         self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
         self.callback_queued = False
@@ -119,5 +132,9 @@ class IterationContext:
         self.iteration_root = None
         self.forward_order = []
         self.backward_order = []
+        self.grad_order = []
+        self.backward_groups = []
+        self.reduce_order = []
+        self.reduce_cursor = 0
         self.callback_queued = False
         self.keep_gathered = False

@@ -193,3 +193,30 @@ def test_evaluation_forwards_keep_parameters_gathered_until_the_next_training_fo
         assert out["train"] == 3  # the training forward gathers afresh; kept into backward
         assert out["after_step"] == 3  # the step changed the shards: gathered again, then kept
         assert not torch.equal(out["first"], out["updated"])
+
+
+def kept_across_steps(rank: int, world_size: int, foreach: bool) -> list:
+    torch.manual_seed(0)
+    model = TinyNet()
+    if world_size:
+        _shard(model)
+        model.set_reshard_after_backward(False)  # kept gathered across the optimizer step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    losses = []
+    for x, y in make_batches(3, 4):
+        if world_size:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_parameters_kept_after_backward_are_gathered_again_after_an_optimizer_step(foreach):
+    # foreach updates do not bump a DTensor's version counter: the step itself must invalidate them
+    want = kept_across_steps(0, 0, foreach)
+    for got in run_distributed(kept_across_steps, 1, foreach):
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=0)

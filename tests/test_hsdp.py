@@ -178,8 +178,12 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
             with CommCounter() as bwd:
                 loss.backward()
         steps.append({"fwd": fwd.records, "bwd": bwd.records, "raw": dict(raw)})
+    from perparam.process_groups import reduce_group
+
     groups = {axis: (mesh.get_group(axis).group_name, mesh.get_group(axis).size()) for axis in NAMES}
-    return {"steps": steps, "groups": groups, "layouts": layouts}
+    # gradient reductions run on their own process group over the same ranks (perparam.process_groups)
+    reduce = {axis: (reduce_group(mesh.get_group(axis)).group_name, mesh.get_group(axis).size()) for axis in NAMES}
+    return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts}
 
 
 def _by(records, *fields) -> Counter:
@@ -191,11 +195,12 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
     # 4 groups (3 blocks + root); parameters kept from forward to backward: one all-gather per group
     for res in run_distributed(count_step, 4, mesh_shape, False):
         (shard_name, k), (rep_name, r) = res["groups"]["dp_shard"], res["groups"]["dp_replicate"]
+        (rs_name, _), (ar_name, _) = res["reduce_groups"]["dp_shard"], res["reduce_groups"]["dp_replicate"]
         assert (r, k) == mesh_shape and shard_name != rep_name
         for step in res["steps"]:
             assert _by(step["fwd"], "kind", "group_name", "group_size") == {("all_gather", shard_name, k): 4}
             assert _by(step["bwd"], "kind", "group_name", "group_size") == {
-                ("reduce_scatter", shard_name, k): 4, ("all_reduce", rep_name, r): 4}
+                ("reduce_scatter", rs_name, k): 4, ("all_reduce", ar_name, r): 4}
             # each group's all-reduce follows its reduce-scatter (reduce-scatters may run ahead: they are
             # left in flight while backward computes on)
             kinds = [r.kind for r in step["bwd"]]
@@ -207,12 +212,13 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
 
 def test_reshard_after_forward_gathers_again_in_backward_over_the_shard_axis():
     for res in run_distributed(count_step, 4, (2, 2), True):
-        shard_name, rep_name = res["groups"]["dp_shard"][0], res["groups"]["dp_replicate"][0]
+        shard_name = res["groups"]["dp_shard"][0]
+        rs_name, ar_name = res["reduce_groups"]["dp_shard"][0], res["reduce_groups"]["dp_replicate"][0]
         for step in res["steps"]:
             assert _by(step["fwd"], "kind", "group_name") == {("all_gather", shard_name): 4}
             # the root keeps its parameters for the backward that follows
             assert _by(step["bwd"], "kind", "group_name") == {
-                ("all_gather", shard_name): 3, ("reduce_scatter", shard_name): 4, ("all_reduce", rep_name): 4}
+                ("all_gather", shard_name): 3, ("reduce_scatter", rs_name): 4, ("all_reduce", ar_name): 4}
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4), (4, 1)])

@@ -48,23 +48,30 @@ class Experts(nn.Module):
         self.experts = nn.ModuleList(nn.Linear(3, r) for r in rows)
         self.n = n
 
-    def forward(self, x: torch.Tensor, use: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use: list[int], call_all: bool = False) -> torch.Tensor:
         total = self.gate(x).sum()
+        outs = [e(x) for e in self.experts] if call_all else None  # every rank calls every expert
         for i in use:
-            total = total + self.experts[i](x).square().sum()
+            total = total + (outs[i] if call_all else self.experts[i](x)).square().sum()
         return total
 
 
-def experts_step(rank: int, world_size: int, rows: list[int], uses: list[list[int]], xs: torch.Tensor) -> dict:
+def experts_step(rank: int, world_size: int, rows: list[int], uses: list[list[int]], xs: torch.Tensor,
+                 per_expert: bool) -> dict:
+    """One group for the model, or (``per_expert``) one group per expert, every rank calling every expert
+    and using the outputs of its own; two steps, so the second runs with the first one's orders."""
     torch.manual_seed(0)
     model = Experts(len(rows), rows)
-    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if world_size > 1:
-        perparam.fully_shard(model)
-        perparam.set_debug(True)  # a mismatch would raise on every rank, not hang
-    model(xs[rank:rank + 1], uses[rank]).backward()
+    if per_expert:
+        for expert in model.experts:
+            perparam.fully_shard(expert)
+    perparam.fully_shard(model)
+    perparam.set_debug(True)  # a mismatch would raise on every rank, not hang
+    for _ in range(2):
+        model.zero_grad()
+        model(xs[rank:rank + 1], uses[rank], call_all=per_expert).backward()
     perparam.set_debug(False)
-    return {"grads": {n: _full(p.grad) for n, p in model.named_parameters()}, "init": reference}
+    return {"grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
 
 
 def _reference(rows, uses, xs) -> dict[str, torch.Tensor | None]:
@@ -87,19 +94,19 @@ def _reference(rows, uses, xs) -> dict[str, torch.Tensor | None]:
 def test_any_assignment_of_experts_to_ranks_matches_the_unsharded_average(data):
     if data is None:  # the explicit example: 4 ranks, 3 experts, one unused everywhere, empty shards
         world, rows, uses = 4, [3, 1, 5], [[], [0], [0, 0], [2]]
-        return _check_experts(world, rows, uses)
+        return _check_experts(world, rows, uses, True)
     world = data.draw(st.integers(2, 4), label="world")
     n = data.draw(st.integers(1, 4), label="experts")
     rows = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n), label="rows")  # < K: empty shards
     uses = data.draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=world, max_size=world),
                      label="uses")
-    _check_experts(world, rows, uses)
+    _check_experts(world, rows, uses, data.draw(st.booleans(), label="per_expert"))
 
 
-def _check_experts(world: int, rows: list[int], uses: list[list[int]]) -> None:
+def _check_experts(world: int, rows: list[int], uses: list[list[int]], per_expert: bool) -> None:
     xs = torch.randn(world, 3, generator=torch.Generator().manual_seed(1))
     want = _reference(rows, uses, xs)
-    for out in run_distributed(experts_step, world, rows, uses, xs, timeout=30):
+    for out in run_distributed(experts_step, world, rows, uses, xs, per_expert, timeout=30):
         for name, grad in want.items():
             got = out["grads"][name]
             assert (got is None) == (grad is None), name  # unused everywhere: None on every rank
@@ -143,3 +150,69 @@ def debug_mode_agrees(rank: int, world_size: int) -> int:
 
 def test_debug_mode_passes_a_consistent_step():
     assert run_distributed(debug_mode_agrees, 3) == [0, 0, 0]
+
+
+class Branches(nn.Module):
+    """Every rank calls a, b and c; only some ranks add b's output into the loss (a conditional branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, use_b: bool):
+        h = torch.relu(self.a(x))
+        hb = self.b(h)
+        if use_b:
+            h = h + hb
+        return self.head(h + self.c(h))
+
+
+def unused_output(rank: int, world_size: int, debug: bool) -> dict:
+    torch.manual_seed(0)
+    model = Branches()
+    for m in (model.a, model.b, model.c):
+        perparam.fully_shard(m)
+    perparam.fully_shard(model)
+    perparam.set_debug(debug)
+    for _ in range(2):  # the second step: prefetch follows the first backward's order
+        model.zero_grad()
+        model(torch.ones(2, 4) * (rank + 1), use_b=rank == 0).sum().backward()
+    perparam.set_debug(False)
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_a_module_called_everywhere_whose_output_only_some_ranks_use(debug):
+    torch.manual_seed(0)
+    ref = Branches()
+    want: dict = {}
+    for r in range(2):
+        ref.zero_grad()
+        ref(torch.ones(2, 4) * (r + 1), use_b=r == 0).sum().backward()
+        for n, p in ref.named_parameters():
+            if p.grad is not None:  # rank 1 leaves b without a gradient
+                want[n] = want.get(n, 0) + p.grad / 2
+    for got in run_distributed(unused_output, 2, debug, timeout=30):
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def same_shape_groups(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    for e in experts:
+        perparam.fully_shard(e)  # two groups of equal classes and shapes
+    perparam.set_debug(True)
+    try:
+        experts[rank](torch.ones(1, 4))  # each rank calls another group: outside the contract
+    except perparam.CollectiveMismatchError as e:
+        return str(e)
+    finally:
+        perparam.set_debug(False)
+    return "no error"
+
+
+def test_debug_mode_tells_apart_groups_of_equal_shape():
+    for message in run_distributed(same_shape_groups, 2, timeout=30):
+        assert "group #" in message and "rank 0" in message and "rank 1" in message
