@@ -246,7 +246,12 @@ def _queue_final_callback(ctx: IterationContext) -> None:
     """At the first hook of a backward: fix this backward's reduction order and queue the final callback."""
     if not ctx.callback_queued:
         ctx.callback_queued = True
-        ctx.reduce_order = ctx.grad_order[::-1]
+        # reductions: groups with trainable parameters in reverse forward order; those whose backward end
+        # cannot be tracked (no input requires grad: reduced at the final callback) last, so they never
+        # hold back the others (both facts are the model's structure: the same on every rank)
+        trainable = [g for g in ctx.grad_order[::-1] if any(p.sharded.requires_grad for p in g.params)]
+        ctx.reduce_order = ([g for g in trainable if not g.untracked_calls]
+                            + [g for g in trainable if g.untracked_calls])
         ctx.reduce_cursor = 0
         # the root first, then the reverse forward order (groups whose outputs require grad)
         hooked = ctx.backward_groups
