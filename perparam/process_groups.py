@@ -12,10 +12,13 @@ costs one more communicator per group of ranks.
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-_REDUCE_GROUPS: dict[str, ProcessGroup] = {}
+#: weak: c10d holds each group until ``destroy_process_group()``; perparam never keeps one alive past it
+_REDUCE_GROUPS: weakref.WeakValueDictionary[str, ProcessGroup] = weakref.WeakValueDictionary()
 
 
 def _alive(pg: ProcessGroup) -> bool:
