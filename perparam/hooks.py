@@ -158,6 +158,11 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
                 ctx.forward_order.append(group)
             if torch.is_grad_enabled() and group not in ctx.grad_order:
                 ctx.grad_order.append(group)
+                # its backward may need its parameters on some rank: part of the fixed backward
+                # all-gather order, unless it can have no backward anywhere (nothing trainable and no
+                # floating-point input: e.g. a frozen embedding of token ids)
+                if group.trainable() or any(t.is_floating_point() for t in tensors_in((args, kwargs))):
+                    ctx.backward_groups.append(group)
         group.forward_depth += 1
         group.unshard()
         group.register_unsharded()
@@ -171,6 +176,8 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
 
 
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
+    if group.forward_depth == 0:  # no pre-forward to close: it refused the call (and raised)
+        return output
     group.forward_depth -= 1
     ctx = group.ctx
     recomputing = _recomputing()
@@ -232,26 +239,18 @@ def _track_backward(group: ParamGroup, args, kwargs):
 
 
 def _register_pre_backward(group: ParamGroup, output) -> None:
-    hooked = False
     for t in tensors_in(output):
         if t.requires_grad:
             t.register_hook(lambda grad, g=group: _pre_backward(g))
-            hooked = True
-    ctx = group.ctx
-    if hooked and not _recomputing() and group not in ctx.backward_groups:
-        ctx.backward_groups.append(group)  # its backward all-gather is part of the fixed backward order
 
 
 def _queue_final_callback(ctx: IterationContext) -> None:
     """At the first hook of a backward: fix this backward's reduction order and queue the final callback."""
     if not ctx.callback_queued:
         ctx.callback_queued = True
-        # reductions: groups with trainable parameters in reverse forward order; those whose backward end
-        # cannot be tracked (no input requires grad: reduced at the final callback) last, so they never
-        # hold back the others (both facts are the model's structure: the same on every rank)
-        trainable = [g for g in ctx.grad_order[::-1] if any(p.sharded.requires_grad for p in g.params)]
-        ctx.reduce_order = ([g for g in trainable if not g.untracked_calls]
-                            + [g for g in trainable if g.untracked_calls])
+        # reductions: the groups with trainable parameters, in reverse forward order (the same on every
+        # rank; whether a group's inputs require grad may differ between ranks, so it must not matter)
+        ctx.reduce_order = [g for g in ctx.grad_order[::-1] if any(p.sharded.requires_grad for p in g.params)]
         ctx.reduce_cursor = 0
         # the root first, then the reverse forward order (groups whose outputs require grad)
         hooked = ctx.backward_groups

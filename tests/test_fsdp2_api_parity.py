@@ -75,20 +75,24 @@ def test_an_optimizer_with_state_from_before_sharding_is_refused():
     assert "AdamW holds state" in message and "after fully_shard" in message
 
 
-def reassigned(rank: int, world_size: int) -> str:
+def reassigned(rank: int, world_size: int) -> list:
     model = nn.Sequential(nn.Linear(2, 2))
     perparam.fully_shard(model)
-    model[0].weight = nn.Parameter(torch.zeros(2, 2))
-    try:
-        model(torch.ones(1, 2))
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    mine = model[0].weight = nn.Parameter(torch.zeros(2, 2))
+    messages = []
+    for _ in range(2):  # refused every time, never silently put back
+        try:
+            model(torch.ones(1, 2))
+            messages.append("no error")
+        except RuntimeError as e:
+            messages.append(str(e))
+    return [*messages, model[0].weight is mine]
 
 
 def test_a_parameter_assigned_after_sharding_is_refused_at_the_next_forward():
-    (message,) = run_distributed(reassigned, 1)
-    assert "'0.weight'" in message and "replaced after fully_shard" in message and "copy_" in message
+    first, second, still_mine = run_distributed(reassigned, 1)[0]
+    assert "'0.weight'" in first and "replaced after fully_shard" in first and "copy_" in first
+    assert second == first and still_mine
 
 
 def reshard_values(rank: int, world_size: int, value) -> str:

@@ -216,3 +216,44 @@ def same_shape_groups(rank: int, world_size: int) -> str:
 def test_debug_mode_tells_apart_groups_of_equal_shape():
     for message in run_distributed(same_shape_groups, 2, timeout=30):
         assert "group #" in message and "rank 0" in message and "rank 1" in message
+
+
+class InputRoutes(nn.Module):
+    """Every rank calls pre, a and b; whether b's input requires grad differs between ranks (rank 0 feeds
+    it a's output, the others the raw input). ``frozen``: b is frozen, so only rank 0's b has a backward."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.pre, self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.b.requires_grad_(not frozen)
+
+    def forward(self, x, use_a: bool):
+        ha = self.a(self.pre(x))
+        return self.head(self.b(ha if use_a else x))
+
+
+def input_routes(rank: int, world_size: int, frozen: bool) -> dict:
+    torch.manual_seed(0)
+    model = InputRoutes(frozen)
+    x = torch.arange(8.0).view(2, 4) * (rank + 1) / 8
+    if world_size:
+        for sub in (model.pre, model.a, model.b):
+            perparam.fully_shard(sub)
+        perparam.fully_shard(model)
+    for _ in range(2):
+        model.zero_grad()
+        model(x, use_a=rank == 0).sum().backward()
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_whether_a_groups_input_requires_grad_may_differ_between_ranks(frozen):
+    want: dict = {}
+    for rank in range(2):
+        for name, grad in input_routes(rank, 0, frozen).items():
+            if grad is not None:
+                want[name] = want.get(name, 0) + grad / 2
+    for got in run_distributed(input_routes, 2, frozen, timeout=30):
+        assert {n for n, g in got.items() if g is not None} == set(want)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
