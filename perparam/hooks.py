@@ -252,7 +252,7 @@ def _queue_final_callback(ctx: IterationContext) -> None:
         # rank; whether a group's inputs require grad may differ between ranks, so it must not matter)
         ctx.reduce_order = [g for g in ctx.grad_order[::-1] if any(p.sharded.requires_grad for p in g.params)]
         ctx.reduce_cursor = 0
-        # the root first, then the reverse forward order (groups whose outputs require grad)
+        # the root first, then the reverse forward order (groups that may have a backward on some rank)
         hooked = ctx.backward_groups
         ctx.backward_expected = hooked[:1] + hooked[:0:-1]
         ctx.gather_index = {g: i for i, g in enumerate(ctx.backward_expected)}

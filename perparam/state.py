@@ -74,7 +74,7 @@ class IterationContext:
         #: groups whose forward ran with grad since the last backward ended, in first-call order; reversed,
         #: the order in which every rank issues their reductions (``hooks._issue_reductions``)
         self.grad_order: list[ParamGroup] = []
-        self.backward_groups: list[ParamGroup] = []  # of those, the ones whose outputs require grad
+        self.backward_groups: list[ParamGroup] = []  # of those, the ones a backward may need on some rank
         self.grad_order_closed = False  # a backward ended: the next root forward starts a new list
         self.reduce_order: list[ParamGroup] = []
         self.reduce_cursor = 0
