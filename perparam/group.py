@@ -302,15 +302,36 @@ class ParamGroup:
         return pending
 
     @torch.no_grad()
-    def finish_reduce(self, item: PendingReduce) -> None:
-        """Wait for a reduce-scatter, all-reduce it over the replicate axis (HSDP), average, and
-        accumulate each parameter's piece into its sharded ``.grad`` (when some rank had a gradient)."""
+    def advance_reduce(self, item: PendingReduce, block: bool) -> bool:
+        """Move a reduction on: once its reduce-scatter has finished, issue the all-reduce over the
+        replicate axis (HSDP, asynchronously); once that has finished, average and accumulate each
+        parameter's piece into its sharded ``.grad`` (when some rank had a gradient). ``block=False``
+        never waits (a reduction a peer has not issued yet must not stall this rank's backward); returns
+        whether the reduction is complete. Callers advance reductions in the order they were issued, so
+        the all-reduces are issued in the same order on every rank."""
+        if item.stage == 0:
+            if item.work is not None and not (block or item.work.is_completed()):
+                return False
+            if item.work is not None:
+                item.work.wait()
+            self.ctx.pool.give_back(item.send)
+            item.work = None
+            if self.replicate_pg is not None:
+                item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
+                                                       what=f"{self._what} [{item.recv.dtype}]")
+            item.stage = 1
         if item.work is not None:
+            if not (block or item.work.is_completed()):
+                return False
             item.work.wait()
-        self.ctx.pool.give_back(item.send)
+            item.work = None
+        if item.stage == 1 and not item.discard:
+            self._accumulate(item)
+        item.stage = 2
+        return True
+
+    def _accumulate(self, item: PendingReduce) -> None:
         recv = item.recv
-        if self.replicate_pg is not None:
-            collectives.all_reduce_sum(recv, self.reduce_replicate_pg, what=f"{self._what} [{recv.dtype}]")
         flags = recv.narrow(0, recv.numel() - len(item.params), len(item.params)).tolist()
         recv.div_(self.num_shards * self.num_replicas)
         for p, offset, flag in zip(item.params, item.offsets, flags):
@@ -320,12 +341,15 @@ class ParamGroup:
             local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
             p.accumulate_sharded_grad(local.narrow(0, 0, rows))
 
-    @torch.no_grad()
+    def finish_reduce(self, item: PendingReduce) -> None:
+        """Wait for a reduction and accumulate its result."""
+        self.advance_reduce(item, block=True)
+
     def discard_reduce(self, item: PendingReduce) -> None:
-        """Finish a reduce-scatter of an interrupted backward and drop its result."""
-        if item.work is not None:
-            item.work.wait()
-        self.ctx.pool.give_back(item.send)
+        """Finish a reduction of an interrupted backward (every collective it involves, as on the peers)
+        and drop its result."""
+        item.discard = True
+        self.advance_reduce(item, block=True)
 
 
 @dataclass
@@ -337,6 +361,8 @@ class PendingReduce:
     recv: torch.Tensor
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
+    stage: int = 0  # 0: reduce-scatter in flight, 1: HSDP all-reduce in flight, 2: done
+    discard: bool = False
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,

@@ -50,7 +50,8 @@ class StateError(RuntimeError):
     """An illegal state transition: a bug in perparam, or a use it does not support (named in the message)."""
 
 
-#: reduce-scatters left in flight while backward computes on; the oldest is finished past this many
+#: reductions left in flight while backward computes on before the queue is polled (finished ones are
+#: accumulated; unfinished ones stay: a rank never waits for a reduction during backward)
 MAX_REDUCES_IN_FLIGHT = 2
 
 
@@ -101,11 +102,23 @@ class IterationContext:
                 or any(g.state is not TrainingState.IDLE for g in self.groups))
 
     def add_pending(self, group: ParamGroup, items: list[PendingReduce]) -> None:
+        """Queue reductions just issued and move the queue on without waiting: in backward a rank must
+        never block on a reduction, since a peer may issue it only at its final callback (a branch whose
+        output it did not use) while waiting on an all-gather this rank has yet to issue."""
         for item in items:
             self.pending.append((group, item))
-        while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
-            g, item = self.pending.popleft()
-            g.finish_reduce(item)
+        if len(self.pending) > MAX_REDUCES_IN_FLIGHT:
+            self.poll_pending()
+
+    def poll_pending(self) -> None:
+        """Advance queued reductions in issue order as far as they have finished, without waiting."""
+        for g, item in self.pending:
+            if item.stage == 0 and not g.advance_reduce(item, block=False) and item.stage == 0:
+                break  # the next all-reduces must wait for this one's: same order on every rank
+        while self.pending and self.pending[0][1].stage == 2:
+            self.pending.popleft()
+        while self.pending and self.pending[0][0].advance_reduce(self.pending[0][1], block=False):
+            self.pending.popleft()
 
     def finish_pending(self) -> None:
         while self.pending:

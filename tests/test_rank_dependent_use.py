@@ -257,3 +257,55 @@ def test_whether_a_groups_input_requires_grad_may_differ_between_ranks(frozen):
         assert {n for n, g in got.items() if g is not None} == set(want)
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+class DeepBranch(nn.Module):
+    """Six sharded layers, then a sharded branch every rank calls but only the last rank uses: the ranks'
+    backwards reach the branch at very different times (its reduction waits for the final callback on
+    the others), which must never deadlock against the layers' all-gathers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+        self.aux = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, use_aux: bool):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        a = self.aux(x)
+        if use_aux:
+            x = x + a
+        return self.head(x)
+
+
+def deep_branch(rank: int, world_size: int, hsdp: bool) -> dict:
+    torch.manual_seed(0)
+    model = DeepBranch()
+    x = torch.arange(8.0).view(2, 4) * (rank + 1) / 8
+    if world_size:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+        for sub in (*model.layers, model.aux):
+            perparam.fully_shard(sub, mesh=mesh)
+        perparam.fully_shard(model, mesh=mesh)
+    for _ in range(2):
+        model.zero_grad()
+        model(x, use_aux=rank == max(world_size, 1) - 1).sum().backward()
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, True)], ids=["1d", "hsdp2x2"])
+def test_a_branch_used_by_one_rank_late_in_backward_never_deadlocks(world, hsdp):
+    want: dict = {}
+    for rank in range(world):
+        torch.manual_seed(0)
+        model = DeepBranch()
+        model(torch.arange(8.0).view(2, 4) * (rank + 1) / 8, use_aux=rank == world - 1).sum().backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                want[n] = want.get(n, 0) + p.grad / world
+    for got in run_distributed(deep_branch, world, hsdp, timeout=60):
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
