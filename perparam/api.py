@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -147,7 +148,8 @@ def _reshard_after_forward(value, num_shards: int) -> bool:
         return True
     if isinstance(value, bool):
         return value
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):
+        value = int(value)
         if value == 1:
             return False
         if value == num_shards:
@@ -155,8 +157,9 @@ def _reshard_after_forward(value, num_shards: int) -> bool:
         if 1 < value < num_shards and num_shards % value == 0:
             raise ShardingError(f"reshard_after_forward={value} asks to reshard to {value} ranks after forward; "
                                 "perparam reshards to the whole shard axis or not at all: pass True or False")
-        raise ShardingError(f"reshard_after_forward={value}: an int must be a factor of the shard axis size "
-                            f"{num_shards} (1 means False, {num_shards} means True); pass True or False")
+        meaning = "1 means False" if num_shards == 1 else f"1 means False, {num_shards} means True"
+        raise ShardingError(f"reshard_after_forward={value}: an int must be 1 or the shard axis size "
+                            f"{num_shards} ({meaning}); pass True or False")
     raise ShardingError(f"reshard_after_forward must be a bool, an int or None (as FSDP2), got {value!r}; pass "
                         "True or False")
 

@@ -119,17 +119,25 @@ class ParamGroup:
         """The unsharded storage is filled (or being filled by an all-gather in flight)."""
         return self._alive or self._pending_gather is not None
 
+    def pending_gather(self):
+        """The all-gather in flight (an opaque token), or ``None``."""
+        return self._pending_gather
+
     def prefetch_pending(self) -> bool:
         """An all-gather was issued (a prefetch) and nobody has waited for it yet."""
         return self._pending_gather is not None
 
     def _versions(self) -> tuple[int, ...]:
-        return (adopt.optimizer_steps(), *(p.sharded._version for p in self.params))
+        versions = [adopt.optimizer_steps()]
+        for p in self.params:  # the wrapper (DTensor in-place ops) and the local shard (to_local().sub_())
+            versions += (p.sharded._version, p.local_shard()._version)
+        return tuple(versions)
 
     def stale(self) -> bool:
         """The gathered storage may no longer match the shards: a ``torch.optim`` optimizer stepped (any
         optimizer in the process: foreach updates do not bump a DTensor's version) or an in-place update
-        bumped a sharded parameter's version since the all-gather."""
+        bumped a sharded parameter's or its local shard's version since the all-gather. Not detected:
+        ``torch._foreach_*`` called by hand on DTensors and writes through ``.data``."""
         return self._alive and self._versions() != self._gathered_versions
 
     def trainable(self) -> list[ShardedParam]:

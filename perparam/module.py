@@ -27,10 +27,10 @@ class ShardedModule:
         group.check_slots()
         group.start_unshard()
         handle = UnshardHandle(group)
-        if async_op:
+        if async_op and handle.pending:
             return handle
         handle.wait()
-        return None
+        return UnshardHandle(None) if async_op else None
 
     def reshard(self) -> None:
         """Register the sharded DTensors again and free the unsharded storage (no communication)."""
@@ -51,7 +51,8 @@ class ShardedModule:
         anew): no all-gather in the next forward of a gradient-accumulation micro-batch, and the
         parameters a second backward through a ``create_graph=True`` graph needs stay valid. A backward
         with ``create_graph=True`` keeps them until the end of the next backward by itself. Writes through
-        ``.data`` are not detected: call ``reshard()`` after them."""
+        ``.data`` and ``torch._foreach_*`` called by hand on the DTensors are not detected: call
+        ``reshard()`` after them."""
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"reshard_after_backward must be a bool, got {reshard_after_backward!r}")
         for group in _groups_below(self, recurse):
@@ -78,16 +79,27 @@ class ShardedModule:
 
 class UnshardHandle:
     """The all-gather of ``module.unshard(async_op=True)``; ``wait()`` finishes it and registers the
-    unsharded parameters (idempotent)."""
+    unsharded parameters. Idempotent, and a no-op once something else finished that all-gather (a forward,
+    ``reshard()``), as FSDP2's: it never registers parameters freed since."""
 
-    def __init__(self, group: ParamGroup) -> None:
+    def __init__(self, group: ParamGroup | None) -> None:
         self._group = group
+        self._token = group.pending_gather() if group is not None else None
+
+    @property
+    def pending(self) -> bool:
+        return self._token is not None
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_unshard()
-            self._group.register_unsharded()
-            self._group = None
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if self._token is None:  # nothing was in flight: the parameters were gathered already
+            if group.storage_alive:
+                group.register_unsharded()
+        elif group.pending_gather() is self._token:
+            group.wait_unshard()
+            group.register_unsharded()
 
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:

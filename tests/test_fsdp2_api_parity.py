@@ -224,3 +224,51 @@ def test_parameters_kept_after_backward_are_gathered_again_after_an_optimizer_st
     want = kept_across_steps(0, 0, foreach)
     for got in run_distributed(kept_across_steps, 1, foreach):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=0)
+
+
+def late_handle_wait(rank: int, world_size: int, case: str) -> dict:
+    model = nn.Linear(4, 4)
+    perparam.fully_shard(model)
+    handle = model.unshard(async_op=True)
+    if case == "forward":
+        model(torch.ones(2, 4)).sum().backward()
+    else:
+        model.reshard()
+    handle.wait()  # the all-gather was finished by someone else: nothing to do
+    handle.wait()
+    return {"sharded": isinstance(model.weight, DTensor), "value": model.weight.full_tensor().sum().item()}
+
+
+@pytest.mark.parametrize("case", ["forward", "reshard"])
+def test_a_late_unshard_handle_wait_is_a_no_op(case):
+    for out in run_distributed(late_handle_wait, 2, case):
+        assert out["sharded"]
+
+
+def kept_then_updated_by_hand(rank: int, world_size: int, how: str) -> list:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.ones(2, 4)
+    if world_size:
+        perparam.fully_shard(model)
+        model.set_reshard_after_backward(False)
+    outs = []
+    for _ in range(3):
+        out = model(x)
+        out.sum().backward()
+        outs.append(out.detach())
+        with torch.no_grad():
+            for p in model.parameters():
+                if how == "to_local" and world_size:
+                    p.to_local().sub_(0.1 * p.grad.to_local())
+                else:
+                    p.sub_(0.1 * p.grad)
+                p.grad = None
+    return outs
+
+
+@pytest.mark.parametrize("how", ["inplace", "to_local"])
+def test_kept_parameters_see_in_place_updates_of_the_shards(how):
+    want = kept_then_updated_by_hand(0, 0, how)
+    for got in run_distributed(kept_then_updated_by_hand, 2, how):
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=0)
