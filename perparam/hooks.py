@@ -114,10 +114,8 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
             continue
         if grad_enabled or g.reshard_after_forward:  # kept by no_grad forwards until a training forward
             g.free()
-    ctx.iteration_root = root
     ctx.forward_order = []
     ctx.forward_seen = set()
-    ctx.backward_order = []
     if ctx.grad_order_closed:  # a backward ended since: this forward starts the next reduction order
         ctx.grad_order = []
         ctx.backward_groups = []
@@ -289,7 +287,6 @@ def _pre_backward(group: ParamGroup) -> None:
     group.reduced = False
     if torch.is_grad_enabled():  # backward(create_graph=True): a backward through this graph may follow
         ctx.keep_gathered = True
-    ctx.backward_order.append(group)
     _backward_gathers(ctx, group)
     group.unshard()
     group.register_unsharded()
@@ -363,7 +360,6 @@ def _final_callback(ctx: IterationContext) -> None:
         if g.reshard_after_backward and not ctx.keep_gathered:
             g.free()
         g.force_state(IDLE)
-    ctx.backward_order = []
     ctx.grad_order_closed = True
     ctx.keep_gathered = False
     ctx.callback_queued = False

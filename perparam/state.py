@@ -60,8 +60,8 @@ class IterationContext:
 
     ``groups``: every group of the tree, the root first, in module order (the order the final callback
     walks, the same on every rank). ``active_root``: the group whose forward is the outermost one running
-    now (``None`` between forwards). ``forward_order``/``backward_order``: the groups in the order their
-    pre-forward / pre-backward ran this iteration; the last forward's order drives forward prefetching.
+    now (``None`` between forwards). ``forward_order``: the groups in the order their pre-forward ran this
+    iteration; the last forward's order drives forward prefetching.
     Backward all-gathers and reductions follow orders derived from the forward only (the same on every
     rank), never the order in which this rank's backward happened to run.
     ``pending``: reduce-scatters in flight, oldest first. ``keep_gathered``: this backward builds a graph
@@ -81,14 +81,12 @@ class IterationContext:
         self.reduce_cursor = 0
         self.forward_seen: set[ParamGroup] = set()
         self.forward_next: dict[ParamGroup, ParamGroup] = {}  # the last forward's successor of each group
-        self.backward_order: list[ParamGroup] = []
         self.last_forward: dict[int, list[ParamGroup]] = {}  # id(root) -> that root's last forward order
         #: this backward's expected order (root, then reverse forward order) and how far its all-gathers
         #: have been issued (``hooks._backward_gathers``)
         self.backward_expected: list[ParamGroup] = []
         self.gather_index: dict[ParamGroup, int] = {}
         self.gather_cursor = 0
-        self.iteration_root: ParamGroup | None = None  # the root of the iteration running now
         self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
         self.callback_queued = False
         self.keep_gathered = False
@@ -142,9 +140,7 @@ class IterationContext:
             g.reshard()
             g.force_state(TrainingState.IDLE)
         self.active_root = None
-        self.iteration_root = None
         self.forward_order = []
-        self.backward_order = []
         self.grad_order = []
         self.backward_groups = []
         self.reduce_order = []
