@@ -20,6 +20,29 @@ def _full(grad):
     return None if grad is None else (grad.full_tensor() if isinstance(grad, DTensor) else grad)
 
 
+def _mismatch_message(call) -> str:
+    """Run ``call()`` in debug mode; the ``CollectiveMismatchError`` message, or "no error"."""
+    perparam.set_debug(True)
+    try:
+        call()
+    except perparam.CollectiveMismatchError as e:
+        return str(e)
+    finally:
+        perparam.set_debug(False)
+    return "no error"
+
+
+def _mean_over_ranks(per_rank: list[dict]) -> dict:
+    """The reference gradient: each rank's unsharded gradient averaged over the ranks, a rank without
+    one counting zero; parameters no rank had a gradient for are left out."""
+    mean: dict = {}
+    for grads in per_rank:
+        for name, grad in grads.items():
+            if grad is not None:
+                mean[name] = mean.get(name, 0) + grad / len(per_rank)
+    return mean
+
+
 def two_experts(rank: int, world_size: int, rows1: int) -> list:
     torch.manual_seed(0)
     e0, e1 = nn.Linear(2, 2, bias=False), nn.Linear(2, rows1, bias=False)
@@ -118,14 +141,7 @@ def mismatched(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = nn.Linear(4, 3 if rank == 0 else 5)  # the ranks disagree on the shape
     perparam.fully_shard(model)
-    perparam.set_debug(True)
-    try:
-        model(torch.ones(1, 4))
-    except perparam.CollectiveMismatchError as e:
-        return str(e)
-    finally:
-        perparam.set_debug(False)
-    return "no error"
+    return _mismatch_message(lambda: model(torch.ones(1, 4)))
 
 
 def test_debug_mode_names_a_mismatched_collective_on_every_rank():
@@ -186,13 +202,12 @@ def unused_output(rank: int, world_size: int, debug: bool) -> dict:
 def test_a_module_called_everywhere_whose_output_only_some_ranks_use(debug):
     torch.manual_seed(0)
     ref = Branches()
-    want: dict = {}
+    per_rank = []
     for r in range(2):
         ref.zero_grad()
         ref(torch.ones(2, 4) * (r + 1), use_b=r == 0).sum().backward()
-        for n, p in ref.named_parameters():
-            if p.grad is not None:  # rank 1 leaves b without a gradient
-                want[n] = want.get(n, 0) + p.grad / 2
+        per_rank.append({n: p.grad for n, p in ref.named_parameters()})  # rank 1 leaves b without one
+    want = _mean_over_ranks(per_rank)
     for got in run_distributed(unused_output, 2, debug, timeout=30):
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
@@ -203,14 +218,8 @@ def same_shape_groups(rank: int, world_size: int) -> str:
     experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
     for e in experts:
         perparam.fully_shard(e)  # two groups of equal classes and shapes
-    perparam.set_debug(True)
-    try:
-        experts[rank](torch.ones(1, 4))  # each rank calls another group: outside the contract
-    except perparam.CollectiveMismatchError as e:
-        return str(e)
-    finally:
-        perparam.set_debug(False)
-    return "no error"
+    # each rank calls another group: outside the contract
+    return _mismatch_message(lambda: experts[rank](torch.ones(1, 4)))
 
 
 def test_debug_mode_tells_apart_groups_of_equal_shape():
@@ -248,11 +257,7 @@ def input_routes(rank: int, world_size: int, frozen: bool) -> dict:
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 def test_whether_a_groups_input_requires_grad_may_differ_between_ranks(frozen):
-    want: dict = {}
-    for rank in range(2):
-        for name, grad in input_routes(rank, 0, frozen).items():
-            if grad is not None:
-                want[name] = want.get(name, 0) + grad / 2
+    want = _mean_over_ranks([input_routes(rank, 0, frozen) for rank in range(2)])
     for got in run_distributed(input_routes, 2, frozen, timeout=30):
         assert {n for n, g in got.items() if g is not None} == set(want)
         for name, grad in want.items():
@@ -298,14 +303,13 @@ def deep_branch(rank: int, world_size: int, hsdp: bool) -> dict:
 
 @pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, True)], ids=["1d", "hsdp2x2"])
 def test_a_branch_used_by_one_rank_late_in_backward_never_deadlocks(world, hsdp):
-    want: dict = {}
+    per_rank = []
     for rank in range(world):
         torch.manual_seed(0)
         model = DeepBranch()
         model(torch.arange(8.0).view(2, 4) * (rank + 1) / 8, use_aux=rank == world - 1).sum().backward()
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                want[n] = want.get(n, 0) + p.grad / world
+        per_rank.append({n: p.grad for n, p in model.named_parameters()})
+    want = _mean_over_ranks(per_rank)
     for got in run_distributed(deep_branch, world, hsdp, timeout=60):
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
