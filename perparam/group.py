@@ -123,10 +123,6 @@ class ParamGroup:
         """The all-gather in flight (an opaque token), or ``None``."""
         return self._pending_gather
 
-    def prefetch_pending(self) -> bool:
-        """An all-gather was issued (a prefetch) and nobody has waited for it yet."""
-        return self._pending_gather is not None
-
     def _versions(self) -> tuple[int, ...]:
         versions = [adopt.optimizer_steps()]
         for p in self.params:  # the wrapper (DTensor in-place ops) and the local shard (to_local().sub_())
@@ -264,7 +260,7 @@ class ParamGroup:
         accumulators (gradient accumulation without communication). ``defer=True`` returns the
         reduce-scatters still in flight, for ``finish_reduce``; otherwise they are finished here.
         """
-        trainable = [p for p in self.params if p.sharded.requires_grad]
+        trainable = self.trainable()
         if not sync:
             for p in trainable:
                 p.take_unsharded_grad(keep=True)

@@ -199,7 +199,7 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
         ctx.active_root = None
         ctx.last_forward[id(group)] = ctx.forward_order
         for g in ctx.groups:  # prefetched for a forward that took another path this time: release
-            if g.state is IDLE and g.prefetch_pending() and g not in ctx.forward_seen:
+            if g.state is IDLE and g.pending_gather() is not None and g not in ctx.forward_seen:
                 g.free()
     if group.mp_policy.output_dtype is not None:
         output = cast_floating(output, group.mp_policy.output_dtype)
@@ -248,7 +248,7 @@ def _queue_final_callback(ctx: IterationContext) -> None:
         ctx.callback_queued = True
         # reductions: the groups with trainable parameters, in reverse forward order (the same on every
         # rank; whether a group's inputs require grad may differ between ranks, so it must not matter)
-        ctx.reduce_order = [g for g in ctx.grad_order[::-1] if any(p.sharded.requires_grad for p in g.params)]
+        ctx.reduce_order = [g for g in ctx.grad_order[::-1] if g.trainable()]
         ctx.reduce_cursor = 0
         # the root first, then the reverse forward order (groups that may have a backward on some rank)
         hooked = ctx.backward_groups
