@@ -8,7 +8,7 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .collectives import CommCounter
 from .debug import CollectiveMismatchError, set_debug
-from .module import ShardedModule, UnshardHandle, register_forward_method
+from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "QuantPolicy",
     "ShardedModule",
     "ShardingError",
+    "StoredDtypeChangeError",
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -15,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh
 
-from . import adopt, hooks
+from . import adopt, hooks, islands
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
@@ -39,7 +40,7 @@ class ShardingError(ValueError):
 
 def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                param_policy: ParamPolicyArg | None = None):
+                param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None):
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
 
     Every parameter not already managed by a ``fully_shard`` call on a submodule is replaced by an
@@ -58,12 +59,20 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             An int is the world size to reshard to: ``1`` means ``False`` and the shard axis's size
             means ``True``; resharding to another size is not supported (``ShardingError``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.policy``.
+            A module whose own parameters compute in another dtype than the call's ``param_dtype``
+            casts its inputs and outputs (a precision island, ``perparam.islands``).
+        ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
+            sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
 
     Raises:
         ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
-            tensor-parallel parameter that cannot compose with ``mesh``. Nothing is changed then.
+            tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
+            compute in two dtypes, an ignored parameter that is not in ``module``. Nothing is changed then.
+
+    Warns (once per process) when a trainable parameter is stored in bf16 or fp16: its optimizer then
+    updates low-precision weights; pass ``MixedPrecisionPolicy(master_dtype=torch.float32)``.
     """
     modules = list(module) if isinstance(module, Sequence) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -76,7 +85,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping)) or callable(param_policy)):
         raise ShardingError(f"param_policy must be a ParamPolicy, a mapping from glob patterns to ParamPolicy, or a "
                             f"callable (name, param) -> ParamPolicy | None; got {type(param_policy).__name__}")
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+    for field in ("param_dtype", "reduce_dtype", "output_dtype", "master_dtype"):
         dtype = getattr(mp_policy, field)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ShardingError(f"MixedPrecisionPolicy.{field} must be a torch.dtype (e.g. torch.bfloat16), "
@@ -98,6 +107,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     owner = ", ".join(type(m).__name__ for m in modules)
 
     found = _collect(modules)
+    ignored = _ignored(ignored_params, found, owner)
+    found = [entry for entry in found if id(entry[1]) not in ignored]
     for fqn, original, _ in found:
         _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
@@ -105,8 +116,14 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         check_patterns([fqn for fqn, _, _ in found], param_policy)
         policies = [resolve(fqn, p, mp_policy, param_policy, p.dim()) for fqn, p, _ in found]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
-    except (PolicyError, CompositionError) as e:
+        prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
+        island_list = islands.find_islands(
+            prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
+                       for (fqn, p, slots), pol in zip(found, policies)],
+            mp_policy.param_dtype, lambda m: group_of(m) is not None)
+    except (PolicyError, CompositionError, islands.IslandError) as e:
         raise ShardingError(str(e)) from None
+    _warn_low_precision_training(found, policies)
     sharded_params = []
     for (fqn, original, slots), policy, tp in zip(found, policies, tps):
         sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy, tp)
@@ -129,7 +146,44 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         # always_call: a forward that raises still reshards and releases the root
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
                                 with_kwargs=True, always_call=True)
+    for island in island_list:  # after the group's hooks: inside its input cast, before its output cast
+        islands.install(island)
+    group.islands = island_list
     return module
+
+
+_WARNED_LOW_PRECISION = False
+
+
+def _warn_low_precision_training(found, policies) -> None:
+    """Once per process: a trainable parameter stored in bf16/fp16 (no fp32 master weights)."""
+    global _WARNED_LOW_PRECISION
+    low = [(fqn, pol.stored_dtype) for (fqn, _, _), pol in zip(found, policies)
+           if pol.requires_grad and pol.stored_dtype in (torch.bfloat16, torch.float16)]
+    if low and not _WARNED_LOW_PRECISION:
+        _WARNED_LOW_PRECISION = True
+        fqn, dtype = low[0]
+        warnings.warn(f"perparam: {len(low)} trainable parameter(s), e.g. '{fqn}', are stored in {dtype}: the "
+                      "optimizer will update low-precision weights and keep its state in that dtype, and small "
+                      "updates round away. To train with fp32 master weights while computing in the low "
+                      "precision, pass MixedPrecisionPolicy(master_dtype=torch.float32, param_dtype="
+                      f"{dtype}) (this warning is shown once per process)", UserWarning, stacklevel=3)
+
+
+def _ignored(ignored_params, found, owner: str) -> set[int]:
+    """Ids of the ``ignored_params`` (each must be a parameter this call would otherwise manage)."""
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in ignored_params):
+        raise ShardingError("ignored_params must be a set of parameters (e.g. {model.lm_head.weight}), got "
+                            f"{type(ignored_params).__name__}")
+    known = {id(p) for _, p, _ in found}
+    for p in ignored_params:
+        if id(p) not in known:
+            raise ShardingError(f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not a parameter "
+                                f"of {owner} managed by this call (not in its module tree, or already sharded by "
+                                "an earlier call); pass only parameters of the module given")
+    return {id(p) for p in ignored_params}
 
 
 def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:

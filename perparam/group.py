@@ -59,6 +59,7 @@ class ParamGroup:
         self.ctx = IterationContext([self])  # replaced by the root's context at its first forward
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
+        self.islands: list = []  # perparam.islands.Island: modules computing in their own dtype
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
         self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward

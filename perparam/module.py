@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .group import ParamGroup
@@ -10,11 +11,23 @@ _GROUP_ATTR = "_perparam_group"
 _CLASS_CACHE: dict[type, type] = {}
 
 
+class StoredDtypeChangeError(TypeError):
+    """``module.to(dtype)`` / ``.half()`` / ``.double()`` ... on a sharded module: refused."""
+
+
 class ShardedModule:
     """Mixed into every module passed to ``fully_shard``; ``isinstance(m, ShardedModule)`` tells.
 
     The methods act on the module's group (all modules of one ``fully_shard`` call share one group).
     """
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module.to``, ``.half()``, ``.cuda()``, ``to_empty`` ... all come here. A change of device
+        (or ``to_empty``) is applied to the shards as usual; a change of the stored dtype is refused,
+        before anything changes, with ``StoredDtypeChangeError``: the compute dtype, the all-gather
+        layout and the reduce dtype were resolved from the stored dtypes at ``fully_shard``."""
+        _refuse_dtype_change(self, fn)
+        return super()._apply(fn, recurse)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the
@@ -129,6 +142,24 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
         return output
 
     object.__setattr__(module, method_name, wrapped)
+
+
+def _refuse_dtype_change(module: nn.Module, fn) -> None:
+    for group in _groups_below(module, True):
+        for sp in group.params:
+            shard = sp.local_shard()
+            probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
+            try:
+                changed = fn(probe)
+            except Exception:  # not a conversion a 0-element tensor can take; let nn.Module decide
+                return
+            if isinstance(changed, torch.Tensor) and changed.dtype != probe.dtype:
+                raise StoredDtypeChangeError(
+                    f"{type(module).__name__} is sharded by perparam; changing its parameters' dtype ('{sp.fqn}': "
+                    f"{probe.dtype} -> {changed.dtype}) after fully_shard is not supported: the compute dtype and "
+                    "the all-gather layout were fixed from the stored dtypes then. To compute in "
+                    f"{changed.dtype}, pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+                    f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
 
 
 def group_of(module: nn.Module) -> ParamGroup | None:

@@ -78,7 +78,8 @@ class ShardedParam:
         dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
-        stored_dtype = q.dtype if self.stored_quantized else original.dtype
+        self.original_dtype = original.dtype
+        stored_dtype = q.dtype if self.stored_quantized else policy.stored_dtype or original.dtype
         self.layout = ShardLayout(dp_shape, stored_dtype, num_shards, self.dim)
         self.pieces: tuple[WirePiece, ...] = wire_pieces(
             self.layout, policy.param_dtype, q.dtype if q else None, q.block_size if q else 256,
@@ -95,6 +96,11 @@ class ShardedParam:
         self._grad_spec: DTensorSpec | None = None
 
     @property
+    def full_dtype(self) -> torch.dtype:
+        """The dtype of the sharded parameter's values before any stored quantization."""
+        return self.policy.stored_dtype or self.original_dtype
+
+    @property
     def plain(self) -> bool:
         """Sent as one piece in the compute dtype (no quantization, not replicated)."""
         return self.dim is not None and self.policy.quant is None
@@ -106,10 +112,12 @@ class ShardedParam:
         start, length = self.layout.extent(self.shard_rank)
         with torch.no_grad():
             if meta:
-                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=original.dtype, device=device)
+                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.full_dtype, device=device)
             else:
                 full = (original.to_local() if self.tp else original).detach().to(device)
-                local = full.clone() if self.dim is None else full.narrow(self.dim, start, length).clone()
+                local = full if self.dim is None else full.narrow(self.dim, start, length)
+                # a copy of its own in the stored dtype (master weights: upcast once, here)
+                local = local.to(self.full_dtype, copy=True)
         if self.stored_quantized:
             q = self.policy.quant
             rows = local.reshape(local.shape[0], math.prod(local.shape[1:]))  # (0 rows on an empty shard)
@@ -277,11 +285,14 @@ class ShardedParam:
         grad = self.unsharded.grad if self.unsharded is not None else None
         if grad is not None:
             self.unsharded.grad = None
+            # cast first, reduce after: reduce_dtype governs every reduction the gradient goes through,
+            # the tp one included (a Partial gradient of a parameter replicated on the tp axis is summed
+            # over the tp ranks by the redistribute below)
+            grad = grad.to(self.policy.reduce_dtype)
             if isinstance(grad, DTensor):  # tp: e.g. Partial -> the parameter's own tp placements
                 if tuple(grad.placements) != self.tp.tp_placements:
                     grad = grad.redistribute(self.tp.tp_mesh, self.tp.tp_placements)
                 grad = grad.to_local()
-            grad = grad.to(self.policy.reduce_dtype)
         if self.grad_acc is not None:
             grad = self.grad_acc if grad is None else self.grad_acc.add_(grad)
             self.grad_acc = None

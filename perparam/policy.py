@@ -28,6 +28,12 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    #: perparam's addition (FSDP2 has none): the dtype the sharded parameters are stored in, i.e. the
+    #: optimizer's master weights (``None``: each parameter's own dtype). A model loaded in bf16 with
+    #: ``master_dtype=torch.float32`` keeps fp32 shards, gradients and AdamW state while all-gather and
+    #: compute stay in ``param_dtype`` (default: the loaded dtype), as in mixed-precision training
+    #: (Micikevicius et al., 2018). The upcast happens once, at ``fully_shard``.
+    master_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class ParamPolicy:
     requires_grad: bool | None = None
     quant: QuantPolicy | None = None
     placement: Placement | None = None
+    master_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,9 @@ class ResolvedPolicy:
     """One parameter's effective policy after inheritance (what the runtime uses).
 
     ``param_dtype``: compute dtype of the unsharded parameter. ``reduce_dtype``: gradient reduction dtype.
-    ``shard_dim``: the sharded tensor dim, ``None`` for a replicated parameter.
+    ``shard_dim``: the sharded tensor dim, ``None`` for a replicated parameter. ``stored_dtype``: the
+    dtype of the sharded parameter (its ``master_dtype``, else the original dtype), before any stored
+    quantization.
     """
 
     param_dtype: torch.dtype
@@ -68,6 +77,7 @@ class ResolvedPolicy:
     requires_grad: bool
     quant: QuantPolicy | None
     shard_dim: int | None
+    stored_dtype: torch.dtype | None = None
 
 
 def _pick(name: str, param, param_policy) -> ParamPolicy | None:
@@ -112,7 +122,12 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
     _float_dtype(pp.param_dtype, f"param_dtype of '{name}'")
     _float_dtype(pp.reduce_dtype, f"reduce_dtype of '{name}'")
+    _float_dtype(pp.master_dtype, f"master_dtype of '{name}'")
     is_float = param.dtype.is_floating_point
+    if pp.master_dtype is not None and not is_float:
+        raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; master_dtype {pp.master_dtype} applies to "
+                          "floating-point parameters only: drop it for this parameter")
+    stored_dtype = pp.master_dtype or (mp.master_dtype if is_float else None) or param.dtype
     if pp.param_dtype is not None and not is_float:
         raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; param_dtype {pp.param_dtype} applies to "
                           "floating-point parameters only: drop it for this parameter")
@@ -155,4 +170,4 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
         if quant.store_quantized and (shard_dim != 0 or ndim < 2):
             raise PolicyError(f"store_quantized needs a parameter of 2+ dims sharded on dim 0 (scales are "
                               f"kept per row); '{name}' has {ndim} dims and Shard({shard_dim})")
-    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, shard_dim)
+    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, shard_dim, stored_dtype)

@@ -136,3 +136,42 @@ def test_bad_tensor_parallel_compositions_fail_at_fully_shard_time(case, fragmen
     for message in run_distributed(composition_error, 4, case):
         for fragment in fragments:
             assert fragment in message, (fragment, message)
+
+
+class Scale(nn.Module):
+    """``x * weight``; under ``SequenceParallel`` the weight is replicated on tp and its gradient Partial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+#: tp rank 0's and tp rank 1's share of the weight's gradient: exact in bf16, while their sum is not
+#: (1 + 2**-9 rounds to 1.0 in bf16, whose 8-bit significand cannot hold it; fp32 holds it exactly)
+WITNESS = (1.0, 2.0 ** -9)
+
+
+def partial_grad_witness(rank: int, world_size: int) -> list[float]:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    dp = world_size // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = Scale()
+    parallelize_module(model, mesh["tp"], SequenceParallel())
+    perparam.fully_shard(model, mesh=mesh["dp_shard"], mp_policy=perparam.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    x = torch.full((1, 1, 2), WITNESS[mesh["tp"].get_local_rank()])  # this tp rank's sequence shard
+    out = model(x)
+    out.to_local().float().sum().backward()
+    return model.weight.grad.full_tensor().tolist()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_dtype_governs_the_tp_reduction_of_a_partial_gradient(world):
+    # dp=1 x tp=2 and dp=2 x tp=2: the tp sum of the Partial gradient happens in fp32, so it is exactly
+    # 1 + 2**-9 (summed in bf16 first, as before the fix, it was 1.0)
+    for grad in run_distributed(partial_grad_witness, world):
+        assert grad == [sum(WITNESS)] * 2, grad
