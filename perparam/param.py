@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import quant
@@ -106,18 +106,31 @@ class ShardedParam:
         return self.dim is not None and self.policy.quant is None
 
     # -- construction -----------------------------------------------------------------------------------
+    def _dp_piece(self, local_full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece on the dp shard axis of ``local_full`` (the whole parameter, or under TP this
+        rank's tp-local tensor), as a new tensor on the mesh device."""
+        start, length = self.layout.extent(self.shard_rank)
+        piece = local_full if self.dim is None else local_full.narrow(self.dim, start, length)
+        return piece.to(self.mesh_device, copy=True)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local shard of ``full``, a plain tensor of the parameter's global shape (as
+        ``full_tensor()`` gives it), without communication: under TP the tp-local part first, then the
+        rows this rank holds on the dp shard axis. The dtype is ``full``'s."""
+        if self.tp:
+            full = distribute_tensor(full.to(self.mesh_device), self.tp.tp_mesh, self.tp.tp_placements,
+                                     src_data_rank=None).to_local()
+        return self._dp_piece(full)
+
     def _make_sharded(self, original: nn.Parameter) -> nn.Parameter:
         meta = original.is_meta
         device = torch.device("meta") if meta else self.mesh_device
-        start, length = self.layout.extent(self.shard_rank)
         with torch.no_grad():
             if meta:
                 local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.full_dtype, device=device)
             else:
-                full = (original.to_local() if self.tp else original).detach().to(device)
-                local = full if self.dim is None else full.narrow(self.dim, start, length)
                 # a copy of its own in the stored dtype (master weights: upcast once, here)
-                local = local.to(self.full_dtype, copy=True)
+                local = self._dp_piece((original.to_local() if self.tp else original).detach()).to(self.full_dtype)
         if self.stored_quantized:
             q = self.policy.quant
             rows = local.reshape(local.shape[0], math.prod(local.shape[1:]))  # (0 rows on an empty shard)

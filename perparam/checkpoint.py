@@ -1,0 +1,333 @@
+"""Sharded checkpoints that survive crashes and load on another world size or mesh, and full state dicts.
+
+``save(path, model, optimizer, extra=...)`` writes a ``torch.distributed.checkpoint`` (DCP) checkpoint: every
+rank writes its own shards (an HSDP replica's copies once), so a checkpoint saved on K ranks loads on any
+other K, on a 1D or HSDP mesh, with or without tensor parallelism, or into one unsharded process; DCP
+reassembles and reslices each tensor. Crash safety: the files go into a temporary folder next to
+``path``; after every rank has finished, rank 0 writes the manifest (``perparam_checkpoint.json``: names,
+global shapes and dtypes, optimizer hyper-parameters, ``extra``) and renames the folder to ``path``
+(``os.rename`` is atomic on one filesystem). A save killed half-way leaves the previous checkpoint as it
+was, and the next save removes the leftover folder. ``keep`` checkpoints are kept in ``path``'s parent.
+
+``load(path, model, optimizer)`` checks the manifest against the model and optimizer first (one message
+naming every missing, unexpected or reshaped entry), loads into fresh tensors, and only then copies into
+the model and optimizer: nothing is half-loaded. DCP's metadata file is a pickle; it is read with an
+unpickler that admits DCP's own metadata classes and torch dtypes only, so loading never runs arbitrary
+code (tensor payloads are read by DCP with ``weights_only=True``).
+
+Optimizer state is saved per parameter name, tensors through DCP (sharded like their parameter) and the
+rest in the manifest; a parameter that never got a gradient has no state and is fine, a parameter frozen
+since the save gets its state back if it is still in the optimizer.
+
+``full_state_dict(model)`` gathers the model on rank 0 one tensor at a time (rank 0 holds its shards plus
+one unsharded tensor at a time, plus the CPU dict it returns); ``load_full_state_dict(model, sd)`` takes a
+dict present on rank 0 only, broadcasts it one tensor at a time and keeps each rank's shard, so no rank
+holds the model twice; a meta-device model is materialised first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.tensor import DTensor
+
+MANIFEST = "perparam_checkpoint.json"
+FORMAT = "perparam-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; the message says what is wrong and what to do."""
+
+
+# -- safe metadata ------------------------------------------------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, ``collections.OrderedDict`` and torch's dtype/layout/format objects."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in {
+                ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
+                ("torch.serialization", "_get_layout"),  # rebuilds a layout from its name
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PureWindowsPath")}:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                        torch.memory_format)):
+            return getattr(torch, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata: refusing "
+                              "to unpickle it (the checkpoint was not written by torch.distributed.checkpoint)")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _from_rank0(value):
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _info(t: torch.Tensor) -> dict:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dtensor": isinstance(t, DTensor)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    meta = [k for k, v in state.items() if v.is_meta]
+    if meta:
+        raise CheckpointError(f"'{meta[0]}' (and {len(meta) - 1} more) of the model are on the meta device: call "
+                              "model.to_empty(device=...) first (or load_full_state_dict, which does it)")
+    return state
+
+
+def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        named = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                                      "of the model (an optimizer built before fully_shard is retargeted at its first "
+                                      "step(): step once, or build the optimizer after fully_shard)")
+            named.append((names[id(p)], p))
+        groups.append(named)
+    return groups
+
+
+def _json(value, what: str):
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from None
+    return value
+
+
+# -- save -----------------------------------------------------------------------------------------------
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         extra: dict | None = None, keep: int | None = 2) -> Path:
+    """Save ``model`` (and ``optimizer``) to the folder ``path``, crash-safely; every rank calls it.
+
+    ``extra``: a small JSON-serialisable dict (step, data position, seeds) returned by ``load``.
+    ``keep``: how many complete checkpoints to keep in ``path``'s parent, oldest removed first (``None``:
+    all). An existing checkpoint at ``path`` is replaced only once the new one is complete. Returns
+    ``path``. Raises ``CheckpointError`` for non-JSON ``extra`` or optimizer options, before writing.
+    """
+    path = Path(path)
+    extra = _json(extra or {}, "extra")
+    state = {f"model.{k}": v for k, v in _model_state(model).items()}
+    manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
+                      else 1, "model": {k.removeprefix("model."): _info(v) for k, v in state.items()}}
+    if optimizer is not None:
+        groups, opt_state = [], {}
+        for group, named in zip(optimizer.param_groups, _optimizer_params(model, optimizer)):
+            options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+            groups.append({"params": [n for n, _ in named], "options": _json(options, "optimizer options")})
+            for name, p in named:
+                entries = {}
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state[f"optim.{name}.{key}"] = value
+                        entries[key] = _info(value)
+                    else:
+                        entries[key] = {"value": _json(value, f"optimizer state '{key}' of '{name}'")}
+                if entries:
+                    opt_state[name] = entries
+        manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
+    token = _from_rank0(uuid.uuid4().hex[:12])
+    tmp = path.parent / f".{path.name}.tmp-{token}"
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    _barrier()  # every rank's files are written
+    if _rank() == 0:
+        manifest["saved_ns"] = time.time_ns()
+        _write_json(tmp / MANIFEST, manifest)
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{token}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        if keep is not None:
+            for stale in _complete(path.parent)[:-keep]:
+                if stale != path:
+                    shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def _write_json(target: Path, data: dict) -> None:
+    part = target.with_suffix(".part")
+    with open(part, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, target)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _complete(folder: Path) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first."""
+    found = []
+    for d in folder.iterdir() if folder.is_dir() else []:
+        if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file():
+            try:
+                found.append((json.loads((d / MANIFEST).read_text()).get("saved_ns", 0), d))
+            except (OSError, ValueError):
+                continue
+    return [d for _, d in sorted(found)]
+
+
+def latest(folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        return folder
+    found = _complete(folder)
+    return found[-1] if found else None
+
+
+# -- load -----------------------------------------------------------------------------------------------
+def _read_manifest(path: Path) -> dict:
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: the folder does not exist")
+    if not (path / MANIFEST).is_file():
+        newest = latest(path)
+        hint = (f"; it holds checkpoints, the newest is {newest} (perparam.checkpoint.latest)" if newest else
+                ": a save that was interrupted before it finished, or a folder not written by perparam.checkpoint")
+        raise CheckpointError(f"{path} is not a complete perparam checkpoint (no {MANIFEST}){hint}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path / MANIFEST} is damaged ({e}); load an earlier checkpoint") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> list[str]:
+    out = [f"{what} '{k}' is in the checkpoint but not in the {what}" for k in saved if k not in current]
+    out += [f"{what} '{k}' is not in the checkpoint" for k in current if k not in saved]
+    for k in saved.keys() & current.keys():
+        s, c = saved[k], _info(current[k])
+        if s["shape"] != c["shape"] or s["dtype"] != c["dtype"]:
+            out.append(f"{what} '{k}' was saved as {s['dtype']}{s['shape']} and is {c['dtype']}{c['shape']} now")
+    return out
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); every rank calls it.
+
+    The world size, mesh shape and tensor parallelism may differ from the saving run's. Returns the
+    ``extra`` dict given to ``save``. Raises ``CheckpointError`` before changing anything when ``path`` is
+    missing, incomplete or foreign, or names, shapes or dtypes differ (all differences in one message).
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    current = _model_state(model)
+    problems = _differences(manifest["model"], current, "model")
+    targets = {f"model.{k}": torch.zeros_like(v) for k, v in current.items()}
+    restore: list[tuple[torch.Tensor, dict]] = []
+    if optimizer is not None:
+        saved = manifest.get("optimizer")
+        named_groups = _optimizer_params(model, optimizer)
+        if saved is None:
+            problems.append("the checkpoint has no optimizer state; load(path, model) without an optimizer")
+        elif saved["class"] != type(optimizer).__name__:
+            problems.append(f"the optimizer was a {saved['class']} and is a {type(optimizer).__name__} now")
+        elif [g["params"] for g in saved["param_groups"]] != [[n for n, _ in g] for g in named_groups]:
+            problems.append("the optimizer's parameter groups differ from the saved ones (names per group: "
+                            f"{[g['params'] for g in saved['param_groups']]})")
+        else:
+            for named in named_groups:
+                for name, p in named:
+                    entries, state = saved["state"].get(name, {}), {}
+                    for key, info in entries.items():
+                        if "value" in info:
+                            state[key] = info["value"]
+                        elif info["shape"] == list(p.shape) and info["dtensor"] and isinstance(p, DTensor):
+                            state[key] = targets[f"optim.{name}.{key}"] = torch.zeros_like(p, dtype=_dtype(info["dtype"]))
+                        else:
+                            state[key] = targets[f"optim.{name}.{key}"] = torch.zeros(
+                                info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
+                    restore.append((p, state))
+    try:  # DCP's own metadata, read safely, before anything is touched
+        _SafeReader(path).read_metadata()
+    except CheckpointError as e:
+        problems.insert(0, str(e))
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        problems.insert(0, f"its DCP metadata (.metadata) cannot be read ({e}): the save did not finish")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(f"checkpoint {path} does not match: {shown}. Nothing was loaded")
+    dcp.load(targets, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
+    # every tensor read: now change the model and the optimizer
+    with torch.no_grad():
+        for k, v in current.items():
+            _local(v).copy_(_local(targets[f"model.{k}"]))
+    if optimizer is not None:
+        for p, state in restore:
+            if state:
+                optimizer.state[p] = state
+            else:
+                optimizer.state.pop(p, None)
+        for group, saved_group in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
+            for key, value in saved_group["options"].items():
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    return manifest.get("extra", {})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+from .full_state import full_state_dict, load_full_state_dict  # noqa: E402  (part of this module's API)
+
+__all__ = ["CheckpointError", "full_state_dict", "latest", "load", "load_full_state_dict", "save"]

@@ -1,0 +1,130 @@
+"""Full (unsharded) state dicts of a sharded model, one tensor at a time: ``full_state_dict`` gathers to
+rank 0, ``load_full_state_dict`` broadcasts from rank 0 and keeps each rank's shard.
+
+Memory: ``full_state_dict`` all-gathers one tensor at a time (every rank holds its shards plus one
+unsharded tensor while it is gathered) and rank 0 keeps a CPU copy of each. ``load_full_state_dict``
+broadcasts one tensor at a time as raw bytes (any dtype, gloo or NCCL) and keeps only this rank's slice,
+so no rank holds the model twice. Shards are sliced by the same code ``fully_shard`` uses
+(``ShardedParam.shard_of``), so every layout perparam creates loads, the uneven tensor-parallel ones
+included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .module import group_of
+
+
+def _checkpoint_error(message: str) -> Exception:
+    from .checkpoint import CheckpointError
+
+    return CheckpointError(message)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsharded ``state_dict`` of ``model`` as CPU tensors on rank 0 (``None`` on the other ranks);
+    every rank calls it. Stored-quantized parameters come as their codes, with their ``_qscale`` scales."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if out is not None:
+            out[key] = full.detach().to("cpu", copy=True)
+        del full
+    return out
+
+
+def _sharded_params(model: nn.Module) -> dict[str, object]:
+    """state-dict key -> ShardedParam, for every parameter perparam manages in ``model``."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for module in model.modules():
+        group = group_of(module)
+        if group is None:
+            continue
+        for sp in group.params:
+            for owner, attr in sp.slots:
+                if id(owner) in names:
+                    prefix = names[id(owner)]
+                    out[f"{prefix}.{attr}" if prefix else attr] = sp
+    return out
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """``to_empty`` a model on the meta device, then recompute its non-persistent buffers (not in any state
+    dict) with each module's ``reset_non_persistent_buffers()``; a module without one is refused."""
+    missing = [(n, m) for n, m in model.named_modules() if any(
+        m._buffers.get(b) is not None and m._buffers[b].is_meta for b in m._non_persistent_buffers_set)
+        and not callable(getattr(m, "reset_non_persistent_buffers", None))]
+    if missing:
+        name, module = missing[0]
+        raise _checkpoint_error(
+            f"module '{name}' ({type(module).__name__}) has non-persistent buffers on the meta device "
+            f"({sorted(module._non_persistent_buffers_set)}): no state dict holds them, so after to_empty() they "
+            "would be uninitialised memory. Define reset_non_persistent_buffers(self) on it to recompute them "
+            "(perparam calls it after materialising), or build that module on a real device")
+    model.to_empty(device=device)
+    for module in model.modules():
+        if module._non_persistent_buffers_set and callable(getattr(module, "reset_non_persistent_buffers", None)):
+            module.reset_non_persistent_buffers()
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None, *, src: int = 0) -> None:
+    """Load an unsharded ``state_dict`` held by rank ``src`` only (the other ranks pass ``None``) into the
+    sharded ``model``; every rank calls it. A model still on the meta device is materialised first on the
+    mesh's device. Values are cast to each entry's stored dtype.
+
+    Raises ``CheckpointError`` on every rank, before anything changes, when keys are missing or
+    unexpected or shapes differ (checked on rank ``src``), or for a float value for a stored-quantized
+    parameter (load its codes and ``_qscale`` scales, or shard the float weights with ``fully_shard``).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sharded = _sharded_params(model)
+    current = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in current.items()}
+    problem = ""
+    if rank == src:
+        if state_dict is None:
+            problem = f"load_full_state_dict: rank {src} passed None; it must pass the full state dict"
+        else:
+            missing = [k for k in shapes if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in shapes]
+            reshaped = [f"'{k}' {tuple(state_dict[k].shape)} vs {shapes[k]}" for k in shapes
+                        if k in state_dict and tuple(state_dict[k].shape) != shapes[k]]
+            quantized = [k for k, sp in sharded.items() if k in state_dict and sp.stored_quantized
+                         and state_dict[k].is_floating_point()]
+            parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+                     f"other shapes: {reshaped[:5]}" if reshaped else "",
+                     f"float values for stored-quantized parameters {quantized[:5]} (pass their codes and _qscale "
+                     "scales, or shard the float weights with fully_shard)" if quantized else ""]
+            problem = "; ".join(p for p in parts if p)
+    if dist.is_initialized():
+        box = [problem]
+        dist.broadcast_object_list(box, src=src)
+        problem = box[0]
+    if problem:
+        raise _checkpoint_error(f"load_full_state_dict: the state dict does not fit the model: {problem}. "
+                                "Nothing was loaded")
+    if any(v.is_meta for v in current.values()):
+        sp = next(iter(sharded.values()), None)
+        _materialise(model, sp.mesh_device if sp is not None else torch.device("cpu"))
+        current = model.state_dict()
+    with torch.no_grad():
+        for key, target in current.items():
+            local = target._local_tensor if isinstance(target, DTensor) else target
+            full = (state_dict[key].to(local.device, target.dtype).contiguous() if rank == src
+                    else torch.empty(shapes[key], dtype=target.dtype, device=local.device))
+            if dist.is_initialized():
+                dist.broadcast(full.reshape(-1).view(torch.uint8), src=src)
+            if key in sharded:
+                piece = sharded[key].shard_of(full)
+            elif isinstance(target, DTensor):
+                piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            else:
+                piece = full
+            local.copy_(piece)
+            del full, piece

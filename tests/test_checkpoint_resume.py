@@ -1,0 +1,190 @@
+"""perparam.checkpoint: save on one world size or mesh, load on another bit-exactly, resume exactly, survive a
+rank killed mid-save, refuse incomplete, foreign and mismatched checkpoints before touching anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import perparam
+from perparam import checkpoint
+from perparam.checkpoint import CheckpointError
+from tests.distributed import run_distributed
+from tests.models import TinyNet, local_slice, make_batches
+
+BATCH = 12
+
+
+class WithUnused(TinyNet):
+    """TinyNet plus a layer no forward uses: its parameters never get a gradient, so AdamW never creates
+    their state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(3, 3)
+
+
+def build(world_size: int, layout: str = "1d"):
+    torch.manual_seed(0)
+    model = WithUnused()
+    if layout == "single":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            if layout == "hsdp" else init_device_mesh("cpu", (world_size,)))
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh)
+    perparam.fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def steps(model, opt, batches, rank: int, world_size: int) -> list[float]:
+    losses = []
+    for x, y in batches:
+        if world_size:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def snapshot(model, opt) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"model.{k}": _full(v) for k, v in model.state_dict().items()}
+    for p, state in opt.state.items():
+        out.update({f"optim.{names[id(p)]}.{k}": _full(v) for k, v in state.items()})
+    return out
+
+
+def save_after(rank: int, world_size: int, path: str, n: int) -> dict:
+    model, opt = build(world_size)
+    steps(model, opt, make_batches(n, BATCH), rank, world_size)
+    checkpoint.save(path, model, opt, extra={"step": n})
+    return snapshot(model, opt)
+
+
+def load_into(rank: int, world_size: int, path: str, layout: str) -> dict:
+    model, opt = build(world_size, layout)
+    extra = checkpoint.load(path, model, opt)
+    model.blocks[0].fc1.weight.requires_grad_(False)  # frozen after the save: its state is kept
+    return {"extra": extra, "state": snapshot(model, opt)}
+
+
+@pytest.mark.parametrize("world,layout", [(2, "1d"), (4, "hsdp"), (0, "single")])
+def test_saved_on_4_ranks_loads_bit_exact_on_2_ranks_hsdp_and_one_unsharded_process(tmp_path, world, layout):
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(save_after, 4, path, 3)[0]
+    assert not any(k.startswith("optim.unused.") for k in saved)  # never got a gradient: no state
+    got = run_distributed(load_into, world, path, layout)[0] if world else load_into(0, 0, path, layout)
+    assert got["extra"] == {"step": 3}
+    assert got["state"].keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(got["state"][key], value), key
+
+
+def resume(rank: int, world_size: int, path: str) -> list[float]:
+    model, opt = build(world_size)
+    start = checkpoint.load(path, model, opt)["step"]
+    return steps(model, opt, make_batches(10, BATCH)[start:], rank, world_size)
+
+
+def straight(rank: int, world_size: int) -> list[float]:
+    model, opt = build(world_size)
+    return steps(model, opt, make_batches(10, BATCH), rank, world_size)
+
+
+@pytest.mark.parametrize("resume_world", [4, 2])
+def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path, resume_world):
+    path = str(tmp_path / "ckpt")
+    want = run_distributed(straight, 4)
+    run_distributed(save_after, 4, path, 5)
+    got = run_distributed(resume, resume_world, path)
+    # fp32, same world: bitwise. Another world size reduces in another order: within 1e-6
+    mean = [sum(r[i] for r in got) / resume_world for i in range(5)]
+    want_mean = [sum(r[5 + i] for r in want) / 4 for i in range(5)]
+    if resume_world == 4:
+        assert [r[5:] for r in want] == got
+    assert max(abs(a - b) for a, b in zip(mean, want_mean)) <= 1e-6
+
+
+def die_during_save(rank: int, world_size: int, path: str) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, opt = build(world_size)
+    steps(model, opt, make_batches(1, BATCH), rank, world_size)
+    if rank == 1:
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            original(self, plan, planner).wait()
+            os._exit(3)  # killed between writing its files and the end of the save
+
+        FileSystemWriter.write_data = write_then_die
+    checkpoint.save(path, model, opt, extra={"step": 1})
+
+
+def load_extra(rank: int, world_size: int, path: str):
+    model, opt = build(world_size)
+    return checkpoint.load(path, model, opt)
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_distributed(save_after, 2, path, 2)
+    with pytest.raises(AssertionError):
+        run_distributed(die_during_save, 2, path, timeout=60)
+    partial = [p for p in os.listdir(tmp_path) if p.startswith(".ckpt.tmp-")]
+    assert partial, os.listdir(tmp_path)
+    assert run_distributed(load_extra, 2, path) == [{"step": 2}] * 2
+    with pytest.raises(CheckpointError, match="not a complete perparam checkpoint"):
+        checkpoint.load(tmp_path / partial[0], *build(0, "single"))
+    run_distributed(save_after, 2, path, 3)  # the next save cleans the leftover
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt.tmp-")]
+
+
+def test_mismatched_missing_and_foreign_checkpoints_are_refused_before_anything_changes(tmp_path):
+    path = tmp_path / "ckpt"
+    run_distributed(save_after, 2, str(path), 1)
+    torch.manual_seed(1)
+    other = TinyNet(d=8)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(path, other, torch.optim.AdamW(other.parameters()))
+    for fragment in ("'unused.weight' is in the checkpoint", "'blocks.0.fc1.weight' was saved as float32[", "Nothing"):
+        assert fragment in str(e.value), str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.load(tmp_path / "nowhere", other)
+    # a manifest beside a metadata pickle that would run code: refused, nothing unpickled
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(os.system, f)
+    model, opt = build(0, "single")
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        checkpoint.load(path, model, opt)
+
+
+def test_keep_retains_the_newest_checkpoints_and_extra_must_be_json(tmp_path):
+    model, opt = build(0, "single")
+    for step in range(4):
+        checkpoint.save(tmp_path / f"step-{step}", model, opt, extra={"step": step}, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3"]
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-3"
+    assert json.loads((tmp_path / "step-3" / checkpoint.MANIFEST).read_text())["extra"] == {"step": 3}
+    with pytest.raises(CheckpointError, match="JSON"):
+        checkpoint.save(tmp_path / "bad", model, opt, extra={"tensor": torch.ones(1)})
+    assert not dist.is_initialized()
