@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mesh import MeshError, check_dp_mesh
 
 from . import adopt, hooks, islands
+from .full_state import install_load_hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
@@ -146,6 +147,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         # always_call: a forward that raises still reshards and releases the root
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
                                 with_kwargs=True, always_call=True)
+    install_load_hooks(sharded_params)
     for island in island_list:  # after the group's hooks: inside its input cast, before its output cast
         islands.install(island)
     group.islands = island_list

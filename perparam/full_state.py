@@ -97,8 +97,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
                         if k in state_dict and tuple(state_dict[k].shape) != shapes[k]]
             quantized = [k for k, sp in sharded.items() if k in state_dict and sp.stored_quantized
                          and state_dict[k].is_floating_point()]
-            parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
-                     f"other shapes: {reshaped[:5]}" if reshaped else "",
+            def few(items):
+                return f"{len(items)}: {items[:5]}" + (" ..." if len(items) > 5 else "")
+
+            parts = [f"missing {few(missing)}" if missing else "", f"unexpected {few(unexpected)}" if unexpected else "",
+                     f"other shapes {few(reshaped)}" if reshaped else "",
                      f"float values for stored-quantized parameters {quantized[:5]} (pass their codes and _qscale "
                      "scales, or shard the float weights with fully_shard)" if quantized else ""]
             problem = "; ".join(p for p in parts if p)
@@ -128,3 +131,29 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
                 piece = full
             local.copy_(piece)
             del full, piece
+
+
+def install_load_hooks(params) -> None:
+    """Let ``model.load_state_dict(full)`` take plain (unsharded) tensors, the common case for pretrained
+    weights: each plain tensor of a managed parameter's global shape is sliced to this rank's shard on the
+    fly, without communication (every rank passes the full dict; ``load_full_state_dict`` needs it on
+    rank 0 only). ``params``: one ``fully_shard`` call's ``ShardedParam`` objects."""
+    by_module: dict[int, tuple[nn.Module, list]] = {}
+    for sp in params:
+        for module, name in sp.slots:
+            by_module.setdefault(id(module), (module, []))[1].append((name, sp))
+    for module, entries in by_module.values():
+        module.register_load_state_dict_pre_hook(
+            lambda mod, state_dict, prefix, *rest, entries=entries: _slice_plain(entries, state_dict, prefix))
+
+
+def _slice_plain(entries, state_dict, prefix: str) -> None:
+    for name, sp in entries:
+        key = prefix + name
+        value = state_dict.get(key)
+        if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.is_meta
+                or tuple(value.shape) != sp.global_shape or (sp.stored_quantized and value.is_floating_point())):
+            continue  # torch reports what does not fit, as for any module
+        local = sp.shard_of(value.detach()).to(sp.sharded.dtype)
+        state_dict[key] = DTensor.from_local(local, sp.mesh, sp.placements, run_check=False,
+                                             shape=sp.sharded.shape, stride=sp.sharded.stride())
