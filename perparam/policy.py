@@ -9,9 +9,13 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from .quant import BlockQuantizer
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class QuantPolicy:
     ``resolve`` returns has all fields filled in.
     """
 
-    quantizer: object = None
+    quantizer: str | torch.dtype | BlockQuantizer | None = None
     block_size: int | None = None
     store_quantized: bool = False
     dtype: torch.dtype | None = None

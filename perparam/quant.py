@@ -25,8 +25,8 @@ parameter and piece 1 (fp32 scales ``[rows, blocks per row]``) as the ``<name>_q
 quantizer used with ``store_quantized=True`` has exactly these two pieces (the ``BlockQuantizer`` base).
 
 To add a quantizer: subclass ``BlockQuantizer`` (set ``codes_dtype``, override ``codes_per_row`` if
-codes are packed, ``encode``/``decode`` a ``[rows, blocks, block_size]`` tensor and its scales, and
-``error_bound``), then ``perparam.quant.register("name", instance)``; ``QuantPolicy("name")`` uses it
+codes are packed (and ``pack_codes``), ``encode`` a ``[rows, blocks, block_size]`` tensor into codes and
+scales, ``decode`` codes to unscaled values, and ``error_bound``), then ``perparam.quant.register("name", instance)``; ``QuantPolicy("name")`` uses it
 (see ``perparam/quant_nf4.py``). A block of zeros (e.g. the padding of an empty shard) has scale 0 and
 unpacks to zeros in every quantizer here.
 """
@@ -82,7 +82,7 @@ class BlockQuantizer:
         blocks = padded.view(rows, nblocks, block_size)
         amax = blocks.abs().amax(dim=2)  # [rows, nblocks]
         codes, scales = self.encode(blocks, amax)
-        return [codes, scales]
+        return [self.pack_codes(codes.reshape(rows, nblocks * block_size)[:, :n]), scales]
 
     def unpack(self, pieces: list[torch.Tensor], block_size: int, out: torch.Tensor) -> torch.Tensor:
         """Write the dequantized ``[rows, n]`` values of ``pieces`` (codes ``[rows, codes_per_row(n)]``,
@@ -98,9 +98,12 @@ class BlockQuantizer:
 
     def encode(self, blocks: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks`` ``[rows, nblocks, block_size]`` fp32 (zero-padded), ``amax`` ``[rows, nblocks]``:
-        codes ``[rows, codes_per_row(n)]`` (``n`` = the unpadded row length is cut by the caller's
-        ``decode``), scales ``[rows, nblocks]`` fp32."""
+        one code per value ``[rows, nblocks, block_size]`` and the scales ``[rows, nblocks]`` fp32."""
         raise NotImplementedError
+
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """One code per value ``[rows, n]`` to the stored codes ``[rows, codes_per_row(n)]``."""
+        return codes.contiguous()
 
     def decode(self, codes: torch.Tensor, n: int) -> torch.Tensor:
         """Codes ``[rows, codes_per_row(n)]`` to the unscaled values ``[rows, n]`` (fp32)."""
@@ -120,15 +123,9 @@ class _ScaledCast(BlockQuantizer):
     qmax: float = 127.0
 
     def encode(self, blocks, amax):
-        rows, nblocks, block_size = blocks.shape
         scales = amax / self.qmax
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
-        codes = self._round(blocks / safe).view(rows, nblocks * block_size)
-        return codes, scales
-
-    def pack(self, x, block_size):
-        codes, scales = super().pack(x, block_size)
-        return [codes[:, :x.shape[1]].contiguous(), scales]
+        return self._round(blocks / safe), scales
 
     def decode(self, codes, n):
         return codes.to(torch.float32)

@@ -41,22 +41,17 @@ class NF4Quantizer(BlockQuantizer):
         return ceil_div(n, 2)
 
     def encode(self, blocks, amax):
-        rows, nblocks, block_size = blocks.shape
         safe = torch.where(amax > 0, amax, torch.ones_like(amax)).unsqueeze(2)
         normalised = (blocks / safe).clamp_(-1.0, 1.0)
         # nearest level: the number of decision boundaries below the value (ties go to the lower level)
-        codes = torch.bucketize(normalised, self._midpoints.to(blocks.device)).to(torch.uint8)
-        codes = codes.view(rows, nblocks * block_size)
-        return codes, amax
+        return torch.bucketize(normalised, self._midpoints.to(blocks.device)).to(torch.uint8), amax
 
-    def pack(self, x, block_size):
-        codes, scales = super().pack(x, block_size)
-        rows, n = x.shape
-        codes = codes[:, :n]
+    def pack_codes(self, codes):
+        rows, n = codes.shape
         if n % 2:  # a padding nibble ends an odd row
             codes = torch.cat([codes, codes.new_zeros(rows, 1)], dim=1)
-        pairs = codes.view(rows, n // 2 + n % 2, 2)
-        return [(pairs[..., 0] << 4) | pairs[..., 1], scales]
+        pairs = codes.reshape(rows, ceil_div(n, 2), 2)
+        return (pairs[..., 0] << 4) | pairs[..., 1]
 
     def decode(self, codes, n):
         rows, cpr = codes.shape
