@@ -1,7 +1,7 @@
 """The quantizer protocol: how one parameter's shard is block-quantized on the all-gather wire and, for a
 frozen parameter, in storage; a registry by name; and the int8 and fp8 quantizers.
 
-A ``Quantizer`` works on a matrix ``x`` of ``[rows, n]`` values whose rows are tiled, each on its own, in
+A quantizer (a ``BlockQuantizer``) works on a matrix ``x`` of ``[rows, n]`` values whose rows are tiled, each on its own, in
 blocks of ``block_size`` elements with one fp32 scale per block (the last block of a row may be short):
 
 * communication-only quantization quantizes each rank's flattened padded shard as one row
@@ -12,7 +12,7 @@ blocks of ``block_size`` elements with one fp32 scale per block (the last block 
 Its methods, per parameter, in the spirit of FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``:
 
 * ``pieces(rows, n, block_size)``: the wire pieces one rank sends (``WirePiece``: dtype + numel each).
-  Pure: no tensors, so ``layout.wire_pieces`` and the memory planner call it without processes.
+  Pure: no tensors, so ``layout.wire_pieces`` (and a memory planner) can call it without processes.
 * ``pack(x, block_size)``: the pieces' tensors for ``x`` (``[rows, n]``, any floating dtype), each
   ``[rows, numel per row]``, in the order and sizes of ``pieces``.
 * ``unpack(pieces, block_size, out)``: dequantize pieces of ``[rows, numel per row]`` (e.g. the K ranks'
@@ -24,10 +24,11 @@ Stored quantization keeps piece 0 (the codes, shaped ``stored_shape(global_shape
 parameter and piece 1 (fp32 scales ``[rows, blocks per row]``) as the ``<name>_qscale`` buffer, so a
 quantizer used with ``store_quantized=True`` has exactly these two pieces (the ``BlockQuantizer`` base).
 
-To add a quantizer: subclass ``BlockQuantizer`` (set ``codes_dtype``, override ``codes_per_row`` if
-codes are packed (and ``pack_codes``), ``encode`` a ``[rows, blocks, block_size]`` tensor into codes and
-scales, ``decode`` codes to unscaled values, and ``error_bound``), then ``perparam.quant.register("name", instance)``; ``QuantPolicy("name")`` uses it
-(see ``perparam/quant_nf4.py``). A block of zeros (e.g. the padding of an empty shard) has scale 0 and
+To add a quantizer: subclass ``BlockQuantizer``: set ``codes_dtype`` and ``default_block_size``;
+implement ``encode`` (a ``[rows, blocks, block_size]`` tensor to one code per value and the scales),
+``decode`` (codes to unscaled values) and ``error_bound``; override ``codes_per_row`` and ``pack_codes``
+if several codes share an element. Then ``perparam.quant.register("name", instance)`` and
+``QuantPolicy("name")`` uses it (``perparam/quant_nf4.py`` is a complete example). A block of zeros (e.g. the padding of an empty shard) has scale 0 and
 unpacks to zeros in every quantizer here.
 """
 
