@@ -161,3 +161,35 @@ def test_qlora_nf4_base_weights_with_trainable_adapters_in_one_call():
         assert out["unchanged"]  # the NF4 codes of the frozen bases never change
         for name, fp32 in out["fp32_bytes"].items():  # 64 x 64: 0.140625x fp32 per rank
             assert out["stored"][name] == 0.140625 * fp32 / world_size <= 0.15 * fp32 / world_size
+
+
+def _stored_nf4_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(65, 5, bias=False), nn.Linear(5, 3))  # odd rows of 65: 33 bytes each
+    perparam.fully_shard(model, param_policy={
+        "0.weight": ParamPolicy(requires_grad=False, quant=QuantPolicy("nf4", store_quantized=True))})
+    return model
+
+
+def checkpoint_nf4(rank: int, world_size: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model = _stored_nf4_model()
+    x = torch.ones(2, 65)
+    want = model(x).detach()
+    codes = model[0].weight.full_tensor()
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    fresh = _stored_nf4_model()
+    with torch.no_grad():
+        fresh[0].weight.to_local().zero_()
+        fresh[0].weight_qscale.to_local().zero_()
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    return {"codes": (tuple(codes.shape), codes.dtype), "err": (fresh(x).detach() - want).abs().max().item()}
+
+
+def test_nf4_stored_weights_round_trip_through_a_distributed_checkpoint(tmp_path):
+    for out in run_distributed(checkpoint_nf4, 3, str(tmp_path)):
+        assert out["codes"] == ((5, 33), torch.uint8)  # full_tensor() is the packed codes
+        assert out["err"] == 0.0
