@@ -4,6 +4,7 @@
 backward hooks all-gather one group's parameters in one collective and reduce-scatter its gradients.
 """
 
+from . import quant_nf4  # noqa: F401 (registers the "nf4" quantizer)
 from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .collectives import CommCounter

@@ -255,7 +255,7 @@ def _read_manifest(path: Path) -> dict:
 def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> list[str]:
     out = [f"{what} '{k}' is in the checkpoint but not in the {what}" for k in saved if k not in current]
     out += [f"{what} '{k}' is not in the checkpoint" for k in current if k not in saved]
-    for k in saved.keys() & current.keys():
+    for k in [k for k in saved if k in current]:  # in state-dict order
         s, c = saved[k], _info(current[k])
         if s["shape"] != c["shape"] or s["dtype"] != c["dtype"]:
             out.append(f"{what} '{k}' was saved as {s['dtype']}{s['shape']} and is {c['dtype']}{c['shape']} now")

@@ -168,28 +168,31 @@ class WirePiece:
         return self.numel * self.dtype.itemsize
 
 
-def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quant_dtype: torch.dtype | None = None,
-                block_size: int = 256, row_blocks: bool = False) -> tuple[WirePiece, ...]:
+def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quantizer=None, block_size: int | None = None,
+                row_blocks: bool = False) -> tuple[WirePiece, ...]:
     """What one rank sends for one parameter in the group's all-gather.
 
     * plain: the padded local shard in ``wire_dtype`` (the compute dtype), ``padded_local_numel``
       elements.
-    * quantized (``quant_dtype`` set): one code per element (1 byte) plus one fp32 scale per block.
-      Communication-only quantization tiles the flattened padded shard in blocks of ``block_size``
-      (as ZeRO++'s quantized weight all-gather); stored quantization (``row_blocks``) tiles each dim-0
-      row separately, so the scales shard with the rows and do not depend on K.
+    * quantized (``quantizer`` set: a ``perparam.quant`` quantizer, or its registered name or codes
+      dtype): the quantizer's pieces (e.g. codes plus one fp32 scale per block of ``block_size``, the
+      quantizer's default when ``None``). Communication-only quantization tiles the flattened padded shard
+      as one row (as ZeRO++'s quantized weight all-gather); stored quantization (``row_blocks``) tiles
+      each dim-0 row separately, so the scales shard with the rows and do not depend on K.
     * replicated (``shard_dim is None``): nothing; the parameter is not all-gathered.
     """
     if layout.shard_dim is None:
         return ()
-    if quant_dtype is None:
+    if quantizer is None:
         return (WirePiece(wire_dtype, layout.padded_local_numel),)
+    if not hasattr(quantizer, "pieces"):
+        from .quant import get  # a name or dtype (pure: the registry holds no process state)
+
+        quantizer = get(quantizer)
+    block_size = block_size or quantizer.default_block_size
     if row_blocks:
-        row = math.prod(layout.global_shape[1:])
-        scales = layout.chunk * ceil_div(row, block_size)
-    else:
-        scales = ceil_div(layout.padded_local_numel, block_size)
-    return WirePiece(quant_dtype, layout.padded_local_numel), WirePiece(torch.float32, scales)
+        return quantizer.pieces(layout.chunk, math.prod(layout.global_shape[1:]), block_size)
+    return quantizer.pieces(1, layout.padded_local_numel, block_size)
 
 
 @dataclass(frozen=True)

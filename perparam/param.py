@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from . import quant
 from .layout import ShardLayout, WirePiece, wire_pieces
 from .policy import ResolvedPolicy
 from .tp import TensorParallel
@@ -82,7 +81,7 @@ class ShardedParam:
         stored_dtype = q.dtype if self.stored_quantized else policy.stored_dtype or original.dtype
         self.layout = ShardLayout(dp_shape, stored_dtype, num_shards, self.dim)
         self.pieces: tuple[WirePiece, ...] = wire_pieces(
-            self.layout, policy.param_dtype, q.dtype if q else None, q.block_size if q else 256,
+            self.layout, policy.param_dtype, q.quantizer if q else None, q.block_size if q else None,
             row_blocks=self.stored_quantized)
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
@@ -131,18 +130,20 @@ class ShardedParam:
             else:
                 # a copy of its own in the stored dtype (master weights: upcast once, here)
                 local = self._dp_piece((original.to_local() if self.tp else original).detach()).to(self.full_dtype)
-        if self.stored_quantized:
+        shape = self.global_shape
+        if self.stored_quantized:  # codes (the parameter) and per-row block scales (a buffer), see quant.py
             q = self.policy.quant
             rows = local.reshape(local.shape[0], math.prod(local.shape[1:]))  # (0 rows on an empty shard)
             if meta:
-                codes = torch.empty(rows.shape, dtype=q.dtype, device=device)
-                scales = torch.empty(rows.shape[0], -(-rows.shape[1] // q.block_size), device=device)
+                n = rows.shape[1]
+                codes = torch.empty(rows.shape[0], q.quantizer.codes_per_row(n), dtype=q.dtype, device=device)
+                scales = torch.empty(rows.shape[0], -(-n // q.block_size), device=device)
             else:
-                codes, scales = quant.quantize_blocks(rows, q.dtype, q.block_size)
-            local = codes.view(local.shape)
-            row_blocks = -(-rows.shape[1] // q.block_size)
-            self._scales = _dtensor(scales, self.mesh, self.placements, (self.layout.global_shape[0], row_blocks))
-        dtensor = _dtensor(local, self.mesh, self.placements, self.global_shape)
+                codes, scales = q.quantizer.pack(rows, q.block_size)
+            shape = q.quantizer.stored_shape(self.global_shape)
+            local = codes.view(local.shape[0], *shape[1:])
+            self._scales = _dtensor(scales, self.mesh, self.placements, (shape[0], scales.shape[1]))
+        dtensor = _dtensor(local, self.mesh, self.placements, shape)
         return nn.Parameter(dtensor, requires_grad=self.policy.requires_grad)
 
     @property
@@ -230,36 +231,30 @@ class ShardedParam:
 
     # -- quantized pieces -------------------------------------------------------------------------------
     def pack(self, views: list[torch.Tensor]) -> None:
-        """Write this rank's quantized pieces (codes, scales) into ``views`` (uint8 slices of the send
-        buffer, one per piece)."""
+        """Write this rank's quantized pieces (``self.pieces``: e.g. codes, scales) into ``views`` (uint8
+        slices of the send buffer, one per piece), through the parameter's quantizer."""
         q = self.policy.quant
-        codes_out = views[0].view(q.dtype)
-        scales_out = views[1].view(torch.float32)
-        if self.stored_quantized:
-            codes = self.local_shard().reshape(-1)
-            scales = self.scales.to_local().reshape(-1)
-            codes_out.view(torch.uint8).zero_()
-            scales_out.zero_()
+        outs = [v.view(piece.dtype) for v, piece in zip(views, self.pieces)]
+        if self.stored_quantized:  # the stored codes and scales; zeros for the padding rows
+            pieces = [self.local_shard().reshape(-1), self.scales.to_local().reshape(-1)]
+            for out in outs:
+                out.view(torch.uint8).zero_()
         else:
             flat = torch.zeros(self.layout.padded_local_numel, dtype=torch.float32, device=views[0].device)
             src = self.wire_source()
             flat[:src.numel()] = src
-            codes, scales = quant.quantize_blocks(flat.view(1, -1), q.dtype, q.block_size)
-            codes, scales = codes.view(-1), scales.view(-1)
-        codes_out[:codes.numel()].copy_(codes)
-        scales_out[:scales.numel()].copy_(scales)
+            pieces = [t.reshape(-1) for t in q.quantizer.pack(flat.view(1, -1), q.block_size)]
+        for out, piece in zip(outs, pieces):
+            out[:piece.numel()].copy_(piece)
 
     def unpack(self, gathered: list[torch.Tensor]) -> None:
         """Dequantize the gathered pieces (uint8 ``[K, piece bytes]`` each) into the padded buffer."""
         q = self.policy.quant
         k = self.layout.num_shards
         target = self.alloc().view(self._padded.dtype)  # [K, padded_local_numel]
-        codes = gathered[0].view(q.dtype)
-        scales = gathered[1].view(torch.float32)
-        if self.stored_quantized:
-            rows = k * self.layout.chunk
-            codes, scales, target = codes.reshape(rows, -1), scales.reshape(rows, -1), target.reshape(rows, -1)
-        quant.dequantize_blocks(codes, scales, q.block_size, out=target)
+        rows = k * self.layout.chunk if self.stored_quantized else k  # the quantizer's rows (see quant.py)
+        pieces = [g.view(piece.dtype) for g, piece in zip(gathered, self.pieces)]
+        q.quantizer.unpack(pieces, q.block_size, out=target.reshape(rows, -1))
 
     # -- registration -----------------------------------------------------------------------------------
     def check_slots(self) -> None:

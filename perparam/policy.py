@@ -9,9 +9,13 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from .quant import BlockQuantizer
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,20 @@ class MixedPrecisionPolicy:
 class QuantPolicy:
     """Block-wise quantization of a parameter's all-gather, and optionally of its stored shard.
 
-    ``dtype``: ``torch.int8`` (absmax, 127 levels) or ``torch.float8_e4m3fn``. ``block_size``: elements
-    per scale. ``store_quantized``: keep a frozen parameter's shard quantized (about 1 byte per element
-    plus one fp32 scale per block) instead of communicating only.
+    ``quantizer``: a name registered in ``perparam.quant`` (``"int8"``: absmax, 127 levels; ``"fp8"``:
+    float8_e4m3fn; ``"nf4"``: 4-bit NormalFloat, two codes per byte), a quantizer object, or (as before)
+    ``torch.int8`` / ``torch.float8_e4m3fn``; ``None``: ``"int8"``. ``block_size``: elements per scale
+    (``None``: the quantizer's default, 256 for int8/fp8, 64 for nf4). ``store_quantized``: keep a frozen
+    parameter's shard quantized (codes plus one fp32 scale per block of each row: about 1 byte per element
+    for int8/fp8, 0.5625 for nf4) instead of communicating only. ``dtype``: the codes' dtype; given alone
+    (``QuantPolicy(dtype=torch.int8)``, earlier versions' spelling) it names the quantizer. The policy
+    ``resolve`` returns has all fields filled in.
     """
 
-    dtype: torch.dtype = torch.int8
-    block_size: int = 256
+    quantizer: str | torch.dtype | BlockQuantizer | None = None
+    block_size: int | None = None
     store_quantized: bool = False
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,26 @@ def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
         raise PolicyError(f"{what} must be a floating-point dtype, got {dtype}")
 
 
+def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
+    """``quant`` with the quantizer object, its block size and its codes dtype filled in."""
+    from . import quant as registry
+
+    key = quant.quantizer if quant.quantizer is not None else (quant.dtype or "int8")
+    try:
+        quantizer = registry.get(key)
+    except KeyError:
+        raise PolicyError(f"QuantPolicy for '{name}' names no registered quantizer: {key!r}; use one of "
+                          f"{registry.names()} or register yours with perparam.quant.register(name, "
+                          "quantizer)") from None
+    if quant.dtype is not None and quant.dtype != quantizer.codes_dtype:
+        raise PolicyError(f"QuantPolicy for '{name}' has dtype {quant.dtype} but quantizer {quantizer.name!r} "
+                          f"writes {quantizer.codes_dtype} codes; drop dtype or the quantizer")
+    block_size = quantizer.default_block_size if quant.block_size is None else quant.block_size
+    if not isinstance(block_size, int):
+        raise PolicyError(f"QuantPolicy block_size for '{name}' must be an int, got {block_size!r}")
+    return QuantPolicy(quantizer, block_size, quant.store_quantized, quantizer.codes_dtype)
+
+
 def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int) -> ResolvedPolicy:
     """Combine the call's ``MixedPrecisionPolicy`` with ``param``'s ``ParamPolicy`` override.
 
@@ -152,9 +182,7 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
                               "Replicate()")
     quant = pp.quant
     if quant is not None:
-        if quant.dtype not in (torch.int8, torch.float8_e4m3fn):
-            raise PolicyError(f"QuantPolicy dtype for '{name}' must be torch.int8 or torch.float8_e4m3fn, "
-                              f"got {quant.dtype}")
+        quant = _resolve_quant(name, quant)
         if quant.block_size < 1:
             raise PolicyError(f"QuantPolicy block_size for '{name}' must be >= 1, got {quant.block_size}")
         if not is_float:

@@ -22,7 +22,7 @@ import perparam
 from perparam import ParamPolicy, QuantPolicy
 from perparam.layout import ShardLayout
 
-POLICIES = ["plain", "bf16", "int8", "fp8", "stored_int8", "frozen", "replicate", "shard1"]
+POLICIES = ["plain", "bf16", "int8", "fp8", "nf4", "stored_int8", "stored_nf4", "frozen", "replicate", "shard1"]
 
 
 def _policy(kind: str) -> ParamPolicy | None:
@@ -33,6 +33,8 @@ def _policy(kind: str) -> ParamPolicy | None:
         "fp8": ParamPolicy(quant=QuantPolicy(torch.float8_e4m3fn, block_size=4)),
         "stored_int8": ParamPolicy(requires_grad=False, quant=QuantPolicy(torch.int8, block_size=4,
                                                                           store_quantized=True)),
+        "nf4": ParamPolicy(quant=QuantPolicy("nf4", block_size=4)),
+        "stored_nf4": ParamPolicy(requires_grad=False, quant=QuantPolicy("nf4", store_quantized=True)),
         "frozen": ParamPolicy(requires_grad=False),
         "replicate": ParamPolicy(placement=Replicate()),
         "shard1": ParamPolicy(placement=Shard(1)),
@@ -79,7 +81,10 @@ def test_every_rank_takes_every_path_with_empty_shards(case):
                 pol = policy.get(name)
                 dim = None if pol is not None and isinstance(pol.placement, Replicate) else (
                     pol.placement.dim if pol is not None and pol.placement is not None else 0)
-                want = ShardLayout(shapes[name], p.dtype, k, dim).local_shape(rank)
+                shape = shapes[name]
+                if pol is not None and pol.quant is not None and pol.quant.store_quantized:
+                    shape = perparam.quant.get(pol.quant.quantizer).stored_shape(shape)  # nf4: packed codes
+                want = ShardLayout(shape, p.dtype, k, dim).local_shape(rank)
                 assert tuple(p.to_local().shape) == want, (name, rank)
             trainable = [p for p in model.parameters() if p.requires_grad]
             out = model(torch.ones(2, widths[0]))

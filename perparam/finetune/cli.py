@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the "
                         "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
                         "fp32, gradients are reduced in fp32 (default fp32)")
-    parser.add_argument("--quant", choices=("none", "int8", "fp8"), default="none", help="quantize the "
+    parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of the sharded model "
                         "(R); each replica shards over nproc / (R * tp) ranks (default 1)")

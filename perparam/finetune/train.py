@@ -37,9 +37,10 @@ from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
 #: ``--param-dtype``: the dtype of the all-gathered parameters used in forward and backward (stored
 #: shards, gradients and optimizer state stay fp32; gradients are reduced in fp32).
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: ``--quant``: the dtype of the decoder layers' Linear weights on the all-gather wire (communication
-#: only: the stored shards, the compute and the gradients are unchanged).
-QUANT_DTYPES = {"none": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+#: ``--quant``: the quantizer (``perparam.quant``) of the decoder layers' Linear weights on the all-gather
+#: wire (communication only: the stored shards, the compute and the gradients are unchanged); nf4 sends
+#: 0.5625 bytes per element (4-bit codes + an fp32 scale per 64).
+QUANT_DTYPES = {"none": None, "int8": "int8", "fp8": "fp8", "nf4": "nf4"}
 #: The Linear weights of one decoder layer, named relative to the layer (the module of one
 #: ``fully_shard`` call): ``attn.{q,k,v,o}_proj.weight`` and ``mlp.{gate,up,down}_proj.weight``. Used only
 #: on the layers' calls (the root's call holds the embedding and final norm, which it would not match).
@@ -74,12 +75,12 @@ def tp_plan() -> dict:
 
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
-                quant: torch.dtype | None = None) -> Llama:
+                quant: str | torch.dtype | None = None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
     ``param_dtype`` other than fp32: ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`` on every
-    call. ``quant``: int8/fp8 all-gather of the layers' Linear weights (:data:`LAYER_LINEAR_WEIGHTS`).
+    call. ``quant``: int8/fp8/nf4 all-gather of the layers' Linear weights (:data:`LAYER_LINEAR_WEIGHTS`).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
