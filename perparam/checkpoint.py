@@ -27,12 +27,14 @@ holds the model twice; a meta-device model is materialised first.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -80,6 +82,14 @@ class _SafeReader(FileSystemReader):
 
 
 # -- helpers --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when no process group exists: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -175,7 +185,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     _barrier()  # every rank's files are written
     if _rank() == 0:
         manifest["saved_ns"] = time.time_ns()
@@ -307,7 +318,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"checkpoint {path} does not match: {shown}. Nothing was loaded")
-    dcp.load(targets, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.load(targets, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
     # every tensor read: now change the model and the optimizer
     with torch.no_grad():
         for k, v in current.items():
