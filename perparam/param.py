@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import quant
-from .layout import ShardLayout, WirePiece, wire_pieces
 from .policy import ResolvedPolicy
+from .resolution import shard_layout
 from .tp import TensorParallel
 
 
@@ -78,11 +78,7 @@ class ShardedParam:
         dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
-        stored_dtype = q.dtype if self.stored_quantized else original.dtype
-        self.layout = ShardLayout(dp_shape, stored_dtype, num_shards, self.dim)
-        self.pieces: tuple[WirePiece, ...] = wire_pieces(
-            self.layout, policy.param_dtype, q.dtype if q else None, q.block_size if q else 256,
-            row_blocks=self.stored_quantized)
+        self.layout, self.pieces = shard_layout(dp_shape, original.dtype, policy, num_shards)
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)
