@@ -20,6 +20,8 @@ for k in (64, 256, 1024):
         for r in rs:
             for i in range(k):
                 per[i] += r.layout.local_bytes(i)
-        mean = Fraction(sum(per), k); mx = max(per)
-        nsh1 = sum(1 for r in rs if r.layout.shard_dim == 1); nrep = sum(1 for r in rs if r.layout.shard_dim is None)
+        mean = Fraction(sum(per), k)
+        mx = max(per)
+        nsh1 = sum(1 for r in rs if r.layout.shard_dim == 1)
+        nrep = sum(1 for r in rs if r.layout.shard_dim is None)
         print(f"K={k} {'auto ' if pol else 'Shard0'} max={mx*8/1e9:.6f}GB mean={float(mean)*8/1e9:.6f}GB (x16/2 bytes total) imbalance={float(mx/mean-1)*100:.2f}% shard1={nsh1} replicated={nrep}")
