@@ -21,7 +21,8 @@ from .full_state import install_load_hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of
 from .param import ShardedParam
-from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, check_patterns, resolve
+from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
+from .resolution import ParamError, check_param, resolve_params
 from .tp import CompositionError, TensorParallel, compose
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
@@ -114,15 +115,15 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
     try:
-        check_patterns([fqn for fqn, _, _ in found], param_policy)
-        policies = [resolve(fqn, p, mp_policy, param_policy, p.dim()) for fqn, p, _ in found]
+        resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner)
+        policies = [r.policy for r in resolved]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
         prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],
             mp_policy.param_dtype, lambda m: group_of(m) is not None)
-    except (PolicyError, CompositionError, islands.IslandError) as e:
+    except (PolicyError, ParamError, CompositionError, islands.IslandError) as e:
         raise ShardingError(str(e)) from None
     _warn_low_precision_training(found, policies)
     sharded_params = []
@@ -283,12 +284,7 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
             f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
             f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
-    if p.dim() == 0:
-        raise ShardingError(f"parameter '{fqn}' of {owner} is 0-dim and cannot be sharded on dim 0; give it "
-                            "shape [1] instead (e.g. nn.Parameter(torch.ones(1)))")
-    if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
-        raise ShardingError(f"parameter '{fqn}' of {owner} has dtype {p.dtype} and requires grad; only "
-                            "floating-point parameters can be trained: set requires_grad=False")
-    if p.is_complex():
-        raise ShardingError(f"parameter '{fqn}' of {owner} is complex ({p.dtype}); store it as a real view "
-                            "(torch.view_as_real) instead")
+    try:
+        check_param(fqn, p, owner)
+    except ParamError as e:
+        raise ShardingError(str(e)) from None

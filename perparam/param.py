@@ -21,8 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .layout import ShardLayout, WirePiece, wire_pieces
+from .layout import WirePiece
 from .policy import ResolvedPolicy
+from .resolution import shard_layout
 from .tp import TensorParallel
 
 
@@ -78,11 +79,8 @@ class ShardedParam:
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
         self.original_dtype = original.dtype
-        stored_dtype = q.dtype if self.stored_quantized else policy.stored_dtype or original.dtype
-        self.layout = ShardLayout(dp_shape, stored_dtype, num_shards, self.dim)
-        self.pieces: tuple[WirePiece, ...] = wire_pieces(
-            self.layout, policy.param_dtype, q.quantizer if q else None, q.block_size if q else None,
-            row_blocks=self.stored_quantized)
+        self.layout, self.pieces = shard_layout(dp_shape, original.dtype, policy, num_shards)
+        self.pieces: tuple[WirePiece, ...]
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)

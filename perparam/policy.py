@@ -62,13 +62,17 @@ class QuantPolicy:
 
 @dataclass(frozen=True)
 class ParamPolicy:
-    """Per-parameter overrides; ``None`` inherits from the call's ``MixedPrecisionPolicy`` and state."""
+    """Per-parameter overrides; ``None`` inherits from the call's ``MixedPrecisionPolicy`` and state.
+
+    ``placement``: ``Shard(d)``, ``Replicate()``, or ``"auto"`` (``perparam.placement.auto_placement``:
+    the dim with the least padding for the shard axis's K, ``Replicate()`` for tiny parameters).
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     requires_grad: bool | None = None
     quant: QuantPolicy | None = None
-    placement: Placement | None = None
+    placement: Placement | str | None = None
     master_dtype: torch.dtype | None = None
 
 

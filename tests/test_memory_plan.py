@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import perparam
 from perparam.cli import main
 from perparam.layout import ShardLayout
 from perparam.memory.formulas import GB, stage_memory
@@ -211,3 +212,21 @@ def test_presets_forward_on_cpu():
     assert logits.shape == (2, 9, 1000)
     assert model.lm_head.weight is model.wte.weight
     assert set(PRESETS) >= {"gpt2", "gpt2-xl"}
+
+
+def test_plan_with_auto_placement_lowers_the_largest_rank_at_k1024():
+    shard0 = plan_model("gpt2-xl", 1024)
+    auto = plan_model("gpt2-xl", 1024, param_policy=perparam.ParamPolicy(placement="auto"))
+    assert auto.sum_over_ranks() == auto.unsharded == shard0.unsharded
+    mean = Fraction(auto.unsharded.total, 1024)
+    assert auto.max_rank.total < shard0.max_rank.total
+    assert Fraction(111, 100) < auto.max_rank.total / mean < Fraction(112, 100)  # 11.5% (Shard(0): 16.5%)
+    assert any(p.layout.shard_dim == 1 for p in auto.params)
+
+
+def test_cli_plan_placement_auto(capsys):
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "3", "--placement", "auto", "--json", "--params-table"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # tiny (<= 1024-byte) parameters are replicated: every rank holds a copy, so the ranks sum to more
+    assert "(Replicate(),)" in {p["placements"] for p in data["params"]}
+    assert data["sum_over_ranks"]["params_bytes"] > data["unsharded"]["params_bytes"]

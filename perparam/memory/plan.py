@@ -35,6 +35,8 @@ from perparam.layout import ShardLayout
 from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
 from perparam.memory.presets import PRESETS
+from perparam.policy import ParamPolicy
+from perparam.resolution import resolve_params
 
 HELP = "the sharding layout of a model for K ranks, computed without processes"
 
@@ -162,6 +164,7 @@ def plan_module(
     module: nn.Module, world_size: int, *, dtype: torch.dtype | None = torch.float16,
     grad_bytes: Number | None = None, optim_bytes: Number = 12, model_name: str = "model",
     shard_dims: Mapping[str, int | None] | None = None, nominal_params: int | None = None,
+    param_policy=None,
 ) -> ModelPlan:
     """The sharding plan of ``module`` (any device, meta included) over ``world_size`` ranks.
 
@@ -169,6 +172,8 @@ def plan_module(
     per gradient element (``None``: the stored itemsize). ``optim_bytes``: optimizer-state bytes per trainable
     element. ``shard_dims``: per-name override of the sharded dim (``None`` = replicated); by default dim 0,
     and 0-dim parameters are replicated. Tied parameters are counted once (``named_parameters``).
+    ``param_policy``: as ``fully_shard``'s; when given, placements come from ``perparam.resolution`` (the
+    path ``fully_shard`` takes, ``placement="auto"`` included; 0-dim parameters raise ``ValueError`` there).
 
     Per-rank sums run over the distinct ``(shape, dtype, dim, trainable)`` groups, not over every parameter,
     so K = 1024 on GPT-2 XL takes milliseconds.
@@ -181,8 +186,14 @@ def plan_module(
     if optim_bytes < 0 or (grad_bytes is not None and grad_bytes < 0):
         raise ValueError("bytes per element must be >= 0")
     plans = []
+    resolved = {}
+    if param_policy is not None:
+        named = [(n, nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta"),
+                                  requires_grad=p.requires_grad)) for n, p in module.named_parameters()]
+        resolved = {r.name: r.layout.shard_dim for r in resolve_params(named, None, param_policy, world_size,
+                                                                          model_name)}
     for name, p in module.named_parameters():
-        shard_dim = shard_dims.get(name, 0 if p.dim() > 0 else None)
+        shard_dim = resolved[name] if name in resolved else shard_dims.get(name, 0 if p.dim() > 0 else None)
         layout = ShardLayout(tuple(p.shape), dtype or p.dtype, world_size, shard_dim)
         plans.append(ParamPlan(name, layout, p.requires_grad))
 
@@ -240,14 +251,14 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
 
 def plan_model(
     spec: str, world_size: int, *, dtype: torch.dtype | None = torch.float16, grad_bytes: Number | None = None,
-    optim_bytes: Number = 12, nominal_params: int | None = None,
+    optim_bytes: Number = 12, nominal_params: int | None = None, param_policy=None,
 ) -> ModelPlan:
     """``plan_module`` of a preset (``"gpt2-xl"``) or ``package.module:factory`` built on the meta device."""
     factory, _, preset_nominal = resolve_factory(spec)
     module = build_on_meta(factory)
     return plan_module(
         module, world_size, dtype=dtype, grad_bytes=grad_bytes, optim_bytes=optim_bytes, model_name=spec,
-        nominal_params=preset_nominal if nominal_params is None else nominal_params,
+        nominal_params=preset_nominal if nominal_params is None else nominal_params, param_policy=param_policy,
     )
 
 
@@ -319,6 +330,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer-state bytes per trainable element (default 12: fp32 master + 2 moments)")
     parser.add_argument("--nominal-params", type=formulas.parse_count, default=None,
                         help="also compare with the formula for this parameter count (gpt2-xl: 1.5e9)")
+    parser.add_argument("--placement", choices=["shard0", "auto"], default="shard0",
+                        help="shard0: Shard(0) everywhere (default); auto: ParamPolicy(placement='auto') for all")
     parser.add_argument("--rank", type=int, default=0, help="rank shown in the tables (default 0)")
     parser.add_argument("--params-table", action="store_true", help="print a per-parameter table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -336,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_model(
             spec, args.world, dtype=None if args.dtype == "model" else DTYPES[args.dtype],
             grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, nominal_params=args.nominal_params,
+            param_policy=ParamPolicy(placement="auto") if args.placement == "auto" else None,
         )
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"perparam plan: {err}", file=sys.stderr)

@@ -1,0 +1,170 @@
+"""One parameter's sharding, resolved without processes: what ``fully_shard`` does and ``perparam plan``
+reports.
+
+``resolve_params`` takes names and tensors (real, meta or tensor-parallel DTensors), the call's
+``MixedPrecisionPolicy`` and ``param_policy``, and K (the size of the mesh's shard axis; the replicate axis
+of an HSDP mesh does not change what a rank holds). Per parameter it checks what ``fully_shard`` refuses
+(0-dim, integer parameters that require grad, complex), resolves the policy (``policy.resolve``; a
+``placement="auto"`` becomes a concrete ``Shard(d)`` or ``Replicate()`` through
+``placement.auto_placement``), and derives the layout and the all-gather pieces (``shard_layout``). The
+runtime (``api.fully_shard``, ``param.ShardedParam``) and ``perparam.memory.plan`` call these functions, so
+their figures cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .layout import ShardLayout, WirePiece, ceil_div, wire_pieces
+from .placement import AUTO_REPLICATE_BYTES, auto_placement
+from .policy import (
+    MixedPrecisionPolicy,
+    ParamPolicy,
+    PolicyError,
+    ResolvedPolicy,
+    _pick,
+    check_patterns,
+    resolve,
+)
+
+#: The ``ParamPolicy.placement`` value that asks for ``auto_placement``.
+AUTO = "auto"
+
+
+class ParamError(ValueError):
+    """A parameter ``fully_shard`` cannot shard whatever the policy; the message names it and the fix."""
+
+
+def check_param(fqn: str, p: torch.Tensor, owner: str) -> None:
+    """Raise ``ParamError`` for a 0-dim parameter, a non-floating-point one that requires grad, a complex one."""
+    if p.dim() == 0:
+        raise ParamError(f"parameter '{fqn}' of {owner} is 0-dim and cannot be sharded on dim 0; give it "
+                         "shape [1] instead (e.g. nn.Parameter(torch.ones(1)))")
+    if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
+        raise ParamError(f"parameter '{fqn}' of {owner} has dtype {p.dtype} and requires grad; only "
+                         "floating-point parameters can be trained: set requires_grad=False")
+    if p.is_complex():
+        raise ParamError(f"parameter '{fqn}' of {owner} is complex ({p.dtype}); store it as a real view "
+                         "(torch.view_as_real) instead")
+
+
+def dp_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape the data-parallel shard axis splits: the tensor's, or a tensor-parallel DTensor's local one."""
+    return tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
+
+
+def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicate_below: int) -> ParamPolicy:
+    """``pp`` with ``placement="auto"`` replaced by ``auto_placement``'s choice for ``p``."""
+    q = pp.quant
+    if isinstance(p, DTensor):  # tensor-parallel: keep the dp split on dim 0, as the default
+        return dataclasses.replace(pp, placement=Shard(0))
+    store_quantized = q is not None and q.store_quantized
+    placement = auto_placement(
+        dp_shape(p), p.dtype.itemsize, num_shards, replicate_below=replicate_below,
+        dims=[0] if store_quantized else None, allow_replicate=q is None,
+    )
+    return dataclasses.replace(pp, placement=placement)
+
+
+def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_policy, num_shards: int, *,
+                  replicate_below: int = AUTO_REPLICATE_BYTES) -> ResolvedPolicy:
+    """``policy.resolve`` for one parameter, with ``placement="auto"`` made concrete for K = ``num_shards``.
+
+    Raises ``PolicyError`` (naming ``name``) for a policy that cannot apply, including a string placement
+    other than ``"auto"``.
+    """
+    pp = _pick(name, p, param_policy)
+    if not isinstance(pp, ParamPolicy):  # None, or a wrong type that resolve() reports
+        return resolve(name, p, mp, param_policy if pp is not None else None, p.dim())
+    if isinstance(pp.placement, str):
+        if pp.placement != AUTO:
+            raise PolicyError(f"placement {pp.placement!r} for '{name}' is not supported; use Shard(d), "
+                              "Replicate() or 'auto'")
+        pp = _auto(name, pp, p, num_shards, replicate_below)
+    return resolve(name, p, mp, pp, p.dim())
+
+
+def shard_layout(shape: Sequence[int], dtype: torch.dtype, policy: ResolvedPolicy,
+                 num_shards: int) -> tuple[ShardLayout, tuple[WirePiece, ...]]:
+    """The layout of a parameter of ``shape`` (what the dp axis splits) stored as ``dtype``, and the pieces
+    one rank sends for it in its group's all-gather (``layout.wire_pieces``).
+
+    A stored-quantized parameter is stored in its quantization dtype (1 byte per element), its scales
+    apart (``ParamResolution.scale_bytes``); the plain wire dtype is the ``param_dtype``.
+    """
+    q = policy.quant
+    stored_quantized = q is not None and q.store_quantized
+    stored = q.dtype if stored_quantized else (policy.stored_dtype or dtype)  # master_dtype, else the original
+    layout = ShardLayout(tuple(shape), stored, num_shards, policy.shard_dim)
+    pieces = wire_pieces(layout, policy.param_dtype, q.quantizer if q else None, q.block_size if q else None,
+                         row_blocks=stored_quantized)
+    return layout, pieces
+
+
+@dataclass(frozen=True)
+class ParamResolution:
+    """One parameter as ``fully_shard`` shards it: name, resolved policy, layout, all-gather pieces."""
+
+    name: str
+    policy: ResolvedPolicy
+    layout: ShardLayout
+    pieces: tuple[WirePiece, ...]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.policy.requires_grad
+
+    @property
+    def stored_quantized(self) -> bool:
+        return self.policy.quant is not None and self.policy.quant.store_quantized
+
+    @property
+    def placement(self):
+        return Replicate() if self.layout.shard_dim is None else Shard(self.layout.shard_dim)
+
+    def scale_bytes(self, rank: int) -> int:
+        """Bytes of the fp32 per-row block scales shard ``rank`` keeps beside a stored-quantized parameter
+        (``[rows, ceil(row / block_size)]``, sharded with the rows); 0 otherwise."""
+        if not self.stored_quantized:
+            return 0
+        row = math.prod(self.layout.global_shape[1:])
+        return self.layout.extent(rank)[1] * ceil_div(row, self.policy.quant.block_size) * 4
+
+    def stored_bytes(self, rank: int) -> int:
+        """Bytes shard ``rank`` stores for this parameter: its shard (no padding) plus any scales; a
+        stored-quantized shard holds its quantizer's codes (e.g. NF4: two per byte, per row)."""
+        if self.stored_quantized:
+            q = self.policy.quant
+            rows = self.layout.extent(rank)[1]
+            codes = q.quantizer.codes_per_row(math.prod(self.layout.global_shape[1:])) * q.dtype.itemsize
+            return rows * codes + self.scale_bytes(rank)
+        return self.layout.local_bytes(rank)
+
+
+def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecisionPolicy | None, param_policy,
+                   num_shards: int, owner: str = "the module", *,
+                   replicate_below: int = AUTO_REPLICATE_BYTES) -> list[ParamResolution]:
+    """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks.
+
+    ``named``: ``(name, parameter)`` pairs, names relative to the module given (as ``fully_shard`` names
+    them). Raises ``ParamError`` or ``PolicyError`` (both ``ValueError``) naming the parameter; a mapping
+    pattern that matches no parameter raises ``PolicyError``. Nothing is allocated.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    mp = mp or MixedPrecisionPolicy()
+    for name, p in named:
+        check_param(name, p, owner)
+    check_patterns([name for name, _ in named], param_policy)
+    out = []
+    for name, p in named:
+        policy = resolve_param(name, p, mp, param_policy, num_shards, replicate_below=replicate_below)
+        layout, pieces = shard_layout(dp_shape(p), p.dtype, policy, num_shards)
+        out.append(ParamResolution(name, policy, layout, pieces))
+    return out
