@@ -34,9 +34,9 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from perparam.layout import ShardLayout
 from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
+from perparam.memory.policy_args import policy_mapping
 from perparam.memory.presets import PRESETS
-from perparam.policy import ParamPolicy
-from perparam.resolution import resolve_params
+from perparam.resolution import ParamResolution, resolve_params
 
 HELP = "the sharding layout of a model for K ranks, computed without processes"
 
@@ -59,10 +59,15 @@ class ParamPlan:
     name: str
     layout: ShardLayout
     requires_grad: bool
+    resolution: ParamResolution | None = None  # with per-parameter policies: what fully_shard resolves
 
     @property
     def placements(self) -> tuple[Placement, ...]:
         return (self.layout.placement,)
+
+    def stored_bytes(self, rank: int) -> int:
+        """Bytes rank ``rank`` stores for this parameter (quantized codes and scales included)."""
+        return self.resolution.stored_bytes(rank) if self.resolution else self.layout.local_bytes(rank)
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,7 @@ def plan_module(
     module: nn.Module, world_size: int, *, dtype: torch.dtype | None = torch.float16,
     grad_bytes: Number | None = None, optim_bytes: Number = 12, model_name: str = "model",
     shard_dims: Mapping[str, int | None] | None = None, nominal_params: int | None = None,
-    param_policy=None,
+    param_policy=None, mp_policy=None,
 ) -> ModelPlan:
     """The sharding plan of ``module`` (any device, meta included) over ``world_size`` ranks.
 
@@ -190,22 +195,27 @@ def plan_module(
     if param_policy is not None:
         named = [(n, nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta"),
                                   requires_grad=p.requires_grad)) for n, p in module.named_parameters()]
-        resolved = {r.name: r.layout.shard_dim for r in resolve_params(named, None, param_policy, world_size,
-                                                                          model_name)}
+        resolved = {r.name: r for r in resolve_params(named, mp_policy, param_policy, world_size, model_name)}
     for name, p in module.named_parameters():
-        shard_dim = resolved[name] if name in resolved else shard_dims.get(name, 0 if p.dim() > 0 else None)
+        if name in resolved:  # the stored dtype, placement and trainability fully_shard would give it
+            r = resolved[name]
+            plans.append(ParamPlan(name, r.layout, r.requires_grad, r))
+            continue
+        shard_dim = shard_dims.get(name, 0 if p.dim() > 0 else None)
         layout = ShardLayout(tuple(p.shape), dtype or p.dtype, world_size, shard_dim)
         plans.append(ParamPlan(name, layout, p.requires_grad))
 
-    groups = Counter((pp.layout, pp.requires_grad) for pp in plans)
+    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy if pp.resolution else None) for pp in plans)
+    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy if pp.resolution else None): pp for pp in plans}
     params = [0] * world_size
     states = [0] * world_size  # elements with a gradient and optimizer state, weighted by grad bytes
     train_numel = [0] * world_size
-    for (layout, trainable), count in groups.items():
+    for key, count in groups.items():
+        layout, trainable, _ = key
         g = layout.itemsize if grad_bytes is None else grad_bytes
         for r in range(world_size):
             numel = count * layout.local_numel(r)
-            params[r] += numel * layout.itemsize
+            params[r] += count * sample[key].stored_bytes(r)
             if trainable:
                 states[r] += numel * g
                 train_numel[r] += numel
@@ -217,7 +227,8 @@ def plan_module(
     )
     trainable = sum(p.layout.numel for p in plans if p.requires_grad)
     unsharded = RankBytes(
-        -1, sum(p.layout.numel * p.layout.itemsize for p in plans), _whole(unsharded_grads),
+        -1, sum(sum(p.stored_bytes(r) for r in range(world_size)) if p.resolution and p.layout.shard_dim is not None
+                else p.layout.numel * p.layout.itemsize for p in plans), _whole(unsharded_grads),
         _whole(trainable * optim_bytes),
     )
     return ModelPlan(model_name, world_size, tuple(plans), grad_bytes, optim_bytes, per_rank, unsharded,
@@ -299,6 +310,10 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
         out["nominal_params"] = plan.nominal_params
         out["zero3_formula_nominal"] = nominal.as_dict()
         out["max_rank_vs_nominal"] = float(Fraction(max_rank.total) / nominal.total - 1) if nominal.total else 0.0
+    mean = Fraction(plan.sum_over_ranks().total) / plan.world_size
+    out["imbalance"] = {"max_rank": plan.max_rank.rank, "max_rank_bytes": as_json_number(plan.max_rank.total),
+                        "mean_bytes": as_json_number(_whole(mean)),
+                        "max_over_mean": float(plan.max_rank.total / mean - 1) if mean else 0.0}
     if params_table:
         out["params"] = [
             {
@@ -307,7 +322,7 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
                 "placements": placement_str(p.placements),
                 "local_shape": list(p.layout.local_shape(rank)),
                 "dtype": str(p.layout.dtype).removeprefix("torch."),
-                "local_bytes": p.layout.local_bytes(rank),
+                "local_bytes": p.stored_bytes(rank),
                 "requires_grad": p.requires_grad,
             }
             for p in plan.params
@@ -332,6 +347,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also compare with the formula for this parameter count (gpt2-xl: 1.5e9)")
     parser.add_argument("--placement", choices=["shard0", "auto"], default="shard0",
                         help="shard0: Shard(0) everywhere (default); auto: ParamPolicy(placement='auto') for all")
+    parser.add_argument("--param-policy", action="append", default=[], metavar="PATTERN=TOKENS",
+                        help="a per-parameter policy, repeatable, e.g. '*.mlp.*.weight=frozen,nf4,stored' "
+                             "(tokens: see perparam/memory/policy_args.py)")
     parser.add_argument("--rank", type=int, default=0, help="rank shown in the tables (default 0)")
     parser.add_argument("--params-table", action="store_true", help="print a per-parameter table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -349,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_model(
             spec, args.world, dtype=None if args.dtype == "model" else DTYPES[args.dtype],
             grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, nominal_params=args.nominal_params,
-            param_policy=ParamPolicy(placement="auto") if args.placement == "auto" else None,
+            param_policy=policy_mapping(args.param_policy, args.placement),
         )
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"perparam plan: {err}", file=sys.stderr)
@@ -357,9 +375,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(plan_to_json(plan, args.rank, args.params_table), indent=2) + "\n")
         return 0
+    mean = Fraction(plan.sum_over_ranks().total) / plan.world_size
     from perparam.memory import render
 
     console = render.console()
     _, description, _ = resolve_factory(spec)
     render.print_plan(console, plan, description, args.rank, args.params_table)
+    console.print(f"imbalance: the largest rank (rank {plan.max_rank.rank}) holds {plan.max_rank.total / GB:.6f} GB, "
+                  f"{float(plan.max_rank.total / mean - 1) * 100 if mean else 0:.2f}% above the mean "
+                  f"{float(mean) / GB:.6f} GB")
     return 0

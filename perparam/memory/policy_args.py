@@ -1,0 +1,75 @@
+"""``perparam plan --param-policy 'PATTERN=TOKEN,TOKEN,...'``: per-parameter policies on the command line.
+
+One flag per pattern (fnmatch on the names ``named_parameters`` gives, first match wins, as
+``fully_shard``'s mapping). Tokens, comma-separated, any order:
+
+===================  ===================================================================
+``fp32|bf16|fp16``   ``param_dtype`` (compute and all-gather dtype)
+``reduce=DTYPE``     ``reduce_dtype``
+``master=DTYPE``     ``master_dtype`` (the stored dtype of the shard)
+``frozen``           ``requires_grad=False`` (no gradient, no optimizer state)
+``int8|fp8|nf4``     quantized all-gather (``QuantPolicy(name)``)
+``stored``           with a quantizer: keep the (frozen) shard quantized (``store_quantized=True``)
+``replicate``        ``placement=Replicate()``
+``shardD``           ``placement=Shard(D)``, e.g. ``shard1``
+``auto``             ``placement="auto"`` (``perparam.placement``)
+===================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from perparam.policy import ParamPolicy, QuantPolicy
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+QUANTIZERS = ("int8", "fp8", "nf4")
+
+
+def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
+    """``"PATTERN=TOKENS"`` -> ``(pattern, ParamPolicy)``. Raises ``ValueError`` naming the bad token."""
+    pattern, sep, tokens = spec.partition("=")
+    if not sep or not pattern or not tokens:
+        raise ValueError(f"--param-policy {spec!r}: expected PATTERN=TOKEN[,TOKEN...], e.g. '*.mlp.*=bf16,int8'")
+    fields: dict = {}
+    quantizer, stored = None, False
+    for token in tokens.split(","):
+        token = token.strip()
+        key, _, value = token.partition("=")
+        if token in DTYPES:
+            fields["param_dtype"] = DTYPES[token]
+        elif key in ("reduce", "master") and value in DTYPES:
+            fields[f"{key}_dtype"] = DTYPES[value]
+        elif token == "frozen":
+            fields["requires_grad"] = False
+        elif token in QUANTIZERS:
+            quantizer = token
+        elif token == "stored":
+            stored = True
+        elif token == "replicate":
+            fields["placement"] = Replicate()
+        elif token == "auto":
+            fields["placement"] = "auto"
+        elif token.startswith("shard") and token[5:].isdigit():
+            fields["placement"] = Shard(int(token[5:]))
+        else:
+            raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, reduce=DTYPE, "
+                             "master=DTYPE, frozen, int8/fp8/nf4, stored, replicate, shardD, auto")
+    if stored and quantizer is None:
+        raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token (int8, fp8 or nf4)")
+    if quantizer is not None:
+        fields["quant"] = QuantPolicy(quantizer, store_quantized=stored)
+    return pattern, ParamPolicy(**fields)
+
+
+def policy_mapping(specs: list[str], placement: str = "shard0") -> dict[str, ParamPolicy] | None:
+    """The ``param_policy`` mapping of the ``--param-policy`` flags; ``placement="auto"`` adds a catch-all
+    ``"*": ParamPolicy(placement="auto")`` and makes every pattern without a placement auto too."""
+    mapping = dict(parse_param_policy(s) for s in specs)
+    if placement == "auto":
+        mapping = {k: v if v.placement is not None else ParamPolicy(**{**v.__dict__, "placement": "auto"})
+                   for k, v in mapping.items()}
+        mapping.setdefault("*", ParamPolicy(placement="auto"))
+    return mapping or None
