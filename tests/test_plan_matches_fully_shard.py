@@ -55,3 +55,18 @@ def test_plan_with_per_parameter_policies_equals_the_measured_shards(world, hsdp
         assert got["optimizer"] == want.optimizer + 4 * got["steps"], (got, want)
         # gradients: the reduce-scatter output holds each shard padded to the chunk, plus 4-byte used flags
         assert got["grads"] >= want.grads
+
+
+def test_plan_dp_replicate_gives_the_bytes_of_its_shard_axis_and_reports_imbalance(capsys):
+    import json
+
+    from perparam.cli import main
+
+    assert main(["plan", "--preset", "gpt2-xl", "--world", "1024", "--dp-replicate", "16", "--json"]) == 0
+    hsdp = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--preset", "gpt2-xl", "--world", "64", "--json"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert hsdp["imbalance"] == flat["imbalance"] and hsdp["imbalance"]["max_over_mean"] < 1e-4
+    assert main(["plan", "--preset", "gpt2-xl", "--world", "1024", "--json"]) == 0
+    assert abs(json.loads(capsys.readouterr().out)["imbalance"]["max_over_mean"] - 0.1652) < 1e-3
+    assert main(["plan", "--world", "10", "--dp-replicate", "3"]) == 2

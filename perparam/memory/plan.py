@@ -350,6 +350,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-policy", action="append", default=[], metavar="PATTERN=TOKENS",
                         help="a per-parameter policy, repeatable, e.g. '*.mlp.*.weight=frozen,nf4,stored' "
                              "(tokens: see perparam/memory/policy_args.py)")
+    parser.add_argument("--dp-replicate", type=int, default=1, metavar="R",
+                        help="HSDP: R replicas of a shard axis of --world/R ranks (a rank's bytes depend on the "
+                             "shard axis only; default 1)")
     parser.add_argument("--rank", type=int, default=0, help="rank shown in the tables (default 0)")
     parser.add_argument("--params-table", action="store_true", help="print a per-parameter table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -362,10 +365,18 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < args.world:
         print(f"perparam plan: --rank must be in [0, {args.world}), got {args.rank}", file=sys.stderr)
         return 2
+    if args.dp_replicate < 1 or args.world % args.dp_replicate:
+        print(f"perparam plan: --dp-replicate must be a positive divisor of --world {args.world}, got "
+              f"{args.dp_replicate}", file=sys.stderr)
+        return 2
+    shards = args.world // args.dp_replicate
+    if args.rank >= shards:
+        print(f"perparam plan: --rank is a rank of the shard axis, in [0, {shards}), got {args.rank}", file=sys.stderr)
+        return 2
     spec = args.model or args.preset or "gpt2-xl"
     try:
         plan = plan_model(
-            spec, args.world, dtype=None if args.dtype == "model" else DTYPES[args.dtype],
+            spec, shards, dtype=None if args.dtype == "model" else DTYPES[args.dtype],
             grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, nominal_params=args.nominal_params,
             param_policy=policy_mapping(args.param_policy, args.placement),
         )
