@@ -19,12 +19,13 @@ import argparse
 import logging
 import os
 import re
+import shutil
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
+from perparam.finetune import lifecycle
 from perparam.finetune.errors import FinetuneInputError
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
@@ -154,6 +155,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from perparam.finetune.data import PreparedData
     from perparam.finetune.train import train
 
+    lifecycle.install_worker_handlers()
     world = int(os.environ["WORLD_SIZE"])
     if args.prepared:
         data = PreparedData(**torch.load(args.prepared, weights_only=True))
@@ -192,10 +194,24 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Validate and prepare here, then run ``args.nproc`` workers through ``elastic_launch``."""
+    """Validate and prepare here, then run ``args.nproc`` workers through ``elastic_launch``.
+
+    Ctrl-C / SIGTERM: the workers are stopped, one line says how far training got, exit 130 / 143
+    (:mod:`perparam.finetune.lifecycle`)."""
+    with lifecycle.launcher_signals():
+        try:
+            return _launch(args)
+        except lifecycle.Interrupted as exc:  # before any worker started
+            print(lifecycle.interrupted_line(None, None), file=sys.stderr, flush=True)
+            return lifecycle.exit_code(exc.signum)
+
+
+def _launch(args: argparse.Namespace) -> int:
     start = time.time()
+    lifecycle.clean_stale_tmpdirs()
     data = resolve(args, args.nproc)
     import torch
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -203,8 +219,12 @@ def launch(args: argparse.Namespace) -> int:
         raise FinetuneInputError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} CUDA "
                                  "device(s) here: pass a smaller --nproc (or set CUDA_VISIBLE_DEVICES= to "
                                  "run on CPU)")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # we report failures ourselves
+        if name.startswith("torch.distributed.elastic"):  # (the agent's loggers set their own level)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     saved_env = dict(os.environ)
+    tmp = lifecycle.make_tmpdir()
+    progress = os.path.join(tmp, "progress")
     try:
         if not torch.cuda.is_available():
             os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank (the worker also sets it in torch)
@@ -214,14 +234,20 @@ def launch(args: argparse.Namespace) -> int:
         paths = (package_root, os.environ.get("PYTHONPATH"))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         os.environ["PERPARAM_LAUNCH_TIME"] = repr(start)  # the summary's wall_s counts from here
-        with tempfile.TemporaryDirectory(prefix="perparam-finetune-") as tmp:
-            prepared = os.path.join(tmp, "data.pt")
-            torch.save(vars(data), prepared)
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
-                                  run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                                  local_addr="127.0.0.1",
-                                  max_restarts=0, monitor_interval=0.1, shutdown_timeout=5)
-            elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
+        os.environ.update({lifecycle.LAUNCHER_PID_ENV: str(os.getpid()), lifecycle.TMPDIR_ENV: tmp,
+                           lifecycle.PROGRESS_ENV: progress})
+        prepared = os.path.join(tmp, "data.pt")
+        torch.save(vars(data), prepared)
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                              run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                              local_addr="127.0.0.1",
+                              max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
+                              logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
+        elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
+    except (SignalException, lifecycle.Interrupted) as exc:  # the agent has stopped the workers
+        signum = int(getattr(exc, "sigval", None) or exc.signum)
+        print(lifecycle.interrupted_line(*lifecycle.read_progress(progress)), file=sys.stderr, flush=True)
+        return lifecycle.exit_code(signum)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
@@ -230,6 +256,7 @@ def launch(args: argparse.Namespace) -> int:
               "stopped", file=sys.stderr, flush=True)
         return 2 if code == 2 else 1
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         os.environ.clear()
         os.environ.update(saved_env)
     return 0
