@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import shutil
@@ -113,12 +114,35 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
                 raise FinetuneInputError(f"--tp {tp} does not divide the model's {size} {what}: pass a --tp "
                                          f"that divides {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads "
                                          f"and an MLP width of {cfg.ffn_dim}")
+    if args.batch_size < 1:
+        raise FinetuneInputError(f"--batch-size {args.batch_size} must be at least 1: pass a positive multiple "
+                                 f"of {dp}")
     if args.batch_size < dp or args.batch_size % dp:
         where = f"{dp} data-parallel ranks (--nproc {world} / --tp {tp})" if tp > 1 else f"{dp} ranks"
         raise FinetuneInputError(f"--batch-size {args.batch_size} cannot be split evenly over {where}: "
                                  f"pass a multiple of {dp} (or use fewer processes)")
-    if not args.lr > 0:
-        raise FinetuneInputError(f"--lr {args.lr} must be positive")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
+    check_output_path("--summary-json", getattr(args, "summary_json", None))
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """One-line error, before any worker starts, for an output file that could not be written: its parent
+    is a file, the path is a folder, or the nearest existing folder above it is not writable."""
+    if not path:
+        return
+    out = Path(path).absolute()
+    if out.is_dir():
+        raise FinetuneInputError(f"{flag} {path} is a folder: pass a file path")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise FinetuneInputError(f"{flag} {path} cannot be written (permission denied): pass another path")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise FinetuneInputError(f"{flag} {path} cannot be written: {parent} is a file, not a folder")
+    if not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise FinetuneInputError(f"{flag} {path} cannot be written: no permission to create it in {parent}")
 
 
 def resolve(args: argparse.Namespace, world: int):
@@ -136,7 +160,7 @@ def resolve(args: argparse.Namespace, world: int):
         from perparam.finetune.tokenizer import GGUFTokenizer
 
         path = find_gguf(args.assets, args.gguf)
-        reader = open_gguf(path)
+        reader = open_gguf(path, passed_by_user=args.gguf is not None)
         cfg = read_config(reader, path)
         tokenizer = GGUFTokenizer.from_reader(reader, str(path))
         args.gguf_path = str(path)
@@ -251,6 +275,8 @@ def _launch(args: argparse.Namespace) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
+        if code == 2:  # bad input found by a worker (a non-finite loss): it said so in one line already
+            return 2
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         print(f"perparam finetune: error: rank {rank} {how} (its output is above); the other ranks were "
               "stopped", file=sys.stderr, flush=True)

@@ -309,6 +309,9 @@ def train(args, data: PreparedData) -> dict:
                 loss.backward()
                 optimizer.step()
                 train_losses.append(_mean_over_ranks(loss))
+                if not math.isfinite(train_losses[-1]):  # the same mean on every rank: all stop here
+                    raise FinetuneInputError(f"the training loss became {train_losses[-1]} at step {step + 1}/"
+                                             f"{args.steps}: pass a smaller --lr (this run: {args.lr})")
                 elapsed = time.perf_counter() - train_start
                 progress.update(step + 1, train_losses[-1], tokens_per_step * (step + 1) / elapsed, elapsed)
                 lifecycle.step_done(step + 1, args.steps)
