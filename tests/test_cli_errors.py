@@ -77,3 +77,21 @@ def test_no_subcommand_is_a_usage_error(capsys):
     assert main([]) == 2
     assert "usage: perparam" in capsys.readouterr().err
     assert main(["--help"]) == 0
+
+
+def test_plan_on_an_80_column_terminal_never_cuts_a_number(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from perparam.memory import render
+
+    out = io.StringIO()
+    con = Console(file=out, width=80, highlight=False, no_color=True)
+    monkeypatch.setattr(render, "console", lambda: con)
+    assert main(["plan", "--preset", "gpt2-xl", "--world", "64"]) == 0
+    text = out.getvalue()
+    assert "…" not in text, text
+    for number in ("389,421,600", "24,921,779,200", "18.691334", "+0.005%", "vs formula"):
+        assert number in text, (number, text)
+    assert "plan: rank 0" in text
