@@ -35,6 +35,8 @@ PR_SET_PDEATHSIG = 1
 
 #: rank 0's last finished step and the total (for the interruption line under plain torchrun)
 _progress = {"step": None, "total": None}
+#: the pid of the process that started this worker (our launcher, or torchrun's agent), once watched
+_parent = {"pid": None}
 
 
 def exit_code(signum: int) -> int:
@@ -119,14 +121,31 @@ def launcher_signals():
 # ------------------------------------------------------------------------------------------- worker side
 
 
+def _parent_gone(parent: int) -> bool:
+    """Whether ``parent`` has died: we were reparented, or (the parent-death signal can arrive first) it is
+    exiting or a zombie."""
+    if os.getppid() != parent:
+        return True
+    try:
+        state = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return not _pid_alive(parent)
+    return state in ("Z", "X", "x")
+
+
 def _stop_worker(signum: int) -> None:
     """Leave now and quietly: remove the launcher's folder if the launcher is gone, then ``os._exit``
     (no finalizers: a process group torn down in the middle of a collective can abort the process)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and os.getppid() != int(launcher):
+    parent_gone = _parent["pid"] is not None and _parent_gone(_parent["pid"])
+    if launcher and parent_gone:
         tmp = os.environ.get(TMPDIR_ENV)
         if tmp and Path(tmp).name.startswith(TMP_PREFIX):
             shutil.rmtree(tmp, ignore_errors=True)
+    elif not launcher and parent_gone:  # torchrun's agent died: say so once per node
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            os.write(2, f"perparam finetune: rank {os.environ.get('RANK')} stopped: its torchrun launcher "
+                        "is gone\n".encode())
     elif not launcher and os.environ.get("RANK") == "0":  # plain torchrun: no launcher to say it
         os.write(2, (interrupted_line(_progress["step"], _progress["total"]) + "\n").encode())
     os._exit(exit_code(signum))
@@ -151,17 +170,22 @@ def install_worker_handlers() -> None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, _on_signal)
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if not launcher:
+    if launcher:
+        parent = int(launcher)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent: watch it too
+        parent = os.getppid()
+    else:
         return
+    _parent["pid"] = parent
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != int(launcher):  # the launcher died before the request above
+    if os.getppid() != parent:  # the launcher died before the request above
         _stop_worker(signal.SIGTERM)
-    threading.Thread(target=_watch_parent, args=(int(launcher),), daemon=True, name="perparam-parent").start()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="perparam-parent").start()
 
 
 def step_done(step: int, total: int) -> None:
