@@ -11,6 +11,7 @@ from .collectives import CommCounter
 from .debug import CollectiveMismatchError, set_debug
 from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
+from .session import distributed_session
 
 __all__ = [
     "CollectiveMismatchError",
@@ -23,6 +24,7 @@ __all__ = [
     "StoredDtypeChangeError",
     "UnshardHandle",
     "clip_grad_norm_",
+    "distributed_session",
     "fully_shard",
     "register_forward_method",
     "set_debug",

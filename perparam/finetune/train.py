@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from perparam.finetune import lifecycle
 from perparam.finetune.data import BatchStream, PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError
 from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
@@ -309,8 +310,12 @@ def train(args, data: PreparedData) -> dict:
                 loss.backward()
                 optimizer.step()
                 train_losses.append(_mean_over_ranks(loss))
+                if not math.isfinite(train_losses[-1]):  # the same mean on every rank: all stop here
+                    raise FinetuneInputError(f"the training loss became {train_losses[-1]} at step {step + 1}/"
+                                             f"{args.steps}: pass a smaller --lr (this run: {args.lr})")
                 elapsed = time.perf_counter() - train_start
                 progress.update(step + 1, train_losses[-1], tokens_per_step * (step + 1) / elapsed, elapsed)
+                lifecycle.step_done(step + 1, args.steps)
         progress.close()
         train_s = time.perf_counter() - train_start
         comm_per_step = {kind: comm.bytes(kind) // args.steps if args.steps else 0

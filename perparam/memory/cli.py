@@ -28,7 +28,7 @@ def _bytes_arg(text: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", "-N", type=formulas.parse_count, default=formulas.parse_count("1.5e9"),
+    parser.add_argument("--params", "-N", type=positive_count, default=formulas.parse_count("1.5e9"),
                         help="parameter count: 1.5e9, 1.5B, 124M, 1_557_611_200 (default 1.5e9)")
     parser.add_argument("--world", "-K", type=int, default=64, help="K, data-parallel ranks (default 64)")
     parser.add_argument("--param-bytes", type=_bytes_arg, default=2,
@@ -38,6 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim-bytes", type=_bytes_arg, default=12,
                         help="bytes per parameter of the optimizer state (default 12: fp32 master + Adam m, v)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def positive_count(text: str) -> int:
+    """``--params``: a positive parameter count; argparse prints the message as the one-line error."""
+    try:
+        value = formulas.parse_count(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: pass a positive number such as "
+                                         "1.5e9, 1.5B, 124M or 1_557_611_200")
+    return value
 
 
 def report(num_params: int, world_size: int, bpp: BytesPerParam) -> dict:

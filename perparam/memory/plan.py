@@ -243,8 +243,14 @@ def resolve_factory(spec: str) -> tuple[Callable[[], nn.Module], str, int | None
     if ":" not in spec:
         raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) nor package.module:factory")
     module_name, attr = spec.split(":", 1)
-    obj = importlib.import_module(module_name)
+    hint = "--model takes package.module:factory, importable from the current environment (check PYTHONPATH)"
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r} for --model {spec} ({exc}): {hint}") from None
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} for --model {spec}: {hint}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{spec} is not callable")

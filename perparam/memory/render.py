@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,33 @@ def _table(title: str) -> Table:
 
 
 def show(con: Console, table: Table, note: str = "") -> None:
-    """Print ``table``, then ``note`` unwrapped (a caption would wrap to the table's width), then a blank line."""
-    con.print(table)
+    """Print ``table``, then ``note`` unwrapped (a caption would wrap to the table's width), then a blank line.
+
+    Numbers are never cut: right-aligned (number) columns do not wrap, text columns wrap; a table whose
+    numbers alone are wider than the terminal is printed at its own width (the terminal wraps the lines).
+    """
+    words = set()
+    for column in table.columns:
+        cells = [str(cell) for cell in (column.header, *column.cells)]
+        if column.justify == "right":
+            column.no_wrap = True
+            words.update(c for c in cells if c)
+        else:  # wrap at spaces
+            column.overflow = "fold"
+            words.update(w for c in cells for w in c.split() if len(w) <= 24)
+    width = con.width
+    while width < 1000:  # the narrowest width, from the terminal's up, at which every number and word shows
+        probe = Console(file=io.StringIO(), width=width, no_color=True, highlight=False)
+        probe.print(table)
+        text = probe.file.getvalue()
+        if "…" not in text and all(w in text for w in words):
+            break
+        width += 2
+    saved, con.width = con.width, width  # (print(width=) would clamp to the console's width)
+    try:
+        con.print(table)
+    finally:
+        con.width = saved
     if note:
         con.print(note, style="dim", soft_wrap=True)
     con.print()

@@ -1,0 +1,197 @@
+"""How ``perparam finetune`` starts and stops: interruptions, a dead launcher, temporary files.
+
+- Ctrl-C (SIGINT) or SIGTERM to the launcher: torch's elastic agent forwards the signal to the workers,
+  which exit at once and quietly (nothing is saved: the job writes no checkpoints); the launcher prints
+  one line (``interrupted at step 37/200; nothing saved``), removes its temporary folder and exits with
+  130 (SIGINT) or 143 (SIGTERM), as a shell does for a process killed by that signal.
+- SIGKILL of the launcher: each worker asked the kernel for a parent-death signal (``PR_SET_PDEATHSIG``,
+  Linux) and also watches its parent pid from a thread (other systems, or a parent that died before the
+  request); it removes the launcher's temporary folder and exits within about a second.
+- A temporary folder left by a launcher that no longer runs (SIGKILL before the workers started, a power
+  cut) is named ``perparam-finetune-<pid>-*`` and removed by the next launcher's start.
+
+Workers tell the launcher how far they got through :envvar:`PERPARAM_PROGRESS_FILE` (rank 0 writes
+``step total`` after each step). Under plain ``torchrun`` there is no such file and rank 0 prints the
+interruption line itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+#: env vars the launcher sets for its workers
+LAUNCHER_PID_ENV = "PERPARAM_LAUNCHER_PID"
+TMPDIR_ENV = "PERPARAM_LAUNCHER_TMPDIR"
+PROGRESS_ENV = "PERPARAM_PROGRESS_FILE"
+TMP_PREFIX = "perparam-finetune-"
+PR_SET_PDEATHSIG = 1
+
+#: rank 0's last finished step and the total (for the interruption line under plain torchrun)
+_progress = {"step": None, "total": None}
+#: the pid of the process that started this worker (our launcher, or torchrun's agent), once watched
+_parent = {"pid": None}
+
+
+def exit_code(signum: int) -> int:
+    """A shell's exit status for a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + int(signum)
+
+
+def interrupted_line(step: int | None, total: int | None) -> str:
+    where = "before training started" if step is None else f"at step {step}/{total}"
+    return f"perparam finetune: interrupted {where}; nothing saved"
+
+
+# ----------------------------------------------------------------------------------------- launcher side
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_tmpdirs(parent: str | None = None) -> list[Path]:
+    """Remove ``perparam-finetune-<pid>-*`` folders whose launcher no longer runs; returns them."""
+    removed = []
+    root = Path(parent or tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for path in root.glob(f"{TMP_PREFIX}*"):
+            pid = path.name[len(TMP_PREFIX):].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)) or not path.is_dir():
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def make_tmpdir() -> str:
+    """The launcher's temporary folder, named after its pid so a later start can tell it is stale."""
+    return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-")
+
+
+def read_progress(path: str) -> tuple[int | None, int | None]:
+    try:
+        step, total = Path(path).read_text().split()
+        return int(step), int(total)
+    except (OSError, ValueError):
+        return None, None
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher before its workers ran (a BaseException, as KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def launcher_signals():
+    """SIGINT/SIGTERM raise :class:`Interrupted` (torch's agent installs its own handlers while workers run:
+    they raise its ``SignalException``); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in saved:
+        signal.signal(s, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------------------- worker side
+
+
+def _parent_gone(parent: int) -> bool:
+    """Whether ``parent`` has died: we were reparented, or (the parent-death signal can arrive first) it is
+    exiting or a zombie."""
+    if os.getppid() != parent:
+        return True
+    try:
+        state = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return not _pid_alive(parent)
+    return state in ("Z", "X", "x")
+
+
+def _stop_worker(signum: int) -> None:
+    """Leave now and quietly: remove the launcher's folder if the launcher is gone, then ``os._exit``
+    (no finalizers: a process group torn down in the middle of a collective can abort the process)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    parent_gone = _parent["pid"] is not None and _parent_gone(_parent["pid"])
+    if launcher and parent_gone:
+        tmp = os.environ.get(TMPDIR_ENV)
+        if tmp and Path(tmp).name.startswith(TMP_PREFIX):
+            shutil.rmtree(tmp, ignore_errors=True)
+    elif not launcher and parent_gone:  # torchrun's agent died: say so once per node
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            os.write(2, f"perparam finetune: rank {os.environ.get('RANK')} stopped: its torchrun launcher "
+                        "is gone\n".encode())
+    elif not launcher and os.environ.get("RANK") == "0":  # plain torchrun: no launcher to say it
+        os.write(2, (interrupted_line(_progress["step"], _progress["total"]) + "\n").encode())
+    os._exit(exit_code(signum))
+
+
+def _on_signal(signum, frame):
+    _stop_worker(signum)
+
+
+def _watch_parent(parent: int) -> None:
+    import time
+
+    while True:
+        if os.getppid() != parent:
+            _stop_worker(signal.SIGTERM)
+        time.sleep(0.5)
+
+
+def install_worker_handlers() -> None:
+    """In a worker: SIGINT/SIGTERM end it quietly; the death of the launcher that started it too."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _on_signal)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher:
+        parent = int(launcher)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent: watch it too
+        parent = os.getppid()
+    else:
+        return
+    _parent["pid"] = parent
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before the request above
+        _stop_worker(signal.SIGTERM)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="perparam-parent").start()
+
+
+def step_done(step: int, total: int) -> None:
+    """Rank 0, after each optimizer step: remember it (and tell the launcher, if there is one)."""
+    _progress["step"], _progress["total"] = step, total
+    path = os.environ.get(PROGRESS_ENV)
+    if path and os.environ.get("RANK") == "0":
+        with contextlib.suppress(OSError):
+            Path(path).write_text(f"{step} {total}\n")

@@ -1,0 +1,49 @@
+"""``distributed_session()``: a process group for the length of a ``with`` block, torn down in the order
+that does not abort at exit.
+
+Measured (issue 13, 20 runs each of a gloo all-reduce script that exits without cleanup): the process
+aborted with ``terminate called without an active exception`` in 12 of 20 runs with plain torch and no
+perparam, 10 of 20 with torch's FSDP2; with ``del model; gc.collect()`` before
+``destroy_process_group()``, 0 of 20 for plain torch, FSDP2 and perparam alike. So the abort comes from
+process-group objects still alive when the interpreter exits, whoever holds them; the cure is to drop
+them (and run the cyclic GC) before the process group goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def distributed_session(backend: str | None = None, timeout_s: float | None = None) -> Iterator[None]:
+    """Initialise the default process group (unless one exists) and, at the end of the block, collect
+    garbage and destroy it (only if this call created it).
+
+    ``backend``: ``"nccl"`` when CUDA is available, else ``"gloo"``. The environment gives rank and world
+    (``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); with none of them set, a
+    1-process group on 127.0.0.1 is created. Keep models and optimizers inside a function called in the
+    block (or ``del`` them before it ends): what is still referenced at the end cannot be collected.
+    """
+    import torch
+
+    created = not dist.is_initialized()
+    if created:
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            os.environ.update(RANK="0", WORLD_SIZE="1")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend, **kwargs)
+    try:
+        yield
+    finally:
+        gc.collect()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,97 @@
+"""Bad input to every subcommand: found before anything runs, one line that says what is accepted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from perparam.cli import main
+from tests.test_finetune_cli import REPO, _env, _one_line_error
+from tests.test_finetune_gguf import write_tiny_gguf
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch) -> list[str]:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("Shall I compare thee to a summer's day?\n" * 200)
+    (text / "b.txt").write_text("Thou art more lovely and more temperate.\n" * 50)
+    return ["--config", "tiny", "--text", str(text)]
+
+
+def test_finetune_sizes_and_paths_are_refused_before_any_worker(capsys, tmp_path, tiny):
+    _one_line_error(capsys, [*tiny, "--batch-size", "0"], "--batch-size 0 must be at least 1")
+    _one_line_error(capsys, [*tiny, "--lr", "inf"], "--lr inf must be a positive finite number")
+    _one_line_error(capsys, [*tiny, "--lr", "nan"], "must be a positive finite number")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _one_line_error(capsys, [*tiny, "--summary-json", str(a_file / "sub" / "s.json")],
+                    f"{a_file} is a file, not a folder")
+    _one_line_error(capsys, [*tiny, "--summary-json", str(tmp_path)], "is a folder")
+
+
+def test_a_gguf_flag_pointing_at_a_text_file_is_called_not_a_gguf(capsys, tmp_path, tiny):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    _one_line_error(capsys, ["--gguf", str(mine), *tiny[2:]], "is not a GGUF file")
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good, quantize_ffn=False)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:-100])
+    main(["finetune", "--gguf", str(cut), *tiny[2:]])
+    err = capsys.readouterr().err
+    assert "truncated" in err and "delete" not in err, err  # never advise deleting a file the user passed
+
+
+def test_a_non_finite_loss_stops_the_run(tiny):
+    proc = subprocess.run([sys.executable, "-m", "perparam.cli", "finetune", *tiny, "--nproc", "1", "--steps",
+                           "6", "--seq-len", "16", "--batch-size", "1", "--eval-tokens", "32", "--lr", "1e30"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the training loss became nan at step" in lines[0], proc.stderr
+
+
+def test_memory_params_say_what_is_accepted(capsys):
+    for bad in ("-5", "abc", "0"):
+        with pytest.raises(SystemExit) as exc:
+            main(["memory", "--params", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "pass a positive number such as 1.5e9, 1.5B" in err and "parse_count" not in err, err
+
+
+def test_plan_model_that_cannot_be_imported_says_what_model_takes(capsys):
+    assert main(["plan", "--model", "nonexistent.module:factory", "--world", "4"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model takes package.module:factory, importable" in err[0], err
+    assert main(["plan", "--model", "perparam.memory.presets:no_such_factory", "--world", "4"]) != 0
+    assert "has no attribute 'no_such_factory'" in capsys.readouterr().err
+
+
+def test_no_subcommand_is_a_usage_error(capsys):
+    assert main([]) == 2
+    assert "usage: perparam" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+
+
+def test_plan_on_an_80_column_terminal_never_cuts_a_number(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from perparam.memory import render
+
+    out = io.StringIO()
+    con = Console(file=out, width=80, highlight=False, no_color=True)
+    monkeypatch.setattr(render, "console", lambda: con)
+    assert main(["plan", "--preset", "gpt2-xl", "--world", "64"]) == 0
+    text = out.getvalue()
+    assert "…" not in text, text
+    for number in ("389,421,600", "24,921,779,200", "18.691334", "+0.005%", "vs formula"):
+        assert number in text, (number, text)
+    assert "plan: rank 0" in text

@@ -1,0 +1,136 @@
+"""``perparam finetune`` stopped from outside: Ctrl-C, SIGTERM, SIGKILL of the launcher, SIGKILL of a worker.
+
+Each run is a real launcher with 2 tiny workers. Every test asserts the exit status, that stderr holds no
+traceback, and that within 10 s no worker process and no temporary folder of the run is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from perparam.finetune import lifecycle
+from tests.test_finetune_cli import SONNET, _env
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _workers_of(launcher_pid: int) -> list[int]:
+    """Live workers started by this launcher: their argv names its ``perparam-finetune-<pid>-`` folder."""
+    marker = f"{lifecycle.TMP_PREFIX}{launcher_pid}-".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and b"--prepared" in cmd and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+class Run:
+    def __init__(self, tmp_path: Path, steps: int = 2000) -> None:
+        text = tmp_path / "text"
+        text.mkdir()
+        (text / "a.txt").write_text(SONNET * 60)
+        (text / "b.txt").write_text(SONNET[::-1] * 20)
+        self.tmp = tmp_path / "tmp"  # TMPDIR of the launcher: its temporary folders land here
+        self.tmp.mkdir()
+        self.out, self.err = tmp_path / "out.txt", tmp_path / "err.txt"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "perparam.cli", "finetune", "--config", "tiny", "--text", str(text),
+                 "--nproc", "2", "--steps", str(steps), "--seq-len", "32", "--batch-size", "2",
+                 "--eval-tokens", "64"],
+                stdout=out, stderr=err, cwd=REPO, env={**_env(), "TMPDIR": str(self.tmp)},
+                start_new_session=True)
+
+    def wait_for_step(self, step: int = 2, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while f"step {step}/" not in self.out.read_text():
+            assert self.proc.poll() is None, self.out.read_text() + self.err.read_text()
+            assert time.monotonic() < deadline, "no training step within the timeout"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 30) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        return code, self.err.read_text()
+
+    def files(self) -> list[Path]:  # torch's compile cache is shared by every run, not a file of this one
+        return [p for p in self.tmp.iterdir() if not p.name.startswith("torchinductor_")]
+
+    def assert_nothing_left(self) -> None:
+        deadline = time.monotonic() + 10
+        while (left := _workers_of(self.proc.pid)) or self.files():
+            if time.monotonic() > deadline:
+                for pid in left:
+                    os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"left after 10 s: workers {left}, files {self.files()}")
+            time.sleep(0.2)
+
+
+def _tracebacks(err: str) -> int:
+    return sum("Traceback" in line for line in err.splitlines())
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_run_says_one_line_and_stops_its_workers(tmp_path, sig, code):
+    run = Run(tmp_path)
+    run.wait_for_step(2)
+    run.proc.send_signal(sig)
+    status, err = run.finish()
+    assert status == code, err
+    assert _tracebacks(err) == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("perparam finetune: interrupted at step "), err
+    assert lines[0].endswith("/2000; nothing saved"), err
+    run.assert_nothing_left()
+
+
+def test_a_killed_launcher_takes_its_workers_and_files_with_it(tmp_path):
+    run = Run(tmp_path)
+    run.wait_for_step(2)
+    assert len(_workers_of(run.proc.pid)) == 2
+    run.proc.kill()
+    status, err = run.finish()
+    assert status == -signal.SIGKILL
+    run.assert_nothing_left()
+    assert _tracebacks(err) == 0, err
+
+
+def test_a_killed_worker_stops_the_run(tmp_path):
+    run = Run(tmp_path)
+    run.wait_for_step(2)
+    workers = _workers_of(run.proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    status, err = run.finish()
+    assert status == 1, err
+    assert _tracebacks(err) == 0, err
+    assert "was killed by signal 9" in err.strip().splitlines()[-1], err
+    run.assert_nothing_left()
+
+
+def test_a_stale_temporary_folder_is_removed_at_the_next_start(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"{lifecycle.TMP_PREFIX}{gone.pid}-abc"
+    stale.mkdir()
+    (stale / "data.pt").write_bytes(b"x" * 1000)
+    alive = tmp_path / f"{lifecycle.TMP_PREFIX}{os.getpid()}-abc"  # this process: not stale
+    alive.mkdir()
+    other = tmp_path / f"{lifecycle.TMP_PREFIX}notapid"
+    other.mkdir()
+    assert lifecycle.clean_stale_tmpdirs(str(tmp_path)) == [stale]
+    assert not stale.exists() and alive.exists() and other.exists()
