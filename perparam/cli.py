@@ -12,7 +12,7 @@ import sys
 SUBCOMMANDS = {
     "finetune": "perparam.finetune.cli",
     "memory": "perparam.memory.cli",
-    "plan": "perparam.memory.plan",
+    "plan": "perparam.memory.plan_cli",
 }
 
 HELPS = {
