@@ -16,6 +16,7 @@ Two roles, chosen from the environment:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -71,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each data-parallel "
                         "group: attention heads and MLP width are split over them (default 1)")
     # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
+    parser.add_argument("--save", default=None, metavar="DIR", help="save crash-safe sharded checkpoints "
+                        "(perparam.checkpoint) into DIR/step-NNNNNN every --save-every steps and at the end; the "
+                        "newest 2 are kept")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="with --save: also every N steps (default 0: at the end only)")
+    parser.add_argument("--resume", default=None, metavar="DIR", help="continue from the newest complete "
+                        "checkpoint in DIR (same data order and step; --nproc, --dp-replicate and --tp may differ)")
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -124,6 +132,34 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
     check_output_path("--summary-json", getattr(args, "summary_json", None))
+    check_checkpoint_args(args)
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> None:
+    """``--save``/``--resume`` problems found before any worker starts, one line each."""
+    from perparam import checkpoint
+
+    save, every, resume = getattr(args, "save", None), getattr(args, "save_every", 0), getattr(args, "resume", None)
+    if every < 0 or (every and not save):
+        raise FinetuneInputError(f"--save-every {every}: pass a positive number of steps together with --save DIR")
+    if save:
+        check_output_path("--save", str(Path(save) / "step-000000"))
+    if resume:
+        if not Path(resume).is_dir():
+            raise FinetuneInputError(f"--resume {resume}: no such folder")
+        newest = checkpoint.latest(resume)
+        if newest is None:
+            raise FinetuneInputError(f"--resume {resume}: no complete checkpoint in it (a save that never finished "
+                                     "leaves none); pass the --save folder of an earlier run")
+        extra = json.loads((newest / checkpoint.MANIFEST).read_text()).get("extra", {})
+        for key in ("seed", "batch_size", "seq_len", "config"):
+            if key in extra and extra[key] != getattr(args, key):
+                raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --{key.replace('_', '-')} "
+                                         f"{extra[key]}, this run has {getattr(args, key)}: pass the same value to "
+                                         "continue the same data order")
+        if extra.get("step", 0) >= args.steps:
+            raise FinetuneInputError(f"--resume {resume}: {newest.name} is at step {extra.get('step')}, and --steps "
+                                     f"{args.steps} is not beyond it: pass a larger --steps")
 
 
 def check_output_path(flag: str, path: str | None) -> None:
@@ -214,6 +250,10 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
         argv += ["--summary-json", args.summary_json]
     if args.crash_at_step is not None:
         argv += ["--crash-at-step", str(args.crash_at_step)]
+    if args.save:
+        argv += ["--save", str(Path(args.save).absolute()), "--save-every", str(args.save_every)]
+    if args.resume:
+        argv += ["--resume", str(Path(args.resume).absolute())]
     return argv
 
 

@@ -261,6 +261,33 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
     Console().print(table)
 
 
+def resume_from(args, model, optimizer, rank: int) -> int:
+    """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step."""
+    if not getattr(args, "resume", None):
+        return 0
+    from perparam import checkpoint
+
+    newest = checkpoint.latest(args.resume)
+    extra = checkpoint.load(newest, model, optimizer)
+    if rank == 0:
+        print(f"resumed from {newest} at step {extra['step']}", flush=True)
+    return int(extra["step"])
+
+
+def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
+    """``--save DIR``: a checkpoint every ``--save-every`` steps and after the last one (keep 2)."""
+    folder, every = getattr(args, "save", None), getattr(args, "save_every", 0)
+    if not folder or not (step == args.steps or (every and step % every == 0)):
+        return
+    from perparam import checkpoint
+
+    extra = {"step": step, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
+             "config": args.config, "lr": args.lr}
+    path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
+    if rank == 0:
+        print(f"checkpoint: step {step} in {path}", flush=True)
+
+
 def train(args, data: PreparedData) -> dict:
     """The whole worker; returns the summary dict (on every rank; rank 0 also prints and writes it)."""
     from perparam import CommCounter
@@ -295,12 +322,13 @@ def train(args, data: PreparedData) -> dict:
         if rank == 0:
             print(f"held-out loss before: {loss_before:.4f}", flush=True)
 
+        first_step = resume_from(args, model, optimizer, rank)
         stream = BatchStream(data.train, args.batch_size, args.seed)
         progress = Progress(rank == 0, args.steps)
         train_losses, train_start = [], time.perf_counter()
         tokens_per_step = args.batch_size * data.seq_len
         with CommCounter() as comm:  # perparam's collectives of the training steps (not tp's, not eval's)
-            for step in range(args.steps):
+            for step in range(first_step, args.steps):
                 if args.crash_at_step is not None and step == args.crash_at_step and rank == world - 1:
                     os._exit(17)  # test hook: a worker dying mid-run
                 # [B / dp, seq]: this data-parallel rank's slice; the ranks of one tp group read the same rows
@@ -316,9 +344,11 @@ def train(args, data: PreparedData) -> dict:
                 elapsed = time.perf_counter() - train_start
                 progress.update(step + 1, train_losses[-1], tokens_per_step * (step + 1) / elapsed, elapsed)
                 lifecycle.step_done(step + 1, args.steps)
+                save_if_due(args, model, optimizer, step + 1, rank)
         progress.close()
         train_s = time.perf_counter() - train_start
-        comm_per_step = {kind: comm.bytes(kind) // args.steps if args.steps else 0
+        steps_run = args.steps - first_step
+        comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
                          for kind in ("all_gather", "reduce_scatter", "all_reduce")}
         state_bytes = model_state_bytes(model, optimizer).as_dict()  # grads of the last step are still alive
         per_unshard = all_gather_bytes_per_unshard(model)
@@ -336,7 +366,8 @@ def train(args, data: PreparedData) -> dict:
             "text": data.source, "heldout_rows": data.heldout.shape[0],
             "heldout_loss_before": loss_before, "heldout_loss_after": loss_after,
             "train_losses": train_losses,
-            "tokens_per_s": tokens_per_step * args.steps / train_s if args.steps else 0.0,
+            "tokens_per_s": tokens_per_step * steps_run / train_s if steps_run else 0.0,
+            "first_step": first_step, "checkpoint": getattr(args, "save", None),
             # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
             # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
             "comm_bytes_per_step": comm_per_step,

@@ -1,0 +1,52 @@
+"""``perparam finetune --save/--resume``: a run saved at step 2 and resumed (on the same or another number of
+ranks) continues exactly where the uninterrupted run is; bad --resume folders stop with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_finetune_cli import SONNET, TINY, _cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("text")
+    (folder / "a_sonnets.txt").write_text(SONNET * 60)
+    (folder / "b_heldout.txt").write_text(SONNET[::-1] * 20)
+    return folder
+
+
+def _run(tmp: Path, text: Path, name: str, *flags: str, nproc: int = 2) -> dict:
+    out = tmp / f"{name}.json"
+    proc = _cli(*TINY, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text):
+    straight = _run(tmp_path, text, "straight")
+    ckpt = tmp_path / "ckpt"
+    first = _run(tmp_path, text, "first", "--steps", "2", "--save", str(ckpt), "--save-every", "1")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002"]
+    assert first["train_losses"] == straight["train_losses"][:2]
+    resumed = _run(tmp_path, text, "resumed", "--resume", str(ckpt))
+    assert resumed["first_step"] == 2
+    assert resumed["train_losses"] == straight["train_losses"][2:]  # fp32, same world: bitwise
+    assert resumed["heldout_loss_after"] == straight["heldout_loss_after"]
+    one_rank = _run(tmp_path, text, "one", "--resume", str(ckpt), nproc=1)  # another world size
+    assert max(abs(a - b) for a, b in zip(one_rank["train_losses"], straight["train_losses"][2:])) <= 1e-5
+
+
+def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for folder, fragment in ((tmp_path / "missing", "no such folder"), (empty, "no complete checkpoint")):
+        proc = _cli(*TINY, "--text", str(text), "--resume", str(folder))
+        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = _cli(*TINY, "--text", str(text), "--save-every", "2")
+    assert proc.returncode == 2 and "--save" in proc.stderr, proc.stderr
