@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from perparam.finetune import lifecycle
+from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import BatchStream, PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError
 from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
@@ -259,33 +260,6 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
     table.add_row("ZeRO-3 (P+G+O)/K", *(f"{zero3[k] / mib:.2f}" for k in keys),
                   f"{sum(zero3.values()) / mib:.2f}", style="bold")
     Console().print(table)
-
-
-def resume_from(args, model, optimizer, rank: int) -> int:
-    """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step."""
-    if not getattr(args, "resume", None):
-        return 0
-    from perparam import checkpoint
-
-    newest = checkpoint.latest(args.resume)
-    extra = checkpoint.load(newest, model, optimizer)
-    if rank == 0:
-        print(f"resumed from {newest} at step {extra['step']}", flush=True)
-    return int(extra["step"])
-
-
-def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
-    """``--save DIR``: a checkpoint every ``--save-every`` steps and after the last one (keep 2)."""
-    folder, every = getattr(args, "save", None), getattr(args, "save_every", 0)
-    if not folder or not (step == args.steps or (every and step % every == 0)):
-        return
-    from perparam import checkpoint
-
-    extra = {"step": step, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
-             "config": args.config, "lr": args.lr}
-    path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
-    if rank == 0:
-        print(f"checkpoint: step {step} in {path}", flush=True)
 
 
 def train(args, data: PreparedData) -> dict:
