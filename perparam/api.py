@@ -19,7 +19,7 @@ from mesh import MeshError, check_dp_mesh
 from . import adopt, hooks, islands
 from .full_state import install_load_hooks
 from .group import ParamGroup
-from .module import ShardedModule, attach, group_of
+from .module import ShardedModule, attach, group_of, guard_stored_dtypes
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
 from .resolution import ParamError, check_param, resolve_params
@@ -149,6 +149,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
                                 with_kwargs=True, always_call=True)
     install_load_hooks(sharded_params)
+    guard_stored_dtypes(sharded_params)
     for island in island_list:  # after the group's hooks: inside its input cast, before its output cast
         islands.install(island)
     group.islands = island_list

@@ -7,7 +7,9 @@ reassembles and reslices each tensor. Crash safety: the files go into a temporar
 ``path``; after every rank has finished, rank 0 writes the manifest (``perparam_checkpoint.json``: names,
 global shapes and dtypes, optimizer hyper-parameters, ``extra``) and renames the folder to ``path``
 (``os.rename`` is atomic on one filesystem). A save killed half-way leaves the previous checkpoint as it
-was, and the next save removes the leftover folder. ``keep`` checkpoints are kept in ``path``'s parent.
+was (replacing an existing ``path`` takes two renames; killed between them, the previous checkpoint stays
+as ``.<name>.old-*`` and ``load`` says so), and the next save removes the leftovers. Plain (non-DTensor)
+tensors and ``extra`` are saved once, from rank 0: ``save`` refuses values that differ between ranks. ``keep`` checkpoints are kept in ``path``'s parent.
 
 ``load(path, model, optimizer)`` checks the manifest against the model and optimizer first (one message
 naming every missing, unexpected or reshaped entry), loads into fresh tensors, and only then copies into
@@ -35,6 +37,7 @@ import shutil
 import time
 import uuid
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
@@ -125,6 +128,9 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
+    from . import adopt
+
+    adopt._retarget(optimizer, (), {})  # built before fully_shard: point it at the sharded parameters now
     names = {id(p): n for n, p in model.named_parameters()}
     groups = []
     for group in optimizer.param_groups:
@@ -153,8 +159,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """Save ``model`` (and ``optimizer``) to the folder ``path``, crash-safely; every rank calls it.
 
     ``extra``: a small JSON-serialisable dict (step, data position, seeds) returned by ``load``.
-    ``keep``: how many complete checkpoints to keep in ``path``'s parent, oldest removed first (``None``:
-    all). An existing checkpoint at ``path`` is replaced only once the new one is complete. Returns
+    ``keep``: how many complete checkpoints of ``path``'s series to keep (its siblings named like it up
+    to trailing digits, e.g. ``step-000030``; oldest removed first; ``None``: all). An existing checkpoint at ``path`` is replaced only once the new one is complete. Returns
     ``path``. Raises ``CheckpointError`` for non-JSON ``extra`` or optimizer options, before writing.
     """
     path = Path(path)
@@ -178,10 +184,14 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                 if entries:
                     opt_state[name] = entries
         manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
+    _check_same_on_every_rank(state, extra)
     token = _from_rank0(uuid.uuid4().hex[:12])
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a save killed between its two renames left the previous one as .old: done with it
+            for stale in path.parent.glob(f".{path.name}.old-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
@@ -200,11 +210,30 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             os.rename(tmp, path)
         _fsync_dir(path.parent)
         if keep is not None:
-            for stale in _complete(path.parent)[:-keep]:
+            for stale in _series(path)[:-keep]:
                 if stale != path:
                     shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return path
+
+
+def _check_same_on_every_rank(state: dict, extra: dict) -> None:
+    """DCP saves a plain (non-DTensor) tensor once, from rank 0, as replicated; ``extra`` is written by rank 0.
+    A value that differs between ranks would come back as rank 0's everywhere: refuse before writing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = {k: zlib.crc32(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) if v.numel() else 0
+            for k, v in state.items() if not isinstance(v, DTensor)}
+    mine["<extra>"] = json.dumps(extra, sort_keys=True)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = sorted(k for k in mine if any(other.get(k) != mine[k] for other in everyone))
+    if differ:
+        what = ", ".join(k.removeprefix("model.") for k in differ[:5])
+        raise CheckpointError(f"save: {what} differ between ranks, but a plain tensor (not a DTensor) and extra are "
+                              "saved once, from rank 0, and would load as rank 0's value everywhere: make "
+                              "rank-dependent state a DTensor, keep it out of the state dict, or save it yourself "
+                              "(e.g. extra={'per_rank': {rank: ...}} gathered to every rank first). Nothing was written")
 
 
 def _write_json(target: Path, data: dict) -> None:
@@ -236,6 +265,15 @@ def _complete(folder: Path) -> list[Path]:
     return [d for _, d in sorted(found)]
 
 
+def _series(path: Path) -> list[Path]:
+    """The complete checkpoints beside ``path`` named like it up to its trailing digits (``step-000030``:
+    ``step-*``), oldest first; a name without trailing digits is a series of one."""
+    prefix = path.name.rstrip("0123456789")
+    if prefix == path.name:
+        return [path]
+    return [d for d in _complete(path.parent) if d.name.startswith(prefix) and d.name[len(prefix):].isdigit()]
+
+
 def latest(folder: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``."""
     folder = Path(folder)
@@ -248,6 +286,10 @@ def latest(folder: str | os.PathLike) -> Path | None:
 # -- load -----------------------------------------------------------------------------------------------
 def _read_manifest(path: Path) -> dict:
     if not path.is_dir():
+        moved = sorted(path.parent.glob(f".{path.name}.old-*"))
+        if moved and (moved[-1] / MANIFEST).is_file():
+            raise CheckpointError(f"no checkpoint at {path}: a save was killed while replacing it; the previous "
+                                  f"checkpoint is intact at {moved[-1]} (load it, or rename it back to {path.name})")
         raise CheckpointError(f"no checkpoint at {path}: the folder does not exist")
     if not (path / MANIFEST).is_file():
         newest = latest(path)
@@ -303,7 +345,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                     for key, info in entries.items():
                         if "value" in info:
                             state[key] = info["value"]
-                        elif info["shape"] == list(p.shape) and info["dtensor"] and isinstance(p, DTensor):
+                        elif info["shape"] == list(p.shape) and isinstance(p, DTensor):  # sharded like p
                             state[key] = targets[f"optim.{name}.{key}"] = torch.zeros_like(p, dtype=_dtype(info["dtype"]))
                         else:
                             state[key] = targets[f"optim.{name}.{key}"] = torch.zeros(
@@ -318,8 +360,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"checkpoint {path} does not match: {shown}. Nothing was loaded")
-    with _single_process_quiet():
-        dcp.load(targets, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.load(targets, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"reading {path} failed ({type(e).__name__}: {str(e)[:300]}); the files are damaged or "
+                              "incomplete: load an earlier checkpoint. Nothing was loaded") from e
     # every tensor read: now change the model and the optimizer
     with torch.no_grad():
         for k, v in current.items():

@@ -31,11 +31,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     for key, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = _full_tensor(value) if isinstance(value, DTensor) else value
         if out is not None:
             out[key] = full.detach().to("cpu", copy=True)
         del full
     return out
+
+
+def _full_tensor(value: DTensor) -> torch.Tensor:
+    """``full_tensor()``, gathering fp8 codes as bytes (gloo has no float8 all-gather)."""
+    if value.dtype.itemsize != 1 or not value.dtype.is_floating_point:
+        return value.full_tensor()
+    raw = DTensor.from_local(value._local_tensor.view(torch.uint8), value.device_mesh, value.placements,
+                             run_check=False, shape=value.shape, stride=value.stride())
+    return raw.full_tensor().view(value.dtype)
 
 
 def _sharded_params(model: nn.Module) -> dict[str, object]:

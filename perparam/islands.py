@@ -84,9 +84,9 @@ def find_islands(roots: list[tuple[str, nn.Module]], params, call_dtype: torch.d
         return []
     islands: list[Island] = []
     for prefix, root in roots:
-        stack = [(prefix.rstrip("."), root, call_dtype, True)]
+        stack = [(prefix.rstrip("."), root, call_dtype, True, None)]
         while stack:
-            path, module, outer, top = stack.pop()
+            path, module, outer, top, parent = stack.pop()
             if not top and skip(module):
                 continue
             dtypes = owned.get(id(module))
@@ -94,12 +94,27 @@ def find_islands(roots: list[tuple[str, nn.Module]], params, call_dtype: torch.d
             if dtypes:
                 (dtype,) = dtypes
                 if outer is None or dtype != outer:
+                    _check_called(path, module, dtype, parent)
                     islands.append(Island(module, path or type(module).__name__, dtype, outer))
                 inner = dtype
             for name, child in reversed(list(module._modules.items())):
                 if child is not None:
-                    stack.append((f"{path}.{name}" if path else name, child, inner, False))
+                    stack.append((f"{path}.{name}" if path else name, child, inner, False, module))
     return islands
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _check_called(path: str, module: nn.Module, dtype: torch.dtype, parent: nn.Module | None) -> None:
+    """An island works through its module's forward hooks. A stock torch module (other than a container)
+    may use a child's parameters without calling the child (``MultiheadAttention`` reads
+    ``out_proj.weight``): such a child cannot be an island."""
+    if parent is None or isinstance(parent, _CONTAINERS) or not type(parent).__module__.startswith("torch."):
+        return
+    raise IslandError(f"module '{path}' would compute in {dtype}, but its parent {type(parent).__name__} is a stock "
+                      "torch module that may use its parameters without calling it, so its inputs could not be cast; "
+                      f"give the parent and '{path}' the same param_dtype (e.g. a pattern on the parent's name + '.*')")
 
 
 def install(island: Island) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -144,22 +146,40 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     object.__setattr__(module, method_name, wrapped)
 
 
+_OWNED_ATTR = "_perparam_owned"
+
+
+def guard_stored_dtypes(params) -> None:
+    """Refuse stored-dtype changes on every module that registers one of ``params``, not only on the
+    modules given to ``fully_shard``: ``model.layer.half()`` comes through the child's own ``_apply``."""
+    for sp in params:
+        for module, _ in sp.slots:
+            module.__dict__.setdefault(_OWNED_ATTR, []).append(sp)
+            if not isinstance(module, ShardedModule) and "_apply" not in module.__dict__:
+                module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
+
+
+def _guarded_apply(self, fn, recurse=True):
+    _refuse_dtype_change(self, fn)
+    return type(self)._apply(self, fn, recurse)
+
+
 def _refuse_dtype_change(module: nn.Module, fn) -> None:
-    for group in _groups_below(module, True):
-        for sp in group.params:
-            shard = sp.local_shard()
-            probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
-            try:
-                changed = fn(probe)
-            except Exception:  # not a conversion a 0-element tensor can take; let nn.Module decide
-                return
-            if isinstance(changed, torch.Tensor) and changed.dtype != probe.dtype:
-                raise StoredDtypeChangeError(
-                    f"{type(module).__name__} is sharded by perparam; changing its parameters' dtype ('{sp.fqn}': "
-                    f"{probe.dtype} -> {changed.dtype}) after fully_shard is not supported: the compute dtype and "
-                    "the all-gather layout were fixed from the stored dtypes then. To compute in "
-                    f"{changed.dtype}, pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
-                    f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
+    owned = {id(sp): sp for m in module.modules() for sp in m.__dict__.get(_OWNED_ATTR, ())}
+    for sp in owned.values():
+        shard = sp.local_shard()
+        probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
+        try:
+            changed = fn(probe)
+        except Exception:  # not a conversion a 0-element tensor can take; let nn.Module decide
+            continue
+        if isinstance(changed, torch.Tensor) and changed.dtype != probe.dtype:
+            raise StoredDtypeChangeError(
+                f"{type(module).__name__} holds parameters sharded by perparam; changing its parameters' dtype ('{sp.fqn}': "
+                f"{probe.dtype} -> {changed.dtype}) after fully_shard is not supported: the compute dtype and "
+                "the all-gather layout were fixed from the stored dtypes then. To compute in "
+                f"{changed.dtype}, pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+                f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
 
 
 def group_of(module: nn.Module) -> ParamGroup | None:

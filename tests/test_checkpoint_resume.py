@@ -188,3 +188,56 @@ def test_keep_retains_the_newest_checkpoints_and_extra_must_be_json(tmp_path):
     with pytest.raises(CheckpointError, match="JSON"):
         checkpoint.save(tmp_path / "bad", model, opt, extra={"tensor": torch.ones(1)})
     assert not dist.is_initialized()
+
+
+def rank_dependent(rank: int, world_size: int, path: str, what: str) -> str:
+    model, opt = build(world_size)
+    extra = {"rank": rank} if what == "extra" else {}
+    if what == "buffer":
+        model.register_buffer("seen", torch.tensor([float(rank)]))
+    try:
+        checkpoint.save(path, model, opt, extra=extra)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["extra", "buffer"])
+def test_state_that_differs_between_ranks_is_refused_rather_than_saved_as_rank_0s(tmp_path, what):
+    for message in run_distributed(rank_dependent, 2, str(tmp_path / "ckpt"), what):
+        assert "differ between ranks" in message and ("extra" in message or "seen" in message), message
+    assert not (tmp_path / "ckpt").exists()
+
+
+def optimizer_first(rank: int, world_size: int, path: str) -> list[float]:
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before fully_shard
+    perparam.fully_shard(model)
+    checkpoint.load(path, model, opt)
+    return steps(model, opt, make_batches(4, BATCH)[2:], rank, world_size)
+
+
+def test_an_unsharded_checkpoint_resumes_into_a_sharded_model_with_an_optimizer_built_first(tmp_path):
+    path = tmp_path / "plain"
+    model, opt = build(0, "single")
+    steps(model, opt, make_batches(2, BATCH), 0, 0)
+    checkpoint.save(path, model, opt, extra={"step": 2})
+    want = steps(model, opt, make_batches(4, BATCH)[2:], 0, 0)
+    got = run_distributed(optimizer_first, 2, str(path))
+    mean = [sum(r[i] for r in got) / 2 for i in range(2)]
+    assert max(abs(a - b) for a, b in zip(mean, want)) <= 1e-6
+
+
+def test_keep_prunes_only_its_own_series_and_damage_is_a_checkpoint_error(tmp_path):
+    model, opt = build(0, "single")
+    for name in ("init", "best", "step-1", "step-2", "step-3"):
+        checkpoint.save(tmp_path / name, model, opt, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["best", "init", "step-2", "step-3"]
+    for f in (tmp_path / "step-3").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match="damaged or incomplete"):
+        checkpoint.load(tmp_path / "step-3", model, opt)
+    os.rename(tmp_path / "best", tmp_path / ".best.old-abc")  # killed between the two renames of a save
+    with pytest.raises(CheckpointError, match="intact at"):
+        checkpoint.load(tmp_path / "best", model, opt)

@@ -149,3 +149,20 @@ def test_load_state_dict_with_plain_full_tensors_shards_them_on_the_fly():
     assert got["missing"] == []
     for k, v in reference().items():
         assert torch.equal(got["sd"][k], v), k
+
+
+def stored_fp8(rank: int, world_size: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    perparam.fully_shard(model, param_policy={"0.weight": perparam.ParamPolicy(
+        requires_grad=False, quant=perparam.QuantPolicy(torch.float8_e4m3fn, store_quantized=True))})
+    local = model[0].weight.to_local().view(torch.uint8).clone()
+    return checkpoint.full_state_dict(model), local
+
+
+def test_full_state_dict_gathers_stored_fp8_codes_on_gloo():
+    got = run_distributed(stored_fp8, 2)  # gloo has no float8 all-gather: the codes travel as bytes
+    sd = got[0][0]
+    assert sd["0.weight"].dtype == torch.float8_e4m3fn and sd["0.weight"].shape == (3, 4)
+    assert torch.equal(sd["0.weight"][:2].view(torch.uint8), got[0][1])
+    assert torch.equal(sd["0.weight"][2:].view(torch.uint8), got[1][1])

@@ -190,3 +190,27 @@ def test_a_stock_module_whose_own_parameters_ask_for_two_dtypes_is_refused_at_fu
             assert fragment in got["message"], got["message"]
         # a module of the user's own class casts by itself: accepted as it is, not an island
         assert got["own"] == torch.float32 and got["islands"] == []
+
+
+def mha_out_proj(rank: int, world_size: int) -> str:
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    model = Attn()
+    try:
+        perparam.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                             param_policy={"attn.out_proj.*": ParamPolicy(param_dtype=torch.float32)})
+    except perparam.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_island_a_stock_parent_never_calls_is_refused():
+    # MultiheadAttention reads out_proj.weight without calling out_proj: its hooks could never cast
+    for message in run_distributed(mha_out_proj, 1):
+        assert "'attn.out_proj'" in message and "MultiheadAttention" in message, message

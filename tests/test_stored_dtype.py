@@ -54,7 +54,8 @@ def dtype_change(rank: int, world_size: int, how: str) -> dict:
     before = {n: (p.dtype, p.to_local().clone()) for n, p in model.named_parameters()}
     error = None
     try:
-        {"bf16": lambda: model.to(torch.bfloat16), "double": model.double, "half": model.half}[how]()
+        {"bf16": lambda: model.to(torch.bfloat16), "double": model.double, "half": model.half,
+         "child_half": model[1].half}[how]()  # model[1] is in the root's group, not passed to fully_shard
     except perparam.StoredDtypeChangeError as e:
         error = str(e)
     unchanged = all(p.dtype == before[n][0] and torch.equal(p.to_local(), before[n][1])
@@ -66,7 +67,7 @@ def dtype_change(rank: int, world_size: int, how: str) -> dict:
     return {"error": error, "unchanged": unchanged, "grad": model[1].weight.grad is not None}
 
 
-@pytest.mark.parametrize("how", ["bf16", "double", "half"])
+@pytest.mark.parametrize("how", ["bf16", "double", "half", "child_half"])
 def test_changing_the_stored_dtype_after_fully_shard_is_refused_before_anything_changes(how):
     for got in run_distributed(dtype_change, 2, how):
         assert got["error"] is not None and "before fully_shard" in got["error"] and "param_dtype" in got["error"]
