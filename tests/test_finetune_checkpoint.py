@@ -8,17 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_finetune_cli import SONNET, TINY, _cli
+from tests.test_finetune_cli import TINY, _cli
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("text")
-    (folder / "a_sonnets.txt").write_text(SONNET * 60)
-    (folder / "b_heldout.txt").write_text(SONNET[::-1] * 20)
-    return folder
 
 
 def _run(tmp: Path, text: Path, name: str, *flags: str, nproc: int = 2) -> dict:
@@ -28,7 +20,8 @@ def _run(tmp: Path, text: Path, name: str, *flags: str, nproc: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
-def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text):
+def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text_dir):
+    text = text_dir
     straight = _run(tmp_path, text, "straight")
     ckpt = tmp_path / "ckpt"
     first = _run(tmp_path, text, "first", "--steps", "2", "--save", str(ckpt), "--save-every", "1")
@@ -42,7 +35,8 @@ def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text)
     assert max(abs(a - b) for a, b in zip(one_rank["train_losses"], straight["train_losses"][2:])) <= 1e-5
 
 
-def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text):
+def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text_dir):
+    text = text_dir
     empty = tmp_path / "empty"
     empty.mkdir()
     for folder, fragment in ((tmp_path / "missing", "no such folder"), (empty, "no complete checkpoint")):

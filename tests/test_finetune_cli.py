@@ -16,21 +16,6 @@ from perparam.cli import main
 from tests.test_finetune_gguf import write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[1]
-SONNET = """Shall I compare thee to a summer's day?
-Thou art more lovely and more temperate:
-Rough winds do shake the darling buds of May,
-And summer's lease hath all too short a date;
-"""
-
-
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("text")
-    (folder / "a_sonnets.txt").write_text(SONNET * 60)
-    (folder / "b_heldout.txt").write_text(SONNET[::-1] * 20)
-    return folder
-
-
 def _env() -> dict:
     env = dict(os.environ)
     env.pop("RANK", None)
@@ -138,32 +123,19 @@ def test_bf16_compute_smoke(tmp_path, text_dir, fp32_run):
     assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
 
 
-def test_int8_all_gather_smoke(tmp_path, text_dir, fp32_run):
+# measured on this config: the layers' gathers (int8 codes + an fp32 scale per 256, or 4-bit NF4 codes + an fp32
+# scale per 64; fp32 norms) are 0.2565x / 0.1436x of fp32; a whole step, with the fp32 embedding gathered once,
+# 0.331x / 0.229x
+@pytest.mark.parametrize("quant,layers,step", [("int8", 0.27, 0.34), ("nf4", 0.15, 0.24)])
+def test_quantized_all_gather_smoke(tmp_path, text_dir, fp32_run, quant, layers, step):
     _, base = fp32_run
-    _, summary = _tiny_run(tmp_path, text_dir, "--quant", "int8")
-    assert (summary["param_dtype"], summary["quant"]) == ("fp32", "int8")
+    _, summary = _tiny_run(tmp_path, text_dir, "--quant", quant)
+    assert (summary["param_dtype"], summary["quant"]) == ("fp32", quant)
     assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
     assert _close(summary["train_losses"], base["train_losses"], tol=0.01)
-    # measured on this config: the layers' gathers (int8 codes + an fp32 scale per 256, fp32 norms) are
-    # 0.2565x fp32; a whole step, with the fp32 embedding gathered once, 0.331x
     unshard, base_unshard = summary["all_gather_bytes_per_unshard"], base["all_gather_bytes_per_unshard"]
-    assert unshard["layers"] <= 0.27 * base_unshard["layers"] and unshard["root"] == base_unshard["root"]
-    assert summary["comm_bytes_per_step"]["all_gather"] <= 0.34 * base["comm_bytes_per_step"]["all_gather"]
-    assert summary["comm_bytes_per_step"]["reduce_scatter"] == base["comm_bytes_per_step"]["reduce_scatter"]
-    assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
-
-
-def test_nf4_all_gather_smoke(tmp_path, text_dir, fp32_run):
-    _, base = fp32_run
-    _, summary = _tiny_run(tmp_path, text_dir, "--quant", "nf4")
-    assert (summary["param_dtype"], summary["quant"]) == ("fp32", "nf4")
-    assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
-    assert _close(summary["train_losses"], base["train_losses"], tol=0.01)
-    # measured on this config: the layers' gathers (4-bit codes + an fp32 scale per 64, fp32 norms) are
-    # 0.1436x fp32; a whole step, with the fp32 embedding gathered once, 0.229x
-    unshard, base_unshard = summary["all_gather_bytes_per_unshard"], base["all_gather_bytes_per_unshard"]
-    assert unshard["layers"] <= 0.15 * base_unshard["layers"] and unshard["root"] == base_unshard["root"]
-    assert summary["comm_bytes_per_step"]["all_gather"] <= 0.24 * base["comm_bytes_per_step"]["all_gather"]
+    assert unshard["layers"] <= layers * base_unshard["layers"] and unshard["root"] == base_unshard["root"]
+    assert summary["comm_bytes_per_step"]["all_gather"] <= step * base["comm_bytes_per_step"]["all_gather"]
     assert summary["comm_bytes_per_step"]["reduce_scatter"] == base["comm_bytes_per_step"]["reduce_scatter"]
     assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from perparam.finetune import lifecycle
-from tests.test_finetune_cli import SONNET, _env
+from tests.conftest import SONNET
+from tests.test_finetune_cli import _env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

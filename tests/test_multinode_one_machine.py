@@ -13,7 +13,8 @@ import uuid
 
 import pytest
 
-from tests.test_finetune_cli import REPO, SONNET, _cli, _env
+from tests.conftest import SONNET
+from tests.test_finetune_cli import REPO, _cli, _env
 
 FLAGS = ("--config", "tiny", "--steps", "3", "--seq-len", "32", "--eval-tokens", "64", "--dp-replicate", "2")
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from perparam.layout import GroupLayout, WirePiece
 from perparam.quant import dequantize_blocks, quantize_blocks
+from tests.test_quantizers import _block_amax
 
 
 @st.composite
@@ -21,14 +22,6 @@ def blocks_case(draw):
     if rows and n and draw(st.booleans()):
         x[:, : min(n, block)] = 0.0  # an all-zero block
     return x, block
-
-
-def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
-    rows, n = x.shape
-    nb = -(-n // block)
-    padded = torch.zeros(rows, nb * block)
-    padded[:, :n] = x.abs()
-    return padded.view(rows, nb, block).amax(2).repeat_interleave(block, 1)[:, :n]
 
 
 @settings(max_examples=300, deadline=None)
