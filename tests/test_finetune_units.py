@@ -103,3 +103,17 @@ def test_prepare_data_sizes_and_too_small_for_world():
     assert data.train.shape == (31, 64) and data.heldout.shape == (4, 64)  # 4 = ceil(200/63) -> even
     with pytest.raises(FinetuneInputError, match="larger than the data allows"):
         prepare_data(docs, (), ByteTokenizer(), seq_len=63, world=16, eval_tokens=200, source="t")
+
+
+def test_the_job_config_is_built_once_from_the_command_line():
+    import argparse
+
+    from perparam.finetune.cli import add_arguments
+    from perparam.finetune.job import JobConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", "tiny", "--steps", "3", "--save", "x", "--quant", "nf4"])
+    cfg = JobConfig.from_args(args)
+    assert (cfg.config, cfg.steps, cfg.save, cfg.quant, cfg.resume) == ("tiny", 3, "x", "nf4", None)
+    assert cfg.batch_size == args.batch_size and cfg.lr == args.lr

@@ -1,4 +1,6 @@
 """The worker of ``perparam finetune``: one process of N, sharding the model with ``perparam.fully_shard``.
+The building blocks are here; :mod:`perparam.finetune.job` runs them in three phases (set-up, training
+loop, report) from a typed ``JobConfig``.
 
 Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Steps: process group (gloo on CPU, NCCL on CUDA,
@@ -16,25 +18,17 @@ ranks of one tensor-parallel group read the same rows.
 
 from __future__ import annotations
 
-import gc
-import json
-import math
 import os
-import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from perparam.finetune import lifecycle
-from perparam.finetune.checkpointing import resume_from, save_if_due
-from perparam.finetune.data import BatchStream, PreparedData, rank_slice
+from perparam.finetune.data import PreparedData
 from perparam.finetune.errors import FinetuneInputError
 from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
+from perparam.memory.measure import shard_factor  # noqa: F401 (re-exported for the job's tests)
 
 #: ``--param-dtype``: the dtype of the all-gathered parameters used in forward and backward (stored
 #: shards, gradients and optimizer state stay fp32; gradients are reduced in fp32).
@@ -99,15 +93,6 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
         fully_shard(layer, mesh=meshes.dp_mesh, mp_policy=mp, param_policy=layer_policy)
     fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp)
     return model
-
-
-def shard_factor(p: torch.Tensor) -> int:
-    """Into how many pieces the ranks split ``p``: the product of its mesh axes that shard it (1 for a
-    plain tensor; replicated axes, e.g. HSDP's, do not count)."""
-    if not isinstance(p, DTensor):
-        return 1
-    return math.prod(p.device_mesh.size(axis) for axis, pl in enumerate(p.placements)
-                     if pl.is_shard() or isinstance(pl, _StridedShard))
 
 
 def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
@@ -194,25 +179,6 @@ class Progress:
             self.bar.stop()
 
 
-def ideal_state_bytes(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, float]]:
-    """``(unsharded, zero3)`` model-state bytes of ``model`` (sharded already) with AdamW.
-
-    ``unsharded``: one rank holding everything, in the stored dtype: ``P``, ``G`` (the stored dtype) and
-    ``O`` (AdamW's two moments, ``2P``). ``zero3``: each parameter's share ``(P+G+O) / k`` where ``k`` is
-    the number of ranks that split it (:func:`shard_factor`: the dp shard axis, times the tp axis for
-    tensor-parallel weights; HSDP's replicate axis keeps whole copies). No padding, no step counters.
-    """
-    unsharded = {"params": 0, "grads": 0, "optimizer": 0}
-    zero3 = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for p in model.parameters():
-        full = p.numel() * p.element_size()
-        k = shard_factor(p)
-        for key, mult in (("params", 1), ("grads", 1), ("optimizer", 2)):
-            unsharded[key] += mult * full
-            zero3[key] += mult * full / k
-    return unsharded, zero3
-
-
 def zero3_label(dp_replicate: int, dp_shard: int, tp: int) -> str:
     """What ``K`` is in the memory table's ZeRO-3 row ``(P+G+O)/K``."""
     label = f"K = {dp_shard} shard ranks"
@@ -263,116 +229,7 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
 
 
 def train(args, data: PreparedData) -> dict:
-    """The whole worker; returns the summary dict (on every rank; rank 0 also prints and writes it)."""
-    from perparam import CommCounter
-    from perparam.memory.measure import model_state_bytes
+    """The whole worker (``perparam.finetune.job``); returns the summary dict."""
+    from perparam.finetune.job import JobConfig, run_job
 
-    start = float(os.environ.get("PERPARAM_LAUNCH_TIME", time.time()))  # wall_s: from launch (or this worker)
-    rank, world, device = setup_distributed(args.pg_timeout)
-    try:
-        dp_replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
-        param_dtype_name, quant_name = getattr(args, "param_dtype", "fp32"), getattr(args, "quant", "none")
-        meshes = build_meshes(world, dp_replicate, tp, device.type)
-        dims = meshes.dims
-        dp_rank, dp_size = meshes.dp_rank, meshes.dp_size
-        model, cfg, name = build_model(args, device)
-        params_total = sum(p.numel() for p in model.parameters())
-        shard_model(model, meshes, PARAM_DTYPES[param_dtype_name], QUANT_DTYPES[quant_name])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        layout = f"{dims.dp_shard} shard ranks"
-        if dims.dp_replicate > 1:
-            layout = f"{dims.dp_replicate} replicas x {layout} (HSDP)"
-        if dims.tp > 1:
-            layout += f" x {dims.tp} tensor-parallel ranks"
-        if rank == 0:
-            print(f"model {name}: {params_total:,} parameters, {cfg.n_layers} layers sharded over {world} "
-                  f"ranks ({device.type}; {layout}; compute {param_dtype_name}, all-gather of the layers' "
-                  f"Linear weights {quant_name if quant_name != 'none' else param_dtype_name}); text "
-                  f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
-                  f"rows of {data.seq_len} tokens", flush=True)
-        eval_rows = rank_slice(data.heldout, dp_rank, dp_size)
-        micro = max(1, args.batch_size // dp_size)
-        loss_before = heldout_loss(model, eval_rows, device, micro)
-        if rank == 0:
-            print(f"held-out loss before: {loss_before:.4f}", flush=True)
-
-        first_step = resume_from(args, model, optimizer, rank)
-        stream = BatchStream(data.train, args.batch_size, args.seed)
-        progress = Progress(rank == 0, args.steps)
-        train_losses, train_start = [], time.perf_counter()
-        tokens_per_step = args.batch_size * data.seq_len
-        with CommCounter() as comm:  # perparam's collectives of the training steps (not tp's, not eval's)
-            for step in range(first_step, args.steps):
-                if args.crash_at_step is not None and step == args.crash_at_step and rank == world - 1:
-                    os._exit(17)  # test hook: a worker dying mid-run
-                # [B / dp, seq]: this data-parallel rank's slice; the ranks of one tp group read the same rows
-                inputs, targets = (t.to(device) for t in stream.rank_batch(step, dp_rank, dp_size))
-                optimizer.zero_grad(set_to_none=True)
-                loss = next_token_loss(model(inputs), targets)
-                loss.backward()
-                optimizer.step()
-                train_losses.append(_mean_over_ranks(loss))
-                if not math.isfinite(train_losses[-1]):  # the same mean on every rank: all stop here
-                    raise FinetuneInputError(f"the training loss became {train_losses[-1]} at step {step + 1}/"
-                                             f"{args.steps}: pass a smaller --lr (this run: {args.lr})")
-                elapsed = time.perf_counter() - train_start
-                progress.update(step + 1, train_losses[-1], tokens_per_step * (step + 1) / elapsed, elapsed)
-                lifecycle.step_done(step + 1, args.steps)
-                save_if_due(args, model, optimizer, step + 1, rank)
-        progress.close()
-        train_s = time.perf_counter() - train_start
-        steps_run = args.steps - first_step
-        comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
-                         for kind in ("all_gather", "reduce_scatter", "all_reduce")}
-        state_bytes = model_state_bytes(model, optimizer).as_dict()  # grads of the last step are still alive
-        per_unshard = all_gather_bytes_per_unshard(model)
-        unsharded, zero3 = ideal_state_bytes(model)
-        loss_after = heldout_loss(model, eval_rows, device, micro)
-        per_rank: list = [None] * world
-        dist.all_gather_object(per_rank, state_bytes)
-        label = zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)
-        summary = {
-            "world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-            "param_dtype": param_dtype_name, "quant": quant_name,
-            "steps": args.steps, "model": name, "params_total": params_total,
-            "param_tensors": len(list(model.parameters())),
-            "seq_len": data.seq_len, "global_batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-            "text": data.source, "heldout_rows": data.heldout.shape[0],
-            "heldout_loss_before": loss_before, "heldout_loss_after": loss_after,
-            "train_losses": train_losses,
-            "tokens_per_s": tokens_per_step * steps_run / train_s if steps_run else 0.0,
-            "first_step": first_step, "checkpoint": getattr(args, "save", None),
-            # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
-            # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
-            "comm_bytes_per_step": comm_per_step,
-            "all_gather_bytes_per_unshard": per_unshard,
-            # the largest rank's live bytes (rank 0: torch.chunk puts any remainder rows first); grads
-            # include the reduce-scatter padding, optimizer AdamW's step counters
-            "model_state_bytes_per_rank": {k: max(r[k] for r in per_rank)
-                                           for k in ("params", "grads", "optimizer")},
-            "model_state_bytes_by_rank": per_rank,
-            "model_state_bytes_unsharded": unsharded,
-            "model_state_bytes_zero3_formula": zero3,
-            "zero3_formula_k": label,
-            "device": device.type,
-        }
-        if rank == 0:
-            print(f"held-out loss after:  {loss_after:.4f} (before {loss_before:.4f})", flush=True)
-            print_memory_table(per_rank, unsharded, zero3, label, params_total)
-            print("perparam collectives per step and rank: "
-                  + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in comm_per_step.items()), flush=True)
-        summary["wall_s"] = time.time() - start
-        if rank == 0 and args.summary_json:
-            out = Path(args.summary_json)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(summary, indent=2) + "\n")
-            print(f"summary written to {out}", flush=True)
-        return summary
-    finally:
-        # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
-        # kept into interpreter teardown it was seen to abort the process at exit
-        model = optimizer = meshes = None  # noqa: F841
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
+    return run_job(JobConfig.from_args(args), data)

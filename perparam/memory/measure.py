@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -60,3 +61,34 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
         for per_param in optimizer.state.values():
             state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
     return ModelStateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(state))
+
+
+def shard_factor(p: torch.Tensor) -> int:
+    """Into how many pieces the ranks split ``p``: the product of the sizes of its mesh axes that shard it
+    (``Shard`` and the ``_StridedShard`` of a dim split by both dp and tp); replicated axes (HSDP's) do not
+    count; 1 for a plain tensor."""
+    if not isinstance(p, DTensor):
+        return 1
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return math.prod(p.device_mesh.size(axis) for axis, pl in enumerate(p.placements)
+                     if pl.is_shard() or isinstance(pl, _StridedShard))
+
+
+def zero3_state_bytes(model: nn.Module, optimizer_states: int = 2) -> tuple[dict[str, int], dict[str, float]]:
+    """``(unsharded, zero3)`` model-state bytes of a sharded ``model`` with an Adam-like optimizer.
+
+    ``unsharded``: one rank holding everything in the stored dtype: ``P``, ``G`` (stored dtype) and ``O``
+    (``optimizer_states`` tensors like the parameter; AdamW: 2). ``zero3``: each parameter's ZeRO-3 share
+    ``(P + G + O) / k`` (Rajbhandari et al., 2020, Section 5), ``k`` its ``shard_factor`` (the dp shard
+    axis, times the tp axis for tensor-parallel weights). Bytes; no padding, no step counters.
+    """
+    unsharded = {"params": 0, "grads": 0, "optimizer": 0}
+    zero3 = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for p in model.parameters():
+        full = p.numel() * p.element_size()
+        k = shard_factor(p)
+        for key, mult in (("params", 1), ("grads", 1), ("optimizer", optimizer_states)):
+            unsharded[key] += mult * full
+            zero3[key] += mult * full / k
+    return unsharded, zero3
