@@ -22,7 +22,7 @@ from .group import ParamGroup
 from .module import ShardedModule, attach, group_of, guard_stored_dtypes
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
-from .resolution import ParamError, check_param, resolve_params
+from .resolution import ParamError, resolve_params
 from .tp import CompositionError, TensorParallel, compose
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
@@ -285,7 +285,4 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
             f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
             f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
-    try:
-        check_param(fqn, p, owner)
-    except ParamError as e:
-        raise ShardingError(str(e)) from None
+    # the 0-dim, dtype and requires-grad checks run in resolve_params (shared with perparam plan)

@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .layout import WirePiece
 from .policy import ResolvedPolicy
 from .resolution import shard_layout
 from .tp import TensorParallel
@@ -78,9 +77,7 @@ class ShardedParam:
         dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
-        self.original_dtype = original.dtype
-        self.layout, self.pieces = shard_layout(dp_shape, original.dtype, policy, num_shards)
-        self.pieces: tuple[WirePiece, ...]
+        self.layout, self.pieces = shard_layout(dp_shape, policy, num_shards)
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)
@@ -91,11 +88,6 @@ class ShardedParam:
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
         self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
-
-    @property
-    def full_dtype(self) -> torch.dtype:
-        """The dtype of the sharded parameter's values before any stored quantization."""
-        return self.policy.stored_dtype or self.original_dtype
 
     @property
     def plain(self) -> bool:
@@ -124,10 +116,10 @@ class ShardedParam:
         device = torch.device("meta") if meta else self.mesh_device
         with torch.no_grad():
             if meta:
-                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.full_dtype, device=device)
+                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.policy.stored_dtype, device=device)
             else:
                 # a copy of its own in the stored dtype (master weights: upcast once, here)
-                local = self._dp_piece((original.to_local() if self.tp else original).detach()).to(self.full_dtype)
+                local = self._dp_piece((original.to_local() if self.tp else original).detach()).to(self.policy.stored_dtype)
         shape = self.global_shape
         if self.stored_quantized:  # codes (the parameter) and per-row block scales (a buffer), see quant.py
             q = self.policy.quant

@@ -91,7 +91,7 @@ class ResolvedPolicy:
     requires_grad: bool
     quant: QuantPolicy | None
     shard_dim: int | None
-    stored_dtype: torch.dtype | None = None
+    stored_dtype: torch.dtype
 
 
 def _pick(name: str, param, param_policy) -> ParamPolicy | None:

@@ -90,9 +90,9 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
     return resolve(name, p, mp, pp, p.dim())
 
 
-def shard_layout(shape: Sequence[int], dtype: torch.dtype, policy: ResolvedPolicy,
+def shard_layout(shape: Sequence[int], policy: ResolvedPolicy,
                  num_shards: int) -> tuple[ShardLayout, tuple[WirePiece, ...]]:
-    """The layout of a parameter of ``shape`` (what the dp axis splits) stored as ``dtype``, and the pieces
+    """The layout of a parameter of ``shape`` (what the dp axis splits) stored as ``policy.stored_dtype``, and the pieces
     one rank sends for it in its group's all-gather (``layout.wire_pieces``).
 
     A stored-quantized parameter is stored in its quantization dtype (1 byte per element), its scales
@@ -100,7 +100,7 @@ def shard_layout(shape: Sequence[int], dtype: torch.dtype, policy: ResolvedPolic
     """
     q = policy.quant
     stored_quantized = q is not None and q.store_quantized
-    stored = q.dtype if stored_quantized else (policy.stored_dtype or dtype)  # master_dtype, else the original
+    stored = q.dtype if stored_quantized else policy.stored_dtype  # master_dtype, else the original dtype
     layout = ShardLayout(tuple(shape), stored, num_shards, policy.shard_dim)
     pieces = wire_pieces(layout, policy.param_dtype, q.quantizer if q else None, q.block_size if q else None,
                          row_blocks=stored_quantized)
@@ -165,6 +165,6 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
     out = []
     for name, p in named:
         policy = resolve_param(name, p, mp, param_policy, num_shards, replicate_below=replicate_below)
-        layout, pieces = shard_layout(dp_shape(p), p.dtype, policy, num_shards)
+        layout, pieces = shard_layout(dp_shape(p), policy, num_shards)
         out.append(ParamResolution(name, policy, layout, pieces))
     return out

@@ -138,10 +138,13 @@ def test_stock_module_stacks_with_per_parameter_dtypes_match_the_reference(spec)
             torch.testing.assert_close(grad, out["ref_grads"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def issue_example(rank: int, world_size: int) -> dict:
+def issue_example(rank: int, world_size: int, hsdp: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    perparam.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp else None
+    perparam.fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                          param_policy={"1.*": ParamPolicy(param_dtype=torch.float32)})
     seen = {}
     model[1].register_forward_hook(lambda m, a, o: seen.update(inp=a[0].dtype, weight=m.weight.dtype, out=o.dtype),
@@ -152,8 +155,9 @@ def issue_example(rank: int, world_size: int) -> dict:
     return {**seen, "final": out.dtype, "islands": [(i.path, i.dtype, i.outer) for i in model._perparam_group.islands]}
 
 
-def test_a_linear_asked_to_compute_in_fp32_inside_a_bf16_call_is_an_island():
-    for got in run_distributed(issue_example, 2):
+@pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)])
+def test_a_linear_asked_to_compute_in_fp32_inside_a_bf16_call_is_an_island(world, hsdp):
+    for got in run_distributed(issue_example, world, hsdp):
         assert got["islands"] == [("1", torch.float32, torch.bfloat16)]
         assert (got["inp"], got["weight"], got["out"]) == (torch.float32,) * 3
         assert got["after"] == torch.bfloat16 and got["final"] == torch.bfloat16

@@ -8,24 +8,11 @@ from hypothesis import strategies as st
 
 from perparam.layout import GroupLayout, WirePiece
 from perparam.quant import dequantize_blocks, quantize_blocks
-from tests.test_quantizers import _block_amax
-
-
-@st.composite
-def blocks_case(draw):
-    rows = draw(st.integers(0, 4))
-    n = draw(st.integers(0, 70))
-    block = draw(st.integers(1, 40))
-    scale = draw(st.sampled_from([1e-3, 1.0, 1e3]))
-    seed = draw(st.integers(0, 2**16))
-    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * scale
-    if rows and n and draw(st.booleans()):
-        x[:, : min(n, block)] = 0.0  # an all-zero block
-    return x, block
+from tests.test_quantizers import _block_amax, matrix_case
 
 
 @settings(max_examples=300, deadline=None)
-@given(blocks_case())
+@given(matrix_case())
 def test_int8_round_trip_error_is_at_most_amax_over_254(case):
     x, block = case
     codes, scales = quantize_blocks(x, torch.int8, block)
@@ -37,7 +24,7 @@ def test_int8_round_trip_error_is_at_most_amax_over_254(case):
 
 
 @settings(max_examples=300, deadline=None)
-@given(blocks_case())
+@given(matrix_case())
 def test_fp8_round_trip_stays_within_its_relative_bound(case):
     x, block = case
     codes, scales = quantize_blocks(x, torch.float8_e4m3fn, block)
