@@ -132,8 +132,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
                                          f"pass a smaller --lr (this run: {cfg.lr})")
             elapsed = time.perf_counter() - start
+            lifecycle.step_done(step + 1, cfg.steps)  # before the display: what is shown is already recorded
             progress.update(step + 1, losses[-1], tokens_per_step * (step + 1 - run.first_step) / elapsed, elapsed)
-            lifecycle.step_done(step + 1, cfg.steps)
             save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank)
     progress.close()
     steps_run = cfg.steps - run.first_step

@@ -193,5 +193,7 @@ def step_done(step: int, total: int) -> None:
     _progress["step"], _progress["total"] = step, total
     path = os.environ.get(PROGRESS_ENV)
     if path and os.environ.get("RANK") == "0":
-        with contextlib.suppress(OSError):
-            Path(path).write_text(f"{step} {total}\n")
+        with contextlib.suppress(OSError):  # write, then rename: a reader never sees a half-written file
+            part = f"{path}.part"
+            Path(part).write_text(f"{step} {total}\n")
+            os.replace(part, path)
