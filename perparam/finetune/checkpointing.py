@@ -5,20 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def resume_from(args, model, optimizer, rank: int) -> int:
-    """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step."""
+def resume_from(args, model, optimizer, rank: int, scheduler=None) -> int:
+    """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step;
+    ``scheduler`` (the learning-rate ``LambdaLR``) continues at that step (:func:`schedule.restore`)."""
     if not getattr(args, "resume", None):
         return 0
     from perparam import checkpoint
 
     newest = checkpoint.latest(args.resume)
     extra = checkpoint.load(newest, model, optimizer)
+    if scheduler is not None:
+        from perparam.finetune.schedule import restore
+
+        restore(scheduler, extra.get("lr_scheduler"), int(extra["step"]), args.lr)
     if rank == 0:
         print(f"resumed from {newest} at step {extra['step']}", flush=True)
     return int(extra["step"])
 
 
-def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
+def save_if_due(args, model, optimizer, step: int, rank: int, scheduler=None) -> None:
     """``--save DIR``: a checkpoint every ``--save-every`` steps and after the last one (keep 2)."""
     folder, every = getattr(args, "save", None), getattr(args, "save_every", 0)
     if not folder or not (step == args.steps or (every and step % every == 0)):
@@ -26,7 +31,9 @@ def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
     from perparam import checkpoint
 
     extra = {"step": step, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
-             "config": args.config, "lr": args.lr}
+             "config": args.config, "lr": args.lr, "grad_accum": getattr(args, "grad_accum", 1)}
+    if scheduler is not None:
+        extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
     path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
     if rank == 0:
         print(f"checkpoint: step {step} in {path}", flush=True)

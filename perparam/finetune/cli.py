@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from perparam.finetune import lifecycle
+from perparam.finetune import lifecycle, loop_flags
 from perparam.finetune.errors import FinetuneInputError
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
@@ -79,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --save: also every N steps (default 0: at the end only)")
     parser.add_argument("--resume", default=None, metavar="DIR", help="continue from the newest complete "
                         "checkpoint in DIR (same data order and step; --nproc, --dp-replicate and --tp may differ)")
+    loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -132,6 +133,7 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
     check_output_path("--summary-json", getattr(args, "summary_json", None))
+    loop_flags.check(args)  # samples, the training loop's options, the plot
     check_checkpoint_args(args)
 
 
@@ -152,7 +154,7 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
             raise FinetuneInputError(f"--resume {resume}: no complete checkpoint in it (a save that never finished "
                                      "leaves none); pass the --save folder of an earlier run")
         extra = json.loads((newest / checkpoint.MANIFEST).read_text()).get("extra", {})
-        for key in ("seed", "batch_size", "seq_len", "config"):
+        for key in ("seed", "batch_size", "seq_len", "config", "grad_accum"):
             if key in extra and extra[key] != getattr(args, key):
                 raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --{key.replace('_', '-')} "
                                          f"{extra[key]}, this run has {getattr(args, key)}: pass the same value to "
@@ -201,6 +203,7 @@ def resolve(args: argparse.Namespace, world: int):
         tokenizer = GGUFTokenizer.from_reader(reader, str(path))
         args.gguf_path = str(path)
     check_sizes(args, world, cfg)
+    loop_flags.check_prompts(args, tokenizer, cfg.max_seq_len)
     if args.text is not None:
         docs, held, source = text_documents(args.text), (), args.text
     else:
@@ -244,6 +247,7 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
             "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
             "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--param-dtype", args.param_dtype,
             "--quant", args.quant, "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
+    argv += loop_flags.worker_argv(args)
     if args.gguf_path:
         argv += ["--gguf", args.gguf_path]
     if args.summary_json:

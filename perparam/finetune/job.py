@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, train
+from perparam.finetune import lifecycle, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
-from perparam.finetune.data import BatchStream, PreparedData, rank_slice
+from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError
-from perparam.finetune.model import next_token_loss
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,18 @@ class JobConfig:
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
+    # samples (generate.py), the training loop (steps.py, schedule.py), the plot (plot.py): loop_flags.py
+    generate: list[str] | None = None
+    max_new_tokens: int = 40
+    temperature: float = 0.8
+    top_k: int = 50
+    sample_seed: int = 0
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    warmup_steps: int = 0
+    min_lr: float | None = None
+    eval_every: int = 0
+    plot: str | None = None
 
     @classmethod
     def from_args(cls, args) -> JobConfig:
@@ -68,6 +79,8 @@ class Run:
     micro: int
     loss_before: float
     first_step: int
+    scheduler: object = None  # the learning-rate LambdaLR (schedule.py)
+    model_cfg: object = None  # the model's LlamaConfig
 
 
 def setup(cfg: JobConfig, data: PreparedData) -> Run:
@@ -80,6 +93,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     params_total = sum(p.numel() for p in model.parameters())
     train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = schedule.build_scheduler(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
     layout = f"{dims.dp_shard} shard ranks"
     if dims.dp_replicate > 1:
         layout = f"{dims.dp_replicate} replicas x {layout} (HSDP)"
@@ -96,9 +110,9 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     loss_before = train.heldout_loss(model, eval_rows, device, micro)
     if rank == 0:
         print(f"held-out loss before: {loss_before:.4f}", flush=True)
-    first_step = resume_from(cfg, model, optimizer, rank)
+    first_step = resume_from(cfg, model, optimizer, rank, scheduler)
     return Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, loss_before,
-               first_step)
+               first_step, scheduler, llama_cfg)
 
 
 @dataclass(frozen=True)
@@ -106,44 +120,72 @@ class LoopResult:
     train_losses: list[float]
     comm_per_step: dict[str, int]  # bytes per rank and step of perparam's collectives
     train_s: float
+    lrs: list[float] = ()  # the learning rate of each step run
+    grad_norms: list[float] = ()  # the gradient norm before clipping of each step (--max-grad-norm only)
+    evals: list[tuple[int, float]] = ()  # (step, held-out loss): before training and every --eval-every
+    tokens_per_s: float = 0.0  # training tokens per second of the optimizer steps (not evaluations, saves)
+    throughput: dict = None  # flops_per_token, matmul_peak_flops, mfu (throughput.py)
 
 
 def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
-    """The optimizer steps from ``run.first_step`` to ``cfg.steps``; stops every rank on a non-finite loss."""
+    """The optimizer steps from ``run.first_step`` to ``cfg.steps`` (``steps.optimizer_step``: gradient
+    accumulation, clipping, the schedule); held-out loss every ``--eval-every`` steps; stops every rank on a
+    non-finite loss."""
     from perparam import CommCounter
 
-    stream = BatchStream(data.train, cfg.batch_size, cfg.seed)
+    stream = steps.step_stream(data.train, cfg.batch_size, cfg.grad_accum, cfg.seed)
+    peak, _ = throughput.machine_peak(run.device, train.PARAM_DTYPES[cfg.param_dtype])  # FLOP/s, all ranks
     progress = train.Progress(run.rank == 0, cfg.steps)
-    losses, start = [], time.perf_counter()
-    tokens_per_step = cfg.batch_size * data.seq_len
+    losses, lrs, norms, start, step_s = [], [], [], time.perf_counter(), 0.0
+    evals = [(0, run.loss_before)] if run.first_step == 0 else []
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * data.seq_len
     with CommCounter() as comm:  # perparam's collectives of the training steps (not tp's, not eval's)
         for step in range(run.first_step, cfg.steps):
             if cfg.crash_at_step is not None and step == cfg.crash_at_step and run.rank == run.world - 1:
                 os._exit(17)  # test hook: a worker dying mid-run
-            # [B / dp, seq]: this data-parallel rank's slice; the ranks of one tp group read the same rows
-            inputs, targets = (t.to(run.device)
-                               for t in stream.rank_batch(step, run.meshes.dp_rank, run.meshes.dp_size))
-            run.optimizer.zero_grad(set_to_none=True)
-            loss = next_token_loss(run.model(inputs), targets)
-            loss.backward()
-            run.optimizer.step()
-            losses.append(train._mean_over_ranks(loss))
+            began = time.perf_counter()
+            # [B / dp, seq] each: this data-parallel rank's slices; the ranks of one tp group read the same rows
+            batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank, run.meshes.dp_size)
+            result = steps.optimizer_step(run.model, run.optimizer, run.scheduler, batches, run.device,
+                                          cfg.grad_accum, cfg.max_grad_norm)
+            losses.append(train._mean_over_ranks(result.loss))
+            step_s += time.perf_counter() - began
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
                                          f"pass a smaller --lr (this run: {cfg.lr})")
+            lrs.append(result.lr)
+            if result.grad_norm is not None:
+                norms.append(result.grad_norm)
+            done = step + 1 - run.first_step
             elapsed = time.perf_counter() - start
             lifecycle.step_done(step + 1, cfg.steps)  # before the display: what is shown is already recorded
-            progress.update(step + 1, losses[-1], tokens_per_step * (step + 1 - run.first_step) / elapsed, elapsed)
-            save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank)
+            progress.update(step + 1, losses[-1], tokens_per_step * done / step_s, elapsed, lr=result.lr,
+                            grad_norm=result.grad_norm, eta_s=elapsed / done * (cfg.steps - step - 1))
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                issued = len(comm.records)
+                evals.append((step + 1, train.heldout_loss(run.model, run.eval_rows, run.device, run.micro)))
+                del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
+                if run.rank == 0:
+                    print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
+            save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
     progress.close()
     steps_run = cfg.steps - run.first_step
     comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
                      for kind in ("all_gather", "reduce_scatter", "all_reduce")}
-    return LoopResult(losses, comm_per_step, time.perf_counter() - start)
+    tokens_per_s = tokens_per_step * steps_run / step_s if steps_run else 0.0
+    rates = {"flops_per_token": throughput.flops_per_token(run.model_cfg, data.seq_len), "matmul_peak_flops": peak,
+             "mfu": throughput.mfu(tokens_per_s, run.model_cfg, data.seq_len, peak)}
+    if run.rank == 0 and steps_run:
+        print(f"throughput: {tokens_per_s:,.0f} tokens/s, model FLOPs utilisation {100 * rates['mfu']:.1f}% "
+              f"({rates['flops_per_token'] / 1e6:.0f} MFLOP/token against a measured matmul peak of "
+              f"{peak / 1e9:.1f} GFLOP/s over {run.world} ranks)", flush=True)
+    return LoopResult(losses, comm_per_step, time.perf_counter() - start, lrs, norms, evals, tokens_per_s, rates)
 
 
-def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launched: float) -> dict:
-    """Held-out loss after, model-state bytes per rank against ZeRO-3 (``perparam.memory``), the summary."""
+def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launched: float,
+           extra: dict | None = None) -> dict:
+    """Held-out loss after, model-state bytes per rank against ZeRO-3 (``perparam.memory``), the
+    ``--plot``, the summary (with ``extra``'s keys added)."""
     from perparam.memory.measure import model_state_bytes, zero3_state_bytes
 
     dims = run.meshes.dims
@@ -154,7 +196,6 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)
     label = train.zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)
-    steps_run = cfg.steps - run.first_step
     summary = {
         "world_size": run.world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
         "param_dtype": cfg.param_dtype, "quant": cfg.quant,
@@ -164,7 +205,9 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "text": data.source, "heldout_rows": data.heldout.shape[0],
         "heldout_loss_before": run.loss_before, "heldout_loss_after": loss_after,
         "train_losses": loop.train_losses,
-        "tokens_per_s": cfg.batch_size * data.seq_len * steps_run / loop.train_s if steps_run else 0.0,
+        "tokens_per_s": loop.tokens_per_s, **(loop.throughput or {}),
+        "grad_accum": cfg.grad_accum, "lrs": loop.lrs, "grad_norms": loop.grad_norms,
+        "heldout_losses": [[s, x] for s, x in loop.evals] + [[cfg.steps, loss_after]],
         "first_step": run.first_step, "checkpoint": cfg.save,
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
         # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
@@ -184,6 +227,11 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         train.print_memory_table(per_rank, unsharded, zero3, label, run.params_total)
         print("perparam collectives per step and rank: "
               + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in loop.comm_per_step.items()), flush=True)
+    summary.update(extra or {})
+    if run.rank == 0 and cfg.plot:
+        from perparam.finetune.plot import write_run_plot
+
+        print(f"plot written to {write_run_plot(cfg.plot, summary)}", flush=True)
     summary["wall_s"] = time.time() - launched
     if run.rank == 0 and cfg.summary_json:
         out = Path(cfg.summary_json)
@@ -202,8 +250,9 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     run = None
     try:
         run = setup(cfg, data)
+        samples = Samples(cfg, run)  # --generate: sampled before training here, after it below
         loop = training_loop(cfg, run, data)
-        return report(cfg, run, data, loop, launched)
+        return report(cfg, run, data, loop, launched, samples.after())
     finally:
         # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
         # kept into interpreter teardown it was seen to abort the process at exit
@@ -212,3 +261,36 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()
+
+
+class Samples:
+    """``--generate``: the prompts' continuations sampled from the sharded model when built (before
+    training) and by :meth:`after` (which prints both side by side on rank 0); no prompts, no work."""
+
+    def __init__(self, cfg: JobConfig, run: Run) -> None:
+        from perparam.finetune import generate
+
+        self.cfg, self.run, self.prompts = cfg, run, list(cfg.generate or [])
+        self.sampling = generate.SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
+        self.tokenizer = generate.load_tokenizer(cfg.config, cfg.gguf_path) if self.prompts else None
+        self.before = self._sample()
+
+    def _sample(self) -> list[str]:
+        from perparam.finetune.generate import sample_texts
+
+        return sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
+
+    def after(self) -> dict:
+        """The summary's ``samples`` (prompt, before, after) and ``sampling`` settings."""
+        if not self.prompts:
+            return {}
+        from dataclasses import asdict
+
+        from perparam.finetune.generate import print_samples
+
+        after = self._sample()
+        if self.run.rank == 0:
+            print_samples(self.prompts, self.before, after, self.sampling)
+        return {"sampling": asdict(self.sampling),
+                "samples": [{"prompt": p, "before": b, "after": a}
+                            for p, b, a in zip(self.prompts, self.before, after, strict=True)]}

@@ -149,7 +149,8 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
 
 
 class Progress:
-    """Rank 0's progress display: a rich progress bar on a terminal, one plain line per step otherwise."""
+    """Rank 0's progress display: a rich progress bar on a terminal (step, loss, learning rate, tokens/s,
+    elapsed time and ETA), one plain line per step otherwise (``step N/T  loss ...``)."""
 
     def __init__(self, enabled: bool, total: int) -> None:
         self.enabled, self.total, self.bar = enabled, total, None
@@ -158,21 +159,36 @@ class Progress:
 
             self.console = Console(stderr=False)
             if self.console.is_terminal:
-                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+                from rich.progress import (
+                    BarColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                    TimeRemainingColumn,
+                )
 
                 self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                    TextColumn("loss {task.fields[loss]:.4f}"),
+                                    TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("lr {task.fields[lr]}"),
                                     TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
-                                    console=self.console)
-                self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
+                                    TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+                self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0, lr="-")
                 self.bar.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float, elapsed_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, elapsed_s: float, lr: float | None = None,
+               grad_norm: float | None = None, eta_s: float | None = None) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=loss, tps=tokens_per_s)
+            self.bar.update(self.task, completed=step, loss=loss, tps=tokens_per_s,
+                            lr="-" if lr is None else f"{lr:.2e}")
         elif self.enabled:
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  {elapsed_s:.1f} s",
-                  flush=True)
+            line = f"step {step}/{self.total}  loss {loss:.4f}"
+            if lr is not None:
+                line += f"  lr {lr:.2e}"
+            if grad_norm is not None:
+                line += f"  grad-norm {grad_norm:.3f}"
+            line += f"  {tokens_per_s:,.0f} tok/s  {elapsed_s:.1f} s"
+            if eta_s is not None:
+                line += f"  ETA {eta_s:.0f} s"
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,161 @@
+"""``perparam finetune --generate PROMPT``: text sampled from the sharded model, before and after fine-tuning.
+
+Sampling runs on the sharded model itself. Every ``fully_shard`` group is set to keep its parameters after a
+forward without grad (``set_reshard_after_forward(False)``), so the first forward of a generation all-gathers
+each group once and the following forwards (one per new token) issue no all-gather at all; the groups are
+resharded (storage freed) when the generation ends. There is no KV cache: each new token recomputes the
+forward over the whole prefix (``[1, prompt + generated]`` tokens), which is cheap at these lengths.
+
+Every rank runs the same forwards (they are collectives under tensor parallelism, and the hooks expect the
+same modules called in the same order on every rank). The next token is drawn from rank 0's logits with a
+CPU ``torch.Generator`` seeded by ``--sample-seed`` and broadcast to the other ranks, so all ranks extend the
+same text; data parallelism does not change the forward's arithmetic, so 1, 2 or 4 ranks give the same text
+for the same seed.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from perparam.finetune.errors import FinetuneInputError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``--max-new-tokens`` (tokens), ``--temperature`` (0: greedy), ``--top-k`` (0: the whole vocabulary),
+    ``--sample-seed``."""
+
+    max_new_tokens: int = 40
+    temperature: float = 0.8
+    top_k: int = 0
+    seed: int = 0
+
+
+def check_sampling(prompts: list[str], sampling: SamplingConfig) -> None:
+    """One-line :class:`FinetuneInputError` for a bad sampling flag (launcher, before any worker starts)."""
+    for prompt in prompts:
+        if not prompt:
+            raise FinetuneInputError("--generate '' is empty: pass the text to continue, e.g. --generate 'ROMEO:'")
+    if sampling.max_new_tokens < 1:
+        raise FinetuneInputError(f"--max-new-tokens {sampling.max_new_tokens} must be at least 1")
+    if not (sampling.temperature >= 0 and sampling.temperature != float("inf")):
+        raise FinetuneInputError(f"--temperature {sampling.temperature} must be a finite number >= 0 "
+                                 "(0: greedy)")
+    if sampling.top_k < 0:
+        raise FinetuneInputError(f"--top-k {sampling.top_k} must be 0 (the whole vocabulary) or more")
+
+
+def check_prompt_lengths(prompts: list[str], tokenizer, max_new_tokens: int, context: int) -> None:
+    """Each prompt's tokens plus ``max_new_tokens`` must fit the model's ``context`` (tokens)."""
+    for prompt in prompts:
+        n = len(tokenizer.encode(prompt))
+        if n + max_new_tokens > context:
+            raise FinetuneInputError(f"--generate {prompt[:40]!r}...: {n} prompt tokens + --max-new-tokens "
+                                     f"{max_new_tokens} exceed the model's context of {context}: pass a shorter "
+                                     "prompt or fewer new tokens")
+
+
+def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``fully_shard`` was called on (each owns one parameter group)."""
+    from perparam import ShardedModule
+
+    return [m for m in model.modules() if isinstance(m, ShardedModule)]
+
+
+@contextmanager
+def parameters_kept_gathered(model: torch.nn.Module):
+    """Within the block, forwards without grad keep every group's parameters gathered after the first one;
+    on exit every group is resharded and ``reshard_after_forward`` is set back to ``True`` (the main job's
+    setting)."""
+    modules = sharded_modules(model)
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """One token id from ``logits`` ``[vocab]`` (fp32, CPU): argmax at temperature 0, else a draw from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits when ``top_k`` > 0."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt_ids: list[int], sampling: SamplingConfig, device: torch.device,
+             eos_id: int | None = None) -> list[int]:
+    """The new token ids (at most ``max_new_tokens``; stops after ``eos_id``) continuing ``prompt_ids``.
+
+    A collective: every rank calls it with the same arguments. The forwards see ``[1, prompt + generated]``
+    token ids; the token is drawn on rank 0 and broadcast (one int64) from it.
+    """
+    generator = torch.Generator().manual_seed(sampling.seed)
+    tokens = torch.tensor([prompt_ids], dtype=torch.int64, device=device)  # [1, prompt]
+    new: list[int] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with parameters_kept_gathered(model):
+            for _ in range(sampling.max_new_tokens):
+                logits = model(tokens)[0, -1].float().cpu()  # [vocab]
+                chosen = torch.tensor([next_token(logits, sampling, generator)], dtype=torch.int64, device=device)
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.broadcast(chosen, src=0)
+                new.append(int(chosen))
+                if eos_id is not None and new[-1] == eos_id:
+                    break
+                tokens = torch.cat([tokens, chosen.view(1, 1)], dim=1)  # [1, prompt + len(new)]
+    finally:
+        model.train(was_training)
+    return new
+
+
+def sample_texts(model: torch.nn.Module, prompts: list[str], tokenizer, sampling: SamplingConfig,
+                 device: torch.device) -> list[str]:
+    """The continuation text of each prompt (decoded new tokens only); a collective, see :func:`generate`."""
+    return [tokenizer.decode(generate(model, tokenizer.encode(p), sampling, device, tokenizer.eos_id))
+            for p in prompts]
+
+
+def load_tokenizer(config: str, gguf_path: str | None):
+    """The tokenizer the worker decodes samples with: bytes for ``tiny``, the GGUF's BPE otherwise."""
+    if config == "tiny":
+        from perparam.finetune.tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from perparam.finetune.tokenizer import load_tokenizer as gguf_tokenizer
+
+    return gguf_tokenizer(gguf_path)
+
+
+def print_samples(prompts: list[str], before: list[str], after: list[str], sampling: SamplingConfig) -> None:
+    """Rank 0: a rich table, one row per prompt, the text before and after fine-tuning side by side."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    how = "greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature:g}"
+    if sampling.top_k and sampling.temperature:
+        how += f", top-k {sampling.top_k}"
+    table = Table(title=f"Samples ({sampling.max_new_tokens} new tokens, {how}, seed {sampling.seed})",
+                  show_lines=True)
+    table.add_column("prompt", style="bold")
+    table.add_column("before fine-tuning")
+    table.add_column("after fine-tuning")
+    for prompt, b, a in zip(prompts, before, after, strict=True):
+        table.add_row(escape(prompt), escape(prompt + b), escape(prompt + a))
+    Console().print(table)

@@ -1,0 +1,90 @@
+"""The flags of ``perparam finetune``'s samples, training loop and plot: their definitions, the launcher's
+one-line checks (before any worker starts, exit 2) and their hand-over to the workers.
+
+- samples (:mod:`perparam.finetune.generate`): ``--generate PROMPT`` (repeatable), ``--max-new-tokens``,
+  ``--temperature``, ``--top-k``, ``--sample-seed`` (``--seed`` is the data order's);
+- training loop (:mod:`perparam.finetune.steps`, :mod:`perparam.finetune.schedule`): ``--grad-accum``,
+  ``--max-grad-norm``, ``--warmup-steps``, ``--min-lr``, ``--eval-every``;
+- ``--plot PATH.png`` (:mod:`perparam.finetune.plot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from perparam.finetune.errors import FinetuneInputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--generate", action="append", default=None, metavar="PROMPT",
+                        help="sample a continuation of PROMPT before and after fine-tuning (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens sampled per prompt (default 40)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=50,
+                        help="sample among the K most likely tokens; 0 = all (default 50)")
+    parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling (default 0)")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches of --batch-size "
+                        "sequences per optimizer step: a step sees N x --batch-size sequences (default 1)")
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to "
+                        "this (perparam.clip_grad_norm_) and log it per step (default: no clipping)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="linear learning-rate warmup over this many steps (default 0)")
+    parser.add_argument("--min-lr", type=float, default=None, help="cosine decay of the learning rate from "
+                        "--lr to this at the last step (default: --lr, no decay)")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="held-out loss every N steps during training (default 0: before and after only)")
+    parser.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG of the training and "
+                        "held-out loss and the learning rate (needs matplotlib: the plot extra)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """One-line :class:`FinetuneInputError` for any bad value of these flags."""
+    from perparam.finetune.cli import check_output_path
+    from perparam.finetune.generate import check_sampling
+    from perparam.finetune.plot import check_plot_path
+    from perparam.finetune.schedule import check_schedule
+
+    check_sampling(getattr(args, "generate", None) or [], sampling_config(args))
+    if args.grad_accum < 1:
+        raise FinetuneInputError(f"--grad-accum {args.grad_accum} must be at least 1 (1: no accumulation)")
+    norm = args.max_grad_norm
+    if norm is not None and not (math.isfinite(norm) and norm > 0):
+        raise FinetuneInputError(f"--max-grad-norm {norm} must be a positive finite number (leave it out: "
+                                 "no clipping)")
+    check_schedule(args.lr, args.steps, args.warmup_steps, args.min_lr)
+    if args.eval_every < 0 or args.eval_every > max(args.steps, 1):
+        raise FinetuneInputError(f"--eval-every {args.eval_every} must be between 1 and --steps {args.steps} "
+                                 "(or 0: no evaluation during training)")
+    check_plot_path(args.plot)
+    check_output_path("--plot", args.plot)
+
+
+def check_prompts(args: argparse.Namespace, tokenizer, context: int) -> None:
+    """Launcher, once the tokenizer is known: every prompt plus ``--max-new-tokens`` fits the context."""
+    from perparam.finetune.generate import check_prompt_lengths
+
+    check_prompt_lengths(getattr(args, "generate", None) or [], tokenizer, args.max_new_tokens, context)
+
+
+def sampling_config(args):
+    from perparam.finetune.generate import SamplingConfig
+
+    return SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.sample_seed)
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """These flags, as the launcher passes them on to each worker."""
+    argv = [f"--generate={p}" for p in (args.generate or [])]
+    argv += ["--max-new-tokens", str(args.max_new_tokens), "--temperature", repr(args.temperature),
+             "--top-k", str(args.top_k), "--sample-seed", str(args.sample_seed),
+             "--grad-accum", str(args.grad_accum), "--warmup-steps", str(args.warmup_steps),
+             "--eval-every", str(args.eval_every)]
+    if args.max_grad_norm is not None:
+        argv += ["--max-grad-norm", repr(args.max_grad_norm)]
+    if args.min_lr is not None:
+        argv += ["--min-lr", repr(args.min_lr)]
+    if args.plot:
+        argv += ["--plot", args.plot]
+    return argv

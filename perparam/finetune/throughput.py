@@ -1,0 +1,74 @@
+"""Tokens per second and model FLOPs utilisation (MFU) of ``perparam finetune``.
+
+MFU = (training tokens per second x model FLOPs per token) / (the machine's peak FLOP/s), with the peak
+*measured* once at start-up: every rank times a square ``torch.matmul`` at the same time (so ranks that
+share cores share them here too) and the ranks' rates are summed.
+
+Model FLOPs per training token follow PaLM (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with
+Pathways", appendix B): ``6 N + 12 L H Q T`` — forward and backward (x3) of the 2 FLOPs per multiply-add of
+every weight a token goes through (``N``), plus the attention scores and their weighted sum (``L`` layers,
+``H`` query heads, ``Q`` head dim, ``T`` sequence length; the causal mask is not discounted, as in PaLM).
+``N`` counts the weights used in a matmul: every Linear and the output projection (with tied embeddings
+that is the embedding matrix, counted once; an untied embedding's lookup is not a matmul), not the norms.
+Rematerialisation is not counted (model FLOPs, not hardware FLOPs).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from perparam.finetune.model import LlamaConfig
+
+
+def matmul_weights(cfg: LlamaConfig) -> int:
+    """``N``: the weights a token's forward multiplies with (see the module docstring)."""
+    norms = cfg.n_layers * 2 * cfg.dim + cfg.dim
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    return cfg.num_params() - norms - lookup
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs per token, ``6 N + 12 L H Q T`` (PaLM, appendix B)."""
+    return 6 * matmul_weights(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, budget_s: float = 0.25) -> float:
+    """FLOP/s of the fastest of repeated ``[n, n] @ [n, n]`` products on ``device`` in ``dtype`` (``n`` 1024
+    on CPU, 4096 on CUDA), timed for about ``budget_s`` seconds after one warm-up product."""
+    n = 4096 if device.type == "cuda" else 1024
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.matmul(a, b)
+    sync()
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        sync()
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+    return 2 * n ** 3 / best
+
+
+def machine_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """``(per-rank peaks summed over all ranks, this rank's peak)`` in FLOP/s; a collective (every rank
+    measures at the same time)."""
+    mine = measure_matmul_peak(device, dtype)
+    total = torch.tensor([mine], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.item(), mine
+
+
+def mfu(tokens_per_s: float, cfg: LlamaConfig, seq_len: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation in [0, 1]: achieved model FLOP/s over ``peak_flops`` (all ranks)."""
+    return tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops if peak_flops > 0 else 0.0
