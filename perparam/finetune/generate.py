@@ -15,8 +15,9 @@ for the same seed.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -159,3 +160,33 @@ def print_samples(prompts: list[str], before: list[str], after: list[str], sampl
     for prompt, b, a in zip(prompts, before, after, strict=True):
         table.add_row(escape(prompt), escape(prompt + b), escape(prompt + a))
     Console().print(table)
+
+
+class Samples:
+    """``--generate``: the prompts' continuations sampled from the sharded model when built (before
+    training) and by :meth:`after` (which prints both side by side on rank 0); no prompts, no work."""
+
+    def __init__(self, cfg, run) -> None:
+        """``cfg``: the job's ``JobConfig``; ``run``: its ``Run`` (model, device, rank)."""
+        self.cfg, self.run, self.prompts = cfg, run, list(cfg.generate or [])
+        self.sampling = SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
+        self.tokenizer = load_tokenizer(cfg.config, cfg.gguf_path) if self.prompts else None
+        self.seconds = 0.0
+        self.before = self._sample()
+
+    def _sample(self) -> list[str]:
+        began = time.perf_counter()
+        texts = sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
+        self.seconds += time.perf_counter() - began
+        return texts
+
+    def after(self) -> dict:
+        """The summary's ``samples`` (prompt, before, after) and ``sampling`` settings."""
+        if not self.prompts:
+            return {}
+        after = self._sample()
+        if self.run.rank == 0:
+            print_samples(self.prompts, self.before, after, self.sampling)
+        return {"sampling": asdict(self.sampling), "sampling_s": self.seconds,
+                "samples": [{"prompt": p, "before": b, "after": a}
+                            for p, b, a in zip(self.prompts, self.before, after, strict=True)]}

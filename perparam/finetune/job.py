@@ -20,6 +20,7 @@ from perparam.finetune import lifecycle, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.generate import Samples
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "heldout_loss_before": run.loss_before, "heldout_loss_after": loss_after,
         "train_losses": loop.train_losses,
         "tokens_per_s": loop.tokens_per_s, **(loop.throughput or {}),
-        "grad_accum": cfg.grad_accum, "lrs": loop.lrs, "grad_norms": loop.grad_norms,
+        "grad_accum": cfg.grad_accum, "step_batch_size": cfg.batch_size * cfg.grad_accum, "lrs": loop.lrs, "grad_norms": loop.grad_norms,
         "heldout_losses": [[s, x] for s, x in loop.evals] + [[cfg.steps, loss_after]],
         "first_step": run.first_step, "checkpoint": cfg.save,
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
@@ -250,7 +251,7 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     run = None
     try:
         run = setup(cfg, data)
-        samples = Samples(cfg, run)  # --generate: sampled before training here, after it below
+        samples = Samples(cfg, run)  # --generate (generate.py): sampled before training here, after it below
         loop = training_loop(cfg, run, data)
         return report(cfg, run, data, loop, launched, samples.after())
     finally:
@@ -262,39 +263,3 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
             dist.destroy_process_group()
         sys.stdout.flush()
 
-
-class Samples:
-    """``--generate``: the prompts' continuations sampled from the sharded model when built (before
-    training) and by :meth:`after` (which prints both side by side on rank 0); no prompts, no work."""
-
-    def __init__(self, cfg: JobConfig, run: Run) -> None:
-        from perparam.finetune import generate
-
-        self.cfg, self.run, self.prompts = cfg, run, list(cfg.generate or [])
-        self.sampling = generate.SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
-        self.tokenizer = generate.load_tokenizer(cfg.config, cfg.gguf_path) if self.prompts else None
-        self.seconds = 0.0
-        self.before = self._sample()
-
-    def _sample(self) -> list[str]:
-        from perparam.finetune.generate import sample_texts
-
-        began = time.perf_counter()
-        texts = sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
-        self.seconds += time.perf_counter() - began
-        return texts
-
-    def after(self) -> dict:
-        """The summary's ``samples`` (prompt, before, after) and ``sampling`` settings."""
-        if not self.prompts:
-            return {}
-        from dataclasses import asdict
-
-        from perparam.finetune.generate import print_samples
-
-        after = self._sample()
-        if self.run.rank == 0:
-            print_samples(self.prompts, self.before, after, self.sampling)
-        return {"sampling": asdict(self.sampling), "sampling_s": self.seconds,
-                "samples": [{"prompt": p, "before": b, "after": a}
-                            for p, b, a in zip(self.prompts, self.before, after, strict=True)]}
