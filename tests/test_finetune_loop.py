@@ -31,9 +31,11 @@ def _run(folder: Path, text: Path, *flags: str, nproc: int = 2, ok: bool = True)
 
 @pytest.fixture(scope="module")
 def accum_run(tmp_path_factory, text_dir):
-    """2 ranks, 2 micro-batches of 4 sequences per step, samples and a plot: the run the others compare to."""
+    """2 ranks, 2 micro-batches of 4 sequences per step, samples, a plot and checkpoints at steps 2 and 4: the
+    run the others compare to."""
     folder = tmp_path_factory.mktemp("accum")
-    proc, summary = _run(folder, text_dir, "--grad-accum", "2", *GENERATE, "--plot", str(folder / "loss.png"))
+    proc, summary = _run(folder, text_dir, "--grad-accum", "2", *GENERATE, "--plot", str(folder / "loss.png"),
+                         "--save", str(folder / "ckpt"), "--save-every", "2")
     return folder, proc, summary
 
 
@@ -53,6 +55,7 @@ def test_grad_accum_2_of_batch_4_equals_batch_8_and_samples_match_on_one_rank(tm
     assert [s["prompt"] for s in accum["samples"]] == list(PROMPTS)
     assert [s["before"] for s in accum["samples"]] == [s["before"] for s in plain["samples"]]
     assert all(len(s["before"]) and len(s["after"]) for s in accum["samples"])  # 12 bytes each, printable or not
+    assert accum["sampling_all_gathers_per_generation"] == 3  # 2 layers + root, once for 12 forwards
     assert accum["mfu"] > 0 and accum["matmul_peak_flops"] > 0 and accum["tokens_per_s"] > 0
     assert "step 1/4  loss" in proc.stdout and "grad-norm" in proc.stdout and "Samples (" in proc.stdout
     assert "held-out loss at step 2:" in proc.stdout
@@ -71,16 +74,15 @@ def test_plot_png_holds_the_runs_series(accum_run):
 
 
 def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_dir, accum_run):
-    _, _, straight = accum_run
-    ckpt = tmp_path / "ckpt"
-    proc, _ = _run(tmp_path / "a", text_dir, "--grad-accum", "2", "--save", str(ckpt), "--save-every", "2",
-                   "--crash-at-step", "2", ok=False)  # the last rank dies before step 3
-    assert proc.returncode != 0 and (ckpt / "step-000002").is_dir(), proc.stderr
-    _, resumed = _run(tmp_path / "b", text_dir, "--grad-accum", "2", "--resume", str(ckpt))
+    folder, _, straight = accum_run
+    mid_schedule = folder / "ckpt" / "step-000002"  # after the warmup, 2 steps into the cosine decay
+    _, resumed = _run(tmp_path, text_dir, "--grad-accum", "2", "--resume", str(mid_schedule))
     assert resumed["first_step"] == 2
     assert resumed["lrs"] == straight["lrs"][2:]
     assert resumed["train_losses"] == straight["train_losses"][2:]  # same world, fp32: bitwise
     assert resumed["grad_norms"] == straight["grad_norms"][2:]
+    proc = _cli(*TINY, *LOOP, "--text", str(text_dir), "--grad-accum", "1", "--resume", str(mid_schedule))
+    assert proc.returncode == 2 and "--grad-accum 2" in proc.stderr, proc.stderr  # another data order
 
 
 def test_learning_rate_schedule_values_and_lambda_lr_state_round_trip():

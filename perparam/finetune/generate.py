@@ -99,7 +99,8 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt_ids: list[int], sampling: SamplingConfig, device: torch.device,
              eos_id: int | None = None) -> list[int]:
-    """The new token ids (at most ``max_new_tokens``; stops after ``eos_id``) continuing ``prompt_ids``.
+    """The new token ids (at most ``max_new_tokens``; stops at ``eos_id``, which is left out) continuing
+    ``prompt_ids``.
 
     A collective: every rank calls it with the same arguments. The forwards see ``[1, prompt + generated]``
     token ids; the token is drawn on rank 0 and broadcast (one int64) from it.
@@ -116,9 +117,9 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], sampling: SamplingCo
                 chosen = torch.tensor([next_token(logits, sampling, generator)], dtype=torch.int64, device=device)
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.broadcast(chosen, src=0)
-                new.append(int(chosen))
-                if eos_id is not None and new[-1] == eos_id:
+                if eos_id is not None and int(chosen) == eos_id:
                     break
+                new.append(int(chosen))
                 tokens = torch.cat([tokens, chosen.view(1, 1)], dim=1)  # [1, prompt + len(new)]
     finally:
         model.train(was_training)
@@ -171,13 +172,17 @@ class Samples:
         self.cfg, self.run, self.prompts = cfg, run, list(cfg.generate or [])
         self.sampling = SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
         self.tokenizer = load_tokenizer(cfg.config, cfg.gguf_path) if self.prompts else None
-        self.seconds = 0.0
+        self.seconds, self.all_gathers = 0.0, 0
         self.before = self._sample()
 
     def _sample(self) -> list[str]:
+        from perparam import CommCounter
+
         began = time.perf_counter()
-        texts = sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
+        with CommCounter() as comm:
+            texts = sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
         self.seconds += time.perf_counter() - began
+        self.all_gathers += comm.count("all_gather")
         return texts
 
     def after(self) -> dict:
@@ -187,6 +192,9 @@ class Samples:
         after = self._sample()
         if self.run.rank == 0:
             print_samples(self.prompts, self.before, after, self.sampling)
+        # perparam's all-gathers of one generation (of up to max_new_tokens forwards): one per group
+        per_generation = self.all_gathers / (2 * len(self.prompts))
         return {"sampling": asdict(self.sampling), "sampling_s": self.seconds,
+                "sampling_all_gathers_per_generation": per_generation,
                 "samples": [{"prompt": p, "before": b, "after": a}
                             for p, b, a in zip(self.prompts, self.before, after, strict=True)]}

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -121,11 +121,11 @@ class LoopResult:
     train_losses: list[float]
     comm_per_step: dict[str, int]  # bytes per rank and step of perparam's collectives
     train_s: float
-    lrs: list[float] = ()  # the learning rate of each step run
-    grad_norms: list[float] = ()  # the gradient norm before clipping of each step (--max-grad-norm only)
-    evals: list[tuple[int, float]] = ()  # (step, held-out loss): before training and every --eval-every
+    lrs: list[float] = field(default_factory=list)  # the learning rate of each step run
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, per step (--max-grad-norm only)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss): 0 and every --eval-every
     tokens_per_s: float = 0.0  # training tokens per second of the optimizer steps (not evaluations, saves)
-    throughput: dict = None  # flops_per_token, matmul_peak_flops, mfu (throughput.py)
+    throughput: dict = field(default_factory=dict)  # flops_per_token, matmul_peak_flops, mfu (throughput.py)
 
 
 def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
@@ -206,8 +206,9 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "text": data.source, "heldout_rows": data.heldout.shape[0],
         "heldout_loss_before": run.loss_before, "heldout_loss_after": loss_after,
         "train_losses": loop.train_losses,
-        "tokens_per_s": loop.tokens_per_s, **(loop.throughput or {}),
-        "grad_accum": cfg.grad_accum, "step_batch_size": cfg.batch_size * cfg.grad_accum, "lrs": loop.lrs, "grad_norms": loop.grad_norms,
+        "tokens_per_s": loop.tokens_per_s, **loop.throughput,
+        "grad_accum": cfg.grad_accum, "step_batch_size": cfg.batch_size * cfg.grad_accum,
+        "lrs": loop.lrs, "grad_norms": loop.grad_norms,
         "heldout_losses": [[s, x] for s, x in loop.evals] + [[cfg.steps, loss_after]],
         "first_step": run.first_step, "checkpoint": cfg.save,
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
