@@ -145,3 +145,14 @@ def test_bad_loop_sample_and_plot_flags_give_one_line_errors(capsys, tmp_path, t
             (["--plot", str(tmp_path / "dir.png")], "is a folder"),
             (["--plot", str(tmp_path / "file.txt" / "loss.png")], "is a file, not a folder")):
         _one_line_error(capsys, [*tiny, *flags], expect)
+
+
+def test_model_flops_per_token_follow_palm_6n_plus_12lhqt():
+    from perparam.finetune.model import LlamaConfig
+    from perparam.finetune.throughput import flops_per_token, matmul_weights, mfu
+
+    cfg = LlamaConfig.smollm2_135m()
+    n = 134_515_008 - (30 * 2 * 576 + 576)  # every parameter but the norms (the tied embedding is the head)
+    assert matmul_weights(cfg) == n
+    assert flops_per_token(cfg, 128) == 6 * n + 12 * 30 * 9 * 64 * 128 == 833_421_312
+    assert mfu(100.0, cfg, 128, 833_421_312 * 200.0) == 0.5
