@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from perparam.finetune import lora
+
 
 def resume_from(args, model, optimizer, rank: int) -> int:
     """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step."""
@@ -26,7 +28,7 @@ def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
     from perparam import checkpoint
 
     extra = {"step": step, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
-             "config": args.config, "lr": args.lr}
+             "config": args.config, "lr": args.lr, **lora.checkpoint_extra(args)}
     path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
     if rank == 0:
         print(f"checkpoint: step {step} in {path}", flush=True)
