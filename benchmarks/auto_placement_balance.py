@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from perparam import ParamPolicy
 from perparam.memory.plan import build_on_meta
@@ -22,6 +23,6 @@ for k in (64, 256, 1024):
                 per[i] += r.layout.local_bytes(i)
         mean = Fraction(sum(per), k)
         mx = max(per)
-        nsh1 = sum(1 for r in rs if r.layout.shard_dim == 1)
-        nrep = sum(1 for r in rs if r.layout.shard_dim is None)
+        nsh1 = sum(1 for r in rs if r.layout.placement == Shard(1))
+        nrep = sum(1 for r in rs if not r.layout.gathered)
         print(f"K={k} {'auto ' if pol else 'Shard0'} max={mx*8/1e9:.6f}GB mean={float(mean)*8/1e9:.6f}GB (x16/2 bytes total) imbalance={float(mx/mean-1)*100:.2f}% shard1={nsh1} replicated={nrep}")

@@ -94,6 +94,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                 f"got {dtype!r}")
         if dtype is not None and not dtype.is_floating_point:
             raise ShardingError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
+        if dtype is not None and dtype.itemsize == 1:  # refused now: it would fail at the first forward
+            raise ShardingError(f"MixedPrecisionPolicy.{field} is {dtype}, which torch cannot compute, reduce or "
+                                "optimize in; use ParamPolicy(quant=QuantPolicy('fp8')) for an fp8 all-gather")
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
     reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
@@ -108,14 +111,15 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
     owner = ", ".join(type(m).__name__ for m in modules)
 
-    found = _collect(modules)
+    found, aliases = _collect(modules)
     ignored = _ignored(ignored_params, found, owner)
     found = [entry for entry in found if id(entry[1]) not in ignored]
     for fqn, original, _ in found:
         _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
     try:
-        resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner)
+        resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner,
+                                  aliases=aliases)
         policies = [r.policy for r in resolved]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
         prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
@@ -194,10 +198,7 @@ def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParal
     """The tensor-parallel composition of a parameter that is already a DTensor, else ``None``."""
     if not isinstance(p.data, DTensor):
         return None
-    if policy.quant is not None and policy.quant.store_quantized:
-        raise CompositionError(f"parameter '{fqn}' is tensor-parallel; store_quantized is not supported for "
-                               "tensor-parallel parameters: quantize its communication only")
-    return compose(fqn, p.data, mesh, policy.shard_dim)
+    return compose(fqn, p.data, mesh, policy.placement)
 
 
 def _reshard_after_forward(value, num_shards: int) -> bool:
@@ -238,13 +239,16 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         raise ShardingError(f"fully_shard: {e}") from None
 
 
-def _collect(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """The parameters this call manages, with every slot each is registered in.
+def _collect(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                                                dict[str, tuple[str, ...]]]:
+    """The parameters this call manages, with every slot each is registered in, and every name of each
+    (keyed by its first name: a parameter tied inside the call has several).
 
     Walks the module trees, skipping subtrees already sharded by an earlier call; names are relative to
     the module given (prefixed ``i.`` for the i-th module of a list).
     """
     found: dict[int, tuple[str, nn.Parameter, list]] = {}
+    names: dict[int, list[str]] = {}
     for i, root in enumerate(modules):
         prefix = f"{i}." if len(modules) > 1 else ""
         stack = [(prefix, root)]
@@ -257,10 +261,11 @@ def _collect(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter, list[tup
                     continue
                 entry = found.setdefault(id(p), (mod_prefix + name, p, []))
                 entry[2].append((mod, name))
+                names.setdefault(id(p), []).append(mod_prefix + name)
             for child_name, child in reversed(list(mod._modules.items())):
                 if child is not None:
                     stack.append((f"{mod_prefix}{child_name}.", child))
-    return list(found.values())
+    return list(found.values()), {found[i][0]: tuple(ns) for i, ns in names.items()}
 
 
 def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]) -> None:

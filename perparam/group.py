@@ -43,8 +43,8 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.num_shards = mesh.size(mesh.ndim - 1)
         self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
-        self.gathered = [p for p in params if p.dim is not None]
-        self.replicated = [p for p in params if p.dim is None]
+        self.gathered = [p for p in params if p.layout.gathered]
+        self.replicated = [p for p in params if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -275,7 +275,7 @@ class ParamGroup:
             used = grad is not None
             if not used:
                 grad = p.zero_grad_for_reduce()
-            (sharded if p.dim is not None else replicated)[p.policy.reduce_dtype].append((p, grad, used))
+            (sharded if p.layout.gathered else replicated)[p.policy.reduce_dtype].append((p, grad, used))
         pending = []
         for dtype, items in sharded.items():
             params, grads, used = zip(*items)

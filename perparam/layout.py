@@ -16,26 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Shard
 
+from .placement import PlacementRule, ceil_div, chunk_extent, rule
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def chunk_extent(size: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """``(start, length)`` of chunk ``index`` when ``size`` slices are split like ``torch.chunk``.
-
-    ``torch.chunk`` uses chunks of ``ceil(size / num_chunks)``; indices past the data get length 0 (their
-    start is clamped to ``size``). Raises ``ValueError`` for ``num_chunks < 1`` or an index out of range.
-    """
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-    if not 0 <= index < num_chunks:
-        raise ValueError(f"chunk index {index} out of range for {num_chunks} chunks")
-    chunk = ceil_div(size, num_chunks)
-    start = min(index * chunk, size)
-    return start, min(chunk, size - start)
+__all__ = ["ceil_div", "chunk_extent", "ShardLayout", "WirePiece", "GroupLayout", "wire_pieces",
+           "reduce_scatter_offsets", "local_shape_and_offset"]
 
 
 def local_shape_and_offset(
@@ -50,16 +36,9 @@ def local_shape_and_offset(
     """
     if not (len(mesh_shape) == len(placements) == len(coordinate)):
         raise ValueError("mesh_shape, placements and coordinate need one entry per mesh axis")
-    shape, offset = list(global_shape), [0] * len(global_shape)
+    shape, offset = tuple(global_shape), tuple([0] * len(global_shape))
     for axis_size, placement, coord in zip(mesh_shape, placements, coordinate):
-        if isinstance(placement, Shard):
-            d = placement.dim
-            start, length = chunk_extent(shape[d], axis_size, coord)
-            # an empty piece sits at the end of the dim (DTensor's convention), whatever axis emptied it
-            offset[d] = offset[d] + start if length else global_shape[d]
-            shape[d] = length
-        elif not isinstance(placement, Replicate):
-            raise ValueError(f"layout supports Shard and Replicate placements, got {placement}")
+        shape, offset = rule(placement).nest(shape, offset, global_shape, axis_size, coord)
     return tuple(shape), tuple(offset)
 
 
@@ -67,20 +46,35 @@ def local_shape_and_offset(
 class ShardLayout:
     """How one parameter is split over the shard axis of a data-parallel mesh.
 
-    ``global_shape``: the unsharded shape. ``shard_dim``: the tensor dim that is split, or ``None`` for a
-    replicated parameter. ``num_shards``: K, the size of the shard axis. ``dtype``: the stored dtype.
+    ``global_shape``: the shape the shard axis splits (the parameter's, or under TP its tp-local one).
+    ``dtype``: the stored dtype. ``num_shards``: K, the size of the shard axis. ``placement``: its dp
+    placement, ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()`` (a 0-dim shape needs
+    ``Replicate()``). What a placement means comes from ``perparam.placement.rule``; nothing here
+    branches on it. Raises ``ValueError`` for K < 1 or a placement the shape cannot take, ``TypeError`` for
+    a placement that is not a ``Placement``.
     """
 
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     num_shards: int
-    shard_dim: int | None = 0
+    placement: Placement = Shard(0)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
-        if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.global_shape):
-            raise ValueError(f"shard_dim {self.shard_dim} out of range for shape {self.global_shape}")
+        if not isinstance(self.placement, Placement):
+            raise TypeError(f"ShardLayout.placement must be a Placement (Shard(d) or Replicate()), got "
+                            f"{self.placement!r}")
+        self.rule.check(self.global_shape)
+
+    @property
+    def rule(self) -> PlacementRule:
+        return rule(self.placement)
+
+    @property
+    def gathered(self) -> bool:
+        """All-gathered in the group's collective (sharded); ``False``: replicated, never gathered."""
+        return self.rule.gathered
 
     # -- sizes -----------------------------------------------------------------------------------------
     @property
@@ -93,18 +87,13 @@ class ShardLayout:
 
     @property
     def chunk(self) -> int:
-        """Padded extent of every rank's piece along ``shard_dim`` (``ceil(S[d] / K)``)."""
-        if self.shard_dim is None:
-            return self.global_shape[0] if self.global_shape else 1
-        return ceil_div(self.global_shape[self.shard_dim], self.num_shards)
+        """Padded extent of every rank's piece along the split dim (``ceil(S[d] / K)``; replicated: the
+        whole dim 0, 1 for a 0-dim shape)."""
+        return self.rule.chunk(self.global_shape, self.num_shards)
 
     @property
     def padded_local_shape(self) -> tuple[int, ...]:
-        if self.shard_dim is None:
-            return self.global_shape
-        shape = list(self.global_shape)
-        shape[self.shard_dim] = self.chunk
-        return tuple(shape)
+        return self.rule.padded_local_shape(self.global_shape, self.num_shards)
 
     @property
     def padded_local_numel(self) -> int:
@@ -112,34 +101,33 @@ class ShardLayout:
 
     @property
     def wire_shape(self) -> tuple[int, ...]:
-        """The padded local shard with ``shard_dim`` moved to the front: how it travels, so that the K
+        """The padded local shard with the split dim moved to the front: how it travels, so that the K
         gathered pieces stack along dim 0 into ``(K * chunk, *other dims)``."""
-        shape = list(self.padded_local_shape)
-        d = self.shard_dim or 0
-        return (shape[d], *shape[:d], *shape[d + 1:])
+        return self.rule.wire_shape(self.padded_local_shape)
 
     @property
     def padded_global_shape(self) -> tuple[int, ...]:
         """Shape of the all-gathered tensor before the padding is cut off (K chunks of ``chunk``)."""
-        if self.shard_dim is None:
-            return self.global_shape
-        shape = list(self.global_shape)
-        shape[self.shard_dim] = self.chunk * self.num_shards
-        return tuple(shape)
+        return self.rule.padded_global_shape(self.global_shape, self.num_shards)
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        """The unsharded buffer as gathered pieces arrive: ``padded_global_shape`` with the split dim first
+        (replicated: ``global_shape``)."""
+        return self.rule.wire_shape(self.padded_global_shape)
+
+    @property
+    def buffer_rows(self) -> int:
+        """Ranks whose pieces fill the buffer: K for a gathered parameter, 1 for a replicated one."""
+        return self.num_shards if self.gathered else 1
 
     # -- per rank --------------------------------------------------------------------------------------
     def extent(self, rank: int) -> tuple[int, int]:
-        """``(start, length)`` along ``shard_dim`` of the slices held by shard ``rank``."""
-        if self.shard_dim is None:
-            return 0, self.global_shape[0] if self.global_shape else 1
-        return chunk_extent(self.global_shape[self.shard_dim], self.num_shards, rank)
+        """``(start, length)`` along the split dim of the slices held by shard ``rank``."""
+        return self.rule.extent(self.global_shape, self.num_shards, rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        if self.shard_dim is None:
-            return self.global_shape
-        shape = list(self.global_shape)
-        shape[self.shard_dim] = self.extent(rank)[1]
-        return tuple(shape)
+        return self.rule.local_shape(self.global_shape, self.num_shards, rank)
 
     def local_numel(self, rank: int) -> int:
         return math.prod(self.local_shape(rank))
@@ -151,9 +139,24 @@ class ShardLayout:
     def padding_numel(self, rank: int) -> int:
         return self.padded_local_numel - self.local_numel(rank)
 
-    @property
-    def placement(self) -> Placement:
-        return Replicate() if self.shard_dim is None else Shard(self.shard_dim)
+    # -- tensors (views, no copies) ----------------------------------------------------------------------
+    def local_piece(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Shard ``rank``'s piece of ``full`` (a tensor of ``global_shape``)."""
+        return self.rule.local_piece(full, self.num_shards, rank)
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a shard, or a gradient of ``global_shape``) with the split dim first."""
+        return self.rule.to_wire(t)
+
+    def from_wire(self, t: torch.Tensor, contiguous: bool = False) -> torch.Tensor:
+        """The inverse of ``to_wire``."""
+        return self.rule.from_wire(t, contiguous)
+
+    def unpad(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The unsharded tensor (``global_shape``) viewed in a ``buffer_shape`` buffer."""
+        if self.gathered:
+            buffer = buffer.narrow(0, 0, self.rule.wire_shape(self.global_shape)[0])
+        return self.from_wire(buffer)
 
 
 @dataclass(frozen=True)
@@ -179,9 +182,9 @@ def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quantizer=None, bl
       quantizer's default when ``None``). Communication-only quantization tiles the flattened padded shard
       as one row (as ZeRO++'s quantized weight all-gather); stored quantization (``row_blocks``) tiles
       each dim-0 row separately, so the scales shard with the rows and do not depend on K.
-    * replicated (``shard_dim is None``): nothing; the parameter is not all-gathered.
+    * replicated (``not layout.gathered``): nothing; the parameter is not all-gathered.
     """
-    if layout.shard_dim is None:
+    if not layout.gathered:
         return ()
     if quantizer is None:
         return (WirePiece(wire_dtype, layout.padded_local_numel),)
@@ -249,7 +252,3 @@ def reduce_scatter_offsets(params: Sequence[ShardLayout]) -> tuple[tuple[int, ..
         cursor += p.padded_local_numel
     return tuple(offsets), cursor + len(params)
 
-
-def layout_for(param: torch.Tensor, num_shards: int, shard_dim: int | None = 0) -> ShardLayout:
-    """The layout of a plain (unsharded) tensor, e.g. one built on the meta device."""
-    return ShardLayout(tuple(param.shape), param.dtype, num_shards, shard_dim)

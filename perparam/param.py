@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .policy import ResolvedPolicy
@@ -66,10 +66,9 @@ class ShardedParam:
         self.dp_mesh = mesh
         self.policy = policy
         self.shard_rank = shard_rank
-        self.dim = policy.shard_dim  # None: replicated
         self.tp = tp
         self.global_shape = tuple(original.shape)
-        inner = Replicate() if self.dim is None else (tp.dp_placement if tp else Shard(self.dim))
+        inner = tp.dp_placement if tp else policy.placement  # on the combined mesh under TP
         dp_placements = (inner,) if mesh.ndim == 1 else (Replicate(), inner)
         self.mesh = tp.mesh if tp else mesh  # the sharded parameter's mesh: (dp..., tp...) under TP
         self.placements = (*dp_placements, *tp.tp_placements) if tp else dp_placements
@@ -92,15 +91,13 @@ class ShardedParam:
     @property
     def plain(self) -> bool:
         """Sent as one piece in the compute dtype (no quantization, not replicated)."""
-        return self.dim is not None and self.policy.quant is None
+        return self.layout.gathered and self.policy.quant is None
 
     # -- construction -----------------------------------------------------------------------------------
     def _dp_piece(self, local_full: torch.Tensor) -> torch.Tensor:
         """This rank's piece on the dp shard axis of ``local_full`` (the whole parameter, or under TP this
         rank's tp-local tensor), as a new tensor on the mesh device."""
-        start, length = self.layout.extent(self.shard_rank)
-        piece = local_full if self.dim is None else local_full.narrow(self.dim, start, length)
-        return piece.to(self.mesh_device, copy=True)
+        return self.layout.local_piece(local_full, self.shard_rank).to(self.mesh_device, copy=True)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's local shard of ``full``, a plain tensor of the parameter's global shape (as
@@ -164,10 +161,7 @@ class ShardedParam:
 
     def wire_source(self) -> torch.Tensor:
         """The local shard with the shard dim first, flattened: what a plain piece starts with."""
-        shard = self.local_shard()
-        if self.dim:
-            shard = shard.movedim(self.dim, 0)
-        return shard.reshape(-1)
+        return self.layout.to_wire(self.local_shard()).reshape(-1)
 
     def _ensure_buffers(self) -> None:
         device = self.local_shard().device
@@ -175,17 +169,14 @@ class ShardedParam:
             return
         lay = self.layout
         with torch.inference_mode(False), torch.no_grad():
-            shape = lay.global_shape if self.dim is None else (lay.chunk * lay.num_shards, *lay.wire_shape[1:])
-            padded = torch.empty(shape, dtype=self.policy.param_dtype, device=device)
+            padded = torch.empty(lay.buffer_shape, dtype=self.policy.param_dtype, device=device)
             self._padded = padded
             # ``.data`` has its own version counter: refilling the buffer must not look like an in-place
             # change of the tensors autograd saved from the unsharded parameter.
-            rows = lay.num_shards if self.dim is not None else 1
-            self._padded_write = padded.data.view(torch.uint8).view(rows, padded.numel() * padded.element_size()
-                                                                    // rows)
-            view = padded if self.dim is None else padded.narrow(0, 0, lay.global_shape[self.dim])
-            if self.dim:
-                view = view.movedim(0, self.dim)
+            rows = lay.buffer_rows  # (reshape first: a 0-dim buffer cannot change its element size)
+            nbytes = padded.numel() * padded.element_size()
+            self._padded_write = padded.data.reshape(-1).view(torch.uint8).view(rows, nbytes // rows)
+            view = lay.unpad(padded)
             if self.tp:  # the module computes with DTensors on the tp mesh
                 view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
@@ -297,22 +288,17 @@ class ShardedParam:
         if keep:
             self.grad_acc = grad
             return None
-        if grad is not None and self.dim:
-            grad = grad.movedim(self.dim, 0)
-        return grad
+        return None if grad is None else self.layout.to_wire(grad)
 
     def zero_grad_for_reduce(self) -> torch.Tensor:
         """Zeros in the reduce dtype, shaped like ``take_unsharded_grad``'s result (shard dim first): what a
         rank without a gradient for this parameter contributes to the group's reduction."""
-        shape = list(self.layout.global_shape)
-        if self.dim:
-            shape.insert(0, shape.pop(self.dim))
+        shape = self.layout.rule.wire_shape(self.layout.global_shape)
         return torch.zeros(shape, dtype=self.policy.reduce_dtype, device=self.local_shard().device)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""
-        if self.dim:
-            local_grad = local_grad.movedim(0, self.dim).contiguous()
+        local_grad = self.layout.from_wire(local_grad, contiguous=True)
         if local_grad.dtype != self.sharded.dtype:
             local_grad = local_grad.to(self.sharded.dtype)
         grad = self.sharded.grad

@@ -7,12 +7,14 @@ overrides them for single parameters; ``None`` in any field inherits the call's 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Shard
+
+from .placement import normalize, placement_str, rule
 
 if TYPE_CHECKING:
     from .quant import BlockQuantizer
@@ -81,7 +83,8 @@ class ResolvedPolicy:
     """One parameter's effective policy after inheritance (what the runtime uses).
 
     ``param_dtype``: compute dtype of the unsharded parameter. ``reduce_dtype``: gradient reduction dtype.
-    ``shard_dim``: the sharded tensor dim, ``None`` for a replicated parameter. ``stored_dtype``: the
+    ``placement``: the dp placement, concrete (``Shard(d)`` with ``0 <= d < ndim``, or ``Replicate()``;
+    ``perparam.placement.rule`` says what it means). ``stored_dtype``: the
     dtype of the sharded parameter (its ``master_dtype``, else the original dtype), before any stored
     quantization.
     """
@@ -90,23 +93,36 @@ class ResolvedPolicy:
     reduce_dtype: torch.dtype
     requires_grad: bool
     quant: QuantPolicy | None
-    shard_dim: int | None
+    placement: Placement
     stored_dtype: torch.dtype
 
 
-def _pick(name: str, param, param_policy) -> ParamPolicy | None:
+def _pick(name: str, param, param_policy, names: Sequence[str] = ()) -> ParamPolicy | None:
+    """The ``ParamPolicy`` ``param_policy`` gives parameter ``name``. A mapping's patterns match any of the
+    parameter's names (``names``: all of them, tied aliases included; default ``(name,)``), first match
+    wins per name; a callable is called with ``name``. Raises ``PolicyError`` when two aliases of one tied
+    parameter get different policies."""
     if param_policy is None or isinstance(param_policy, ParamPolicy):
         return param_policy
     if callable(param_policy) and not isinstance(param_policy, Mapping):
         return param_policy(name, param)
-    for pattern, policy in param_policy.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return policy
-    return None
+    hits = []  # (alias, pattern, policy): the first pattern matching each alias
+    for alias in names or (name,):
+        hit = next(((pattern, policy) for pattern, policy in param_policy.items()
+                    if fnmatch.fnmatchcase(alias, pattern)), None)
+        if hit is not None:
+            hits.append((alias, *hit))
+    for alias, pattern, policy in hits[1:]:
+        if policy != hits[0][2]:
+            raise PolicyError(f"parameter '{name}' is tied: param_policy pattern '{hits[0][1]}' matches its name "
+                              f"'{hits[0][0]}' and pattern '{pattern}' its name '{alias}', with different policies; "
+                              "give one policy to the parameter (one pattern, or equal policies)")
+    return hits[0][2] if hits else None
 
 
 def check_patterns(names: list[str], param_policy) -> None:
-    """Raise ``PolicyError`` for a pattern of a mapping ``param_policy`` that matches no parameter."""
+    """Raise ``PolicyError`` for a pattern of a mapping ``param_policy`` that matches no parameter
+    (``names``: every name of every parameter, tied aliases included)."""
     if not isinstance(param_policy, Mapping):
         return
     for pattern in param_policy:
@@ -124,6 +140,9 @@ def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
         raise PolicyError(f"{what} must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     if dtype is not None and not dtype.is_floating_point:
         raise PolicyError(f"{what} must be a floating-point dtype, got {dtype}")
+    if dtype is not None and dtype.itemsize == 1:  # checked here: compute would fail at the first forward
+        raise PolicyError(f"{what} is {dtype}, which torch cannot compute, reduce or optimize in; use "
+                          "QuantPolicy('fp8') for an fp8 all-gather, and a 2- or 4-byte dtype here")
 
 
 def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
@@ -171,19 +190,11 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
     if requires_grad and not is_float:
         raise PolicyError(f"parameter '{name}' has dtype {param.dtype} and cannot require grad; "
                           "set ParamPolicy(requires_grad=False)")
-    shard_dim: int | None = 0
-    if pp.placement is not None:
-        if isinstance(pp.placement, Replicate):
-            shard_dim = None
-        elif isinstance(pp.placement, Shard):
-            shard_dim = pp.placement.dim
-            if not -ndim <= shard_dim < ndim:
-                raise PolicyError(f"placement Shard({shard_dim}) is out of range for parameter '{name}' with "
-                                  f"{ndim} dims; use a dim in [0, {ndim - 1}]")
-            shard_dim %= ndim
-        else:
-            raise PolicyError(f"placement {pp.placement} for '{name}' is not supported; use Shard(d) or "
-                              "Replicate()")
+    try:
+        placement = normalize(pp.placement, ndim)
+    except ValueError as e:
+        raise PolicyError(f"parameter '{name}' {e}") from None
+    gathered = rule(placement).gathered
     quant = pp.quant
     if quant is not None:
         quant = _resolve_quant(name, quant)
@@ -192,14 +203,14 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
         if not is_float:
             raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; only floating-point parameters "
                               "can be quantized: drop quant for it")
-        if shard_dim is None:
+        if not gathered:
             raise PolicyError(f"parameter '{name}' is replicated, so it is never all-gathered: quantization "
                               "has no effect; drop quant or shard it")
         if quant.store_quantized and requires_grad:
             raise PolicyError(f"parameter '{name}' is trainable but store_quantized=True keeps only its "
                               "quantized codes; freeze it (ParamPolicy(requires_grad=False)) or use "
                               "store_quantized=False (communication-only quantization)")
-        if quant.store_quantized and (shard_dim != 0 or ndim < 2):
+        if quant.store_quantized and (placement != Shard(0) or ndim < 2):
             raise PolicyError(f"store_quantized needs a parameter of 2+ dims sharded on dim 0 (scales are "
-                              f"kept per row); '{name}' has {ndim} dims and Shard({shard_dim})")
-    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, shard_dim, stored_dtype)
+                              f"kept per row); '{name}' has {ndim} dims and {placement_str(placement)}")
+    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype)

@@ -4,7 +4,7 @@ reports.
 ``resolve_params`` takes names and tensors (real, meta or tensor-parallel DTensors), the call's
 ``MixedPrecisionPolicy`` and ``param_policy``, and K (the size of the mesh's shard axis; the replicate axis
 of an HSDP mesh does not change what a rank holds). Per parameter it checks what ``fully_shard`` refuses
-(0-dim, integer parameters that require grad, complex), resolves the policy (``policy.resolve``; a
+(integer parameters that require grad, complex; a 0-dim one needs ``Replicate()``), resolves the policy (``policy.resolve``; a
 ``placement="auto"`` becomes a concrete ``Shard(d)`` or ``Replicate()`` through
 ``placement.auto_placement``), and derives the layout and the all-gather pieces (``shard_layout``). The
 runtime (``api.fully_shard``, ``param.ShardedParam``) and ``perparam.memory.plan`` call these functions, so
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .layout import ShardLayout, WirePiece, ceil_div, wire_pieces
 from .placement import AUTO_REPLICATE_BYTES, auto_placement
@@ -42,10 +42,8 @@ class ParamError(ValueError):
 
 
 def check_param(fqn: str, p: torch.Tensor, owner: str) -> None:
-    """Raise ``ParamError`` for a 0-dim parameter, a non-floating-point one that requires grad, a complex one."""
-    if p.dim() == 0:
-        raise ParamError(f"parameter '{fqn}' of {owner} is 0-dim and cannot be sharded on dim 0; give it "
-                         "shape [1] instead (e.g. nn.Parameter(torch.ones(1)))")
+    """Raise ``ParamError`` for a non-floating-point parameter that requires grad, or a complex one. (A 0-dim
+    parameter is refused by ``policy.resolve`` unless its placement is ``Replicate()`` or ``"auto"``.)"""
     if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
         raise ParamError(f"parameter '{fqn}' of {owner} has dtype {p.dtype} and requires grad; only "
                          "floating-point parameters can be trained: set requires_grad=False")
@@ -59,10 +57,11 @@ def dp_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
 
 
-def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicate_below: int) -> ParamPolicy:
+def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicate_below: int,
+          tensor_parallel: bool = False) -> ParamPolicy:
     """``pp`` with ``placement="auto"`` replaced by ``auto_placement``'s choice for ``p``."""
     q = pp.quant
-    if isinstance(p, DTensor):  # tensor-parallel: keep the dp split on dim 0, as the default
+    if (isinstance(p, DTensor) or tensor_parallel) and p.dim():  # tp: keep the dp split on dim 0, the default
         return dataclasses.replace(pp, placement=Shard(0))
     store_quantized = q is not None and q.store_quantized
     placement = auto_placement(
@@ -73,20 +72,25 @@ def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicat
 
 
 def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_policy, num_shards: int, *,
-                  replicate_below: int = AUTO_REPLICATE_BYTES) -> ResolvedPolicy:
+                  replicate_below: int = AUTO_REPLICATE_BYTES, names: Sequence[str] = (),
+                  tensor_parallel: bool = False) -> ResolvedPolicy:
     """``policy.resolve`` for one parameter, with ``placement="auto"`` made concrete for K = ``num_shards``.
 
-    Raises ``PolicyError`` (naming ``name``) for a policy that cannot apply, including a string placement
-    other than ``"auto"``.
+    ``names``: all of the parameter's names (tied aliases; default ``(name,)``), any of which a pattern may
+    match. ``tensor_parallel``: ``p`` stands for a tensor-parallel parameter (its tp-local shape), which
+    ``"auto"`` keeps on ``Shard(0)`` (a real tp DTensor is recognised by its type). Raises ``PolicyError``
+    (naming ``name``) for a policy that cannot apply, including a string placement other than ``"auto"``.
     """
-    pp = _pick(name, p, param_policy)
-    if not isinstance(pp, ParamPolicy):  # None, or a wrong type that resolve() reports
-        return resolve(name, p, mp, param_policy if pp is not None else None, p.dim())
+    pp = _pick(name, p, param_policy, names)
+    if pp is not None and not isinstance(pp, ParamPolicy):
+        raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+    if pp is None:
+        return resolve(name, p, mp, None, p.dim())
     if isinstance(pp.placement, str):
         if pp.placement != AUTO:
             raise PolicyError(f"placement {pp.placement!r} for '{name}' is not supported; use Shard(d), "
                               "Replicate() or 'auto'")
-        pp = _auto(name, pp, p, num_shards, replicate_below)
+        pp = _auto(name, pp, p, num_shards, replicate_below, tensor_parallel)
     return resolve(name, p, mp, pp, p.dim())
 
 
@@ -101,7 +105,7 @@ def shard_layout(shape: Sequence[int], policy: ResolvedPolicy,
     q = policy.quant
     stored_quantized = q is not None and q.store_quantized
     stored = q.dtype if stored_quantized else policy.stored_dtype  # master_dtype, else the original dtype
-    layout = ShardLayout(tuple(shape), stored, num_shards, policy.shard_dim)
+    layout = ShardLayout(tuple(shape), stored, num_shards, policy.placement)
     pieces = wire_pieces(layout, policy.param_dtype, q.quantizer if q else None, q.block_size if q else None,
                          row_blocks=stored_quantized)
     return layout, pieces
@@ -125,8 +129,8 @@ class ParamResolution:
         return self.policy.quant is not None and self.policy.quant.store_quantized
 
     @property
-    def placement(self):
-        return Replicate() if self.layout.shard_dim is None else Shard(self.layout.shard_dim)
+    def placement(self) -> Placement:
+        return self.layout.placement
 
     def scale_bytes(self, rank: int) -> int:
         """Bytes of the fp32 per-row block scales shard ``rank`` keeps beside a stored-quantized parameter
@@ -147,24 +151,43 @@ class ParamResolution:
         return self.layout.local_bytes(rank)
 
 
+def aliases_of(module: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every name of each of ``module``'s parameters, keyed by the first (the one ``named_parameters``
+    gives): a parameter tied under several names (``lm_head.weight`` is ``embed.weight``) has them all."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {ns[0]: tuple(ns) for ns in names.values()}
+
+
 def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecisionPolicy | None, param_policy,
                    num_shards: int, owner: str = "the module", *,
-                   replicate_below: int = AUTO_REPLICATE_BYTES) -> list[ParamResolution]:
+                   replicate_below: int = AUTO_REPLICATE_BYTES, aliases: Mapping[str, Sequence[str]] | None = None,
+                   tensor_parallel: Collection[str] = ()) -> list[ParamResolution]:
     """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks.
 
     ``named``: ``(name, parameter)`` pairs, names relative to the module given (as ``fully_shard`` names
-    them). Raises ``ParamError`` or ``PolicyError`` (both ``ValueError``) naming the parameter; a mapping
-    pattern that matches no parameter raises ``PolicyError``. Nothing is allocated.
+    them); under TP a parameter is its tp DTensor, or (``perparam plan``) a tensor of its tp-local shape
+    whose name is in ``tensor_parallel``. ``aliases``: name -> all names of a tied parameter; a mapping
+    pattern matching any of them applies. Raises ``ParamError`` or ``PolicyError`` (both ``ValueError``)
+    naming the parameter; a mapping pattern that matches no name raises ``PolicyError``, and so do two
+    patterns giving different policies to names of one tied parameter. Nothing is allocated.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     mp = mp or MixedPrecisionPolicy()
+    aliases = aliases or {}
     for name, p in named:
         check_param(name, p, owner)
-    check_patterns([name for name, _ in named], param_policy)
+    check_patterns([alias for name, _ in named for alias in aliases.get(name, (name,))], param_policy)
     out = []
     for name, p in named:
-        policy = resolve_param(name, p, mp, param_policy, num_shards, replicate_below=replicate_below)
+        on_tp = isinstance(p, DTensor) or name in tensor_parallel
+        policy = resolve_param(name, p, mp, param_policy, num_shards, replicate_below=replicate_below,
+                               names=aliases.get(name, (name,)), tensor_parallel=on_tp)
+        if on_tp and policy.quant is not None and policy.quant.store_quantized:
+            raise PolicyError(f"parameter '{name}' is tensor-parallel; store_quantized is not supported for "
+                              "tensor-parallel parameters: quantize its communication only")
         layout, pieces = shard_layout(dp_shape(p), policy, num_shards)
         out.append(ParamResolution(name, policy, layout, pieces))
     return out

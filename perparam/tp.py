@@ -10,12 +10,12 @@ same placement for the same reason.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from .placement import rule
 
 
 class CompositionError(ValueError):
@@ -37,10 +37,11 @@ class TensorParallel:
     dp_placement: Placement
 
 
-def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, shard_dim: int | None) -> TensorParallel:
+def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placement) -> TensorParallel:
     """Check that ``param`` (a DTensor on a tp mesh) can be sharded further over ``dp_mesh``.
 
-    Raises ``CompositionError`` when the meshes have no axis names, are not sub-meshes of one mesh, share
+    ``dp_placement``: the parameter's concrete dp placement (``perparam.placement.rule`` says what it
+    becomes on the combined mesh). Raises ``CompositionError`` when the meshes have no axis names, are not sub-meshes of one mesh, share
     an axis, or when a tp-sharded dim does not divide evenly over its axis.
     """
     tp_mesh = param.device_mesh
@@ -76,10 +77,5 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, shard_dim: int | Non
         elif not isinstance(placement, Replicate):
             raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and Replicate "
                                    "can be composed with data parallelism")
-    if shard_dim is None:
-        dp_placement: Placement = Replicate()
-    else:
-        split = math.prod(tp_mesh.size(a) for a, p in enumerate(tp_placements)
-                          if isinstance(p, Shard) and p.dim == shard_dim)
-        dp_placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
-    return TensorParallel(tp_mesh, tp_placements, root[names], dp_placement)
+    tp_sizes = [tp_mesh.size(a) for a in range(len(tp_placements))]
+    return TensorParallel(tp_mesh, tp_placements, root[names], rule(dp_placement).under_tp(tp_placements, tp_sizes))

@@ -26,8 +26,8 @@ def test_auto_max_rank_bytes_at_most_shard0(shape, k, itemsize):
     dtype = {1: torch.int8, 2: torch.float16, 4: torch.float32}[itemsize]
     chosen = auto_placement(shape, itemsize, k, allow_replicate=False)
     assert isinstance(chosen, Shard)
-    auto = ShardLayout(shape, dtype, k, chosen.dim)
-    shard0 = ShardLayout(shape, dtype, k, 0)
+    auto = ShardLayout(shape, dtype, k, chosen)
+    shard0 = ShardLayout(shape, dtype, k, Shard(0))
     assert _max_rank_bytes(auto) <= _max_rank_bytes(shard0)
     assert auto.padded_local_numel <= shard0.padded_local_numel  # all-gather padding too
     assert sum(auto.local_bytes(r) for r in range(k)) == auto.numel * itemsize

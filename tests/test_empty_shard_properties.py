@@ -79,12 +79,11 @@ def test_every_rank_takes_every_path_with_empty_shards(case):
             for name, p in model.named_parameters():
                 assert isinstance(p, DTensor), name
                 pol = policy.get(name)
-                dim = None if pol is not None and isinstance(pol.placement, Replicate) else (
-                    pol.placement.dim if pol is not None and pol.placement is not None else 0)
+                placement = pol.placement if pol is not None and pol.placement is not None else Shard(0)
                 shape = shapes[name]
                 if pol is not None and pol.quant is not None and pol.quant.store_quantized:
                     shape = perparam.quant.get(pol.quant.quantizer).stored_shape(shape)  # nf4: packed codes
-                want = ShardLayout(shape, p.dtype, k, dim).local_shape(rank)
+                want = ShardLayout(shape, p.dtype, k, placement).local_shape(rank)
                 assert tuple(p.to_local().shape) == want, (name, rank)
             trainable = [p for p in model.parameters() if p.requires_grad]
             out = model(torch.ones(2, widths[0]))

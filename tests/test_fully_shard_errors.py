@@ -91,7 +91,7 @@ def raise_case(rank: int, world_size: int, name: str) -> tuple[str, str]:
 
 
 CASES = {
-    "zero_dim": ["'scale'", "0-dim", "shape [1]"],
+    "zero_dim": ["'scale'", "0-dim", "ParamPolicy(placement=Replicate())"],
     "tied_across_calls": ["'head.weight'", "'weight'", "Embedding", "Tied (this call)",
                           "fully_shard([module_a, module_b])"],
     "twice": ["already applied", "Linear"],

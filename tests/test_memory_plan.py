@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 import perparam
 from perparam.cli import main
@@ -91,7 +92,7 @@ def test_plan_matches_layout_per_parameter():
     plan = plan_model("gpt2-tiny", 5)
     model = build_on_meta(gpt2_tiny)
     for r in range(5):
-        want = sum(ShardLayout(tuple(p.shape), torch.float16, 5, 0).local_bytes(r) for p in model.parameters())
+        want = sum(ShardLayout(tuple(p.shape), torch.float16, 5, Shard(0)).local_bytes(r) for p in model.parameters())
         assert plan.rank(r).params == want
 
 
@@ -106,14 +107,20 @@ def test_factory_runs_on_meta_and_frozen_params_have_no_state():
     assert plan.sum_over_ranks() == u
 
 
-def test_scalar_parameters_are_replicated():
+@pytest.mark.parametrize("policy", [{"scale": perparam.ParamPolicy(placement=Replicate())},
+                                    perparam.ParamPolicy(placement="auto")])
+def test_scalar_parameters_are_replicated_as_fully_shard_does(policy):
     model = nn.Module()
     model.register_parameter("scale", nn.Parameter(torch.empty((), device="meta")))
     model.register_parameter("w", nn.Parameter(torch.empty(6, 2, device="meta")))
-    plan = plan_module(model, 4)
-    assert [str(p.placements) for p in plan.params] == ["(Replicate(),)", "(Shard(dim=0),)"]
-    # w: 6 rows over 4 ranks in chunks of 2 -> 2, 2, 2, 0 rows of 2 fp16 elements; the scalar on every rank
-    assert [plan.rank(r).params for r in range(4)] == [2 + 8, 2 + 8, 2 + 8, 2 + 0]
+    with pytest.raises(ValueError, match=r"'scale' is 0-dim.*ParamPolicy\(placement=Replicate\(\)\)"):
+        plan_module(model, 4)  # fully_shard refuses it too (tests/test_fully_shard_errors.py)
+    plan = plan_module(model, 4, param_policy=policy)
+    assert [str(p.placements) for p in plan.params][0] == "(Replicate(),)"
+    if isinstance(policy, dict):
+        assert str(plan.params[1].placements) == "(Shard(dim=0),)"
+        # w: 6 rows over 4 ranks in chunks of 2 -> 2, 2, 2, 0 rows of 2 fp16 elements; the scalar on every rank
+        assert [plan.rank(r).params for r in range(4)] == [2 + 8, 2 + 8, 2 + 8, 2 + 0]
 
 
 # -- property: local bytes hold no padding, so the ranks add up to the unsharded model -------------------
@@ -221,7 +228,7 @@ def test_plan_with_auto_placement_lowers_the_largest_rank_at_k1024():
     mean = Fraction(auto.unsharded.total, 1024)
     assert auto.max_rank.total < shard0.max_rank.total
     assert Fraction(111, 100) < auto.max_rank.total / mean < Fraction(112, 100)  # 11.5% (Shard(0): 16.5%)
-    assert any(p.layout.shard_dim == 1 for p in auto.params)
+    assert any(p.layout.placement == Shard(1) for p in auto.params)
 
 
 def test_cli_plan_placement_auto(capsys):

@@ -13,6 +13,7 @@ import perparam
 from perparam.memory.measure import model_state_bytes, storage_bytes
 from perparam.memory.plan import plan_module
 from perparam.memory.policy_args import policy_mapping
+from perparam.module import group_of
 from tests.distributed import run_distributed
 
 POLICIES = ["0.*=bf16,master=fp32", "1.*=frozen", "2.weight=frozen,int8,stored", "3.weight=nf4", "3.bias=replicate"]
@@ -38,6 +39,7 @@ def measured(rank: int, world_size: int, hsdp: bool, placement: str) -> dict:
     got["params"] += storage_bytes(scales)
     got["steps"] = sum(1 for s in opt.state.values() if "step" in s)
     got["shard_rank"] = mesh.get_coordinate()[-1]
+    got["slot_bytes"] = group_of(m).layout.slot_bytes  # what this rank sends in the group's all-gather
     return got
 
 
@@ -51,6 +53,7 @@ def test_plan_with_per_parameter_policies_equals_the_measured_shards(world, hsdp
     for got in run_distributed(measured, world, hsdp, placement):
         want = plan.rank(got["shard_rank"])
         assert got["params"] == want.params, (got, want)
+        assert got["slot_bytes"] == plan.padded_param_bytes_per_rank  # wire pieces; replicated send nothing
         # AdamW: exp_avg and exp_avg_sq in the stored dtype (8 bytes per fp32 element), plus a 4-byte step
         assert got["optimizer"] == want.optimizer + 4 * got["steps"], (got, want)
         # gradients: the reduce-scatter output holds each shard padded to the chunk, plus 4-byte used flags

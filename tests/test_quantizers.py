@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, quant
 from perparam.layout import ShardLayout, wire_pieces
@@ -87,7 +88,7 @@ def test_nf4_levels_bound_and_packing():
 
 def test_nf4_stored_bytes_are_under_0_15x_fp32():
     """256 x 256 stored as NF4: 0.5 B/element codes + 4/64 B/element scales = 0.140625x fp32."""
-    layout = ShardLayout((256, 256), torch.uint8, 2, 0)
+    layout = ShardLayout((256, 256), torch.uint8, 2, Shard(0))
     pieces = wire_pieces(layout, torch.float32, "nf4", row_blocks=True)
     assert sum(p.nbytes for p in pieces) == 128 * 128 + 128 * 4 * 4 == 0.140625 * 128 * 256 * 4
     comm = wire_pieces(layout, torch.float32, "nf4")  # communication only: the flat shard, blocks of 64
@@ -130,7 +131,7 @@ def test_bad_quant_policies_name_the_parameter_and_the_fix(qp, fragments):
 def test_wire_pieces_stay_pure_for_any_registered_quantizer():
     for name in quant.names():
         q = quant.get(name)
-        layout = ShardLayout((5, 7), q.codes_dtype, 3, 0)  # chunk 2: rank 2 holds 1 row
+        layout = ShardLayout((5, 7), q.codes_dtype, 3, Shard(0))  # chunk 2: rank 2 holds 1 row
         pieces = wire_pieces(layout, torch.float32, q)
         assert pieces == q.pieces(1, 14, q.default_block_size)
         assert wire_pieces(layout, torch.float32, name, row_blocks=True) == q.pieces(2, 7, q.default_block_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from perparam.finetune import lora
+
 
 def resume_from(args, model, optimizer, rank: int, scheduler=None) -> int:
     """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step;
@@ -31,7 +33,8 @@ def save_if_due(args, model, optimizer, step: int, rank: int, scheduler=None) ->
     from perparam import checkpoint
 
     extra = {"step": step, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
-             "config": args.config, "lr": args.lr, "grad_accum": getattr(args, "grad_accum", 1)}
+             "config": args.config, "lr": args.lr, "grad_accum": getattr(args, "grad_accum", 1),
+             **lora.checkpoint_extra(args)}
     if scheduler is not None:
         extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
     path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)

@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from perparam.finetune import lifecycle, loop_flags
+from perparam.finetune import lifecycle, loop_flags, lora
 from perparam.finetune.errors import FinetuneInputError
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
@@ -62,15 +62,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-tokens", type=int, default=d["eval_tokens"],
                         help="held-out tokens evaluated before and after training "
                         f"(default {d['eval_tokens']})")
-    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the "
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None, help="dtype of the "
                         "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
-                        "fp32, gradients are reduced in fp32 (default fp32)")
+                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora)")
     parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of the sharded model "
                         "(R); each replica shards over nproc / (R * tp) ranks (default 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each data-parallel "
                         "group: attention heads and MLP width are split over them (default 1)")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="LoRA: train rank-RANK adapters "
+                        "on the --lora-targets projections of every decoder layer, everything else frozen "
+                        "(perparam/finetune/lora.py)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="with --lora: the adapters' update is "
+                        "scaled by alpha / rank (default 2 x rank)")
+    parser.add_argument("--lora-targets", default=None, metavar="NAMES", help="with --lora: comma list of "
+                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default all seven)")
+    parser.add_argument("--qlora", action="store_true", help="with --lora: store the frozen projection weights "
+                        "in NF4 and compute in bf16 (the adapters keep fp32 master weights)")
     # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
     parser.add_argument("--save", default=None, metavar="DIR", help="save crash-safe sharded checkpoints "
                         "(perparam.checkpoint) into DIR/step-NNNNNN every --save-every steps and at the end; the "
@@ -133,6 +142,7 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
     check_output_path("--summary-json", getattr(args, "summary_json", None))
+    lora.config_from_args(args)  # --lora/--qlora values and conflicts (fills in --param-dtype)
     loop_flags.check(args)  # samples, the training loop's options, the plot
     check_checkpoint_args(args)
 
@@ -154,6 +164,7 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
             raise FinetuneInputError(f"--resume {resume}: no complete checkpoint in it (a save that never finished "
                                      "leaves none); pass the --save folder of an earlier run")
         extra = json.loads((newest / checkpoint.MANIFEST).read_text()).get("extra", {})
+        lora.check_resume(extra, args)
         for key in ("seed", "batch_size", "seq_len", "config", "grad_accum"):
             if key in extra and extra[key] != getattr(args, key):
                 raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --{key.replace('_', '-')} "
@@ -254,6 +265,7 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
         argv += ["--summary-json", args.summary_json]
     if args.crash_at_step is not None:
         argv += ["--crash-at-step", str(args.crash_at_step)]
+    argv += lora.worker_argv(args)
     if args.save:
         argv += ["--save", str(Path(args.save).absolute()), "--save-every", str(args.save_every)]
     if args.resume:

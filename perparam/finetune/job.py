@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, schedule, steps, throughput, train
+from perparam.finetune import lifecycle, lora, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError
@@ -35,7 +35,7 @@ class JobConfig:
     config: str = "gguf"  # "gguf" or "tiny"
     gguf_path: str | None = None
     summary_json: str | None = None
-    param_dtype: str = "fp32"
+    param_dtype: str | None = "fp32"  # None: bf16 under --qlora, else fp32
     quant: str = "none"
     dp_replicate: int = 1
     tp: int = 1
@@ -44,6 +44,10 @@ class JobConfig:
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
+    lora: int | None = None  # LoRA rank (perparam.finetune.lora); None: full fine-tuning
+    lora_alpha: float | None = None
+    lora_targets: str | None = None
+    qlora: bool = False
     # samples (generate.py), the training loop (steps.py, schedule.py), the plot (plot.py): loop_flags.py
     generate: list[str] | None = None
     max_new_tokens: int = 40
@@ -56,6 +60,10 @@ class JobConfig:
     min_lr: float | None = None
     eval_every: int = 0
     plot: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.param_dtype is None:
+            object.__setattr__(self, "param_dtype", "bf16" if self.qlora else "fp32")
 
     @classmethod
     def from_args(cls, args) -> JobConfig:
@@ -91,9 +99,13 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
     model, llama_cfg, name = train.build_model(cfg, device)
+    lora_cfg = lora.config_from_args(cfg)
+    if lora_cfg is not None:  # adapters in, everything else frozen, before sharding (one group per layer)
+        lora.apply_lora(model, lora_cfg, cfg.seed)
     params_total = sum(p.numel() for p in model.parameters())
-    train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
+                      lora.layer_policy(lora_cfg))
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = schedule.build_scheduler(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
     layout = f"{dims.dp_shard} shard ranks"
     if dims.dp_replicate > 1:
@@ -103,9 +115,11 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     if rank == 0:
         print(f"model {name}: {params_total:,} parameters, {llama_cfg.n_layers} layers sharded over {world} "
               f"ranks ({device.type}; {layout}; compute {cfg.param_dtype}, all-gather of the layers' "
-              f"Linear weights {cfg.quant if cfg.quant != 'none' else cfg.param_dtype}); text "
+              f"Linear weights {'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}); text "
               f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
               f"rows of {data.seq_len} tokens", flush=True)
+        if lora_cfg is not None:
+            print(lora.describe(model, lora_cfg, params_total), flush=True)
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
     loss_before = train.heldout_loss(model, eval_rows, device, micro)
@@ -193,6 +207,11 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     state_bytes = model_state_bytes(run.model, run.optimizer).as_dict()  # the last step's grads are alive
     per_unshard = train.all_gather_bytes_per_unshard(run.model)
     unsharded, zero3 = zero3_state_bytes(run.model)
+    by_mode = None
+    if dims.tp == 1:  # full / LoRA / QLoRA side by side (planned per parameter: 1D or HSDP only)
+        from perparam.finetune import lora_memory
+
+        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, lora.config_from_args(cfg))
     loss_after = train.heldout_loss(run.model, run.eval_rows, run.device, run.micro)
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)
@@ -223,10 +242,14 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "model_state_bytes_zero3_formula": zero3,
         "zero3_formula_k": label,
         "device": run.device.type,
+        "lora": lora.checkpoint_extra(cfg)["lora"],
+        "model_state_bytes_by_mode": by_mode,
     }
     if run.rank == 0:
         print(f"held-out loss after:  {loss_after:.4f} (before {run.loss_before:.4f})", flush=True)
         train.print_memory_table(per_rank, unsharded, zero3, label, run.params_total)
+        if by_mode is not None:
+            lora_memory.print_mode_table(by_mode)
         print("perparam collectives per step and rank: "
               + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in loop.comm_per_step.items()), flush=True)
     summary.update(extra or {})

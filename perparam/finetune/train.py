@@ -71,19 +71,22 @@ def tp_plan() -> dict:
 
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
-                quant: str | torch.dtype | None = None) -> Llama:
+                quant: str | torch.dtype | None = None, layer_policy: dict | None = None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
     ``param_dtype`` other than fp32: ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`` on every
     call. ``quant``: int8/fp8/nf4 all-gather of the layers' Linear weights (:data:`LAYER_LINEAR_WEIGHTS`).
+    ``layer_policy``: more ``param_policy`` entries for the layers' calls (QLoRA's NF4 base weights,
+    :func:`perparam.finetune.lora.layer_policy`).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
     mp = None
     if param_dtype != torch.float32:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layer_policy = {LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else None
+    layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else {}),
+                    **(layer_policy or {})} or None
     tp = meshes.tp_mesh.size()
     for layer in model.layers:
         if tp > 1:

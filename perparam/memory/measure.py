@@ -79,7 +79,8 @@ def zero3_state_bytes(model: nn.Module, optimizer_states: int = 2) -> tuple[dict
     """``(unsharded, zero3)`` model-state bytes of a sharded ``model`` with an Adam-like optimizer.
 
     ``unsharded``: one rank holding everything in the stored dtype: ``P``, ``G`` (stored dtype) and ``O``
-    (``optimizer_states`` tensors like the parameter; AdamW: 2). ``zero3``: each parameter's ZeRO-3 share
+    (``optimizer_states`` tensors like the parameter; AdamW: 2), ``G`` and ``O`` for parameters that
+    require grad only (a frozen LoRA base has neither). ``zero3``: each parameter's ZeRO-3 share
     ``(P + G + O) / k`` (Rajbhandari et al., 2020, Section 5), ``k`` its ``shard_factor`` (the dp shard
     axis, times the tp axis for tensor-parallel weights). Bytes; no padding, no step counters.
     """
@@ -88,7 +89,8 @@ def zero3_state_bytes(model: nn.Module, optimizer_states: int = 2) -> tuple[dict
     for p in model.parameters():
         full = p.numel() * p.element_size()
         k = shard_factor(p)
-        for key, mult in (("params", 1), ("grads", 1), ("optimizer", optimizer_states)):
+        trained = 1 if p.requires_grad else 0
+        for key, mult in (("params", 1), ("grads", trained), ("optimizer", optimizer_states * trained)):
             unsharded[key] += mult * full
             zero3[key] += mult * full / k
     return unsharded, zero3

@@ -1,7 +1,7 @@
 """``perparam plan``: the per-parameter sharding layout of a model for K ranks, computed without processes.
 
 The model is built on the meta device (no storage is allocated), each parameter gets the layout
-``fully_shard`` gives it on a 1D mesh of K ranks (``ShardLayout(shape, dtype, K, 0)``, placement
+``fully_shard`` gives it on a 1D mesh of K ranks (``ShardLayout(shape, dtype, K, Shard(0))``, placement
 ``(Shard(0),)``), and the per-rank bytes of parameters, gradients and optimizer state are summed from
 ``perparam.layout``, the same code the runtime uses. Units: bytes, GB = 10**9 bytes.
 
@@ -26,13 +26,15 @@ from fractions import Fraction
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement
 
 from perparam.layout import ShardLayout
 from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
 from perparam.memory.presets import PRESETS
-from perparam.resolution import ParamResolution, resolve_params
+from perparam.memory.tp_plan import tp_local_shape, tp_placements
+from perparam.placement import placement_str as one_placement_str
+from perparam.resolution import ParamResolution, aliases_of, resolve_params
 
 #: Dtype names accepted by ``--dtype`` ("model" keeps each parameter's own dtype).
 DTYPES = {
@@ -51,9 +53,15 @@ class ParamPlan:
     """One parameter: its name (as ``named_parameters`` gives it), layout and placements on the mesh."""
 
     name: str
-    layout: ShardLayout
-    requires_grad: bool
-    resolution: ParamResolution | None = None  # with per-parameter policies: what fully_shard resolves
+    resolution: ParamResolution  # what fully_shard resolves for it (perparam.resolution)
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self.resolution.layout
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.resolution.requires_grad
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -61,7 +69,12 @@ class ParamPlan:
 
     def stored_bytes(self, rank: int) -> int:
         """Bytes rank ``rank`` stores for this parameter (quantized codes and scales included)."""
-        return self.resolution.stored_bytes(rank) if self.resolution else self.layout.local_bytes(rank)
+        return self.resolution.stored_bytes(rank)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one rank sends for it in its group's all-gather (0 for a replicated parameter)."""
+        return sum(piece.nbytes for piece in self.resolution.pieces)
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,9 @@ class ModelPlan:
     per_rank: tuple[RankBytes, ...]
     unsharded: RankBytes
     nominal_params: int | None = None
+    #: ranks of the tensor-parallel axis; ``per_rank[r]`` is then what each of the T ranks of dp shard
+    #: rank ``r`` holds (tp splits evenly, so they hold the same)
+    tp: int = 1
 
     # -- counts ----------------------------------------------------------------------------------------
     @property
@@ -113,8 +129,10 @@ class ModelPlan:
 
     @property
     def padded_param_bytes_per_rank(self) -> int:
-        """Bytes of parameter shards each rank sends in an all-gather, padding included (equal on all ranks)."""
-        return sum(p.layout.padded_local_numel * p.layout.itemsize for p in self.params)
+        """Bytes each rank sends in the all-gathers of every parameter, padding included (equal on all ranks;
+        the wire pieces of ``perparam.layout.wire_pieces``: ``param_dtype``, or quantized codes and scales;
+        replicated parameters send nothing)."""
+        return sum(p.wire_bytes for p in self.params)
 
     def rank(self, r: int) -> RankBytes:
         return self.per_rank[r]
@@ -162,45 +180,47 @@ class ModelPlan:
 def plan_module(
     module: nn.Module, world_size: int, *, dtype: torch.dtype | None = torch.float16,
     grad_bytes: Number | None = None, optim_bytes: Number = 12, model_name: str = "model",
-    shard_dims: Mapping[str, int | None] | None = None, nominal_params: int | None = None,
-    param_policy=None, mp_policy=None,
+    nominal_params: int | None = None, param_policy=None, mp_policy=None, tp: int = 1,
+    tp_plan: Mapping[str, object] | None = None,
 ) -> ModelPlan:
     """The sharding plan of ``module`` (any device, meta included) over ``world_size`` ranks.
 
     ``dtype``: dtype the parameters are stored in (``None``: each parameter's own). ``grad_bytes``: bytes
     per gradient element (``None``: the stored itemsize). ``optim_bytes``: optimizer-state bytes per trainable
-    element. ``shard_dims``: per-name override of the sharded dim (``None`` = replicated); by default dim 0,
-    and 0-dim parameters are replicated. Tied parameters are counted once (``named_parameters``).
-    ``param_policy``: as ``fully_shard``'s; when given, placements come from ``perparam.resolution`` (the
-    path ``fully_shard`` takes, ``placement="auto"`` included; 0-dim parameters raise ``ValueError`` there).
+    element. Tied parameters are counted once (``named_parameters``); a ``param_policy`` pattern may name
+    any of their names. ``param_policy``, ``mp_policy``: as ``fully_shard``'s. Every parameter goes
+    through ``perparam.resolution.resolve_params``, the path ``fully_shard`` takes (placements,
+    ``placement="auto"``, stored dtypes, quantization), so whatever ``fully_shard`` refuses raises the same
+    ``ValueError`` here (e.g. a 0-dim parameter without ``ParamPolicy(placement=Replicate())``).
+    ``tp``, ``tp_plan``: a tensor-parallel axis of ``tp`` ranks and ``parallelize_module``'s plan for it
+    (``perparam.memory.tp_plan``); ``world_size`` stays the dp shard axis's K, and a parameter the plan
+    splits is sharded over dp as its tp-local tensor, as ``fully_shard`` does.
 
     Per-rank sums run over the distinct ``(shape, dtype, dim, trainable)`` groups, not over every parameter,
     so K = 1024 on GPT-2 XL takes milliseconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    shard_dims = dict(shard_dims or {})
     optim_bytes = _whole(exact(optim_bytes))
     grad_bytes = None if grad_bytes is None else _whole(exact(grad_bytes))
     if optim_bytes < 0 or (grad_bytes is not None and grad_bytes < 0):
         raise ValueError("bytes per element must be >= 0")
-    plans = []
-    resolved = {}
-    if param_policy is not None:
-        named = [(n, nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta"),
-                                  requires_grad=p.requires_grad)) for n, p in module.named_parameters()]
-        resolved = {r.name: r for r in resolve_params(named, mp_policy, param_policy, world_size, model_name)}
-    for name, p in module.named_parameters():
-        if name in resolved:  # the stored dtype, placement and trainability fully_shard would give it
-            r = resolved[name]
-            plans.append(ParamPlan(name, r.layout, r.requires_grad, r))
-            continue
-        shard_dim = shard_dims.get(name, 0 if p.dim() > 0 else None)
-        layout = ShardLayout(tuple(p.shape), dtype or p.dtype, world_size, shard_dim)
-        plans.append(ParamPlan(name, layout, p.requires_grad))
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if tp > 1 and tp_plan is None:
+        raise ValueError("--tp needs a tensor-parallel plan: the presets carry one; for --model pass --tp-plan "
+                         "PKG.MODULE:FACTORY (a factory returning parallelize_module's plan)")
+    aliases = aliases_of(module)
+    on_tp = tp_placements(module, tp_plan) if tp > 1 else {}
+    on_tp = {n: on_tp[a] for n, names in aliases.items() for a in names if a in on_tp}  # by first name
+    named = [(n, nn.Parameter(torch.empty(tp_local_shape(n, tuple(p.shape), on_tp[n], tp) if n in on_tp else p.shape,
+                                          dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
+             for n, p in module.named_parameters()]
+    plans = [ParamPlan(r.name, r) for r in resolve_params(named, mp_policy, param_policy, world_size, model_name,
+                                                          aliases=aliases, tensor_parallel=set(on_tp))]
 
-    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy if pp.resolution else None) for pp in plans)
-    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy if pp.resolution else None): pp for pp in plans}
+    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy) for pp in plans)
+    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy): pp for pp in plans}
     params = [0] * world_size
     states = [0] * world_size  # elements with a gradient and optimizer state, weighted by grad bytes
     train_numel = [0] * world_size
@@ -221,12 +241,33 @@ def plan_module(
     )
     trainable = sum(p.layout.numel for p in plans if p.requires_grad)
     unsharded = RankBytes(
-        -1, sum(sum(p.stored_bytes(r) for r in range(world_size)) if p.resolution and p.layout.shard_dim is not None
-                else p.layout.numel * p.layout.itemsize for p in plans), _whole(unsharded_grads),
+        -1, sum(sum(p.stored_bytes(r) for r in range(world_size)) if p.layout.gathered
+                else p.stored_bytes(0) for p in plans), _whole(unsharded_grads),
         _whole(trainable * optim_bytes),
     )
     return ModelPlan(model_name, world_size, tuple(plans), grad_bytes, optim_bytes, per_rank, unsharded,
-                     nominal_params)
+                     nominal_params, tp)
+
+
+def import_object(spec: str, flag: str, takes: str = "package.module:factory") -> object:
+    """The object ``package.module:attr`` (dotted attributes allowed) names, for command-line flag ``flag``.
+    Raises ``ValueError`` (saying what ``flag`` takes) when it cannot be imported or found, ``TypeError``
+    when it is not callable."""
+    hint = f"{flag} takes {takes}, importable from the current environment (check PYTHONPATH)"
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{flag} {spec!r}: expected {takes}; {hint}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r} for {flag} {spec} ({exc}): {hint}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} for {flag} {spec}: {hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{spec} ({flag}) is not callable")
+    return obj
 
 
 def resolve_factory(spec: str) -> tuple[Callable[[], nn.Module], str, int | None]:
@@ -236,19 +277,15 @@ def resolve_factory(spec: str) -> tuple[Callable[[], nn.Module], str, int | None
         return preset.factory, preset.description, preset.nominal_params
     if ":" not in spec:
         raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) nor package.module:factory")
-    module_name, attr = spec.split(":", 1)
-    hint = "--model takes package.module:factory, importable from the current environment (check PYTHONPATH)"
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r} for --model {spec} ({exc}): {hint}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r} for --model {spec}: {hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{spec} is not callable")
-    return obj, spec, None
+    return import_object(spec, "--model"), spec, None
+
+
+def call_factory(spec: str, flag: str, want: type, what: str):
+    """Import ``spec`` (``import_object``), call it with no arguments and check it returned a ``want``."""
+    out = import_object(spec, flag)()
+    if not isinstance(out, want):
+        raise TypeError(f"{spec} ({flag}) returned {type(out).__name__}; it must return {what}")
+    return out
 
 
 def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
@@ -262,23 +299,32 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
 
 def plan_model(
     spec: str, world_size: int, *, dtype: torch.dtype | None = torch.float16, grad_bytes: Number | None = None,
-    optim_bytes: Number = 12, nominal_params: int | None = None, param_policy=None,
+    optim_bytes: Number = 12, nominal_params: int | None = None, param_policy=None, tp: int = 1,
+    tp_plan: Mapping[str, object] | str | None = None,
 ) -> ModelPlan:
-    """``plan_module`` of a preset (``"gpt2-xl"``) or ``package.module:factory`` built on the meta device."""
+    """``plan_module`` of a preset (``"gpt2-xl"``) or ``package.module:factory`` built on the meta device.
+
+    ``tp_plan``: ``parallelize_module``'s plan, or a ``package.module:factory`` returning it (``--tp-plan``);
+    ``None``: the preset's (``perparam.memory.tp_plan.gpt2_tp_plan`` for the GPT-2 presets)."""
     factory, _, preset_nominal = resolve_factory(spec)
     module = build_on_meta(factory)
+    if isinstance(tp_plan, str):
+        tp_plan = call_factory(tp_plan, "--tp-plan", Mapping, "a dict of module patterns to ColwiseParallel() "
+                               "or RowwiseParallel()")
+    if tp_plan is None and spec in PRESETS and PRESETS[spec].tp_plan is not None:
+        tp_plan = PRESETS[spec].tp_plan()
     return plan_module(
         module, world_size, dtype=dtype, grad_bytes=grad_bytes, optim_bytes=optim_bytes, model_name=spec,
         nominal_params=preset_nominal if nominal_params is None else nominal_params, param_policy=param_policy,
+        tp=tp, tp_plan=tp_plan,
     )
 
 
 # -- CLI -------------------------------------------------------------------------------------------------
 
 def placement_str(placements: tuple[Placement, ...]) -> str:
-    def one(p: Placement) -> str:
-        return f"Shard({p.dim})" if isinstance(p, Shard) else "Replicate()" if isinstance(p, Replicate) else str(p)
-    return "(" + ", ".join(one(p) for p in placements) + ("," if len(placements) == 1 else "") + ")"
+    """``"(Shard(0),)"``: a placements tuple as DTensor prints it."""
+    return "(" + ", ".join(map(one_placement_str, placements)) + ("," if len(placements) == 1 else "") + ")"
 
 
 def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> dict:
@@ -289,6 +335,7 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
     out: dict = {
         "model": plan.model_name,
         "world_size": plan.world_size,
+        "tp": plan.tp,
         "num_params": plan.num_params,
         "trainable_params": plan.trainable_params,
         "num_tensors": len(plan.params),

@@ -10,7 +10,7 @@ from fractions import Fraction
 from perparam.memory import formulas
 from perparam.memory.formulas import GB
 from perparam.memory.plan import DTYPES, PRESETS, plan_model, plan_to_json, resolve_factory
-from perparam.memory.policy_args import policy_mapping
+from perparam.memory.policy_args import policy_from_args
 
 HELP = "the sharding layout of a model for K ranks, computed without processes"
 
@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a built-in model (default: gpt2-xl)")
     src.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
                      help="an importable factory returning an nn.Module, called with no arguments on meta")
-    parser.add_argument("--world", "-K", type=int, default=64, help="K, ranks on the shard axis (default 64)")
+    parser.add_argument("--world", "-K", type=int, default=64,
+                        help="ranks in all: --dp-replicate x shard axis x --tp (default 64)")
     parser.add_argument("--dtype", default="float16", choices=[*DTYPES, "model"],
                         help="stored parameter dtype (default float16, the tables' 2 bytes; 'model': as built)")
     parser.add_argument("--grad-bytes", type=formulas.exact, default=None,
@@ -38,6 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-replicate", type=int, default=1, metavar="R",
                         help="HSDP: R replicas of a shard axis of --world/R ranks (a rank's bytes depend on the "
                              "shard axis only; default 1)")
+    parser.add_argument("--param-policy-factory", default=None, metavar="PKG.MODULE:FUNCTION",
+                        help="an importable function returning fully_shard's param_policy (a dict of patterns to "
+                             "ParamPolicy, a ParamPolicy or a callable); --param-policy flags are added after it")
+    parser.add_argument("--tp", type=int, default=1, metavar="T",
+                        help="tensor parallelism: T ranks per tp group, the innermost axis; parameters the "
+                             "tensor-parallel plan splits are sharded over dp as their tp-local tensor (default 1)")
+    parser.add_argument("--tp-plan", default=None, metavar="PKG.MODULE:FACTORY",
+                        help="with --tp: a factory returning parallelize_module's plan (module patterns -> "
+                             "ColwiseParallel()/RowwiseParallel()); presets default to the Megatron GPT-2 plan")
     parser.add_argument("--rank", type=int, default=0, help="rank shown in the tables (default 0)")
     parser.add_argument("--params-table", action="store_true", help="print a per-parameter table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -50,11 +60,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < args.world:
         print(f"perparam plan: --rank must be in [0, {args.world}), got {args.rank}", file=sys.stderr)
         return 2
-    if args.dp_replicate < 1 or args.world % args.dp_replicate:
-        print(f"perparam plan: --dp-replicate must be a positive divisor of --world {args.world}, got "
-              f"{args.dp_replicate}", file=sys.stderr)
+    if args.tp < 1 or args.world % args.tp:
+        print(f"perparam plan: --tp must be a positive divisor of --world {args.world}, got {args.tp}", file=sys.stderr)
         return 2
-    shards = args.world // args.dp_replicate
+    if args.dp_replicate < 1 or (args.world // args.tp) % args.dp_replicate:
+        print(f"perparam plan: --dp-replicate must be a positive divisor of --world / --tp = {args.world // args.tp}, "
+              f"got {args.dp_replicate}", file=sys.stderr)
+        return 2
+    shards = args.world // (args.dp_replicate * args.tp)
     if args.rank >= shards:
         print(f"perparam plan: --rank is a rank of the shard axis, in [0, {shards}), got {args.rank}", file=sys.stderr)
         return 2
@@ -63,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_model(
             spec, shards, dtype=None if args.dtype == "model" else DTYPES[args.dtype],
             grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, nominal_params=args.nominal_params,
-            param_policy=policy_mapping(args.param_policy, args.placement),
+            param_policy=policy_from_args(args.param_policy, args.placement, args.param_policy_factory),
+            tp=args.tp, tp_plan=args.tp_plan,
         )
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"perparam plan: {err}", file=sys.stderr)

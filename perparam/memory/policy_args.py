@@ -73,3 +73,33 @@ def policy_mapping(specs: list[str], placement: str = "shard0") -> dict[str, Par
                    for k, v in mapping.items()}
         mapping.setdefault("*", ParamPolicy(placement="auto"))
     return mapping or None
+
+
+def policy_from_args(specs: list[str], placement: str = "shard0", factory: str | None = None):
+    """``perparam plan``'s ``param_policy``: the ``--param-policy-factory`` function's result (imported as
+    ``--model`` imports, ``perparam.memory.plan.import_object``), then the ``--param-policy`` flags.
+
+    A factory's mapping comes first, so its patterns win (first match wins); flags add patterns after it. A
+    factory returning a ``ParamPolicy`` or a callable cannot be combined with flags or ``--placement auto``.
+    Raises ``ValueError``/``TypeError`` naming the flag."""
+    flags = policy_mapping(specs, placement)
+    if factory is None:
+        return flags
+    from collections.abc import Mapping
+
+    from perparam.memory.plan import import_object
+
+    policy = import_object(factory, "--param-policy-factory", "package.module:function")()
+    if isinstance(policy, Mapping):
+        bad = next((k for k, v in policy.items() if not isinstance(k, str) or not isinstance(v, ParamPolicy)), None)
+        if bad is not None:
+            raise TypeError(f"--param-policy-factory {factory}: the dict must map glob patterns (str) to ParamPolicy; "
+                            f"entry {bad!r} does not")
+        return {**policy, **{k: v for k, v in (flags or {}).items() if k not in policy}}
+    if not (isinstance(policy, ParamPolicy) or callable(policy)):
+        raise TypeError(f"--param-policy-factory {factory} returned {type(policy).__name__}; it must return a dict of "
+                        "patterns to ParamPolicy, a ParamPolicy or a callable (name, param) -> ParamPolicy | None")
+    if flags:
+        raise ValueError(f"--param-policy-factory {factory} returned a {type(policy).__name__}, which cannot be "
+                         "combined with --param-policy or --placement auto; return a dict instead")
+    return policy

@@ -136,6 +136,8 @@ class Preset:
     factory: Callable[[], nn.Module]
     description: str
     nominal_params: int | None = None
+    #: ``parallelize_module``'s plan for ``perparam plan --tp`` (``perparam.memory.tp_plan``)
+    tp_plan: Callable[[], dict] | None = None
 
 
 GPT2_CONFIGS = {
@@ -166,7 +168,9 @@ def _preset(name: str, nominal: int | None = None) -> Preset:
     cfg = GPT2_CONFIGS[name]
     desc = (f"GPT-2 {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_head} heads, vocab {cfg.vocab_size}, "
             f"context {cfg.context}, tied embeddings")
-    return Preset(name, lambda: gpt2(name), desc, nominal)
+    from perparam.memory.tp_plan import gpt2_tp_plan
+
+    return Preset(name, lambda: gpt2(name), desc, nominal, gpt2_tp_plan)
 
 
 #: Presets by name. GPT-2 XL's nominal 1.5e9 is the "1.5B parameter, GPT-2 sized" model of the ZeRO tables.

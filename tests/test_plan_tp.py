@@ -1,0 +1,99 @@
+"""``perparam plan --tp T`` and ``--param-policy-factory``: the plan's bytes per rank equal what a real
+``fully_shard`` on a dp x tp mesh holds (each rank simulated in one process through torch's fake process
+group), for the GPT-2 preset's Megatron plan, with and without per-parameter policies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import perparam
+from perparam import ParamPolicy, QuantPolicy
+from perparam.cli import main
+from perparam.memory.measure import storage_bytes
+from perparam.memory.plan import plan_model
+from perparam.memory.presets import gpt2_tiny
+from perparam.memory.tp_plan import gpt2_tp_plan
+
+DP, TP = 2, 2
+
+
+def policy() -> dict:
+    """Used by the test and as ``--param-policy-factory tests.test_plan_tp:policy``."""
+    return {"blocks.*.mlp.c_fc.weight": ParamPolicy(quant=QuantPolicy("int8")),
+            "blocks.*.ln_*": ParamPolicy(placement="auto"),  # tiny: replicated
+            "blocks.1.mlp.c_proj.weight": ParamPolicy(placement="auto"),  # tp-split: stays Shard(0)
+            "wpe.weight": ParamPolicy(placement="auto")}
+
+
+def measured(param_policy) -> dict[int, int]:
+    """Parameter bytes each dp shard rank holds after parallelize_module + fully_shard, per tp rank."""
+    out: dict[int, set] = {}
+    for rank in range(DP * TP):
+        dist.init_process_group("fake", rank=rank, world_size=DP * TP, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard", "tp"))
+            torch.manual_seed(0)
+            model = gpt2_tiny()
+            parallelize_module(model, mesh["tp"], gpt2_tp_plan())
+            perparam.fully_shard(model, mesh=mesh["dp_shard"], param_policy=param_policy)
+            assert isinstance(model.blocks[0].attn.c_attn.weight, DTensor)
+            attn = model.blocks[0].attn
+            assert attn.c_attn.weight.placements[1:] == (Shard(0),)  # (dp_shard, tp): column-parallel
+            assert attn.c_proj.weight.placements[1:] == (Shard(1),)  # row-parallel ...
+            assert attn.c_proj.bias.placements == (Shard(0), Replicate())  # ... its bias replicated on tp
+            out.setdefault(mesh.get_coordinate()[0], set()).add(storage_bytes(model.parameters()))
+        finally:
+            dist.destroy_process_group()
+    assert all(len(v) == 1 for v in out.values())  # the tp ranks of one dp rank hold the same bytes
+    return {r: v.pop() for r, v in out.items()}
+
+
+@pytest.mark.parametrize("with_policy", [False, True])
+def test_plan_tp_bytes_per_rank_equal_fully_shard_on_a_dp_x_tp_mesh(with_policy):
+    param_policy = policy() if with_policy else None
+    got = measured(param_policy)
+    plan = plan_model("gpt2-tiny", DP, dtype=None, tp=TP, param_policy=param_policy)
+    flat = plan_model("gpt2-tiny", DP, dtype=None, param_policy=param_policy)
+    for r in range(DP):
+        assert got[r] == plan.rank(r).params, (r, got, plan.rank(r))
+    assert plan.rank(0).params < flat.rank(0).params  # tp holds less per rank
+
+
+def test_cli_plan_tp_and_param_policy_factory(capsys):
+    args = ["plan", "--preset", "gpt2-tiny", "--dtype", "model", "--json"]
+    assert main([*args, "--world", str(DP * TP), "--tp", str(TP),
+                 "--param-policy-factory", "tests.test_plan_tp:policy"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    want = plan_model("gpt2-tiny", DP, dtype=None, tp=TP, param_policy=policy())
+    assert (data["tp"], data["world_size"]) == (TP, DP)
+    assert data["rank"]["params_bytes"] == want.rank(0).params
+    # --param-policy flags add patterns after the factory's
+    assert main([*args, "--world", "2", "--param-policy-factory", "tests.test_plan_tp:policy",
+                 "--param-policy", "lm_head.weight=frozen"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_params"] < plan_model("gpt2-tiny", 2).trainable_params
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--tp", "3", "--world", "6"], ["'blocks.0.attn.c_proj.weight'", "dim 1", "does not divide", "tp axis of size 3"]),
+    (["--tp", "4", "--world", "6"], ["--tp", "divisor"]),
+    (["--param-policy-factory", "tests.test_plan_tp:nothing"], ["--param-policy-factory", "no attribute"]),
+    (["--param-policy-factory", "tests.test_plan_tp"], ["--param-policy-factory", "package.module:function"]),
+    (["--param-policy-factory", "tests.test_plan_tp:DP"], ["not callable"]),
+    (["--param-policy-factory", "tests.test_plan_tp:measured_world"], ["returned int"]),
+])
+def test_cli_plan_tp_and_factory_errors_are_one_line(argv, words, capsys):
+    assert main(["plan", "--preset", "gpt2-tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def measured_world() -> int:
+    return 4
