@@ -155,4 +155,7 @@ def test_model_flops_per_token_follow_palm_6n_plus_12lhqt():
     n = 134_515_008 - (30 * 2 * 576 + 576)  # every parameter but the norms (the tied embedding is the head)
     assert matmul_weights(cfg) == n
     assert flops_per_token(cfg, 128) == 6 * n + 12 * 30 * 9 * 64 * 128 == 833_421_312
-    assert mfu(100.0, cfg, 128, 833_421_312 * 200.0) == 0.5
+    assert flops_per_token(cfg, 128, 134_515_008, 134_515_008) == 833_421_312  # full fine-tuning
+    # LoRA: 1000 adapter weights trained, the rest frozen (4 FLOPs per weight and token, not 6)
+    assert flops_per_token(cfg, 128, 134_515_008 + 1000, 1000) == 833_421_312 + 6 * 1000 - 2 * n
+    assert mfu(100.0, 833_421_312, 833_421_312 * 200.0) == 0.5

@@ -188,8 +188,9 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
                      for kind in ("all_gather", "reduce_scatter", "all_reduce")}
     tokens_per_s = tokens_per_step * steps_run / step_s if steps_run else 0.0
-    rates = {"flops_per_token": throughput.flops_per_token(run.model_cfg, data.seq_len), "matmul_peak_flops": peak,
-             "mfu": throughput.mfu(tokens_per_s, run.model_cfg, data.seq_len, peak)}
+    trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)  # global sizes (DTensor)
+    flops = throughput.flops_per_token(run.model_cfg, data.seq_len, run.params_total, trainable)
+    rates = {"flops_per_token": flops, "matmul_peak_flops": peak, "mfu": throughput.mfu(tokens_per_s, flops, peak)}
     if run.rank == 0 and steps_run:
         print(f"throughput: {tokens_per_s:,.0f} tokens/s, model FLOPs utilisation {100 * rates['mfu']:.1f}% "
               f"({rates['flops_per_token'] / 1e6:.0f} MFLOP/token against a measured matmul peak of "

@@ -10,7 +10,9 @@ every weight a token goes through (``N``), plus the attention scores and their w
 ``H`` query heads, ``Q`` head dim, ``T`` sequence length; the causal mask is not discounted, as in PaLM).
 ``N`` counts the weights used in a matmul: every Linear and the output projection (with tied embeddings
 that is the embedding matrix, counted once; an untied embedding's lookup is not a matmul), not the norms.
-Rematerialisation is not counted (model FLOPs, not hardware FLOPs).
+Rematerialisation is not counted (model FLOPs, not hardware FLOPs). Under ``--lora``/``--qlora`` the adapters'
+weights are matmul weights too, and a frozen weight needs no weight gradient: 4 FLOPs per weight and token
+(forward, input gradient) instead of 6, so ``6 N - 2 N_frozen + 12 L H Q T``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,14 @@ def matmul_weights(cfg: LlamaConfig) -> int:
     return cfg.num_params() - norms - lookup
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
-    """Training FLOPs per token, ``6 N + 12 L H Q T`` (PaLM, appendix B)."""
-    return 6 * matmul_weights(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+def flops_per_token(cfg: LlamaConfig, seq_len: int, params_total: int | None = None,
+                    trainable: int | None = None) -> int:
+    """Training FLOPs per token, ``6 N + 12 L H Q T`` (PaLM, appendix B); ``params_total`` (the model's
+    parameters, adapters included) and ``trainable`` (those with ``requires_grad``) count the adapters in
+    ``N`` and the frozen weights at 4 FLOPs instead of 6 (see the module docstring)."""
+    n = matmul_weights(cfg) + (params_total - cfg.num_params() if params_total is not None else 0)
+    frozen = n - min(trainable, n) if trainable is not None else 0
+    return 6 * n - 2 * frozen + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, budget_s: float = 0.25) -> float:
@@ -69,6 +76,6 @@ def machine_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, float
     return total.item(), mine
 
 
-def mfu(tokens_per_s: float, cfg: LlamaConfig, seq_len: int, peak_flops: float) -> float:
-    """Model FLOPs utilisation in [0, 1]: achieved model FLOP/s over ``peak_flops`` (all ranks)."""
-    return tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops if peak_flops > 0 else 0.0
+def mfu(tokens_per_s: float, flops: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation in [0, 1]: ``tokens_per_s`` x ``flops`` (per token) over ``peak_flops``."""
+    return tokens_per_s * flops / peak_flops if peak_flops > 0 else 0.0
