@@ -152,8 +152,8 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
 
 
 class Progress:
-    """Rank 0's progress display: a rich progress bar on a terminal (step, loss, learning rate, tokens/s,
-    elapsed time and ETA), one plain line per step otherwise (``step N/T  loss ...``)."""
+    """Rank 0's progress display: a rich progress bar on a terminal (step, loss, learning rate, gradient norm,
+    tokens/s, elapsed time and ETA), one plain line per step otherwise (``step N/T  loss ...``)."""
 
     def __init__(self, enabled: bool, total: int) -> None:
         self.enabled, self.total, self.bar = enabled, total, None
@@ -172,16 +172,19 @@ class Progress:
 
                 self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                     TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("lr {task.fields[lr]}"),
-                                    TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
+                                    TextColumn("{task.fields[norm]}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                    TimeElapsedColumn(),
                                     TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
-                self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0, lr="-")
+                self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0, lr="-",
+                                          norm="")
                 self.bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, elapsed_s: float, lr: float | None = None,
                grad_norm: float | None = None, eta_s: float | None = None) -> None:
         if self.bar is not None:
             self.bar.update(self.task, completed=step, loss=loss, tps=tokens_per_s,
-                            lr="-" if lr is None else f"{lr:.2e}")
+                            lr="-" if lr is None else f"{lr:.2e}",
+                            norm="" if grad_norm is None else f"grad-norm {grad_norm:.3f}")
         elif self.enabled:
             line = f"step {step}/{self.total}  loss {loss:.4f}"
             if lr is not None:
