@@ -29,4 +29,7 @@ def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
              "config": args.config, "lr": args.lr}
     path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
     if rank == 0:
+        from perparam.finetune import lifecycle
+
+        lifecycle.checkpoint_done(step, folder)  # the interruption line names it from now on
         print(f"checkpoint: step {step} in {path}", flush=True)
