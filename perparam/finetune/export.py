@@ -128,8 +128,11 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(str(tmp))
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (safetensors' writer makes it 0600)
         os.replace(tmp, target)
     except OSError as exc:
         raise FinetuneInputError(f"--export {path} could not be written ({exc.strerror or exc}): free space "
