@@ -81,6 +81,35 @@ def test_exported_safetensors_have_hugging_face_names_and_the_exact_values(expor
     assert os.stat(out / "a.safetensors").st_mode & 0o044  # readable as any file the user creates
 
 
+def _load_on_ranks(rank: int, world: int, path: str, tp: int) -> tuple[int, dict | None]:
+    """Rank ``rank`` of the main job's GGUF loading: how often it opened the file, and rank 0's gathered state."""
+    from types import SimpleNamespace
+
+    from perparam.checkpoint import full_state_dict
+    from perparam.finetune import gguf_loader
+    from perparam.finetune.train import build_meshes, build_sharded_model
+
+    opened, real_open = [], gguf_loader.open_gguf
+    gguf_loader.open_gguf = lambda *a, **k: opened.append(a) or real_open(*a, **k)
+    args = SimpleNamespace(config="gguf", gguf_path=path, param_dtype="fp32", quant="none")
+    model, _, _ = build_sharded_model(args, torch.device("cpu"), build_meshes(world, 1, tp, "cpu"))
+    return len(opened), full_state_dict(model)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_only_rank_0_reads_the_gguf_and_the_sharded_model_holds_its_weights(tmp_path, tp):
+    from tests.distributed import run_distributed
+    from tests.test_finetune_gguf import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)  # q/k rows permuted, Q8_0 MLP weights
+    (opened0, state), (opened1, _) = run_distributed(_load_on_ranks, 2, str(path), tp)
+    assert (opened0, opened1) == (1, 0)
+    reference, _ = load_llama(path)  # the old path: every weight read and dequantised in one process
+    assert state.keys() == reference.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+
+
 def _tiny_state() -> tuple[dict[str, torch.Tensor], LlamaConfig]:
     torch.manual_seed(0)
     cfg = LlamaConfig.tiny()
