@@ -60,7 +60,7 @@ def test_exported_gguf_holds_the_trained_tensors_and_gives_the_same_heldout_loss
     before, after = exported["reloaded"]["heldout_loss_before"], exported["trained"]["heldout_loss_after"]
     assert abs(before - after) <= 1e-5, (before, after)
     info = exported["trained"]["export"]
-    assert info[str(out / "a.gguf")]["bytes"] == (out / "a.gguf").stat().st_size
+    assert info["files"][str(out / "a.gguf")]["bytes"] == (out / "a.gguf").stat().st_size
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 

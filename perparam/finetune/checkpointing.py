@@ -14,6 +14,9 @@ def resume_from(args, model, optimizer, rank: int) -> int:
     newest = checkpoint.latest(args.resume)
     extra = checkpoint.load(newest, model, optimizer)
     if rank == 0:
+        from perparam.finetune import lifecycle
+
+        lifecycle.checkpoint_done(int(extra["step"]), args.resume)  # named if interrupted before the next save
         print(f"resumed from {newest} at step {extra['step']}", flush=True)
     return int(extra["step"])
 

@@ -88,23 +88,22 @@ def export_model(model: torch.nn.Module, cfg: LlamaConfig, paths, dtype: str = "
                  source_gguf: str | None = None,
                  state_fn: Callable[[torch.nn.Module], dict | None] = export_state) -> dict | None:
     """Gather the weights with ``state_fn`` (a collective: every rank calls this) and write each of
-    ``paths`` on rank 0. Returns ``{path: {"bytes", "seconds"}, "gather_s": ...}`` on rank 0, None
-    elsewhere. ``source_gguf``: the input GGUF whose metadata and tokenizer a ``.gguf`` export copies
+    ``paths`` on rank 0. Returns ``{"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}`` on rank 0
+    (seconds of wall time), None elsewhere. ``source_gguf``: the input GGUF whose metadata and tokenizer a ``.gguf`` export copies
     (None: ``--config tiny``). Raises :class:`FinetuneInputError` when a file cannot be written."""
     start = time.perf_counter()
     state = state_fn(model)
     if state is None:
         return None
-    info: dict = {"gather_s": time.perf_counter() - start}
+    info: dict = {"dtype": dtype, "gather_s": time.perf_counter() - start, "files": {}}
     for path in paths:
         t0 = time.perf_counter()
         if Path(path).suffix.lower() == ".gguf":
             write_gguf(path, state, cfg, dtype, source_gguf)
         else:
             write_safetensors(path, state, cfg, dtype)
-        info[str(path)] = {"bytes": Path(path).stat().st_size, "seconds": time.perf_counter() - t0}
-        print(f"exported {path} ({dtype}, {info[str(path)]['bytes'] / 1e6:.1f} MB) in "
-              f"{info[str(path)]['seconds']:.1f} s", flush=True)
+        done = info["files"][str(path)] = {"bytes": Path(path).stat().st_size, "seconds": time.perf_counter() - t0}
+        print(f"exported {path} ({dtype}, {done['bytes'] / 1e6:.1f} MB) in {done['seconds']:.1f} s", flush=True)
     return info
 
 

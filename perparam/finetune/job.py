@@ -168,7 +168,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "train_losses": loop.train_losses,
         "tokens_per_s": cfg.batch_size * data.seq_len * steps_run / loop.train_s if steps_run else 0.0,
         "first_step": run.first_step, "checkpoint": cfg.save,
-        "export": exported,  # rank 0: {path: {"bytes", "seconds"}, "gather_s"}; None without --export
+        "export": exported,  # {"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}; None without --export
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
         # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
         "comm_bytes_per_step": loop.comm_per_step,

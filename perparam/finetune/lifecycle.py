@@ -89,12 +89,12 @@ def read_progress(path: str) -> tuple[int | None, int | None, tuple[int, str] | 
     """``(step, total, checkpoint)`` from the progress file (``None``s where it is missing)."""
     try:
         lines = Path(path).read_text().splitlines()
-        step, total = lines[0].split()
+        step, total = (None if x == "-" else int(x) for x in lines[0].split())
         checkpoint = None
         if len(lines) > 1:
             saved, folder = lines[1].split(" ", 1)
             checkpoint = (int(saved), folder)
-        return int(step), int(total), checkpoint
+        return step, total, checkpoint
     except (OSError, ValueError, IndexError):
         return None, None, None
 
@@ -214,7 +214,8 @@ def checkpoint_done(step: int, folder: str) -> None:
 def _write_progress() -> None:
     path = os.environ.get(PROGRESS_ENV)
     if path and os.environ.get("RANK") == "0":
-        text = f"{_progress['step']} {_progress['total']}\n"
+        step, total = (_progress[k] if _progress[k] is not None else "-" for k in ("step", "total"))
+        text = f"{step} {total}\n"  # "- -" before the first step (a resumed run's checkpoint is known)
         if _progress["checkpoint"] is not None:
             text += f"{_progress['checkpoint'][0]} {_progress['checkpoint'][1]}\n"
         with contextlib.suppress(OSError):  # write, then rename: a reader never sees a half-written file
