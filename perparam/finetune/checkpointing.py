@@ -16,6 +16,9 @@ def resume_from(args, model, optimizer, rank: int) -> int:
     newest = checkpoint.latest(args.resume)
     extra = checkpoint.load(newest, model, optimizer)
     if rank == 0:
+        from perparam.finetune import lifecycle
+
+        lifecycle.checkpoint_done(int(extra["step"]), args.resume)  # named if interrupted before the next save
         print(f"resumed from {newest} at step {extra['step']}", flush=True)
     return int(extra["step"])
 
@@ -31,4 +34,7 @@ def save_if_due(args, model, optimizer, step: int, rank: int) -> None:
              "config": args.config, "lr": args.lr, **lora.checkpoint_extra(args)}
     path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
     if rank == 0:
+        from perparam.finetune import lifecycle
+
+        lifecycle.checkpoint_done(step, folder)  # the interruption line names it from now on
         print(f"checkpoint: step {step} in {path}", flush=True)

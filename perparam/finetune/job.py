@@ -48,6 +48,8 @@ class JobConfig:
     lora_alpha: float | None = None
     lora_targets: str | None = None
     qlora: bool = False
+    export: list[str] | None = None  # --export paths (.gguf, .safetensors), written by rank 0 after training
+    export_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:
@@ -84,13 +86,16 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
-    model, llama_cfg, name = train.build_model(cfg, device)
     lora_cfg = lora.config_from_args(cfg)
-    if lora_cfg is not None:  # adapters in, everything else frozen, before sharding (one group per layer)
+    if lora_cfg is None:  # only rank 0 reads the GGUF; the others build on the meta device
+        model, llama_cfg, name = train.build_sharded_model(cfg, device, meshes)
+    else:  # adapters in and everything else frozen before sharding (one group per layer). Every rank
+        # reads the GGUF here: QLoRA's NF4-stored base would need load_full_state_dict to quantize on load.
+        model, llama_cfg, name = train.build_model(cfg, device)
         lora.apply_lora(model, lora_cfg, cfg.seed)
-    params_total = sum(p.numel() for p in model.parameters())
-    train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
-                      lora.layer_policy(lora_cfg))
+        train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
+                          lora.layer_policy(lora_cfg))
+    params_total = sum(p.numel() for p in model.parameters())  # global sizes (DTensor.numel)
     optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     layout = f"{dims.dp_shard} shard ranks"
     if dims.dp_replicate > 1:
@@ -156,7 +161,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     return LoopResult(losses, comm_per_step, time.perf_counter() - start)
 
 
-def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launched: float) -> dict:
+def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launched: float,
+           exported: dict | None = None) -> dict:
     """Held-out loss after, model-state bytes per rank against ZeRO-3 (``perparam.memory``), the summary."""
     from perparam.memory.measure import model_state_bytes, zero3_state_bytes
 
@@ -185,6 +191,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "train_losses": loop.train_losses,
         "tokens_per_s": cfg.batch_size * data.seq_len * steps_run / loop.train_s if steps_run else 0.0,
         "first_step": run.first_step, "checkpoint": cfg.save,
+        "export": exported,  # {"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}; None without --export
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
         # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
         "comm_bytes_per_step": loop.comm_per_step,
@@ -226,7 +233,13 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     try:
         run = setup(cfg, data)
         loop = training_loop(cfg, run, data)
-        return report(cfg, run, data, loop, launched)
+        exported = None
+        if cfg.export:  # every rank gathers (collective), rank 0 writes
+            from perparam.finetune.export import export_model
+
+            merged = {} if cfg.lora is None else {"state_fn": lora.merged_state_dict}  # adapters merged in
+            exported = export_model(run.model, run.model.cfg, cfg.export, cfg.export_dtype, cfg.gguf_path, **merged)
+        return report(cfg, run, data, loop, launched, exported)
     finally:
         # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
         # kept into interpreter teardown it was seen to abort the process at exit
