@@ -35,7 +35,7 @@ DEMO_FLAGS := --generate '[Enter KING RICHARD.]' --generate 'ROMEO:' --max-new-t
 
 demo: $(STAMP) assets
 	$(VENV)/bin/perparam finetune --nproc $(NPROC) --assets $(ASSETS) --summary-json runs/demo/summary.json \
-		$(DEMO_FLAGS)
+	    --save runs/demo/ckpt --export runs/demo/smollm2-shakespeare.gguf $(DEMO_FLAGS)
 
 test: $(STAMP) assets
 	$(PY) -m pytest

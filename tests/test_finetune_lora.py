@@ -255,10 +255,20 @@ def test_qlora_checkpoint_resume_continues_exactly(tmp_path):
 def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp_path, text_dir, capsys,
                                                                            monkeypatch):
     out, ckpt = tmp_path / "s.json", tmp_path / "ckpt"
+    gguf_out = tmp_path / "merged.gguf"
     proc = _cli(*TINY, "--text", str(text_dir), "--lora", "4", "--lora-targets", "q_proj,down_proj",
-                "--summary-json", str(out), "--save", str(ckpt))
+                "--summary-json", str(out), "--save", str(ckpt), "--export", str(gguf_out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
+    # the export holds the merged weights: the file, loaded as a plain model, gives the trained loss
+    reload_json = tmp_path / "reload.json"
+    plain = [a for a in TINY if a not in ("--config", "tiny")]
+    again = _cli(*plain, "--text", str(text_dir), "--gguf", str(gguf_out), "--steps", "0",
+                 "--summary-json", str(reload_json))
+    assert again.returncode == 0, again.stdout + again.stderr
+    reloaded = json.loads(reload_json.read_text())
+    assert abs(reloaded["heldout_loss_before"] - summary["heldout_loss_after"]) < 1e-5
+    assert summary["heldout_loss_after"] != summary["heldout_loss_before"]
     assert summary["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "down_proj"], "qlora": False}
     assert summary["param_dtype"] == "fp32" and "LoRA: rank 4, alpha 8 (scale 2)" in proc.stdout
     by_mode = summary["model_state_bytes_by_mode"]

@@ -7,6 +7,7 @@ traceback, and that within 10 s no worker process and no temporary folder of the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def _workers_of(launcher_pid: int) -> list[int]:
 
 
 class Run:
-    def __init__(self, tmp_path: Path, steps: int = 2000) -> None:
+    def __init__(self, tmp_path: Path, steps: int = 2000, flags: tuple[str, ...] = ()) -> None:
         text = tmp_path / "text"
         text.mkdir()
         (text / "a.txt").write_text(SONNET * 60)
@@ -53,13 +54,13 @@ class Run:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "perparam.cli", "finetune", "--config", "tiny", "--text", str(text),
                  "--nproc", "2", "--steps", str(steps), "--seq-len", "32", "--batch-size", "2",
-                 "--eval-tokens", "64"],
+                 "--eval-tokens", "64", *flags],
                 stdout=out, stderr=err, cwd=REPO, env={**_env(), "TMPDIR": str(self.tmp)},
                 start_new_session=True)
 
-    def wait_for_step(self, step: int = 2, timeout: float = 90) -> None:
+    def wait_for_step(self, step: int = 2, timeout: float = 90, text: str | None = None) -> None:
         deadline = time.monotonic() + timeout
-        while f"step {step}/" not in self.out.read_text():
+        while (text or f"step {step}/") not in self.out.read_text():
             assert self.proc.poll() is None, self.out.read_text() + self.err.read_text()
             assert time.monotonic() < deadline, "no training step within the timeout"
             time.sleep(0.1)
@@ -96,6 +97,22 @@ def test_an_interrupted_run_says_one_line_and_stops_its_workers(tmp_path, sig, c
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("perparam finetune: interrupted at step "), err
     assert lines[0].endswith("/2000; nothing saved"), err
+    run.assert_nothing_left()
+
+
+def test_an_interrupted_run_names_its_last_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = Run(tmp_path, flags=("--save", str(ckpt), "--save-every", "2"))
+    run.wait_for_step(text="checkpoint: step 2 in")
+    run.proc.send_signal(signal.SIGINT)
+    status, err = run.finish()
+    assert status == 130 and _tracebacks(err) == 0, err
+    match = re.fullmatch(r"perparam finetune: interrupted at step (\d+)/2000; last checkpoint: step (\d+) in (.+)",
+                         err.strip())
+    assert match, err
+    step, saved, folder = int(match[1]), int(match[2]), Path(match[3])
+    assert folder == ckpt.absolute() and saved % 2 == 0 and 2 <= saved <= step, err
+    assert (folder / f"step-{saved:06d}").is_dir()
     run.assert_nothing_left()
 
 

@@ -21,6 +21,9 @@ def resume_from(args, model, optimizer, rank: int, scheduler=None) -> int:
 
         restore(scheduler, extra.get("lr_scheduler"), int(extra["step"]), args.lr)
     if rank == 0:
+        from perparam.finetune import lifecycle
+
+        lifecycle.checkpoint_done(int(extra["step"]), args.resume)  # named if interrupted before the next save
         print(f"resumed from {newest} at step {extra['step']}", flush=True)
     return int(extra["step"])
 
@@ -39,4 +42,7 @@ def save_if_due(args, model, optimizer, step: int, rank: int, scheduler=None) ->
         extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
     path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
     if rank == 0:
+        from perparam.finetune import lifecycle
+
+        lifecycle.checkpoint_done(step, folder)  # the interruption line names it from now on
         print(f"checkpoint: step {step} in {path}", flush=True)

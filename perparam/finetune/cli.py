@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --save: also every N steps (default 0: at the end only)")
     parser.add_argument("--resume", default=None, metavar="DIR", help="continue from the newest complete "
                         "checkpoint in DIR (same data order and step; --nproc, --dp-replicate and --tp may differ)")
+    parser.add_argument("--export", action="append", default=None, metavar="PATH", help="after training, write "
+                        "the model to PATH: .gguf (the input's metadata and tokenizer) or .safetensors (Hugging Face "
+                        "LLaMA names); may be given once per suffix")
+    parser.add_argument("--export-dtype", choices=("f32", "f16", "bf16"), default="f32",
+                        help="tensor dtype of --export (default f32; GGUF norm weights stay f32)")
     loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
@@ -145,6 +150,9 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
     lora.config_from_args(args)  # --lora/--qlora values and conflicts (fills in --param-dtype)
     loop_flags.check(args)  # samples, the training loop's options, the plot
     check_checkpoint_args(args)
+    from perparam.finetune.export import check_export_args
+
+    check_export_args(getattr(args, "export", None), getattr(args, "export_dtype", "f32"))
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> None:
@@ -270,6 +278,9 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
         argv += ["--save", str(Path(args.save).absolute()), "--save-every", str(args.save_every)]
     if args.resume:
         argv += ["--resume", str(Path(args.resume).absolute())]
+    for path in args.export or ():
+        argv += ["--export", str(Path(path).absolute())]
+    argv += ["--export-dtype", args.export_dtype]
     return argv
 
 

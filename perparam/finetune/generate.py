@@ -126,11 +126,13 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], sampling: SamplingCo
     return new
 
 
-def sample_texts(model: torch.nn.Module, prompts: list[str], tokenizer, sampling: SamplingConfig,
-                 device: torch.device) -> list[str]:
-    """The continuation text of each prompt (decoded new tokens only); a collective, see :func:`generate`."""
-    return [tokenizer.decode(generate(model, tokenizer.encode(p), sampling, device, tokenizer.eos_id))
-            for p in prompts]
+def from_rank_0(value):
+    """``value`` as rank 0 holds it, on every rank (``broadcast_object_list``; as is without a group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load_tokenizer(config: str, gguf_path: str | None):
@@ -165,25 +167,37 @@ def print_samples(prompts: list[str], before: list[str], after: list[str], sampl
 
 class Samples:
     """``--generate``: the prompts' continuations sampled from the sharded model when built (before
-    training) and by :meth:`after` (which prints both side by side on rank 0); no prompts, no work."""
+    training) and by :meth:`after` (which prints both side by side on rank 0); no prompts, no work.
+
+    Only rank 0 reads the tokenizer (from the GGUF, as only it reads the weights): it encodes the prompts
+    and decodes the samples, and the token ids and texts are broadcast from it.
+    """
 
     def __init__(self, cfg, run) -> None:
         """``cfg``: the job's ``JobConfig``; ``run``: its ``Run`` (model, device, rank)."""
         self.cfg, self.run, self.prompts = cfg, run, list(cfg.generate or [])
         self.sampling = SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
-        self.tokenizer = load_tokenizer(cfg.config, cfg.gguf_path) if self.prompts else None
-        self.seconds, self.all_gathers = 0.0, 0
+        self.seconds, self.all_gathers, self.before = 0.0, 0, []
+        if not self.prompts:
+            return
+        self.tokenizer = load_tokenizer(cfg.config, cfg.gguf_path) if run.rank == 0 else None
+        encoded = None
+        if run.rank == 0:
+            encoded = ([self.tokenizer.encode(p) for p in self.prompts], self.tokenizer.eos_id)
+        self.prompt_ids, self.eos_id = from_rank_0(encoded)
         self.before = self._sample()
 
     def _sample(self) -> list[str]:
+        """Every prompt's continuation (a collective); the texts as rank 0 decodes them."""
         from perparam import CommCounter
 
         began = time.perf_counter()
         with CommCounter() as comm:
-            texts = sample_texts(self.run.model, self.prompts, self.tokenizer, self.sampling, self.run.device)
+            new = [generate(self.run.model, ids, self.sampling, self.run.device, self.eos_id)
+                   for ids in self.prompt_ids]
         self.seconds += time.perf_counter() - began
         self.all_gathers += comm.count("all_gather")
-        return texts
+        return from_rank_0([self.tokenizer.decode(ids) for ids in new] if self.run.rank == 0 else None)
 
     def after(self) -> dict:
         """The summary's ``samples`` (prompt, before, after) and ``sampling`` settings."""

@@ -48,6 +48,8 @@ class JobConfig:
     lora_alpha: float | None = None
     lora_targets: str | None = None
     qlora: bool = False
+    export: list[str] | None = None  # --export paths (.gguf, .safetensors), written by rank 0 after training
+    export_dtype: str = "f32"
     # samples (generate.py), the training loop (steps.py, schedule.py), the plot (plot.py): loop_flags.py
     generate: list[str] | None = None
     max_new_tokens: int = 40
@@ -98,13 +100,16 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
-    model, llama_cfg, name = train.build_model(cfg, device)
     lora_cfg = lora.config_from_args(cfg)
-    if lora_cfg is not None:  # adapters in, everything else frozen, before sharding (one group per layer)
+    if lora_cfg is None:  # only rank 0 reads the GGUF; the others build on the meta device
+        model, llama_cfg, name = train.build_sharded_model(cfg, device, meshes)
+    else:  # adapters in and everything else frozen before sharding (one group per layer). Every rank
+        # reads the GGUF here: QLoRA's NF4-stored base would need load_full_state_dict to quantize on load.
+        model, llama_cfg, name = train.build_model(cfg, device)
         lora.apply_lora(model, lora_cfg, cfg.seed)
-    params_total = sum(p.numel() for p in model.parameters())
-    train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
-                      lora.layer_policy(lora_cfg))
+        train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
+                          lora.layer_policy(lora_cfg))
+    params_total = sum(p.numel() for p in model.parameters())  # global sizes (DTensor.numel)
     optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = schedule.build_scheduler(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
     layout = f"{dims.dp_shard} shard ranks"
@@ -199,7 +204,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
 
 
 def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launched: float,
-           extra: dict | None = None) -> dict:
+           exported: dict | None = None, extra: dict | None = None) -> dict:
     """Held-out loss after, model-state bytes per rank against ZeRO-3 (``perparam.memory``), the
     ``--plot``, the summary (with ``extra``'s keys added)."""
     from perparam.memory.measure import model_state_bytes, zero3_state_bytes
@@ -231,6 +236,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "lrs": loop.lrs, "grad_norms": loop.grad_norms,
         "heldout_losses": [[s, x] for s, x in loop.evals] + [[cfg.steps, loss_after]],
         "first_step": run.first_step, "checkpoint": cfg.save,
+        "export": exported,  # {"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}; None without --export
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
         # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
         "comm_bytes_per_step": loop.comm_per_step,
@@ -278,7 +284,13 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
         run = setup(cfg, data)
         samples = Samples(cfg, run)  # --generate (generate.py): sampled before training here, after it below
         loop = training_loop(cfg, run, data)
-        return report(cfg, run, data, loop, launched, samples.after())
+        exported = None
+        if cfg.export:  # every rank gathers (collective), rank 0 writes
+            from perparam.finetune.export import export_model
+
+            merged = {} if cfg.lora is None else {"state_fn": lora.merged_state_dict}  # adapters merged in
+            exported = export_model(run.model, run.model.cfg, cfg.export, cfg.export_dtype, cfg.gguf_path, **merged)
+        return report(cfg, run, data, loop, launched, exported, samples.after())
     finally:
         # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
         # kept into interpreter teardown it was seen to abort the process at exit

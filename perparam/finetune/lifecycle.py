@@ -1,9 +1,10 @@
 """How ``perparam finetune`` starts and stops: interruptions, a dead launcher, temporary files.
 
 - Ctrl-C (SIGINT) or SIGTERM to the launcher: torch's elastic agent forwards the signal to the workers,
-  which exit at once and quietly (nothing is saved: the job writes no checkpoints); the launcher prints
-  one line (``interrupted at step 37/200; nothing saved``), removes its temporary folder and exits with
-  130 (SIGINT) or 143 (SIGTERM), as a shell does for a process killed by that signal.
+  which exit at once and quietly (a checkpoint being written is left incomplete, and never loaded); the
+  launcher prints one line (``interrupted at step 37/200; nothing saved``, or with ``--save``
+  ``interrupted at step 37/200; last checkpoint: step 30 in DIR``), removes its temporary folder and exits
+  with 130 (SIGINT) or 143 (SIGTERM), as a shell does for a process killed by that signal.
 - SIGKILL of the launcher: each worker asked the kernel for a parent-death signal (``PR_SET_PDEATHSIG``,
   Linux) and also watches its parent pid from a thread (other systems, or a parent that died before the
   request); it removes the launcher's temporary folder and exits within about a second.
@@ -11,7 +12,7 @@
   cut) is named ``perparam-finetune-<pid>-*`` and removed by the next launcher's start.
 
 Workers tell the launcher how far they got through :envvar:`PERPARAM_PROGRESS_FILE` (rank 0 writes
-``step total`` after each step). Under plain ``torchrun`` there is no such file and rank 0 prints the
+``step total`` after each step, and a second line ``step DIR`` once a checkpoint is complete). Under plain ``torchrun`` there is no such file and rank 0 prints the
 interruption line itself.
 """
 
@@ -33,8 +34,9 @@ PROGRESS_ENV = "PERPARAM_PROGRESS_FILE"
 TMP_PREFIX = "perparam-finetune-"
 PR_SET_PDEATHSIG = 1
 
-#: rank 0's last finished step and the total (for the interruption line under plain torchrun)
-_progress = {"step": None, "total": None}
+#: rank 0's last finished step, the total and the last complete checkpoint ``(step, folder)`` (for the
+#: interruption line under plain torchrun)
+_progress = {"step": None, "total": None, "checkpoint": None}
 #: the pid of the process that started this worker (our launcher, or torchrun's agent), once watched
 _parent = {"pid": None}
 
@@ -44,9 +46,11 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-def interrupted_line(step: int | None, total: int | None) -> str:
+def interrupted_line(step: int | None, total: int | None, checkpoint: tuple[int, str] | None = None) -> str:
+    """The launcher's one line; ``checkpoint``: ``(step, folder)`` of the last complete ``--save``."""
     where = "before training started" if step is None else f"at step {step}/{total}"
-    return f"perparam finetune: interrupted {where}; nothing saved"
+    saved = "nothing saved" if checkpoint is None else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}"
+    return f"perparam finetune: interrupted {where}; {saved}"
 
 
 # ----------------------------------------------------------------------------------------- launcher side
@@ -81,12 +85,18 @@ def make_tmpdir() -> str:
     return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-")
 
 
-def read_progress(path: str) -> tuple[int | None, int | None]:
+def read_progress(path: str) -> tuple[int | None, int | None, tuple[int, str] | None]:
+    """``(step, total, checkpoint)`` from the progress file (``None``s where it is missing)."""
     try:
-        step, total = Path(path).read_text().split()
-        return int(step), int(total)
-    except (OSError, ValueError):
-        return None, None
+        lines = Path(path).read_text().splitlines()
+        step, total = (None if x == "-" else int(x) for x in lines[0].split())
+        checkpoint = None
+        if len(lines) > 1:
+            saved, folder = lines[1].split(" ", 1)
+            checkpoint = (int(saved), folder)
+        return step, total, checkpoint
+    except (OSError, ValueError, IndexError):
+        return None, None, None
 
 
 class Interrupted(BaseException):
@@ -147,7 +157,8 @@ def _stop_worker(signum: int) -> None:
             os.write(2, f"perparam finetune: rank {os.environ.get('RANK')} stopped: its torchrun launcher "
                         "is gone\n".encode())
     elif not launcher and os.environ.get("RANK") == "0":  # plain torchrun: no launcher to say it
-        os.write(2, (interrupted_line(_progress["step"], _progress["total"]) + "\n").encode())
+        line = interrupted_line(_progress["step"], _progress["total"], _progress["checkpoint"])
+        os.write(2, (line + "\n").encode())
     os._exit(exit_code(signum))
 
 
@@ -191,9 +202,23 @@ def install_worker_handlers() -> None:
 def step_done(step: int, total: int) -> None:
     """Rank 0, after each optimizer step: remember it (and tell the launcher, if there is one)."""
     _progress["step"], _progress["total"] = step, total
+    _write_progress()
+
+
+def checkpoint_done(step: int, folder: str) -> None:
+    """Rank 0, once the checkpoint of ``step`` in ``folder`` (the ``--save`` DIR) is complete."""
+    _progress["checkpoint"] = (step, str(folder))
+    _write_progress()
+
+
+def _write_progress() -> None:
     path = os.environ.get(PROGRESS_ENV)
     if path and os.environ.get("RANK") == "0":
+        step, total = (_progress[k] if _progress[k] is not None else "-" for k in ("step", "total"))
+        text = f"{step} {total}\n"  # "- -" before the first step (a resumed run's checkpoint is known)
+        if _progress["checkpoint"] is not None:
+            text += f"{_progress['checkpoint'][0]} {_progress['checkpoint'][1]}\n"
         with contextlib.suppress(OSError):  # write, then rename: a reader never sees a half-written file
             part = f"{path}.part"
-            Path(part).write_text(f"{step} {total}\n")
+            Path(part).write_text(text)
             os.replace(part, path)

@@ -56,7 +56,7 @@ class GGUFTokenizer:
                                      "GPT-2 style byte-level BPE is supported: pass --gguf PATH to such a "
                                      "model")
         tokens = list(field_value(reader, "tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
         types = list(field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
         vocab = {tok: i for i, tok in enumerate(tokens)}
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))

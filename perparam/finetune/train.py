@@ -127,6 +127,36 @@ def build_model(args, device: torch.device) -> tuple[Llama, LlamaConfig, str]:
     return model.to(device), cfg, name
 
 
+def build_sharded_model(args, device: torch.device, meshes, param_dtype: torch.dtype | None = None,
+                        quant: str | None = None) -> tuple[Llama, LlamaConfig, str]:
+    """``(model, cfg, name)``: the model, sharded by :func:`shard_model`; collective.
+
+    ``tiny``: the seeded random init on every rank, then sharded. GGUF: only rank 0 reads the file. Its
+    :class:`LlamaConfig` is broadcast, every rank builds the model on the meta device and shards it, then
+    rank 0 dequantises the weights and ``perparam.checkpoint.load_full_state_dict`` broadcasts them one tensor at a
+    time, each rank keeping its shard (the model has no buffers to recompute: the rotary angles are made
+    in every forward). ``param_dtype``/``quant`` default to ``args.param_dtype``/``args.quant``.
+    """
+    from perparam.checkpoint import load_full_state_dict
+
+    param_dtype = PARAM_DTYPES[args.param_dtype] if param_dtype is None else param_dtype
+    quant = QUANT_DTYPES[args.quant] if quant is None else quant
+    if args.config == "tiny":
+        model, cfg, name = build_model(args, device)
+        return shard_model(model, meshes, param_dtype, quant), cfg, name
+    from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
+
+    reader, box = None, [None]
+    if dist.get_rank() == 0:
+        reader = open_gguf(args.gguf_path)
+        box = [read_config(reader, args.gguf_path)]
+    dist.broadcast_object_list(box, src=0)
+    cfg = box[0]
+    model = shard_model(Llama(cfg, device="meta"), meshes, param_dtype, quant)
+    load_full_state_dict(model, load_state_dict(reader, cfg) if reader is not None else None)
+    return model, cfg, Path(args.gguf_path).name
+
+
 @torch.no_grad()
 def heldout_loss(model: torch.nn.Module, rows: torch.Tensor, device: torch.device, micro_batch: int) -> float:
     """Mean next-token loss (nats/token) over this rank's ``rows`` ``[n, seq+1]`` and all other ranks'.
