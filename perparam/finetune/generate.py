@@ -10,7 +10,8 @@ Every rank runs the same forwards (they are collectives under tensor parallelism
 same modules called in the same order on every rank). The next token is drawn from rank 0's logits with a
 CPU ``torch.Generator`` seeded by ``--sample-seed`` and broadcast to the other ranks, so all ranks extend the
 same text; data parallelism does not change the forward's arithmetic, so 1, 2 or 4 ranks give the same text
-for the same seed.
+for the same seed (tensor parallelism changes only the order of some sums: a token could differ only where
+two candidates' cumulative probabilities meet within rounding).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class SamplingConfig:
 
     max_new_tokens: int = 40
     temperature: float = 0.8
-    top_k: int = 0
+    top_k: int = 50
     seed: int = 0
 
 
