@@ -152,3 +152,21 @@ def test_a_stale_temporary_folder_is_removed_at_the_next_start(tmp_path):
     other.mkdir()
     assert lifecycle.clean_stale_tmpdirs(str(tmp_path)) == [stale]
     assert not stale.exists() and alive.exists() and other.exists()
+
+
+def test_a_signal_hidden_behind_another_error_still_reads_as_the_signal():
+    """torch elastic's metrics wrapper can turn a SignalException into an UnboundLocalError (the signal
+    landed before its timer was set): the launcher finds the signal in the exception's context chain."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from perparam.finetune.cli import _signal_in_chain
+
+    try:
+        try:
+            raise SignalException("Process got signal: 2", sigval=signal.SIGINT)
+        finally:
+            raise UnboundLocalError("cannot access local variable 'start'")
+    except UnboundLocalError as exc:
+        found = _signal_in_chain(exc, (SignalException,))
+    assert found is not None and found.sigval == signal.SIGINT
+    assert _signal_in_chain(ValueError("x"), (SignalException,)) is None

@@ -297,6 +297,17 @@ def launch(args: argparse.Namespace) -> int:
             return lifecycle.exit_code(exc.signum)
 
 
+def _signal_in_chain(exc: BaseException, kinds: tuple) -> BaseException | None:
+    """The first exception of one of ``kinds`` in ``exc``'s cause/context chain, else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kinds):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _launch(args: argparse.Namespace) -> int:
     start = time.time()
     lifecycle.clean_stale_tmpdirs()
@@ -335,11 +346,17 @@ def _launch(args: argparse.Namespace) -> int:
                               max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
                               logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
         elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
-    except (SignalException, lifecycle.Interrupted) as exc:  # the agent has stopped the workers
-        signum = int(getattr(exc, "sigval", None) or exc.signum)
-        print(lifecycle.interrupted_line(*lifecycle.read_progress(progress)), file=sys.stderr, flush=True)
-        return lifecycle.exit_code(signum)
-    except ChildFailedError as exc:
+    except (Exception, lifecycle.Interrupted) as exc:
+        # Ctrl-C/SIGTERM: torch's agent raises SignalException after stopping the workers. One that lands
+        # inside one of its wrappers surfaces as another error (its metrics wrapper's UnboundLocalError)
+        # with the SignalException as context; the agent stops the workers on that way out too.
+        signalled = _signal_in_chain(exc, (SignalException, lifecycle.Interrupted))
+        if signalled is not None:
+            signum = int(getattr(signalled, "sigval", None) or signalled.signum)
+            print(lifecycle.interrupted_line(*lifecycle.read_progress(progress)), file=sys.stderr, flush=True)
+            return lifecycle.exit_code(signum)
+        if not isinstance(exc, ChildFailedError):
+            raise
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
         if code == 2:  # bad input found by a worker (a non-finite loss): it said so in one line already
