@@ -86,6 +86,9 @@ def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: in
             out["build_peak_rss_bytes_per_rank"] = [r["build_peak"] for r in ok]
             out["training_peak_over_baseline_bytes"] = max(r["training_peak"] - r["baseline"] for r in ok)
             out["rss_profile_rank0"] = ok[0]["profile"]
+            if "pool_idle_bytes" in ok[0]:
+                out["pool_idle_bytes_per_rank"] = [r["pool_idle_bytes"] for r in ok]
+                out["group_unsharded_bytes"] = ok[0]["group_unsharded_bytes"]
     return out
 
 

@@ -165,7 +165,19 @@ def rss_job(rank: int, world: int, opts: dict) -> dict:
         runner.step(*local_batch(batches[(steps - 1) % len(batches)], rank, world), record=False, sampler=sampler)
     training_peak = memory.vm_status()["VmHWM"]
     return {"status": "ok", "baseline": baseline, "built": built, "build_peak": build_peak,
-            "training_peak": training_peak, "profile": sampler.summary()}
+            "training_peak": training_peak, "profile": sampler.summary(), **_perparam_buffers(runner.model)}
+
+
+def _perparam_buffers(model: nn.Module) -> dict:
+    """perparam only: bytes its pool holds idle after a step, and each group's unsharded bytes (what one
+    all-gather fills; with prefetching at most two groups beyond those kept are unsharded at once)."""
+    from perparam.module import group_of
+
+    groups = [g for g in (group_of(m) for m in model.modules()) if g is not None and g.gathered]
+    if not groups:
+        return {}
+    return {"pool_idle_bytes": groups[0].ctx.pool.idle_bytes(),
+            "group_unsharded_bytes": [g.num_shards * g.layout.slot_bytes for g in groups]}
 
 
 JOBS = {"timing": timing_job, "rss": rss_job}

@@ -101,7 +101,8 @@ GLOO_REDUCE_SCATTER = "all_to_all"
 
 class _SumAfterAllToAll:
     """A work handle: once the all-to-all has delivered the ``[K, n]`` pieces of this rank's chunk, sum
-    them (in rank order, accumulating in fp32 for 16-bit dtypes) into the reduce-scatter's output."""
+    them (in rank order; 16-bit dtypes rounded once for K = 2, accumulated in fp32 by ``torch.sum`` for
+    more) into the reduce-scatter's output."""
 
     def __init__(self, work, pieces: torch.Tensor, output: torch.Tensor) -> None:
         self.work, self.pieces, self.output = work, pieces, output
@@ -113,7 +114,10 @@ class _SumAfterAllToAll:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            torch.sum(self.pieces, dim=0, out=self.output)
+            if self.pieces.shape[0] == 2:  # one add: 1.0 vs 1.4 ms for torch.sum on 6 MB (one core)
+                torch.add(self.pieces[0], self.pieces[1], out=self.output)
+            else:
+                torch.sum(self.pieces, dim=0, out=self.output)
             self.pieces = None
         return True
 
