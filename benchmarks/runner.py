@@ -173,7 +173,7 @@ def _perparam_buffers(model: nn.Module) -> dict:
     all-gather fills; with prefetching at most two groups beyond those kept are unsharded at once)."""
     from perparam.module import group_of
 
-    groups = [g for g in (group_of(m) for m in model.modules()) if g is not None and g.gathered]
+    groups = list({id(g): g for g in (group_of(m) for m in model.modules()) if g is not None and g.gathered}.values())
     if not groups:
         return {}
     return {"pool_idle_bytes": groups[0].ctx.pool.idle_bytes(),
