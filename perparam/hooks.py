@@ -6,9 +6,9 @@ Timeline of one training step for a group G (K ranks); the states are ``perparam
   is enabled, pass G's inputs that require grad through an identity function whose backward marks the
   end of this call's backward (FSDP2 does the same).
 * post-forward (FORWARD -> IDLE): register the sharded DTensors again; free the unsharded storage when
-  G reshards after forward (a G of several modules: after the forward of the last one listed), or when no backward can follow (grad disabled). The root keeps its storage
-  for the backward that immediately follows (no second all-gather), as FSDP2's does. Hooks on G's outputs
-  wait for the gradient.
+  G reshards after forward (a G of several modules: after the forward of the last one listed), or when
+  no backward can follow (grad disabled). The root keeps its storage for the backward that immediately
+  follows (no second all-gather), as FSDP2's does. Hooks on G's outputs wait for the gradient.
 * pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: the backward all-gathers
   are issued in a fixed order (the root, then the reverse forward order), up to G and one beyond (the
   prefetch); register the unsharded tensors, so a region recomputed inside G (activation checkpointing of
@@ -256,7 +256,7 @@ def _queue_final_callback(ctx: IterationContext) -> None:
         # forward order (groups that may have a backward on some rank)
         hooked = ctx.backward_groups
         first = hooked[:1] if hooked and hooked[0] is ctx.groups[0] else []
-        ctx.backward_expected = first + hooked[:len(first) - 1:-1] if first else hooked[::-1]
+        ctx.backward_expected = first + hooked[len(first):][::-1]
         ctx.gather_index = {g: i for i, g in enumerate(ctx.backward_expected)}
         ctx.gather_cursor = 0
         for g in ctx.groups:
