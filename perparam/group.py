@@ -284,9 +284,11 @@ class ParamGroup:
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.ctx.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
+            scratch = (self.ctx.pool.take(send.numel() * send.element_size(), send.device)
+                       if send.device.type == "cpu" and self.num_shards > 1 else None)
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
-                                                  what=f"{self._what} [{dtype}]")
-            pending.append(PendingReduce(work, send, recv, params, offsets))
+                                                  what=f"{self._what} [{dtype}]", scratch=scratch)
+            pending.append(PendingReduce(work, send, recv, params, offsets, scratch))
         world = self.num_shards * self.num_replicas
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
@@ -320,6 +322,8 @@ class ParamGroup:
             if item.work is not None:
                 item.work.wait()
             self.ctx.pool.give_back(item.send)
+            if item.scratch is not None:
+                self.ctx.pool.give_back(item.scratch)
             item.work = None
             if self.replicate_pg is not None:
                 item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
@@ -366,6 +370,7 @@ class PendingReduce:
     recv: torch.Tensor
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
+    scratch: torch.Tensor | None  # the reduce-scatter's receive buffer on gloo (perparam.collectives)
     stage: int = 0  # 0: reduce-scatter in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
 

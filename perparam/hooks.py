@@ -6,9 +6,9 @@ Timeline of one training step for a group G (K ranks); the states are ``perparam
   is enabled, pass G's inputs that require grad through an identity function whose backward marks the
   end of this call's backward (FSDP2 does the same).
 * post-forward (FORWARD -> IDLE): register the sharded DTensors again; free the unsharded storage when
-  G reshards after forward, or when no backward can follow (grad disabled). The root keeps its storage
-  for the backward that immediately follows (no second all-gather), as FSDP2's does. Hooks on G's outputs
-  wait for the gradient.
+  G reshards after forward (a G of several modules: after the forward of the last one listed), or when
+  no backward can follow (grad disabled). The root keeps its storage for the backward that immediately
+  follows (no second all-gather), as FSDP2's does. Hooks on G's outputs wait for the gradient.
 * pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: the backward all-gathers
   are issued in a fixed order (the root, then the reverse forward order), up to G and one beyond (the
   prefetch); register the unsharded tensors, so a region recomputed inside G (activation checkpointing of
@@ -189,8 +189,10 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
         else:
             group.register_sharded()
             # with grad the root keeps its parameters for the backward that follows; without grad no
-            # backward follows, and reshard_after_forward=False keeps them for the next forward
-            if group.reshard_after_forward and (group is not ctx.active_root or not grad_enabled):
+            # backward follows, and reshard_after_forward=False keeps them for the next forward; a group of
+            # several modules frees after its last module's forward (as listed): one all-gather for all
+            if (group.reshard_after_forward and (group is not ctx.active_root or not grad_enabled)
+                    and module is group.modules[-1]):
                 group.free()
             group.transition(IDLE)
         if grad_enabled:
@@ -250,9 +252,11 @@ def _queue_final_callback(ctx: IterationContext) -> None:
         # rank; whether a group's inputs require grad may differ between ranks, so it must not matter)
         ctx.reduce_order = [g for g in ctx.grad_order[::-1] if g.trainable()]
         ctx.reduce_cursor = 0
-        # the root first, then the reverse forward order (groups that may have a backward on some rank)
+        # the root first (when it has a backward: a root without parameters has none), then the reverse
+        # forward order (groups that may have a backward on some rank)
         hooked = ctx.backward_groups
-        ctx.backward_expected = hooked[:1] + hooked[:0:-1]
+        first = hooked[:1] if hooked and hooked[0] is ctx.groups[0] else []
+        ctx.backward_expected = first + hooked[len(first):][::-1]
         ctx.gather_index = {g: i for i, g in enumerate(ctx.backward_expected)}
         ctx.gather_cursor = 0
         for g in ctx.groups:

@@ -118,7 +118,8 @@ def _errors(results: dict) -> str:
                    if status == "error")
 
 
-C10D_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+# all_to_all_single: perparam's reduce-scatter on gloo (an all-to-all, then a local sum: perparam.collectives)
+C10D_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce")
 
 
 class c10d_calls:  # noqa: N801 (used as a context manager, like a function)

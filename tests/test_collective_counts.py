@@ -37,7 +37,9 @@ def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
     for counts in run_distributed(count_one_step, 2, True):
         assert counts["fwd"] == {"all_gather": 4}
         assert counts["bwd"] == {"all_gather": 3, "reduce_scatter": 4}
-        assert counts["raw"] == {"all_gather_single": 7, "reduce_scatter_single": 4, "all_reduce": 0}
+        # on gloo each reduce-scatter is an all-to-all then a local sum (perparam.collectives)
+        assert counts["raw"] == {"all_gather_single": 7, "reduce_scatter_single": 0, "all_to_all_single": 4,
+                                 "all_reduce": 0}
 
 
 def test_no_reshard_after_forward_gathers_once_per_step():
@@ -83,3 +85,38 @@ def test_a_zero3_step_moves_exactly_the_layouts_bytes():
     # one reduce-scatter per group, over every rank's padded chunk and one used flag per parameter
     assert out["reduce_scatter"] == sum(world_size * (lay.padded_local_numel + 1) * 4 for ls in layouts for lay in ls)
     assert out["sizes"] == {world_size}
+
+
+def grouped_step(rank: int, world_size: int) -> dict:
+    """TinyNet wrapped as torchtitan wraps a model: a list of modules as one group, a root without
+    parameters of its own; one step after a first one (prefetching on). Returns the all-gather sizes in
+    forward and backward, and the sharded gradients' full tensors."""
+    torch.manual_seed(0)
+    model = TinyNet(n_blocks=2)
+    perparam.fully_shard([model.embed, model.blocks[0]])
+    perparam.fully_shard(model.blocks[1])
+    perparam.fully_shard(model.head)
+    perparam.fully_shard(model)
+    x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
+    F.mse_loss(model(x), y).backward()
+    model.zero_grad()
+    with CommCounter() as fwd:
+        loss = F.mse_loss(model(x), y)
+    with CommCounter() as bwd:
+        loss.backward()
+    sizes = {n: [r.nbytes for r in c.records if r.kind == "all_gather"] for n, c in (("fwd", fwd), ("bwd", bwd))}
+    return {**sizes, "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
+def test_a_list_of_modules_gathers_once_and_a_root_without_parameters_is_not_first_in_backward():
+    # groups: [embed, blocks.0], blocks.1, head, and the root (no parameters, no collective). Forward: one
+    # all-gather per group with parameters (the list's modules share one); backward: the reverse order
+    # (head, blocks.1, [embed, blocks.0]): the first group of the forward is gathered last, not first
+    torch.manual_seed(0)
+    ref = TinyNet(n_blocks=2)
+    x, y = make_batches(1, 8)[0]
+    F.mse_loss(ref(x), y).backward()
+    for res in run_distributed(grouped_step, 2):
+        assert len(res["fwd"]) == 3 and res["bwd"] == res["fwd"][::-1]
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(res["grads"][name], p.grad, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,132 @@
+"""The benchmark's configurations: how each one builds, wraps and initialises the model.
+
+Every configuration starts from the same weights: ``GPT(cfg)`` built on CPU under ``torch.manual_seed(seed)``
+(the *seeded full init*). ``bound`` and ``ddp`` build it directly. The sharded configurations build the model
+on the meta device, shard it, then materialise only this rank's shards from rank 0's seeded full init
+(``perparam.full_state.load_full_state_dict``; FSDP2: ``to_empty()`` then torch's ``set_model_state_dict``
+with ``full_state_dict=True, broadcast_from_rank0=True``), so no rank but 0 ever holds the whole model.
+
+Wrapping (torchtitan's): the two embeddings in one call, each block, ``[ln_f, head]`` in one call, the root
+last (it then manages no parameters). ``[ln_f, head]`` runs last in forward and first in backward, so it
+keeps its parameters (``reshard_after_forward=False``), as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import perparam
+from benchmarks.model import GPT, GPTConfig
+
+CONFIGS = ("bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8")
+DESCRIPTIONS = {
+    "bound": "each rank trains its own unsharded replica, no collectives (what compute alone costs)",
+    "ddp": "torch DistributedDataParallel",
+    "fsdp2": "torch fully_shard: embeddings, each block, [norm, head], root",
+    "fsdp2_bf16": "torch fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+    "perparam": "perparam.fully_shard, wrapped as fsdp2",
+    "perparam_bf16": "perparam, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+    "perparam_int8": "perparam, int8-quantized all-gather of the Linear weights",
+}
+SHARDED = ("fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8")
+LR = 1e-3
+
+
+class Unsupported(Exception):
+    """The configuration cannot be built with this version of perparam."""
+
+
+def seeded_full_init(cfg: GPTConfig, seed: int) -> GPT:
+    """The reference model every configuration starts from (unsharded, CPU)."""
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def wrap_units(model: GPT) -> list[tuple[list[nn.Module], bool]]:
+    """``fully_shard`` calls in order, as (modules, reshard_after_forward); the root last."""
+    return ([([model.tok, model.pos], True)] + [([b], True) for b in model.blocks]
+            + [([model.ln_f, model.head], False), ([model], True)])
+
+
+def _perparam_kwargs(name: str, modules: list[nn.Module]) -> dict:
+    if name == "perparam":
+        return {}
+    if name == "perparam_bf16":
+        return {"mp_policy": perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if name == "perparam_int8":  # every nn.Linear weight this call manages
+        quant = perparam.ParamPolicy(quant=perparam.QuantPolicy(torch.int8))
+        linear = {id(m.weight) for module in modules for m in module.modules() if isinstance(m, nn.Linear)}
+        return {"param_policy": lambda _name, p: quant if id(p) in linear else None}
+    raise ValueError(name)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def build(name: str, cfg: GPTConfig, mesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model wrapped for ``name``, initialised from the seeded full init, and its AdamW.
+
+    Raises ``Unsupported`` when the installed perparam cannot build ``name``; ``ValueError`` for an
+    unknown name."""
+    if name == "bound":
+        model = seeded_full_init(cfg, seed)
+    elif name == "ddp":
+        model = nn.parallel.DistributedDataParallel(seeded_full_init(cfg, seed))
+    elif name in SHARDED:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        if name.startswith("fsdp2"):
+            _fsdp2(name, model, mesh)
+        else:
+            try:
+                for modules, raf in wrap_units(model):
+                    perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                                         reshard_after_forward=raf, **_perparam_kwargs(name, modules))
+            except (NotImplementedError, TypeError, AttributeError) as e:
+                raise Unsupported(f"{type(e).__name__}: {e}") from e
+        full = seeded_full_init(cfg, seed).state_dict() if _rank() == 0 else None
+        if name.startswith("fsdp2"):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            model.to_empty(device="cpu")
+            set_model_state_dict(model, full or {}, options=StateDictOptions(full_state_dict=True,
+                                                                             broadcast_from_rank0=True))
+        else:
+            from perparam.full_state import load_full_state_dict
+
+            load_full_state_dict(model, full)
+        del full
+    else:
+        raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _fsdp2(name: str, model: GPT, mesh) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if name == "fsdp2_bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for modules, raf in wrap_units(model):
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf, **kwargs)
+
+
+def full_state(name: str, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsharded state dict on rank 0 (``None`` elsewhere): to check every configuration starts from
+    the same weights. Every rank calls it."""
+    if name == "bound":
+        return model.state_dict() if _rank() == 0 else None
+    if name == "ddp":
+        return model.module.state_dict() if _rank() == 0 else None
+    if name.startswith("fsdp2"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if _rank() == 0 else None
+    from perparam.full_state import full_state_dict
+
+    return full_state_dict(model)

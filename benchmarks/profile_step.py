@@ -1,0 +1,104 @@
+"""CPU time per step of one configuration on 2 gloo ranks, and where rank 0 spends it (cProfile).
+
+    python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native] [--top 25]
+
+CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
+2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
+then rank 0's cProfile of the timed steps, sorted by own time (``tottime``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.configs import CONFIGS  # noqa: E402
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    import cProfile
+    import io
+    import pstats
+    import statistics
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.configs import build
+    from benchmarks.model import GPTConfig, make_batches
+    from benchmarks.runner import local_batch
+    from perparam import collectives
+
+    torch.set_num_threads(1)
+    collectives.GLOO_REDUCE_SCATTER = args.gloo_reduce_scatter
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    cfg = GPTConfig.quick() if args.quick else GPTConfig()
+    model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
+    x, y = local_batch(make_batches(cfg, 1, 2 * world)[0], rank, world)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    prof, cpu = cProfile.Profile(), []
+    for _ in range(args.steps):
+        dist.barrier()
+        c0 = time.process_time()
+        if rank == 0 and args.top:
+            prof.enable()
+        step()
+        if rank == 0 and args.top:
+            prof.disable()
+        cpu.append(time.process_time() - c0)
+    text = ""
+    if rank == 0 and args.top:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+        text = buf.getvalue()
+    queue.put((rank, statistics.median(cpu), text))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import random
+
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", choices=CONFIGS)
+    ap.add_argument("--steps", type=int, default=6, help="profiled steps after 2 warm-up steps (default 6)")
+    ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
+    ap.add_argument("--gloo-reduce-scatter", choices=("all_to_all", "native"), default="all_to_all",
+                    help="perparam.collectives.GLOO_REDUCE_SCATTER")
+    ap.add_argument("--quick", action="store_true", help="the toy model")
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = random.randint(20000, 40000)
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}): CPU ms per step, median of "
+          f"{args.steps}: " + ", ".join(f"rank {r} {c * 1e3:.0f}" for r, c, _ in results))
+    print(results[0][2])
+
+
+if __name__ == "__main__":
+    main()
