@@ -1,7 +1,8 @@
 """Per-parameter compute dtypes on stock torch modules: precision islands (``perparam.islands``).
 
 The property test builds random stacks of stock modules (Linear, LayerNorm, RMSNorm, Conv1d, Embedding)
-with random per-layer compute dtypes (fp32/bf16), frozen parameters and quantized all-gathers, shards them
+with random per-layer compute dtypes (fp32/bf16), frozen parameters and int8/fp8/nf4 all-gathers (nf4 also
+stored, for frozen parameters), shards them
 in ONE ``fully_shard`` call on 1-3 ranks and compares with a single-process reference that applies the
 same casts to the same all-gathered weights.
 
@@ -27,7 +28,9 @@ from perparam import CommCounter, MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 from tests.distributed import run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QUANTS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+#: all-gather quantizers; "nf4-stored" keeps a frozen parameter's shard in NF4 as well
+QUANTS = {"int8": QuantPolicy(torch.int8), "fp8": QuantPolicy(torch.float8_e4m3fn), "nf4": QuantPolicy("nf4"),
+          "nf4-stored": QuantPolicy("nf4", store_quantized=True)}
 
 
 def build(spec: dict) -> nn.Sequential:
@@ -51,7 +54,7 @@ def policies(spec: dict) -> dict:
             quant = layer["quant"].get(pname)
             out[f"{i}.{pname}"] = ParamPolicy(
                 param_dtype=DTYPES[layer["dtype"]], requires_grad=pname not in layer["frozen"],
-                quant=QuantPolicy(QUANTS[quant]) if quant else None)
+                quant=QUANTS[quant] if quant else None)
     return out
 
 
@@ -115,7 +118,9 @@ def specs(draw):
     for kind in chosen:
         dtype = draw(st.sampled_from(sorted(DTYPES)))
         frozen = [p for p in ("weight", "bias") if draw(st.booleans()) and draw(st.booleans())]
-        quant = {p: draw(st.sampled_from([None, None, *QUANTS])) for p in ("weight", "bias")}
+        storable = {"weight"} & set(frozen) if kind in ("linear", "conv1d", "embedding") else set()  # 2+ dims
+        quant = {p: draw(st.sampled_from([None, None, "int8", "fp8", "nf4", *(["nf4-stored"] if p in storable else [])]))
+                 for p in ("weight", "bias")}
         layers.append((kind, {"dtype": dtype, "frozen": frozen, "quant": quant}))
     call = draw(st.sampled_from(["fp32", "bf16", "none"]))
     if call == "none" and len({layer["dtype"] for kind, layer in layers if kind != "relu"}) <= 1:
