@@ -30,3 +30,13 @@ __all__ = [
     "set_debug",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``perparam.checkpoint`` and ``perparam.full_state`` after a bare ``import perparam`` (imported on
+    first use: they pull in torch's distributed checkpoint)."""
+    if name in ("checkpoint", "full_state"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

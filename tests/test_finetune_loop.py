@@ -81,6 +81,9 @@ def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_di
     assert resumed["lrs"] == straight["lrs"][2:]
     assert resumed["train_losses"] == straight["train_losses"][2:]  # same world, fp32: bitwise
     assert resumed["grad_norms"] == straight["grad_norms"][2:]
+    # "before" is the resumed model: its held-out loss is the straight run's at step 2
+    assert resumed["heldout_losses"] == [h for h in straight["heldout_losses"] if h[0] >= 2]
+    assert resumed["heldout_loss_before"] == straight["heldout_losses"][1][1]
     proc = _cli(*TINY, *LOOP, "--text", str(text_dir), "--grad-accum", "1", "--resume", str(mid_schedule))
     assert proc.returncode == 2 and "--grad-accum 2" in proc.stderr, proc.stderr  # another data order
 

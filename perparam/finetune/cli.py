@@ -114,9 +114,11 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
     :class:`~perparam.finetune.model.LlamaConfig`, once known)."""
     if world < 1:
         raise FinetuneInputError(f"--nproc {world} must be at least 1")
-    for flag, value in (("--steps", args.steps), ("--eval-tokens", args.eval_tokens)):
-        if value < 0:
-            raise FinetuneInputError(f"{flag} {value} must be 0 or more")
+    if args.steps < 0:
+        raise FinetuneInputError(f"--steps {args.steps} must be 0 or more")
+    if args.eval_tokens < 1:  # the held-out loss is always reported; the smallest evaluation is one row per rank
+        raise FinetuneInputError(f"--eval-tokens {args.eval_tokens} must be at least 1 (held-out tokens; the "
+                                 "evaluation always runs, on at least one row per rank)")
     if args.seq_len < 1:
         raise FinetuneInputError(f"--seq-len {args.seq_len} must be at least 1")
     replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
@@ -165,6 +167,9 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
     if save:
         check_output_path("--save", str(Path(save) / "step-000000"))
     if resume:
+        if Path(resume).exists() and not Path(resume).is_dir():
+            raise FinetuneInputError(f"--resume {resume} is a file, not a folder: pass the --save folder of "
+                                     "the run to continue")
         if not Path(resume).is_dir():
             raise FinetuneInputError(f"--resume {resume}: no such folder")
         newest = checkpoint.latest(resume)

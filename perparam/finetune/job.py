@@ -127,10 +127,13 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
             print(lora.describe(model, lora_cfg, params_total), flush=True)
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
+    first_step = resume_from(cfg, model, optimizer, rank, scheduler)
+    # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
+    # samples "before" are)
     loss_before = train.heldout_loss(model, eval_rows, device, micro)
     if rank == 0:
-        print(f"held-out loss before: {loss_before:.4f}", flush=True)
-    first_step = resume_from(cfg, model, optimizer, rank, scheduler)
+        at = f" (step {first_step}, resumed)" if first_step else ""
+        print(f"held-out loss before{at}: {loss_before:.4f}", flush=True)
     return Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, loss_before,
                first_step, scheduler, llama_cfg)
 
@@ -157,7 +160,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     peak, _ = throughput.machine_peak(run.device, train.PARAM_DTYPES[cfg.param_dtype])  # FLOP/s, all ranks
     progress = train.Progress(run.rank == 0, cfg.steps)
     losses, lrs, norms, start, step_s = [], [], [], time.perf_counter(), 0.0
-    evals = [(0, run.loss_before)] if run.first_step == 0 else []
+    evals = [(run.first_step, run.loss_before)]  # the held-out loss of the model this run starts from
     tokens_per_step = cfg.batch_size * cfg.grad_accum * data.seq_len
     with CommCounter() as comm:  # perparam's collectives of the training steps (not tp's, not eval's)
         for step in range(run.first_step, cfg.steps):
@@ -224,7 +227,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     label = train.zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)
     summary = {
         "world_size": run.world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-        "param_dtype": cfg.param_dtype, "quant": cfg.quant,
+        "param_dtype": cfg.param_dtype, "quant": "nf4 (stored)" if cfg.qlora else cfg.quant,
         "steps": cfg.steps, "model": run.name, "params_total": run.params_total,
         "param_tensors": len(list(run.model.parameters())),
         "seq_len": data.seq_len, "global_batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
