@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.export import llama_hyperparameters
 from perparam.finetune.gguf_loader import load_llama, open_gguf, read_config, unpermute_rows
 from perparam.finetune.model import Llama, LlamaConfig, apply_rotary, rotary_cos_sin
 from perparam.finetune.tokenizer import GGUFTokenizer
@@ -46,16 +47,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", quantize_ffn: bool = True) 
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.n_layers)
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.dim)
-    writer.add_feed_forward_length(cfg.ffn_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
+    llama_hyperparameters(writer, cfg)
     alphabet = byte_alphabet()
     tokens = alphabet + ["".join(m) for m in MERGES] + ["<|endoftext|>"]
     writer.add_tokenizer_model("gpt2")

@@ -233,6 +233,15 @@ def _copy_metadata(writer, source_gguf: str) -> None:
 def _tiny_metadata(writer, cfg: LlamaConfig) -> None:
     """A minimal LLaMA metadata set and the byte vocabulary of ``--config tiny`` (no merges)."""
     writer.add_name("perparam tiny")
+    llama_hyperparameters(writer, cfg)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(byte_alphabet())
+    writer.add_token_types([1] * 256)
+
+
+def llama_hyperparameters(writer, cfg: LlamaConfig) -> None:
+    """The ``llama.*`` keys of ``cfg`` (what ``gguf_loader.read_config`` reads back) on a ``GGUFWriter``."""
     writer.add_block_count(cfg.n_layers)
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.dim)
@@ -243,10 +252,6 @@ def _tiny_metadata(writer, cfg: LlamaConfig) -> None:
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(byte_alphabet())
-    writer.add_token_types([1] * 256)
 
 
 def write_gguf(path, state: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: str = "f32",
