@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from perparam.finetune import schedule
+from perparam.finetune.model import Llama, LlamaConfig
 from perparam.finetune.plot import read_series, series, write_plot
 from tests.test_finetune_cli import TINY, _cli, _one_line_error
 
@@ -51,6 +52,11 @@ def test_grad_accum_2_of_batch_4_equals_batch_8_and_samples_match_on_one_rank(tm
     assert _close(accum["grad_norms"], plain["grad_norms"]) and len(accum["grad_norms"]) == 4
     assert _close([x for _, x in accum["heldout_losses"]], [x for _, x in plain["heldout_losses"]])
     assert accum["lrs"] == plain["lrs"] == [schedule.lr_at(s, 3e-3, 4, 1, 3e-4) for s in range(4)]
+    # one reduce-scatter per step, not per micro-batch: every parameter's fp32 bytes with its rows padded to
+    # 2 ranks, plus the used flags (one int32 per tensor and rank)
+    params = list(Llama(LlamaConfig.tiny()).parameters())
+    padded = sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * 4 for p in params)
+    assert accum["comm_bytes_per_step"]["reduce_scatter"] == padded + 4 * 2 * len(params)
     # samples: the same text before fine-tuning on 1 and 2 ranks (same init, same --sample-seed)
     assert [s["prompt"] for s in accum["samples"]] == list(PROMPTS)
     assert [s["before"] for s in accum["samples"]] == [s["before"] for s in plain["samples"]]
