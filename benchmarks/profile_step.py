@@ -1,6 +1,7 @@
 """CPU time per step of one configuration on 2 gloo ranks, and where rank 0 spends it (cProfile).
 
-    python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native] [--top 25]
+    python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native]
+        [--gloo-all-gather native] [--top 25]
 
 CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
 2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
@@ -41,6 +42,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
     torch.set_num_threads(1)
     collectives.GLOO_REDUCE_SCATTER = args.gloo_reduce_scatter
+    collectives.GLOO_ALL_GATHER = args.gloo_all_gather
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
     ap.add_argument("--gloo-reduce-scatter", choices=("all_to_all", "native"), default="all_to_all",
                     help="perparam.collectives.GLOO_REDUCE_SCATTER")
+    ap.add_argument("--gloo-all-gather", choices=("all_to_all", "native"), default="all_to_all",
+                    help="perparam.collectives.GLOO_ALL_GATHER")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     results = sorted(queue.get() for _ in procs)
     for p in procs:
         p.join()
-    print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}): CPU ms per step, median of "
+    print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}, all-gather: {args.gloo_all_gather}): CPU ms per step, median of "
           f"{args.steps}: " + ", ".join(f"rank {r} {c * 1e3:.0f}" for r, c, _ in results))
     print(results[0][2])
 

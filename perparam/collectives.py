@@ -92,6 +92,72 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
 
+# How an all-gather of rows runs on gloo: "all_to_all" (one all-to-all in which each rank sends its row to
+# every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
+# "native" (``dist.all_gather_into_tensor``, which gloo runs through a flat buffer it allocates on every
+# call and copies out afterwards). Same bytes on the wire. Measured on 2 ranks, one 12.6 MB gather of the
+# benchmark model (benchmarks/README.md): CPU per call 5.2-9.0 ms native, 2.7-3.3 ms all-to-all.
+GLOO_ALL_GATHER = "all_to_all"
+
+
+def _take(pool, nbytes: int, device: torch.device) -> torch.Tensor:
+    return pool.take(nbytes, device) if pool is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class GatheredRows:
+    """An all-gather of one uint8 row (``[slot]``) per rank, in flight or done. After ``wait()``,
+    ``segments`` lists ``(first_rank, rows)`` pairs, ``rows`` a ``[m, slot]`` tensor holding the rows of
+    ranks ``first_rank .. first_rank + m - 1``; together they cover every rank once, in rank order.
+    ``buffers`` are the receive buffers taken from the pool (give them back after reading the rows)."""
+
+    def __init__(self, work, segments: list[tuple[int, torch.Tensor]], buffers: list[torch.Tensor]) -> None:
+        self.work, self.segments, self.buffers = work, segments, buffers
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, async_op: bool = True,
+                    what: str = "") -> GatheredRows:
+    """All-gather ``send`` (uint8 ``[slot]``, this rank's row) over ``group``: one collective, recorded as
+    an all-gather of ``K * slot`` bytes. ``send`` must stay untouched until the rows have been read
+    (on gloo it *is* this rank's row). Receive buffers come from ``pool`` (a ``BufferPool``) when given.
+
+    On gloo (``GLOO_ALL_GATHER``) an all-to-all with split sizes: ``send`` goes to every other rank (for
+    K > 2 from K - 1 copies of it), the other ranks' rows arrive in one ``[K - 1, slot]`` buffer. Elsewhere
+    ``dist.all_gather_into_tensor`` into a ``[K, slot]`` buffer."""
+    k, slot = group.size(), send.numel()
+    if debug.debug_enabled():
+        debug.check("all_gather", send, k * slot, group, what)
+    _record("all_gather", k * slot, group, send.dtype)
+    if k == 1:
+        return GatheredRows(None, [(0, send.view(1, slot))], [])
+    if GLOO_ALL_GATHER == "all_to_all" and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
+        me = group.rank()
+        others = _take(pool, (k - 1) * slot, send.device)
+        buffers = [others]
+        if k == 2:
+            source = send
+        else:  # one copy of the row per destination
+            source = _take(pool, (k - 1) * slot, send.device)
+            source.view(k - 1, slot).copy_(send.expand(k - 1, slot))
+            buffers.append(source)
+        splits = [0 if r == me else slot for r in range(k)]
+        work = dist.all_to_all_single(others, source, splits, splits, group=group, async_op=True)
+        rows = others.view(k - 1, slot)
+        segments = [(0, rows[:me]), (me, send.view(1, slot)), (me + 1, rows[me:])]
+        result = GatheredRows(work, [(r, t) for r, t in segments if t.shape[0]], buffers)
+    else:
+        recv = _take(pool, k * slot, send.device)
+        work = dist.all_gather_single(recv, send, group=group, async_op=True)
+        result = GatheredRows(work, [(0, recv.view(k, slot))], [recv])
+    if not async_op:
+        result.wait()
+    return result
+
+
 # How a reduce-scatter runs on gloo: "all_to_all" (each rank receives the K pieces of its own chunk and
 # sums them locally) or "native" (``dist.reduce_scatter_single``, which gloo builds from an all-reduce of the
 # whole input). Same bytes in CommCounter's convention; measured on the benchmark model (2 ranks, 12.6 MB
@@ -100,12 +166,12 @@ GLOO_REDUCE_SCATTER = "all_to_all"
 
 
 class _SumAfterAllToAll:
-    """A work handle: once the all-to-all has delivered the ``[K, n]`` pieces of this rank's chunk, sum
-    them (in rank order; 16-bit dtypes rounded once for K = 2, accumulated in fp32 by ``torch.sum`` for
-    more) into the reduce-scatter's output."""
+    """A work handle: once the all-to-all has delivered the other ranks' pieces of this rank's chunk, sum
+    them with this rank's own piece, in rank order (16-bit dtypes rounded once for K = 2, accumulated in
+    fp32 by ``torch.sum`` for more), into the reduce-scatter's output; then give the receive buffer back."""
 
-    def __init__(self, work, pieces: torch.Tensor, output: torch.Tensor) -> None:
-        self.work, self.pieces, self.output = work, pieces, output
+    def __init__(self, work, pieces: list[torch.Tensor], output: torch.Tensor, raw: torch.Tensor, pool) -> None:
+        self.work, self.pieces, self.output, self.raw, self.pool = work, pieces, output, raw, pool
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
@@ -114,33 +180,50 @@ class _SumAfterAllToAll:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            if self.pieces.shape[0] == 2:  # one add: 1.0 vs 1.4 ms for torch.sum on 6 MB (one core)
+            if len(self.pieces) == 2:  # one add: 1.0 vs 1.4 ms for torch.sum on 6 MB (one core)
                 torch.add(self.pieces[0], self.pieces[1], out=self.output)
             else:
-                torch.sum(self.pieces, dim=0, out=self.output)
+                torch.sum(self.pieces[0], dim=0, out=self.output)
             self.pieces = None
+            if self.pool is not None:
+                self.pool.give_back(self.raw)
+            self.raw = None
         return True
 
 
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                       async_op: bool = False, what: str = "", scratch: torch.Tensor | None = None):
+                       async_op: bool = False, what: str = "", pool=None):
     """Sum ``input`` (``[K * n]``) over ``group`` and leave this rank's ``[n]`` piece in ``output``.
 
     On gloo (``GLOO_REDUCE_SCATTER``) an all-to-all of the same bytes then a local sum (at ``wait()``)
-    into ``output``; the ``[K, n]`` pieces are received into ``scratch`` (a uint8 tensor of ``input``'s
-    bytes, in use until ``wait()`` returns) or a fresh buffer."""
+    into ``output``. For K = 2 each rank sends only the other rank's piece and adds the one it receives to
+    its own (no copy of its own piece); for K > 2 the ``[K, n]`` pieces, its own included, arrive in one
+    buffer and are summed in rank order. The receive buffer comes from ``pool`` (a ``BufferPool``) when
+    given and goes back to it at ``wait()``; ``input`` must stay untouched until then."""
     if debug.debug_enabled():
         debug.check("reduce_scatter", input, output.numel() * output.element_size(), group, what)
     _record("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
-    if group.size() == 1:
+    k = group.size()
+    if k == 1:
         output.copy_(input)
         return None
     if GLOO_REDUCE_SCATTER == "all_to_all" and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        nbytes = input.numel() * input.element_size()
-        raw = scratch[:nbytes] if scratch is not None else torch.empty(nbytes, dtype=torch.uint8, device=input.device)
-        # as bytes: gloo's all-to-all then takes any dtype
-        work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
-        handle = _SumAfterAllToAll(work, raw.view(input.dtype).view(group.size(), -1), output)
+        rows = input.view(k, -1)
+        row_bytes = rows.shape[1] * input.element_size()
+        if k == 2:
+            me = group.rank()
+            raw = _take(pool, row_bytes, input.device)  # the other rank's piece of this rank's chunk
+            splits = [0 if r == me else row_bytes for r in range(k)]
+            # as bytes: gloo's all-to-all then takes any dtype
+            work = dist.all_to_all_single(raw, rows[1 - me].view(torch.uint8), splits, splits, group=group,
+                                          async_op=True)
+            received = raw.view(input.dtype)
+            pieces = [received, rows[1]] if me == 1 else [rows[0], received]
+        else:
+            raw = _take(pool, k * row_bytes, input.device)
+            work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
+            pieces = [raw.view(input.dtype).view(k, -1)]
+        handle = _SumAfterAllToAll(work, pieces, output, raw, pool)
         if not async_op:
             handle.wait()
             return None

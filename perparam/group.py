@@ -52,7 +52,7 @@ class ParamGroup:
         self.registered_unsharded = False
         self._alive = False  # the unsharded storage holds the gathered parameters
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
-        self._pending_gather = None  # (work, send, recv) of an all-gather in flight
+        self._pending_gather = None  # (send buffer, collectives.GatheredRows) of an all-gather in flight
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.state for the states)
         self.state = TrainingState.IDLE
@@ -178,36 +178,35 @@ class ParamGroup:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        recv = pool.take(self.num_shards * layout.slot_bytes, device)
-        work = collectives.all_gather(recv, send, self.shard_pg, async_op=True, what=self._what)
-        self._pending_gather = (work, send, recv)
+        rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what)
+        self._pending_gather = (send, rows)
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
-        """Wait for the all-gather in flight and copy its rank-major buffer out: straight into the padded
+        """Wait for the all-gather in flight and copy its rows out, rank by rank: straight into the padded
         buffers of plain parameters, through scratch pieces (dequantized) for quantized ones."""
         if self._pending_gather is None:
             return
-        work, send, recv = self._pending_gather
+        send, rows = self._pending_gather
         self._pending_gather = None
-        if work is not None:
-            work.wait()
-        self.ctx.pool.give_back(send)
+        rows.wait()
         layout, k = self.layout, self.num_shards
         targets: list[list[torch.Tensor]] = []
         for p in self.gathered:
             if p.plain:
                 targets.append([p.alloc()])
             else:
-                targets.append([recv.new_empty(k, piece.nbytes) for piece in p.pieces])
+                targets.append([send.new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
-        torch.split_with_sizes_copy(recv.view(k, layout.slot_bytes),
-                                    [layout.pieces[i][j].nbytes for i, j in order], dim=1,
-                                    out=[targets[i][j] for i, j in order])
+        sizes = [layout.pieces[i][j].nbytes for i, j in order]
+        for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
+            torch.split_with_sizes_copy(seg, sizes, dim=1,
+                                        out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
         for p, pieces in zip(self.gathered, targets):
             if not p.plain:
                 p.unpack(pieces)
-        self.ctx.pool.give_back(recv)
+        for buffer in (send, *rows.buffers):
+            self.ctx.pool.give_back(buffer)
         self._alive = True
 
     def free(self) -> None:
@@ -284,11 +283,9 @@ class ParamGroup:
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.ctx.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
-            scratch = (self.ctx.pool.take(send.numel() * send.element_size(), send.device)
-                       if send.device.type == "cpu" and self.num_shards > 1 else None)
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
-                                                  what=f"{self._what} [{dtype}]", scratch=scratch)
-            pending.append(PendingReduce(work, send, recv, params, offsets, scratch))
+                                                  what=f"{self._what} [{dtype}]", pool=self.ctx.pool)
+            pending.append(PendingReduce(work, send, recv, params, offsets))
         world = self.num_shards * self.num_replicas
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
@@ -322,8 +319,6 @@ class ParamGroup:
             if item.work is not None:
                 item.work.wait()
             self.ctx.pool.give_back(item.send)
-            if item.scratch is not None:
-                self.ctx.pool.give_back(item.scratch)
             item.work = None
             if self.replicate_pg is not None:
                 item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
@@ -370,7 +365,6 @@ class PendingReduce:
     recv: torch.Tensor
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
-    scratch: torch.Tensor | None  # the reduce-scatter's receive buffer on gloo (perparam.collectives)
     stage: int = 0  # 0: reduce-scatter in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
 

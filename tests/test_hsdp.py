@@ -205,10 +205,10 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
             # left in flight while backward computes on)
             kinds = [r.kind for r in step["bwd"]]
             assert all(kinds[:i].count("all_reduce") <= kinds[:i].count("reduce_scatter") for i in range(9))
-            # a size-1 axis issues no c10d call, but the replicate all-reduce always runs (on gloo a
-            # reduce-scatter is an all-to-all then a local sum: perparam.collectives)
-            assert step["raw"] == {"all_gather_single": 4 if k > 1 else 0, "reduce_scatter_single": 0,
-                                   "all_to_all_single": 4 if k > 1 else 0, "all_reduce": 4}
+            # a size-1 axis issues no c10d call, but the replicate all-reduce always runs (on gloo an
+            # all-gather and a reduce-scatter are each one all-to-all: perparam.collectives)
+            assert step["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0,
+                                   "all_to_all_single": 8 if k > 1 else 0, "all_reduce": 4}
 
 
 def test_reshard_after_forward_gathers_again_in_backward_over_the_shard_axis():
