@@ -1,57 +1,76 @@
-"""A small pool of byte buffers for the collectives' transient send/receive buffers (CPU only).
+"""A pool of byte buffers for the collectives' transient send/receive buffers (CPU only), bounded in bytes.
 
-On CPU every fresh buffer above glibc's mmap threshold (32 MiB) is mapped anew and page-faulted in on
-first touch; a group's all-gather and reduce-scatter buffers are that large and are needed every step.
-Keeping at most ``idle_per_size`` idle buffers of each size removes those faults (measured: about half
-of the page faults of a step of the 27M-parameter benchmark model). CUDA's caching allocator already
-does this, so CUDA buffers are not pooled.
+**What is pooled.** glibc maps every allocation of 32 MiB or more (its largest mmap threshold,
+``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit) anew and page-faults it in on first touch: measured here,
+17 ms for a 33 MiB buffer vs 1.6 ms for a 31 MiB one, every time. Smaller buffers come back from glibc's
+heap without faults, and memory freed there is reused by activations and gradients; keeping them idle in
+a pool only raised the benchmark's training-phase peak (+504-541 MiB without a pool, +595-611 MiB with
+every buffer pooled, CPU per step within 1%: benchmarks/README.md). So only buffers of at least
+``MIN_POOLED_BYTES`` are kept. CUDA's caching allocator already reuses memory, so CUDA buffers are never
+pooled.
 
-Each root's ``IterationContext`` owns one pool (``perparam.state``): two models in one process never
-hand each other buffers. A pool holds at most ``idle_per_size`` idle buffers per distinct size; with
-prefetching, 2 all-gathers and 2 reduce-scatters are in flight at once, so 4 per size covers a step.
+**Bound.** A pool keeps at most ``max_idle_bytes`` bytes of idle buffers; a buffer given back beyond that
+is dropped (freed). Each root's ``IterationContext`` (``perparam.state``) owns one pool and sets the bound
+to ``IN_FLIGHT_GROUPS`` times the largest group's ``ParamGroup.pool_bytes()`` (its all-gather and
+reduce-scatter buffers together): with one group prefetched, a step never has more than two groups'
+buffers in use at once, so that much idle memory lets every pooled buffer of a step be reused and nothing
+more is kept. Two models in one process never hand each other buffers.
 """
 
 from __future__ import annotations
 
 import torch
 
-IDLE_PER_SIZE = 4
+#: groups whose buffers are in use at once: the current one and the one prefetched (``hooks.PREFETCH``)
+IN_FLIGHT_GROUPS = 2
+#: smaller buffers are left to glibc's heap (see the module docstring)
+MIN_POOLED_BYTES = 32 << 20
 
 
 class BufferPool:
-    """Idle uint8 CPU buffers keyed by (bytes, device)."""
+    """Idle uint8 CPU buffers of at least ``min_bytes`` bytes, keyed by (bytes, device), at most
+    ``max_idle_bytes`` bytes in all (``None``: unbounded)."""
 
-    def __init__(self, idle_per_size: int = IDLE_PER_SIZE) -> None:
-        self.idle_per_size = idle_per_size
+    def __init__(self, max_idle_bytes: int | None = None, min_bytes: int = MIN_POOLED_BYTES) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.min_bytes = min_bytes
         self._idle: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._idle_bytes = 0
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` bytes (contents undefined): an idle pooled one, or a new one."""
         if device.type == "cpu":
             idle = self._idle.get((nbytes, device))
             if idle:
+                self._idle_bytes -= nbytes
                 return idle.pop()
         with torch.inference_mode(False):  # a pooled buffer outlives an inference_mode forward
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        """Return a buffer from ``take`` once nothing uses it any more (its collective has finished)."""
+        """Return a buffer from ``take`` once nothing uses it any more (its collective has finished). It is
+        kept for reuse if it has at least ``min_bytes`` and the pool's idle bytes stay within
+        ``max_idle_bytes``; otherwise dropped."""
         if buffer.device.type != "cpu" or not buffer.numel():
             return
         storage = buffer.untyped_storage()
-        idle = self._idle.setdefault((storage.nbytes(), buffer.device), [])
-        if len(idle) < self.idle_per_size:
-            # a fresh uint8 tensor over the whole storage, made outside inference mode: a view made under
-            # inference_mode (the buffer may be one) could not be written in place later
-            with torch.inference_mode(False):
-                whole = torch.empty(0, dtype=torch.uint8, device=buffer.device)
-                whole.set_(storage, 0, (storage.nbytes(),))
-            idle.append(whole)
+        nbytes = storage.nbytes()
+        if nbytes < self.min_bytes or (self.max_idle_bytes is not None
+                                       and self._idle_bytes + nbytes > self.max_idle_bytes):
+            return
+        # a fresh uint8 tensor over the whole storage, made outside inference mode: a view made under
+        # inference_mode (the buffer may be one) could not be written in place later
+        with torch.inference_mode(False):
+            whole = torch.empty(0, dtype=torch.uint8, device=buffer.device)
+            whole.set_(storage, 0, (nbytes,))
+        self._idle.setdefault((nbytes, buffer.device), []).append(whole)
+        self._idle_bytes += nbytes
 
     def idle_bytes(self) -> int:
         """Bytes held by idle buffers."""
-        return sum(b.numel() for bufs in self._idle.values() for b in bufs)
+        return self._idle_bytes
 
     def clear(self) -> None:
         """Drop every idle buffer (e.g. before measuring memory)."""
         self._idle.clear()
+        self._idle_bytes = 0

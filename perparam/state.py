@@ -25,7 +25,7 @@ import warnings
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .buffers import BufferPool
+from .buffers import IN_FLIGHT_GROUPS, BufferPool
 
 if TYPE_CHECKING:
     from .group import ParamGroup, PendingReduce
@@ -90,7 +90,7 @@ class IterationContext:
         self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
         self.callback_queued = False
         self.keep_gathered = False
-        self.pool = BufferPool()
+        self.pool = BufferPool(IN_FLIGHT_GROUPS * max((g.pool_bytes() for g in groups), default=0))
 
     # -- in-flight state -----------------------------------------------------------------------------
     def dirty(self) -> bool:

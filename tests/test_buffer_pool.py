@@ -1,0 +1,58 @@
+"""The collectives' buffer pool (``perparam.buffers``): bounded in bytes, only buffers glibc would map anew
+(>= 32 MiB), and ``ParamGroup.pool_bytes()`` equal to what one unshard and one reduction of the group take
+from it, on 2 and 3 ranks (the first, middle and last rank) with two reduce dtypes in one group."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import perparam
+from perparam import ParamPolicy
+from perparam.buffers import BufferPool
+from perparam.module import group_of
+from tests.distributed import run_distributed
+
+
+def test_pool_keeps_only_large_buffers_and_at_most_max_idle_bytes():
+    pool = BufferPool(max_idle_bytes=100, min_bytes=10)
+    small, a, b, c = (pool.take(n, torch.device("cpu")) for n in (9, 40, 40, 40))
+    for buf in (small, a, b, c):
+        pool.give_back(buf)
+    assert pool.idle_bytes() == 80  # the 9-byte buffer is below min_bytes; the third 40 would pass 100
+    again = pool.take(40, torch.device("cpu"))
+    assert again.untyped_storage().data_ptr() in {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+    assert pool.idle_bytes() == 40
+    pool.clear()
+    assert pool.idle_bytes() == 0
+
+
+class _Recording(BufferPool):
+    def __init__(self) -> None:
+        super().__init__(max_idle_bytes=None, min_bytes=0)
+        self.taken: list[int] = []
+
+    def take(self, nbytes, device):
+        self.taken.append(nbytes)
+        return super().take(nbytes, device)
+
+
+def _taken_in_one_step(rank: int, world: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))  # uneven rows: padding on 2 and 3 ranks
+    perparam.fully_shard(model, param_policy={"2.*": ParamPolicy(reduce_dtype=torch.float64)})
+    x = torch.randn(4, 5)
+    F.mse_loss(model(x), torch.zeros(4, 3)).backward()  # creates the root's context
+    group = group_of(model)
+    recording = _Recording()
+    group.ctx.pool = recording
+    model.zero_grad()
+    F.mse_loss(model(x), torch.zeros(4, 3)).backward()  # the root: one all-gather, one reduction per dtype
+    return sum(recording.taken), group.pool_bytes()
+
+
+def test_pool_bytes_equal_the_buffers_one_unshard_and_one_reduction_take():
+    for world in (2, 3):
+        for taken, predicted in run_distributed(_taken_in_one_step, world):
+            assert taken == predicted > 0
