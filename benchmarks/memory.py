@@ -34,6 +34,16 @@ def trim() -> None:
         pass
 
 
+def set_mmap_threshold(nbytes: int) -> None:
+    """``mallopt(M_MMAP_THRESHOLD, nbytes)``: glibc then maps every allocation of ``nbytes`` or more on its
+    own and unmaps it when freed, so freed tensors leave the resident set at once (by default the
+    threshold rises up to 32 MiB as large blocks are freed, and those then stay in glibc's heap). What
+    resident memory then shows is close to what is live; each such allocation is page-faulted in anew
+    (more CPU). Raises ``OSError`` where glibc is not present or refuses the value."""
+    if ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes)) != 1:  # M_MMAP_THRESHOLD
+        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
+
+
 def reset_peak() -> None:
     """Make ``VmHWM`` equal the current ``VmRSS``. Raises ``OSError`` where ``/proc/self/clear_refs`` cannot
     be written (not Linux)."""

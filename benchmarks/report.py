@@ -33,7 +33,8 @@ def _quantiles(xs: list[float]) -> dict:
             "min": xs[0] if xs else math.nan, "n": len(xs)}
 
 
-def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: int) -> dict:
+def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: int,
+              rss_returning: list[dict] | None = None) -> dict:
     """One configuration's figures from every rank's timing record and memory-run record."""
     recs = [r["configs"][name] for r in per_rank]
     rec0 = recs[0]
@@ -68,7 +69,9 @@ def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: in
     else:
         comm, calls = last["perparam_counter"], last["perparam_counter_calls"]
         source = "perparam.CommCounter"
-        out["comm_bytes_per_step_dist_wrappers"] = last["dist_bytes"]  # cross-check
+        # cross-check at the torch.distributed level (all-gathers and reduce-scatters are all-to-alls on gloo)
+        out["comm_bytes_per_step_dist_wrappers"] = last["dist_bytes"]
+        out["comm_sent_bytes_per_rank_dist_wrappers"] = last["dist_sent"]
     out["comm_bytes_per_step"] = {**comm, "total": sum(comm.values())}
     # bytes sent by each rank: (K-1)/K of the recorded bytes for an all-gather or reduce-scatter (ring or
     # all-to-all), 2 (K-1)/K for a ring all-reduce (a reduce-scatter then an all-gather)
@@ -89,6 +92,10 @@ def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: in
             if "pool_idle_bytes" in ok[0]:
                 out["pool_idle_bytes_per_rank"] = [r["pool_idle_bytes"] for r in ok]
                 out["group_unsharded_bytes"] = ok[0]["group_unsharded_bytes"]
+    ok = [r for r in rss_returning or [] if r.get("status") == "ok"]
+    if ok:  # the same memory run under a returning allocator (step_time.py --mmap-threshold)
+        out["training_peak_rss_bytes_returning"] = [r["training_peak"] for r in ok]
+        out["training_peak_over_baseline_bytes_returning"] = max(r["training_peak"] - r["baseline"] for r in ok)
     return out
 
 
@@ -114,6 +121,9 @@ def add_ratios(configs: dict, param_bytes: int, world: int) -> None:
                 both = ok and "training_peak_over_baseline_bytes" in c and "training_peak_over_baseline_bytes" in base
                 c[f"training_peak_ratio_vs_{tag}"] = (c["training_peak_over_baseline_bytes"]
                                                       / base["training_peak_over_baseline_bytes"] if both else None)
+                key = "training_peak_over_baseline_bytes_returning"
+                c[f"training_peak_ratio_vs_{tag}_returning"] = (c[key] / base[key] if ok and key in c and key in base
+                                                                else None)
         zero3 = 3 * (world - 1) / world * param_bytes
         c["comm_model_bytes_per_rank"] = {"zero3": zero3, "ddp": 2 * (world - 1) / world * param_bytes}
         c["comm_sent_vs_zero3_model"] = c["comm_sent_bytes_per_rank"] / zero3
@@ -185,7 +195,8 @@ def render(result: dict) -> None:
 
 
 def _render_profiles(console, result: dict) -> None:
-    """RSS through one step (rank 0), per phase: peak over the pre-build baseline, MiB."""
+    """RSS through one step (rank 0), per phase: peak over the pre-build baseline, MiB; and the training
+    peak of the same run under a returning allocator (``--mmap-threshold``), larger rank."""
     from rich.table import Table
 
     mib = 1 << 20
@@ -194,13 +205,15 @@ def _render_profiles(console, result: dict) -> None:
         return
     phases = ("forward", "backward", "optimizer", "end")
     table = Table(title="RSS through one step, rank 0: MiB over the pre-build baseline (phase start -> peak)")
-    for col in ("config", "after build", *phases, "training peak"):
+    for col in ("config", "after build", *phases, "training peak", "peak, returning allocator (max rank)"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, c in rows.items():
         base = c["rss_baseline_bytes_per_rank"][0]
         by_phase = {p["phase"]: p for p in c["rss_profile_rank0"]}
         cells = [f"{(by_phase[p]['start'] - base) / mib:.0f} -> {(by_phase[p]['peak'] - base) / mib:.0f}"
                  if p in by_phase else "-" for p in phases]
+        returning = c.get("training_peak_over_baseline_bytes_returning")
         table.add_row(name, f"{(c['rss_after_build_bytes_per_rank'][0] - base) / mib:.0f}", *cells,
-                      f"{(c['training_peak_rss_bytes'][0] - base) / mib:.0f}")
+                      f"{(c['training_peak_rss_bytes'][0] - base) / mib:.0f}",
+                      "-" if returning is None else f"{returning / mib:.0f}")
     console.print(table)

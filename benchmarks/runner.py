@@ -69,7 +69,7 @@ class Runner:
             c1 = time.process_time()
             f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self.counter.active = False
-        calls, nbytes = self.counter.take()
+        calls, nbytes, sent = self.counter.take()
         if record:
             self.times.append((t1 - t0, t2 - t1, t3 - t2))
             self.cpu.append(c1 - c0)
@@ -77,7 +77,8 @@ class Runner:
             self.losses.append(loss.item())
             self.comm.append({"perparam_counter": {k: comm.bytes(k) for k in comm.by_kind()},
                               "perparam_counter_calls": comm.by_kind(),
-                              "dist_bytes": nbytes, "dist_calls": calls})
+                              "dist_bytes": nbytes, "dist_calls": calls,
+                              "dist_sent": sent})
 
 
 def local_batch(batch, rank: int, world: int):
@@ -141,9 +142,12 @@ def timing_job(rank: int, world: int, opts: dict) -> dict:
 
 
 def rss_job(rank: int, world: int, opts: dict) -> dict:
-    """One configuration alone: RSS before and after the build, the training-phase peak, a sampled step."""
+    """One configuration alone: RSS before and after the build, the training-phase peak, a sampled step.
+    ``opts["mmap_threshold"]``: run under a fixed glibc mmap threshold (a returning allocator)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if opts.get("mmap_threshold"):  # before anything large is allocated: see memory.set_mmap_threshold
+        memory.set_mmap_threshold(opts["mmap_threshold"])
     cfg = GPTConfig(**opts["model"])
     mesh = init_device_mesh("cpu", (world,))
     counter = DistCounter()

@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank per step (default 2)")
     ap.add_argument("--rss-steps", type=int, help="steps of each memory run (default 3; --quick 2)")
     ap.add_argument("--no-rss", action="store_true", help="skip the per-configuration memory runs")
+    ap.add_argument("--mmap-threshold", type=int, default=4 << 20,
+                    help="bytes: also run each memory run under mallopt(M_MMAP_THRESHOLD, this), a glibc that "
+                         "returns freed large blocks at once (default 4194304; 0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before a job is killed")
     args = ap.parse_args(argv)
@@ -78,13 +81,18 @@ def main(argv: list[str] | None = None) -> dict:
     load_start = os.getloadavg()
     per_rank = launch("timing", opts, world)
     load_end = os.getloadavg()
-    rss = {}
+    rss, rss_returning = {}, {}
     if not args.no_rss:
         names = [n for n in args.configs if per_rank[0]["configs"][n]["status"] == "ok"]
+        thresholds = [None] + ([args.mmap_threshold] if args.mmap_threshold else [])
+        jobs = [(n, t) for t in thresholds for n in names]
+        run_opts = [("rss", {**opts, "config": n, "mmap_threshold": t}) for n, t in jobs]
         if args.quick:  # toy model: the memory jobs side by side (their RSS does not depend on timing)
-            rss = dict(zip(names, launch_many([("rss", {**opts, "config": n}) for n in names], world)))
+            results = launch_many(run_opts, world)
         else:  # one at a time, so the machine's memory is not the limit
-            rss = {n: launch("rss", {**opts, "config": n}, world) for n in names}
+            results = [launch(job, o, world) for job, o in run_opts]
+        rss = {n: r for (n, t), r in zip(jobs, results) if t is None}
+        rss_returning = {n: r for (n, t), r in zip(jobs, results) if t is not None}
     loads = [la[0] for la in per_rank[0]["loadavg"]]
     params = num_params(GPT(cfg))
     result = {
@@ -94,10 +102,13 @@ def main(argv: list[str] | None = None) -> dict:
             "oversubscribed": world > (os.cpu_count() or 1),
             "model": cfg.as_dict(), "model_params": params, "batch_per_rank": args.batch_per_rank,
             "steps": args.steps, "warmup": args.warmup, "rss_steps": args.rss_steps, "quick": args.quick,
+            "returning_allocator": (f"mallopt(M_MMAP_THRESHOLD, {args.mmap_threshold}) in each rank before building"
+                                    if args.mmap_threshold and not args.no_rss else None),
             "loadavg": {"start": list(load_start), "end": list(load_end), "min": min(loads), "max": max(loads),
                         "mean": statistics.mean(loads)},
         },
-        "configs": {name: summarise(name, per_rank, rss.get(name), world) for name in args.configs},
+        "configs": {name: summarise(name, per_rank, rss.get(name), world, rss_returning.get(name))
+                    for name in args.configs},
     }
     add_ratios(result["configs"], 4 * params, world)
     if args.json:
