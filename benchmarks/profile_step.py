@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     text = ""
     if rank == 0 and args.top:
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof, stream=buf).sort_stats(args.sort).print_stats(args.top)
         text = buf.getvalue()
     queue.put((rank, statistics.median(cpu), text))
     dist.destroy_process_group()
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="perparam.collectives.GLOO_REDUCE_SCATTER")
     ap.add_argument("--gloo-all-gather", choices=("all_to_all", "native"), default="all_to_all",
                     help="perparam.collectives.GLOO_ALL_GATHER")
+    ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
