@@ -168,9 +168,11 @@ GLOO_REDUCE_SCATTER = "all_to_all"
 class _SumAfterAllToAll:
     """A work handle: once the all-to-all has delivered the other ranks' pieces of this rank's chunk, sum
     them with this rank's own piece, in rank order (16-bit dtypes rounded once for K = 2, accumulated in
-    fp32 by ``torch.sum`` for more), into the reduce-scatter's output; then give the receive buffer back."""
+    fp32 by ``torch.sum`` for more), into the reduce-scatter's output; then give the receive buffer (if
+    any: for K = 2 the peer's piece arrives in the output itself) back to the pool."""
 
-    def __init__(self, work, pieces: list[torch.Tensor], output: torch.Tensor, raw: torch.Tensor, pool) -> None:
+    def __init__(self, work, pieces: list[torch.Tensor], output: torch.Tensor, raw: torch.Tensor | None,
+                 pool) -> None:
         self.work, self.pieces, self.output, self.raw, self.pool = work, pieces, output, raw, pool
 
     def is_completed(self) -> bool:
@@ -185,7 +187,7 @@ class _SumAfterAllToAll:
             else:
                 torch.sum(self.pieces[0], dim=0, out=self.output)
             self.pieces = None
-            if self.pool is not None:
+            if self.pool is not None and self.raw is not None:
                 self.pool.give_back(self.raw)
             self.raw = None
         return True
@@ -196,10 +198,11 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     """Sum ``input`` (``[K * n]``) over ``group`` and leave this rank's ``[n]`` piece in ``output``.
 
     On gloo (``GLOO_REDUCE_SCATTER``) an all-to-all of the same bytes then a local sum (at ``wait()``)
-    into ``output``. For K = 2 each rank sends only the other rank's piece and adds the one it receives to
-    its own (no copy of its own piece); for K > 2 the ``[K, n]`` pieces, its own included, arrive in one
-    buffer and are summed in rank order. The receive buffer comes from ``pool`` (a ``BufferPool``) when
-    given and goes back to it at ``wait()``; ``input`` must stay untouched until then."""
+    into ``output``. For K = 2 each rank sends only the other rank's piece, receives its peer's piece of
+    its own chunk straight into ``output`` and adds its own piece there (no buffer, no copy of its own
+    piece); for K > 2 the ``[K, n]`` pieces, its own included, arrive in one buffer (from ``pool``, a
+    ``BufferPool``, when given; back to it at ``wait()``) and are summed in rank order. ``input`` must stay
+    untouched until ``wait()``."""
     if debug.debug_enabled():
         debug.check("reduce_scatter", input, output.numel() * output.element_size(), group, what)
     _record("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
@@ -212,18 +215,21 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
         row_bytes = rows.shape[1] * input.element_size()
         if k == 2:
             me = group.rank()
-            raw = _take(pool, row_bytes, input.device)  # the other rank's piece of this rank's chunk
+            # the other rank's piece of this rank's chunk arrives in `output` (or a scratch tensor if `output`
+            # cannot take it as bytes); its own piece is added at wait() (a + b == b + a exactly)
+            into = output if output.is_contiguous() and output.dtype == input.dtype else rows[me].new_empty(rows.shape[1])
             splits = [0 if r == me else row_bytes for r in range(k)]
             # as bytes: gloo's all-to-all then takes any dtype
-            work = dist.all_to_all_single(raw, rows[1 - me].view(torch.uint8), splits, splits, group=group,
-                                          async_op=True)
-            received = raw.view(input.dtype)
-            pieces = [received, rows[1]] if me == 1 else [rows[0], received]
-        else:
-            raw = _take(pool, k * row_bytes, input.device)
-            work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
-            pieces = [raw.view(input.dtype).view(k, -1)]
-        handle = _SumAfterAllToAll(work, pieces, output, raw, pool)
+            work = dist.all_to_all_single(into.view(torch.uint8), rows[1 - me].view(torch.uint8), splits, splits,
+                                          group=group, async_op=True)
+            handle = _SumAfterAllToAll(work, [into, rows[me]], output, None, None)
+            if not async_op:
+                handle.wait()
+                return None
+            return handle
+        raw = _take(pool, k * row_bytes, input.device)
+        work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
+        handle = _SumAfterAllToAll(work, [raw.view(input.dtype).view(k, -1)], output, raw, pool)
         if not async_op:
             handle.wait()
             return None

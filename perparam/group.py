@@ -140,9 +140,10 @@ class ParamGroup:
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
         (``perparam.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
-        of the send row for K > 2), and per reduce dtype the ``[K, n]`` reduce-scatter input and its
-        receive buffer (``n``: padded local elements plus used flags; K - 1 rows received for K = 2, K
-        rows for more). Counts every sharded parameter, trainable or not (an upper bound)."""
+        of the send row for K > 2), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
+        K > 2, its ``[K, n]`` receive buffer (``n``: padded local elements plus used flags; for K = 2 the
+        peer's piece arrives in the output, ``perparam.collectives``). Counts every sharded parameter,
+        trainable or not (an upper bound)."""
         k = self.num_shards
         if k == 1:
             return 0
@@ -150,7 +151,7 @@ class ParamGroup:
         by_dtype: dict[torch.dtype, list] = defaultdict(list)
         for p in self.gathered:
             by_dtype[p.policy.reduce_dtype].append(p.layout)
-        reduce = sum(reduce_scatter_offsets(layouts)[1] * dtype.itemsize * (k + (k - 1 if k == 2 else k))
+        reduce = sum(reduce_scatter_offsets(layouts)[1] * dtype.itemsize * (k if k == 2 else 2 * k)
                      for dtype, layouts in by_dtype.items())
         return gather + reduce
 
