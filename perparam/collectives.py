@@ -79,22 +79,9 @@ def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype
             c.records.append(rec)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
-               what: str = ""):
-    """Gather ``input`` (``[n]``) from every rank of ``group`` into ``output`` (``[K * n]``), rank-major.
-    ``what`` names the group and parameters (checked across ranks in debug mode, ``perparam.debug``)."""
-    if debug.debug_enabled():
-        debug.check("all_gather", input, output.numel() * output.element_size(), group, what)
-    _record("all_gather", output.numel() * output.element_size(), group, output.dtype)
-    if group.size() == 1:
-        output.copy_(input)
-        return None
-    return dist.all_gather_single(output, input, group=group, async_op=async_op)
-
-
 # How an all-gather of rows runs on gloo: "all_to_all" (one all-to-all in which each rank sends its row to
 # every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
-# "native" (``dist.all_gather_into_tensor``, which gloo runs through a flat buffer it allocates on every
+# "native" (``dist.all_gather_single``, which gloo runs through a flat buffer it allocates on every
 # call and copies out afterwards). Same bytes on the wire. Measured on 2 ranks, one 12.6 MB gather of the
 # benchmark model (benchmarks/README.md): CPU per call 5.2-9.0 ms native, 2.7-3.3 ms all-to-all.
 GLOO_ALL_GATHER = "all_to_all"
@@ -127,7 +114,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
 
     On gloo (``GLOO_ALL_GATHER``) an all-to-all with split sizes: ``send`` goes to every other rank (for
     K > 2 from K - 1 copies of it), the other ranks' rows arrive in one ``[K - 1, slot]`` buffer. Elsewhere
-    ``dist.all_gather_into_tensor`` into a ``[K, slot]`` buffer."""
+    ``dist.all_gather_single`` (all-gather into one tensor) into a ``[K, slot]`` buffer."""
     k, slot = group.size(), send.numel()
     if debug.debug_enabled():
         debug.check("all_gather", send, k * slot, group, what)
