@@ -89,6 +89,12 @@ class ParamGroup:
         return reduce_group(self.replicate_pg)
 
     @property
+    def replicated_replicate_pg(self):
+        """Replicated parameters' all-reduces over the replicate axis: a group of their own (see
+        ``perparam.process_groups.reduce_group``)."""
+        return reduce_group(self.replicate_pg, "replicated")
+
+    @property
     def _what(self) -> str:
         """How collectives and errors name the group: creation index, path below the root, classes,
         parameters (the index tells apart groups of equal classes and shapes in debug mode)."""
@@ -311,7 +317,8 @@ class ParamGroup:
             flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
             collectives.all_reduce_sum(flat, self.reduce_shard_pg, what=f"{self._what} replicated [{dtype}]")
             if self.replicate_pg is not None:
-                collectives.all_reduce_sum(flat, self.reduce_replicate_pg, what=f"{self._what} replicated [{dtype}]")
+                collectives.all_reduce_sum(flat, self.replicated_replicate_pg,
+                                           what=f"{self._what} replicated [{dtype}]")
             flat.div_(world)
             pieces = flat.split([*(g.numel() for g in grads), len(params)])
             for p, piece, flag in zip(params, pieces, pieces[-1].tolist()):
