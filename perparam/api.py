@@ -142,8 +142,6 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
 
     group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
-    if group.replicated:
-        group.replicated_replicate_pg  # noqa: B018 (likewise)
     _GROUPS.add(group)
     for sp in sharded_params:
         sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)

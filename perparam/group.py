@@ -89,12 +89,6 @@ class ParamGroup:
         return reduce_group(self.replicate_pg)
 
     @property
-    def replicated_replicate_pg(self):
-        """Replicated parameters' all-reduces over the replicate axis: a group of their own (see
-        ``perparam.process_groups.reduce_group``)."""
-        return reduce_group(self.replicate_pg, "replicated")
-
-    @property
     def _what(self) -> str:
         """How collectives and errors name the group: creation index, path below the root, classes,
         parameters (the index tells apart groups of equal classes and shapes in debug mode)."""
@@ -310,20 +304,16 @@ class ParamGroup:
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
                                                   what=f"{self._what} [{dtype}]", pool=self.ctx.pool)
             pending.append(PendingReduce(work, send, recv, params, offsets))
-        world = self.num_shards * self.num_replicas
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
             flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
-            collectives.all_reduce_sum(flat, self.reduce_shard_pg, what=f"{self._what} replicated [{dtype}]")
-            if self.replicate_pg is not None:
-                collectives.all_reduce_sum(flat, self.replicated_replicate_pg,
-                                           what=f"{self._what} replicated [{dtype}]")
-            flat.div_(world)
-            pieces = flat.split([*(g.numel() for g in grads), len(params)])
-            for p, piece, flag in zip(params, pieces, pieces[-1].tolist()):
-                if flag > 0:  # some rank had a gradient
-                    p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
+            # asynchronous like the reduce-scatters, and queued with them: a rank must never wait for a
+            # reduction in backward, and the all-reduce over the replicate axis that follows is issued
+            # from the queue in issue order, as the sharded reductions' are (same order on every rank)
+            work = collectives.all_reduce_sum(flat, self.reduce_shard_pg, async_op=True,
+                                              what=f"{self._what} replicated [{dtype}]")
+            pending.append(PendingReduce(work, None, flat, params, (), replicated=True))
         if not defer:
             for item in pending:
                 self.finish_reduce(item)
@@ -343,7 +333,8 @@ class ParamGroup:
                 return False
             if item.work is not None:
                 item.work.wait()
-            self.ctx.pool.give_back(item.send)
+            if item.send is not None:
+                self.ctx.pool.give_back(item.send)
             item.work = None
             if self.replicate_pg is not None:
                 item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
@@ -360,6 +351,9 @@ class ParamGroup:
         return True
 
     def _accumulate(self, item: PendingReduce) -> None:
+        if item.replicated:
+            self._accumulate_replicated(item)
+            return
         recv = item.recv
         flags = recv.narrow(0, recv.numel() - len(item.params), len(item.params)).tolist()
         recv.div_(self.num_shards * self.num_replicas)
@@ -369,6 +363,14 @@ class ParamGroup:
             rows = p.layout.extent(p.shard_rank)[1]
             local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
             p.accumulate_sharded_grad(local.narrow(0, 0, rows))
+
+    def _accumulate_replicated(self, item: PendingReduce) -> None:
+        flat = item.recv  # every replicated gradient, whole, then the used flags; summed over all dp ranks
+        flat.div_(self.num_shards * self.num_replicas)
+        pieces = flat.split([*(p.layout.numel for p in item.params), len(item.params)])
+        for p, piece, flag in zip(item.params, pieces, pieces[-1].tolist()):
+            if flag > 0:  # some rank had a gradient
+                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""
@@ -383,14 +385,17 @@ class ParamGroup:
 
 @dataclass
 class PendingReduce:
-    """A reduce-scatter in flight: its work handle, buffers (kept alive until it finishes) and params."""
+    """A reduction in flight: its work handle, buffers (kept alive until it finishes) and params. A
+    reduce-scatter (``send``: its packed input, ``recv``: this rank's piece), or with ``replicated`` an
+    all-reduce of replicated parameters' gradients (``send`` None, ``recv`` the flat gradients + flags)."""
 
     work: object
-    send: torch.Tensor
+    send: torch.Tensor | None
     recv: torch.Tensor
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
-    stage: int = 0  # 0: reduce-scatter in flight, 1: HSDP all-reduce in flight, 2: done
+    replicated: bool = False
+    stage: int = 0  # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
 
 

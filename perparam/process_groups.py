@@ -25,25 +25,16 @@ def _alive(pg: ProcessGroup) -> bool:
     return pg in dist.distributed_c10d._world.pg_map
 
 
-def reduce_group(pg: ProcessGroup | None, purpose: str = "reduce") -> ProcessGroup | None:
-    """The process group for gradient reductions over ``pg``'s ranks (``pg`` itself when it has one rank),
-    one per ``purpose``: ``"reduce"`` for the reduce-scatters and the HSDP all-reduces that follow them,
-    ``"replicated"`` for the all-reduces of replicated parameters' gradients over the replicate axis.
-
-    Those two must not share a group: a sharded reduction's HSDP all-reduce is issued when its
-    reduce-scatter is seen to have finished (polled, never waited for in backward), so where it falls
-    between a later group's replicated all-reduces depends on timing, and differs between ranks (seen:
-    gloo aborting with "Received data size doesn't match expected size" on a 3 x 1 HSDP mesh).
+def reduce_group(pg: ProcessGroup | None) -> ProcessGroup | None:
+    """The process group for gradient reductions over ``pg``'s ranks (``pg`` itself when it has one rank).
 
     Must first be called by every rank of ``pg`` in the same order (``fully_shard`` does); later calls
     look the group up."""
     if pg is None or pg.size() == 1:
         return pg
-    key = f"{pg.group_name}/{purpose}"
-    dup = _REDUCE_GROUPS.get(key)
+    dup = _REDUCE_GROUPS.get(pg.group_name)
     if dup is None or not _alive(dup):
-        desc = f"perparam_{purpose}_{pg.group_desc}" if hasattr(pg, "group_desc") else None
         dup = dist.new_group(ranks=dist.get_process_group_ranks(pg), use_local_synchronization=True,
-                             group_desc=desc)
-        _REDUCE_GROUPS[key] = dup
+                             group_desc=f"perparam_reduce_{pg.group_desc}" if hasattr(pg, "group_desc") else None)
+        _REDUCE_GROUPS[pg.group_name] = dup
     return dup

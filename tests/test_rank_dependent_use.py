@@ -313,3 +313,43 @@ def test_a_branch_used_by_one_rank_late_in_backward_never_deadlocks(world, hsdp)
     for got in run_distributed(deep_branch, world, hsdp, timeout=60):
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def deep_branch_replicated(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    torch.manual_seed(0)
+    model = DeepBranch()
+    x = torch.arange(8.0).view(2, 4) * (rank + 1) / 8
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
+    for sub in model.layers:
+        perparam.fully_shard(sub, mesh=mesh)
+    perparam.fully_shard(model.aux, mesh=mesh, param_policy={"*": perparam.ParamPolicy(placement=Replicate())})
+    perparam.fully_shard(model, mesh=mesh)
+    for _ in range(2):
+        model.zero_grad()
+        model(x, use_aux=rank == world_size - 1).sum().backward()
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2), (3, 1)], ids=["2", "3", "hsdp2x2", "hsdp3x1"])
+def test_a_branch_of_replicated_parameters_used_by_one_rank_never_deadlocks(mesh_shape):
+    # replicated parameters' gradients are all-reduced, not reduce-scattered: that all-reduce was
+    # blocking, so the ranks that had the branch's gradient waited in it for the last rank, which waited in
+    # an all-gather they had yet to issue (a hang on every mesh here); it is now queued, never waited for
+    # in backward, and its all-reduce over the replicate axis is issued in queue order like the sharded
+    # reductions' (on one process group the two orders once differed between ranks: gloo aborted on 3 x 1)
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    per_rank = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        model = DeepBranch()
+        model(torch.arange(8.0).view(2, 4) * (rank + 1) / 8, use_aux=rank == world - 1).sum().backward()
+        per_rank.append({n: p.grad for n, p in model.named_parameters()})
+    want = _mean_over_ranks(per_rank)
+    for got in run_distributed(deep_branch_replicated, world, mesh_shape, timeout=60):
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
