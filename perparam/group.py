@@ -274,9 +274,11 @@ class ParamGroup:
         *used* flag per parameter (1 where this rank had a gradient), summed by the same collective, so
         a parameter that no rank used keeps its ``.grad`` unchanged (``None`` after ``zero_grad()``) on
         every rank, as in an unsharded model. Replicated parameters: one all-reduce per reduce dtype over
-        each mesh axis, flags likewise. ``sync=False`` only moves the gradients into the reduce-dtype
-        accumulators (gradient accumulation without communication). ``defer=True`` returns the
-        reduce-scatters still in flight, for ``finish_reduce``; otherwise they are finished here.
+        each mesh axis, flags likewise, queued with the reduce-scatters (never waited for in backward;
+        the replicate-axis all-reduce follows from the queue, in issue order). ``sync=False`` only moves
+        the gradients into the reduce-dtype accumulators (gradient accumulation without communication).
+        ``defer=True`` returns the reductions still in flight, for ``finish_reduce``; otherwise they are
+        finished here.
         """
         trainable = self.trainable()
         if not sync:
