@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from .buffers import IN_FLIGHT_GROUPS, BufferPool
 
 if TYPE_CHECKING:
-    from .group import ParamGroup, PendingReduce
+    from .group import ParamGroup
+    from .reduction import PendingReduce
 
 
 class TrainingState(enum.Enum):

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from perparam.group import pack_reduce_scatter_input
 from perparam.layout import (
     GroupLayout,
     ShardLayout,
@@ -18,6 +17,7 @@ from perparam.layout import (
     local_shape_and_offset,
     reduce_scatter_offsets,
 )
+from perparam.reduction import pack_reduce_scatter_input
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8]
 
