@@ -4,6 +4,8 @@ names a mismatched collective on every rank instead of hanging or reducing the w
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -303,6 +305,12 @@ def deep_branch(rank: int, world_size: int, hsdp: bool) -> dict:
 
 @pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, True)], ids=["1d", "hsdp2x2"])
 def test_a_branch_used_by_one_rank_late_in_backward_never_deadlocks(world, hsdp):
+    _check_deep_branch(world, run_distributed(deep_branch, world, hsdp, timeout=60))
+
+
+def _check_deep_branch(world: int, results: list[dict]) -> None:
+    """Each rank's gradients equal the mean over ranks of single-process DeepBranch gradients (the last
+    rank uses the branch)."""
     per_rank = []
     for rank in range(world):
         torch.manual_seed(0)
@@ -310,7 +318,7 @@ def test_a_branch_used_by_one_rank_late_in_backward_never_deadlocks(world, hsdp)
         model(torch.arange(8.0).view(2, 4) * (rank + 1) / 8, use_aux=rank == world - 1).sum().backward()
         per_rank.append({n: p.grad for n, p in model.named_parameters()})
     want = _mean_over_ranks(per_rank)
-    for got in run_distributed(deep_branch, world, hsdp, timeout=60):
+    for got in results:
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
 
@@ -340,16 +348,5 @@ def test_a_branch_of_replicated_parameters_used_by_one_rank_never_deadlocks(mesh
     # an all-gather they had yet to issue (a hang on every mesh here); it is now queued, never waited for
     # in backward, and its all-reduce over the replicate axis is issued in queue order like the sharded
     # reductions' (on one process group the two orders once differed between ranks: gloo aborted on 3 x 1)
-    world = 1
-    for n in mesh_shape:
-        world *= n
-    per_rank = []
-    for rank in range(world):
-        torch.manual_seed(0)
-        model = DeepBranch()
-        model(torch.arange(8.0).view(2, 4) * (rank + 1) / 8, use_aux=rank == world - 1).sum().backward()
-        per_rank.append({n: p.grad for n, p in model.named_parameters()})
-    want = _mean_over_ranks(per_rank)
-    for got in run_distributed(deep_branch_replicated, world, mesh_shape, timeout=60):
-        for name, grad in want.items():
-            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=0, msg=name)
+    world = math.prod(mesh_shape)
+    _check_deep_branch(world, run_distributed(deep_branch_replicated, world, mesh_shape, timeout=60))
