@@ -210,13 +210,10 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
             work = dist.all_to_all_single(into.view(torch.uint8), rows[1 - me].view(torch.uint8), splits, splits,
                                           group=group, async_op=True)
             handle = _SumAfterAllToAll(work, [into, rows[me]], output, None, None)
-            if not async_op:
-                handle.wait()
-                return None
-            return handle
-        raw = _take(pool, k * row_bytes, input.device)
-        work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
-        handle = _SumAfterAllToAll(work, [raw.view(input.dtype).view(k, -1)], output, raw, pool)
+        else:
+            raw = _take(pool, k * row_bytes, input.device)
+            work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
+            handle = _SumAfterAllToAll(work, [raw.view(input.dtype).view(k, -1)], output, raw, pool)
         if not async_op:
             handle.wait()
             return None
