@@ -48,12 +48,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
+from . import adopt
+from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
+
 MANIFEST = "perparam_checkpoint.json"
 FORMAT = "perparam-checkpoint/1"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; the message says what is wrong and what to do."""
 
 
 # -- safe metadata ------------------------------------------------------------------------------------
@@ -128,8 +127,6 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
-    from . import adopt
-
     adopt._retarget(optimizer, (), {})  # built before fully_shard: point it at the sharded parameters now
     names = {id(p): n for n, p in model.named_parameters()}
     groups = []
@@ -386,8 +383,5 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-from .full_state import full_state_dict, load_full_state_dict  # noqa: E402  (part of this module's API)
 
 __all__ = ["CheckpointError", "full_state_dict", "latest", "load", "load_full_state_dict", "save"]

@@ -19,10 +19,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .module import group_of
 
 
-def _checkpoint_error(message: str) -> Exception:
-    from .checkpoint import CheckpointError
-
-    return CheckpointError(message)
+class CheckpointError(RuntimeError):
+    """A checkpoint or full state dict that cannot be saved or loaded; the message says what is wrong and
+    what to do. (Defined here, below ``perparam.checkpoint``, which re-exports it.)"""
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -71,7 +70,7 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
         and not callable(getattr(m, "reset_non_persistent_buffers", None))]
     if missing:
         name, module = missing[0]
-        raise _checkpoint_error(
+        raise CheckpointError(
             f"module '{name}' ({type(module).__name__}) has non-persistent buffers on the meta device "
             f"({sorted(module._non_persistent_buffers_set)}): no state dict holds them, so after to_empty() they "
             "would be uninitialised memory. Define reset_non_persistent_buffers(self) on it to recompute them "
@@ -119,8 +118,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
         dist.broadcast_object_list(box, src=src)
         problem = box[0]
     if problem:
-        raise _checkpoint_error(f"load_full_state_dict: the state dict does not fit the model: {problem}. "
-                                "Nothing was loaded")
+        raise CheckpointError(f"load_full_state_dict: the state dict does not fit the model: {problem}. "
+                              "Nothing was loaded")
     if any(v.is_meta for v in current.values()):
         sp = next(iter(sharded.values()), None)
         _materialise(model, sp.mesh_device if sp is not None else torch.device("cpu"))
