@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mesh import MeshError, check_dp_mesh
 
 from . import adopt, hooks, islands
+from .context import IterationContext
 from .full_state import install_load_hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of, guard_stored_dtypes
@@ -141,6 +142,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         sharded_params.append(sp)
 
     group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
+    IterationContext([group]).take(group)  # its own until a root's first forward takes it into its tree
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
     _GROUPS.add(group)
     for sp in sharded_params:

@@ -1,9 +1,10 @@
 """One ``fully_shard`` call's parameters: one all-gather per unshard whatever the mix of dtypes,
 quantizations and placements; one reduce-scatter per distinct reduce dtype.
 
-The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` and iteration
-context are in ``perparam.state``. Beside that state: the padded unsharded storage is *alive* or *freed*;
-the module has the *sharded* DTensors or the *unsharded* tensors registered.
+The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` is in
+``perparam.state``; its iteration context (``perparam.context``, which hands the group its buffer pool) is
+above it. Beside that state: the padded unsharded storage is *alive* or *freed*; the module has the
+*sharded* DTensors or the *unsharded* tensors registered.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import adopt, collectives
+from .buffers import BufferPool
 from .layout import GroupLayout, reduce_scatter_offsets
 from .param import ShardedParam
 from .process_groups import reduce_group
 from .reduction import PendingReduce, pack_reduce_scatter_input
-from .state import ALLOWED, IterationContext, StateError, TrainingState
+from .state import ALLOWED, StateError, TrainingState
 
 _COUNTER = itertools.count()
 
@@ -55,7 +57,8 @@ class ParamGroup:
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.state for the states)
         self.state = TrainingState.IDLE
-        self.ctx = IterationContext([self])  # replaced by the root's context at its first forward
+        self.ctx = None  # its IterationContext (perparam.context): its own, then its root's from its first forward
+        self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
         self.islands: list = []  # perparam.islands.Island: modules computing in their own dtype
@@ -181,7 +184,7 @@ class ParamGroup:
             return
         layout = self.layout
         device = self.gathered[0].local_shard().device
-        pool = self.ctx.pool
+        pool = self.pool
         send = pool.take(layout.slot_bytes, device)
         dsts, srcs = [], []
         for p, offsets in zip(self.gathered, layout.offsets):
@@ -223,7 +226,7 @@ class ParamGroup:
             if not p.plain:
                 p.unpack(pieces)
         for buffer in (send, *rows.buffers):
-            self.ctx.pool.give_back(buffer)
+            self.pool.give_back(buffer)
         self._alive = True
 
     def free(self) -> None:
@@ -299,11 +302,11 @@ class ParamGroup:
             params, grads, used = zip(*items)
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
             # [K, sum(padded_local_numel) + len(params)]
-            send = pack_reduce_scatter_input(list(grads), self.num_shards, self.ctx.pool, flags)
+            send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
-                                                  what=f"{self._what} [{dtype}]", pool=self.ctx.pool)
+                                                  what=f"{self._what} [{dtype}]", pool=self.pool)
             pending.append(PendingReduce(work, send, recv, params, offsets))
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
@@ -335,7 +338,7 @@ class ParamGroup:
             if item.work is not None:
                 item.work.wait()
             if item.send is not None:
-                self.ctx.pool.give_back(item.send)
+                self.pool.give_back(item.send)
             item.work = None
             if self.replicate_pg is not None:
                 item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,

@@ -32,7 +32,7 @@ method other than ``forward``; a backward through a graph built with ``create_gr
 to PRE_BACKWARD and queues the final callback, so every route reduces its gradients exactly once.
 
 The *root* is the outermost group whose forward runs while no forward of its context is running; the
-iteration's state lives in the root's ``IterationContext``.
+iteration's state lives in the root's ``IterationContext`` (``perparam.context``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from .cast import cast_floating, replace_tensors, tensors_in
+from .context import IterationContext
 from .group import ParamGroup
-from .state import IterationContext, TrainingState
+from .state import TrainingState
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 PRE_BACKWARD, POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
@@ -86,7 +87,7 @@ def _init_root(group: ParamGroup) -> None:
     for g in tree:
         if g.ctx.dirty():
             g.ctx.reset("a sharded submodule was left mid-iteration before its parent's first forward")
-        g.ctx = ctx
+        ctx.take(g)
 
 
 def _recomputing() -> bool:

@@ -46,7 +46,7 @@ def _taken_in_one_step(rank: int, world: int) -> tuple[int, int]:
     F.mse_loss(model(x), torch.zeros(4, 3)).backward()  # creates the root's context
     group = group_of(model)
     recording = _Recording()
-    group.ctx.pool = recording
+    group.pool = recording
     model.zero_grad()
     F.mse_loss(model(x), torch.zeros(4, 3)).backward()  # the root: one all-gather, one reduction per dtype
     return sum(recording.taken), group.pool_bytes()
