@@ -25,6 +25,8 @@ from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
 
 _COUNTER = itertools.count()
+#: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
+GROUP_ATTR = "_perparam_group"
 
 
 class ParamGroup:
@@ -385,3 +387,8 @@ class ParamGroup:
         and drop its result."""
         item.discard = True
         self.advance_reduce(item, block=True)
+
+
+def group_of(module: nn.Module) -> ParamGroup | None:
+    """The group of a module ``fully_shard`` was applied to, or ``None``."""
+    return module.__dict__.get(GROUP_ATTR)

@@ -43,7 +43,7 @@ from torch.autograd import Variable
 
 from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
-from .group import ParamGroup
+from .group import ParamGroup, group_of
 from .state import TrainingState
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
@@ -60,8 +60,6 @@ class TransformError(RuntimeError):
 def tree_of(group: ParamGroup) -> list[ParamGroup]:
     """Every group in the module trees of ``group`` (itself first, then module order), computed once."""
     if group.tree is None:
-        from .module import group_of
-
         seen: dict[int, ParamGroup] = {id(group): group}
         for module in group.modules:
             for sub in module.modules():
@@ -76,8 +74,6 @@ def _init_root(group: ParamGroup) -> None:
     """The first forward with ``group`` as root: one context for its whole tree."""
     tree = tree_of(group)
     ctx = IterationContext(tree)
-    from .module import group_of
-
     for i, module in enumerate(group.modules):
         prefix = f"{i}." if len(group.modules) > 1 else ""
         for name, sub in module.named_modules():

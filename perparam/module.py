@@ -7,9 +7,9 @@ import types
 import torch
 from torch import nn
 
-from .group import ParamGroup
+from . import hooks
+from .group import GROUP_ATTR, ParamGroup, group_of
 
-_GROUP_ATTR = "_perparam_group"
 _CLASS_CACHE: dict[type, type] = {}
 
 
@@ -124,8 +124,6 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     Raises ``ValueError`` for a module ``fully_shard`` was not applied to or a method it does not have.
     """
-    from . import hooks
-
     group = group_of(module)
     if group is None:
         raise ValueError(f"register_forward_method: {type(module).__name__} was not passed to fully_shard; "
@@ -182,10 +180,6 @@ def _refuse_dtype_change(module: nn.Module, fn) -> None:
                 f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
 
 
-def group_of(module: nn.Module) -> ParamGroup | None:
-    return module.__dict__.get(_GROUP_ATTR)
-
-
 def _groups_below(module: nn.Module, recurse: bool) -> list[ParamGroup]:
     modules = module.modules() if recurse else [module]
     groups: dict[int, ParamGroup] = {}
@@ -204,4 +198,4 @@ def attach(module: nn.Module, group: ParamGroup) -> None:
         sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
         _CLASS_CACHE[cls] = sharded_cls
     module.__class__ = sharded_cls
-    module.__dict__[_GROUP_ATTR] = group
+    module.__dict__[GROUP_ATTR] = group
