@@ -177,8 +177,8 @@ def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quantizer=None, bl
 
     * plain: the padded local shard in ``wire_dtype`` (the compute dtype), ``padded_local_numel``
       elements.
-    * quantized (``quantizer`` set: a ``perparam.quant`` quantizer, or its registered name or codes
-      dtype): the quantizer's pieces (e.g. codes plus one fp32 scale per block of ``block_size``, the
+    * quantized (``quantizer`` set: a ``perparam.quant.BlockQuantizer`` object, e.g.
+      ``perparam.quant.get("nf4")``): the quantizer's pieces (e.g. codes plus one fp32 scale per block of ``block_size``, the
       quantizer's default when ``None``). Communication-only quantization tiles the flattened padded shard
       as one row (as ZeRO++'s quantized weight all-gather); stored quantization (``row_blocks``) tiles
       each dim-0 row separately, so the scales shard with the rows and do not depend on K.
@@ -188,10 +188,9 @@ def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quantizer=None, bl
         return ()
     if quantizer is None:
         return (WirePiece(wire_dtype, layout.padded_local_numel),)
-    if not hasattr(quantizer, "pieces"):
-        from .quant import get  # a name or dtype (pure: the registry holds no process state)
-
-        quantizer = get(quantizer)
+    if not callable(getattr(quantizer, "pieces", None)):
+        raise TypeError(f"wire_pieces takes a quantizer object, got {quantizer!r}; look a name or codes dtype up "
+                        "with perparam.quant.get(name) first")
     block_size = block_size or quantizer.default_block_size
     if row_blocks:
         return quantizer.pieces(layout.chunk, math.prod(layout.global_shape[1:]), block_size)

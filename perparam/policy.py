@@ -9,15 +9,13 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import Placement, Shard
 
+from . import quant as registry
 from .placement import normalize, placement_str, rule
-
-if TYPE_CHECKING:
-    from .quant import BlockQuantizer
+from .quant import BlockQuantizer
 
 
 @dataclass(frozen=True)
@@ -147,8 +145,6 @@ def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
 
 def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
     """``quant`` with the quantizer object, its block size and its codes dtype filled in."""
-    from . import quant as registry
-
     key = quant.quantizer if quant.quantizer is not None else (quant.dtype or "int8")
     try:
         quantizer = registry.get(key)

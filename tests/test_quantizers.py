@@ -89,9 +89,9 @@ def test_nf4_levels_bound_and_packing():
 def test_nf4_stored_bytes_are_under_0_15x_fp32():
     """256 x 256 stored as NF4: 0.5 B/element codes + 4/64 B/element scales = 0.140625x fp32."""
     layout = ShardLayout((256, 256), torch.uint8, 2, Shard(0))
-    pieces = wire_pieces(layout, torch.float32, "nf4", row_blocks=True)
+    pieces = wire_pieces(layout, torch.float32, quant.get("nf4"), row_blocks=True)
     assert sum(p.nbytes for p in pieces) == 128 * 128 + 128 * 4 * 4 == 0.140625 * 128 * 256 * 4
-    comm = wire_pieces(layout, torch.float32, "nf4")  # communication only: the flat shard, blocks of 64
+    comm = wire_pieces(layout, torch.float32, quant.get("nf4"))  # communication only: the flat shard, blocks of 64
     assert [(p.dtype, p.numel) for p in comm] == [(torch.uint8, 128 * 128), (torch.float32, 128 * 256 // 64)]
 
 
@@ -134,5 +134,11 @@ def test_wire_pieces_stay_pure_for_any_registered_quantizer():
         layout = ShardLayout((5, 7), q.codes_dtype, 3, Shard(0))  # chunk 2: rank 2 holds 1 row
         pieces = wire_pieces(layout, torch.float32, q)
         assert pieces == q.pieces(1, 14, q.default_block_size)
-        assert wire_pieces(layout, torch.float32, name, row_blocks=True) == q.pieces(2, 7, q.default_block_size)
+        assert wire_pieces(layout, torch.float32, q, row_blocks=True) == q.pieces(2, 7, q.default_block_size)
         assert math.prod(q.stored_shape((5, 7))) == 5 * q.codes_per_row(7)
+
+
+def test_wire_pieces_refuses_a_quantizer_name_and_says_to_look_it_up():
+    layout = ShardLayout((5, 7), torch.float32, 3, Shard(0))
+    with pytest.raises(TypeError, match=r"perparam\.quant\.get"):
+        wire_pieces(layout, torch.float32, "nf4")
