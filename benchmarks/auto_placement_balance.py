@@ -10,7 +10,7 @@ from torch.distributed.tensor import Shard
 from perparam import ParamPolicy
 from perparam.memory.plan import build_on_meta
 from perparam.memory.presets import PRESETS
-from perparam.resolution import resolve_params
+from perparam.sharding.resolution import resolve_params
 
 m = build_on_meta(PRESETS["gpt2-xl"].factory)
 named = [(n, nn.Parameter(torch.empty(p.shape, dtype=torch.float16, device="meta"))) for n, p in m.named_parameters()]

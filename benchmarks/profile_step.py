@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     from benchmarks.configs import build
     from benchmarks.model import GPTConfig, make_batches
     from benchmarks.runner import local_batch
-    from perparam import collectives
+    from perparam.comm import collectives
 
     torch.set_num_threads(1)
     collectives.GLOO_REDUCE_SCATTER = args.gloo_reduce_scatter

@@ -4,14 +4,14 @@
 backward hooks all-gather one group's parameters in one collective and reduce-scatter its gradients.
 """
 
-from . import quant_nf4  # noqa: F401 (registers the "nf4" quantizer)
 from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
-from .collectives import CommCounter
-from .debug import CollectiveMismatchError, set_debug
+from .comm.collectives import CommCounter
+from .comm.debug import CollectiveMismatchError, set_debug
 from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
-from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 from .session import distributed_session
+from .sharding import quant, quant_nf4  # noqa: F401 (perparam.quant: the registry; nf4 registers itself)
+from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 
 __all__ = [
     "CollectiveMismatchError",

@@ -16,15 +16,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh
 
-from . import adopt, hooks, islands
-from .context import IterationContext
 from .full_state import install_load_hooks
-from .group import ParamGroup
 from .module import ShardedModule, attach, group_of, guard_stored_dtypes
-from .param import ShardedParam
-from .policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
-from .resolution import ParamError, resolve_params
-from .tp import CompositionError, TensorParallel, compose
+from .runtime import adopt, hooks, islands
+from .runtime.context import IterationContext
+from .runtime.group import ParamGroup
+from .runtime.param import ShardedParam
+from .runtime.tp import CompositionError, TensorParallel, compose
+from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
+from .sharding.resolution import ParamError, resolve_params
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
 #: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
-from . import adopt
 from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
+from .runtime import adopt
 
 MANIFEST = "perparam_checkpoint.json"
 FORMAT = "perparam-checkpoint/1"

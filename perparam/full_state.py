@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .group import group_of
+from .runtime.group import group_of
 
 
 class CheckpointError(RuntimeError):

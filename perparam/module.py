@@ -7,8 +7,8 @@ import types
 import torch
 from torch import nn
 
-from . import hooks
-from .group import GROUP_ATTR, ParamGroup, group_of
+from .runtime import hooks
+from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 
 _CLASS_CACHE: dict[type, type] = {}
 

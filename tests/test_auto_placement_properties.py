@@ -9,9 +9,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from perparam import ParamPolicy
-from perparam.layout import ShardLayout
-from perparam.placement import AUTO_REPLICATE_BYTES, auto_placement
-from perparam.resolution import resolve_params
+from perparam.sharding.layout import ShardLayout
+from perparam.sharding.placement import AUTO_REPLICATE_BYTES, auto_placement
+from perparam.sharding.resolution import resolve_params
 
 shapes = st.lists(st.integers(0, 70), min_size=1, max_size=3).map(tuple)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import perparam
 from perparam import ParamPolicy
-from perparam.buffers import BufferPool
+from perparam.comm.buffers import BufferPool
 from perparam.module import group_of
 from tests.distributed import run_distributed
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import perparam
-from perparam.cast import cast_floating
+from perparam.runtime.cast import cast_floating
 from tests.distributed import run_distributed
 
 

@@ -75,7 +75,7 @@ def step_bytes(rank: int, world_size: int) -> dict:
 
 
 def test_a_zero3_step_moves_exactly_the_layouts_bytes():
-    from perparam.layout import GroupLayout, ShardLayout
+    from perparam.sharding.layout import GroupLayout, ShardLayout
 
     world_size = 3
     out = run_distributed(step_bytes, world_size)[0]

@@ -20,7 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import perparam
 from perparam import ParamPolicy, QuantPolicy
-from perparam.layout import ShardLayout
+from perparam.sharding.layout import ShardLayout
 
 POLICIES = ["plain", "bf16", "int8", "fp8", "nf4", "stored_int8", "stored_nf4", "frozen", "replicate", "shard1"]
 

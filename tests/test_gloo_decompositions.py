@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from perparam import collectives
-from perparam.buffers import BufferPool
+from perparam.comm import collectives
+from perparam.comm.buffers import BufferPool
 from tests.distributed import run_distributed
 
 ROW_BYTES = (0, 1, 7, 4096 + 3)

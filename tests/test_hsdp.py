@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import perparam
 from mesh import ParallelDims
 from perparam import CommCounter, ParamPolicy
-from perparam.layout import ShardLayout
+from perparam.sharding.layout import ShardLayout
 from tests.distributed import c10d_calls, run_distributed
 from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
@@ -178,7 +178,7 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
             with CommCounter() as bwd:
                 loss.backward()
         steps.append({"fwd": fwd.records, "bwd": bwd.records, "raw": dict(raw)})
-    from perparam.process_groups import reduce_group
+    from perparam.comm.process_groups import reduce_group
 
     groups = {axis: (mesh.get_group(axis).group_name, mesh.get_group(axis).size()) for axis in NAMES}
     # gradient reductions run on their own process group over the same ranks (perparam.process_groups)

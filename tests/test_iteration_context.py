@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import perparam
 from perparam.module import group_of
-from perparam.state import StateError, TrainingState
+from perparam.runtime.state import StateError, TrainingState
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 
@@ -72,7 +72,7 @@ def test_an_illegal_state_transition_raises():
 
 @pytest.mark.parametrize("state", list(TrainingState))
 def test_every_state_can_be_left(state):
-    from perparam.state import ALLOWED
+    from perparam.runtime.state import ALLOWED
 
     assert ALLOWED[state], state
     assert TrainingState.IDLE in ALLOWED[state] or state is TrainingState.IDLE

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from perparam.layout import local_shape_and_offset
+from perparam.sharding.layout import local_shape_and_offset
 
 MESH_SHAPES = [(a, n // a) for n in range(1, 9) for a in range(1, n + 1) if n % a == 0]
 

@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from perparam.layout import (
+from perparam.runtime.reduction import pack_reduce_scatter_input
+from perparam.sharding.layout import (
     GroupLayout,
     ShardLayout,
     chunk_extent,
     local_shape_and_offset,
     reduce_scatter_offsets,
 )
-from perparam.reduction import pack_reduce_scatter_input
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8]
 

@@ -15,10 +15,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 import perparam
 from perparam.cli import main
-from perparam.layout import ShardLayout
 from perparam.memory.formulas import GB, stage_memory
 from perparam.memory.plan import build_on_meta, plan_model, plan_module
 from perparam.memory.presets import GPT2_CONFIGS, PRESETS, gpt2_tiny
+from perparam.sharding.layout import ShardLayout
 
 GPT2_XL_PARAMS = 1_557_611_200
 BUILT_ON: list[torch.device] = []

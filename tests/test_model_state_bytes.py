@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import perparam
-from perparam.layout import ShardLayout
 from perparam.memory.measure import model_state_bytes
+from perparam.sharding.layout import ShardLayout
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import perparam
 from perparam import CommCounter, ParamPolicy, QuantPolicy
-from perparam.quant_nf4 import NF4_LEVELS
+from perparam.sharding.quant_nf4 import NF4_LEVELS
 from tests.distributed import run_distributed
 
 LEVELS = torch.tensor(NF4_LEVELS)

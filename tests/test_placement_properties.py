@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from perparam.layout import GroupLayout, ShardLayout, local_shape_and_offset, wire_pieces
-from perparam.placement import normalize, rule
-from perparam.reduction import pack_reduce_scatter_input
+from perparam.runtime.reduction import pack_reduce_scatter_input
+from perparam.sharding.layout import GroupLayout, ShardLayout, local_shape_and_offset, wire_pieces
+from perparam.sharding.placement import normalize, rule
 
 
 @cache

@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, quant
-from perparam.layout import ShardLayout, wire_pieces
-from perparam.policy import PolicyError, resolve
-from perparam.quant_nf4 import NF4_HALF_MAX_GAP, NF4_LEVELS
+from perparam.sharding.layout import ShardLayout, wire_pieces
+from perparam.sharding.policy import PolicyError, resolve
+from perparam.sharding.quant_nf4 import NF4_HALF_MAX_GAP, NF4_LEVELS
 
 
 @st.composite

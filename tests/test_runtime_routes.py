@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import perparam
 from perparam.module import group_of
-from perparam.state import TrainingState
+from perparam.runtime.state import TrainingState
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 

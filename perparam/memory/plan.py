@@ -28,13 +28,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
-from perparam.layout import ShardLayout
 from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
 from perparam.memory.presets import PRESETS
 from perparam.memory.tp_plan import tp_local_shape, tp_placements
-from perparam.placement import placement_str as one_placement_str
-from perparam.resolution import ParamResolution, aliases_of, resolve_params
+from perparam.sharding.layout import ShardLayout
+from perparam.sharding.placement import placement_str as one_placement_str
+from perparam.sharding.resolution import ParamResolution, aliases_of, resolve_params
 
 #: Dtype names accepted by ``--dtype`` ("model" keeps each parameter's own dtype).
 DTYPES = {

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from perparam.policy import ParamPolicy, QuantPolicy
+from perparam.sharding.policy import ParamPolicy, QuantPolicy
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}

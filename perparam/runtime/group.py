@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import adopt, collectives
-from .buffers import BufferPool
-from .layout import GroupLayout, reduce_scatter_offsets
+from ..comm import collectives
+from ..comm.buffers import BufferPool
+from ..comm.process_groups import reduce_group
+from ..sharding.layout import GroupLayout, reduce_scatter_offsets
+from . import adopt
 from .param import ShardedParam
-from .process_groups import reduce_group
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
 

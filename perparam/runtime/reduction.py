@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .buffers import BufferPool
-from .layout import ceil_div
+from ..comm.buffers import BufferPool
+from ..sharding.layout import ceil_div
 
 if TYPE_CHECKING:
     from .param import ShardedParam

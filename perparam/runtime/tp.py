@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .placement import rule
+from ..sharding.placement import rule
 
 
 class CompositionError(ValueError):

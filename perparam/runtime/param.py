@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .policy import ResolvedPolicy
-from .resolution import shard_layout
+from ..sharding.policy import ResolvedPolicy
+from ..sharding.resolution import shard_layout
 from .tp import TensorParallel
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections import deque
 
-from .buffers import IN_FLIGHT_GROUPS, BufferPool
+from ..comm.buffers import IN_FLIGHT_GROUPS, BufferPool
 from .group import ParamGroup
 from .reduction import PendingReduce
 from .state import TrainingState
