@@ -1,0 +1,212 @@
+"""The package's layers, read from the source (AST only: nothing is imported, no process starts).
+
+Floors, lowest first: ``perparam/sharding/`` (pure: what each rank holds) < ``perparam/comm/`` (collectives)
+< ``perparam/runtime/`` (groups, hooks) < the face (``perparam/*.py``: ``fully_shard``, ``ShardedModule``,
+checkpoints). ``perparam/memory/`` stands beside them on ``sharding/`` alone; ``perparam/finetune/`` is a
+user of the face (and of ``memory/``). Every import counts: top-level, inside functions and under
+``TYPE_CHECKING``, so no circle can hide in a function-local import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "perparam"
+
+#: what each part may import (besides itself); the face may not import finetune, nothing may import upwards
+ALLOWED = {
+    "sharding": {"sharding"},
+    "comm": {"sharding", "comm"},
+    "runtime": {"sharding", "comm", "runtime"},
+    "memory": {"sharding", "memory"},
+    "face": {"sharding", "comm", "runtime", "memory", "face"},
+    "finetune": {"face", "memory", "finetune"},
+}
+
+#: tensor factories: called at a sharding module's import they would allocate
+FACTORIES = {"tensor", "as_tensor", "empty", "zeros", "ones", "full", "rand", "randn", "randint", "arange",
+             "linspace", "logspace", "eye", "empty_like", "zeros_like", "ones_like", "full_like", "from_numpy",
+             "frombuffer", "Tensor"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str:
+    """``sharding``, ``comm``, ``runtime``, ``memory``, ``finetune`` or ``face`` (``perparam`` itself and
+    ``perparam/*.py``)."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ALLOWED and parts[1] != "face":
+        return parts[1]
+    return "face"
+
+
+def _modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES.get(module) is not None and MODULES[module].name == "__init__.py"
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, tree: ast.AST) -> list[tuple[str, int]]:
+    """Every ``perparam`` module ``module`` imports, anywhere in its file, with the line: ``from X import
+    name`` counts as importing ``X.name`` when that is a module, else ``X``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                found.append((sub if sub in MODULES else source, node.lineno))
+    return [(name, line) for name, line in found if name == "perparam" or name.startswith("perparam.")]
+
+
+def _graph() -> dict[str, list[tuple[str, int]]]:
+    return {m: imports_of(m, ast.parse(p.read_text(), str(p))) for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """The strongly connected components with more than one module, or a module importing itself
+    (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _ in graph.get(v, ()):
+            if w not in MODULES:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or any(w == v for w, _ in graph.get(v, ())):
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_the_four_floors_and_the_parts_beside_them():
+    parts = {part_of(m) for m in MODULES}
+    assert parts == set(ALLOWED), parts
+
+
+#: the finetune circles (``check_output_path`` and train <-> job) are being cut on another branch; until it
+#: is merged a circle among these modules only is tolerated. Delete this set once it is.
+FINETUNE_CIRCLE_BEING_CUT = {"perparam.finetune." + m for m in ("cli", "export", "job", "loop_flags", "train")}
+
+
+def test_no_module_of_perparam_is_in_an_import_circle():
+    cycles = [c for c in _cycles(_graph()) if not set(c) <= FINETUNE_CIRCLE_BEING_CUT]
+    assert not cycles, f"import circles (function-local and TYPE_CHECKING imports included): {cycles}"
+
+
+def test_no_floor_imports_a_floor_above_it():
+    wrong = []
+    for module, imported in _graph().items():
+        for target, line in imported:
+            if part_of(target) not in ALLOWED[part_of(module)]:
+                wrong.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line}: {module} ({part_of(module)}) "
+                             f"imports {target} ({part_of(target)})")
+    assert not wrong, ("imports against the layers sharding < comm < runtime < face (memory: sharding only; "
+                       "finetune: the face and memory):\n" + "\n".join(wrong))
+
+
+def test_memory_never_imports_the_runtime():
+    for module, imported in _graph().items():
+        if part_of(module) == "memory":
+            assert not [t for t, _ in imported if part_of(t) in ("runtime", "comm")], module
+
+
+def _sharding_files():
+    return [(m, p) for m, p in MODULES.items() if part_of(m) == "sharding"]
+
+
+@pytest.mark.parametrize("module,path", _sharding_files(), ids=[m for m, _ in _sharding_files()])
+def test_sharding_imports_no_process_group_api(module, path):
+    """``torch.distributed.tensor`` (placements, DTensor types) is allowed; ``torch.distributed`` itself,
+    ``distributed_c10d``, ``device_mesh`` and the rest are not."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [f"{node.module}.{a.name}" if node.module == "torch.distributed" else node.module
+                     for a in node.names]
+        for name in names:
+            if name.startswith("torch.distributed") and not name.startswith("torch.distributed.tensor"):
+                bad.append(f"line {node.lineno}: {name}")
+    assert not bad, f"{module} (pure floor) imports process-group APIs: {bad}"
+
+
+def _import_time_nodes(tree: ast.Module):
+    """The nodes that run when the module is imported: everything outside function bodies."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for d in getattr(node, "decorator_list", []):  # decorators and defaults run at import
+                todo.append(d)
+            todo += [d for d in node.args.defaults + node.args.kw_defaults if d is not None]
+            continue
+        yield node
+        todo += list(ast.iter_child_nodes(node))
+
+
+@pytest.mark.parametrize("module,path", _sharding_files(), ids=[m for m, _ in _sharding_files()])
+def test_sharding_allocates_no_tensor_at_import(module, path):
+    calls = []
+    for node in _import_time_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+            if name in FACTORIES and owner in ("torch", ""):
+                calls.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
+    assert not calls, f"{module} (pure floor) allocates tensors at import: {calls}"
+
+
+def test_the_checks_see_an_upward_import_hidden_in_a_function():
+    """The reader itself: a function-local import from the pure floor up to the runtime is an import."""
+    tree = ast.parse("def f():\n    from ..runtime import group\n")
+    assert imports_of("perparam.sharding.layout", tree) == [("perparam.runtime.group", 2)]
+    assert "runtime" not in ALLOWED[part_of("perparam.sharding.layout")]
