@@ -3,7 +3,7 @@
 Byte convention (per rank, as ``perparam.CommCounter``): an all-gather counts its gathered output, a
 reduce-scatter its input, an all-reduce or broadcast its tensor. On gloo perparam runs both its
 all-gathers and its reduce-scatters as ``all_to_all_single`` calls with split sizes
-(``perparam.collectives``); those are counted as kind ``all_to_all`` (the input's bytes). Every call also
+(``perparam.comm.collectives``); those are counted as kind ``all_to_all`` (the input's bytes). Every call also
 adds the bytes this rank sends to other ranks (``sent``): ``(K-1)/K`` of an all-gather's output or a
 reduce-scatter's input (ring), ``2 (K-1)/K`` of an all-reduce, the other ranks' splits of an all-to-all.
 """

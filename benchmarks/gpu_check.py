@@ -73,7 +73,7 @@ def _bf16_policy():
 
 def _shard_perparam(model: GPT, mesh) -> list:
     import perparam
-    from perparam.module import group_of
+    from perparam.runtime.group import group_of
 
     groups = []
     for modules, raf in wrap_units(model):
@@ -127,7 +127,7 @@ def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: 
                "adamw_step_counter_bytes": sum(s["step"].numel() * s["step"].element_size()
                                                for s in opt.state.values() if torch.is_tensor(s.get("step"))),
                # one fp32 used flag per trainable parameter tensor: the sharded gradients are views of the
-               # reduce-scatter output, which ends with them (perparam.group.ParamGroup.reduce_grads)
+               # reduce-scatter output, which ends with them (perparam.runtime.group.ParamGroup.reduce_grads)
                "used_flag_bytes": 4 * sum(len(g.trainable()) for g in groups if g is not None and g.params),
                "unsharded_group_bytes": unsharded,
                "two_adjacent_groups_unsharded_bytes": max((a + b for a, b in zip(unsharded, unsharded[1:])),

@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="profiled steps after 2 warm-up steps (default 6)")
     ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
     ap.add_argument("--gloo-reduce-scatter", choices=("all_to_all", "native"), default="all_to_all",
-                    help="perparam.collectives.GLOO_REDUCE_SCATTER")
+                    help="perparam.comm.collectives.GLOO_REDUCE_SCATTER")
     ap.add_argument("--gloo-all-gather", choices=("all_to_all", "native"), default="all_to_all",
-                    help="perparam.collectives.GLOO_ALL_GATHER")
+                    help="perparam.comm.collectives.GLOO_ALL_GATHER")
     ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     args = ap.parse_args(argv)

@@ -175,7 +175,7 @@ def rss_job(rank: int, world: int, opts: dict) -> dict:
 def _perparam_buffers(model: nn.Module) -> dict:
     """perparam only: bytes its pool holds idle after a step, and each group's unsharded bytes (what one
     all-gather fills; with prefetching at most two groups beyond those kept are unsharded at once)."""
-    from perparam.module import group_of
+    from perparam.runtime.group import group_of
 
     groups = list({id(g): g for g in (group_of(m) for m in model.modules()) if g is not None and g.gathered}.values())
     if not groups:

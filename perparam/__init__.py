@@ -4,24 +4,35 @@
 backward hooks all-gather one group's parameters in one collective and reduce-scatter its gradients.
 """
 
+from . import quant  # noqa: F401 (the quantizer registry at its documented path; registers "nf4")
 from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
+from .full_state import CheckpointError
 from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
+from .runtime.adopt import ReplacedParameterError
+from .runtime.hooks import TransformError
+from .runtime.param import ReplacedAfterShardingError
+from .runtime.state import StateError
 from .session import distributed_session
-from .sharding import quant, quant_nf4  # noqa: F401 (perparam.quant: the registry; nf4 registers itself)
-from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
+from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, QuantPolicy
 
 __all__ = [
+    "CheckpointError",
     "CollectiveMismatchError",
     "CommCounter",
     "MixedPrecisionPolicy",
     "ParamPolicy",
+    "PolicyError",
     "QuantPolicy",
+    "ReplacedAfterShardingError",
+    "ReplacedParameterError",
     "ShardedModule",
     "ShardingError",
+    "StateError",
     "StoredDtypeChangeError",
+    "TransformError",
     "UnshardHandle",
     "clip_grad_norm_",
     "distributed_session",

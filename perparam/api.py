@@ -61,9 +61,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             default) is ``True``, the root keeping its parameters for the backward that follows anyway.
             An int is the world size to reshard to: ``1`` means ``False`` and the shard axis's size
             means ``True``; resharding to another size is not supported (``ShardingError``).
-        mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.policy``.
+        mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.sharding.policy``.
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
-            casts its inputs and outputs (a precision island, ``perparam.islands``).
+            casts its inputs and outputs (a precision island, ``perparam.runtime.islands``).
         ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
             sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
 

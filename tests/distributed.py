@@ -118,7 +118,7 @@ def _errors(results: dict) -> str:
                    if status == "error")
 
 
-# all_to_all_single: perparam's reduce-scatter on gloo (an all-to-all, then a local sum: perparam.collectives)
+# all_to_all_single: perparam's reduce-scatter on gloo (an all-to-all, then a local sum: perparam.comm.collectives)
 C10D_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce")
 
 

@@ -1,4 +1,4 @@
-"""The collectives' buffer pool (``perparam.buffers``): bounded in bytes, only buffers glibc would map anew
+"""The collectives' buffer pool (``perparam.comm.buffers``): bounded in bytes, only buffers glibc would map anew
 (>= 32 MiB), and ``ParamGroup.pool_bytes()`` equal to what one unshard and one reduction of the group take
 from it, on 2 and 3 ranks (the first, middle and last rank) with two reduce dtypes in one group."""
 
@@ -11,7 +11,7 @@ from torch import nn
 import perparam
 from perparam import ParamPolicy
 from perparam.comm.buffers import BufferPool
-from perparam.module import group_of
+from perparam.runtime.group import group_of
 from tests.distributed import run_distributed
 
 

@@ -38,7 +38,7 @@ def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
         assert counts["fwd"] == {"all_gather": 4}
         assert counts["bwd"] == {"all_gather": 3, "reduce_scatter": 4}
         # on gloo each all-gather is one all-to-all (this rank's row to every other rank) and each
-        # reduce-scatter an all-to-all then a local sum (perparam.collectives): 7 + 4 calls, nothing else
+        # reduce-scatter an all-to-all then a local sum (perparam.comm.collectives): 7 + 4 calls, nothing else
         assert counts["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 11,
                                  "all_reduce": 0}
 

@@ -69,7 +69,7 @@ def test_every_rank_takes_every_path_with_empty_shards(case):
             model = Stack(widths)
             shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
             policy = {f"layers.{i}.weight": _policy(kinds[i % 3]) for i in range(n_layers)}
-            # a compute dtype is a property of the module (perparam.islands): the bias follows its weight
+            # a compute dtype is a property of the module (perparam.runtime.islands): the bias follows its weight
             policy.update({f"layers.{i}.bias": _policy("bf16") for i in range(n_layers) if kinds[i % 3] == "bf16"})
             policy = {n: p for n, p in policy.items() if p is not None}
             if any(len(shapes[n]) > 1 and shapes[n][1] < 1 for n in policy):

@@ -155,7 +155,7 @@ def _layout_parity_rank(rank: int, world: int, layouts: tuple[tuple[int, int], .
 
 # Two process sets: after a (1, 2, 2) world mesh was used for tensor parallelism, a parameter parallelised
 # on a later (2, 1, 2) mesh's "tp" slice reports the earlier (equal) tp mesh, whose root fully_shard then
-# rejects (perparam/tp.py compares root meshes by identity); one world mesh per process is the normal case.
+# rejects (perparam/runtime/tp.py compares root meshes by identity); one world mesh per process is the normal case.
 @pytest.mark.parametrize("layouts", [((1, 2),), ((2, 1), (2, 2))], ids=["tp2xdp2", "hsdp2x2,hsdp2xtp2"])
 def test_tp_and_hsdp_layouts_on_four_ranks_match_one_process(layouts):
     results = run_distributed(_layout_parity_rank, 4, layouts, timeout=180)

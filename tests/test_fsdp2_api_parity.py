@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import perparam
 from perparam import CommCounter
-from perparam.module import group_of
+from perparam.runtime.group import group_of
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 

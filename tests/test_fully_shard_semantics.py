@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import perparam
-from perparam.module import group_of
+from perparam.runtime.group import group_of
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 

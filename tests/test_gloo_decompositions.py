@@ -1,4 +1,4 @@
-"""perparam's gloo all-gather and reduce-scatter (all-to-alls, ``perparam.collectives``) give bitwise what
+"""perparam's gloo all-gather and reduce-scatter (all-to-alls, ``perparam.comm.collectives``) give bitwise what
 torch's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` give: every world size 1-4 (so first,
 middle and last ranks), rows of 0, 1 and odd numbers of bytes, fp32/bf16/fp64, and the buffer pool."""
 

@@ -181,7 +181,7 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
     from perparam.comm.process_groups import reduce_group
 
     groups = {axis: (mesh.get_group(axis).group_name, mesh.get_group(axis).size()) for axis in NAMES}
-    # gradient reductions run on their own process group over the same ranks (perparam.process_groups)
+    # gradient reductions run on their own process group over the same ranks (perparam.comm.process_groups)
     reduce = {axis: (reduce_group(mesh.get_group(axis)).group_name, mesh.get_group(axis).size()) for axis in NAMES}
     return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts}
 
@@ -206,7 +206,7 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
             kinds = [r.kind for r in step["bwd"]]
             assert all(kinds[:i].count("all_reduce") <= kinds[:i].count("reduce_scatter") for i in range(9))
             # a size-1 axis issues no c10d call, but the replicate all-reduce always runs (on gloo an
-            # all-gather and a reduce-scatter are each one all-to-all: perparam.collectives)
+            # all-gather and a reduce-scatter are each one all-to-all: perparam.comm.collectives)
             assert step["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0,
                                    "all_to_all_single": 8 if k > 1 else 0, "all_reduce": 4}
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import perparam
-from perparam.module import group_of
-from perparam.runtime.state import StateError, TrainingState
+from perparam import StateError
+from perparam.runtime.group import group_of
+from perparam.runtime.state import TrainingState
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 

@@ -1,4 +1,4 @@
-"""Property tests of ``perparam.layout.local_shape_and_offset`` on 2D meshes (one process, no process
+"""Property tests of ``perparam.sharding.layout.local_shape_and_offset`` on 2D meshes (one process, no process
 group): for every factorisation of world sizes 1-8 into two axes, the local shape and global offset of
 every rank follow nested ``torch.chunk`` on a real tensor, agree with DTensor's own
 ``compute_local_shape_and_global_offset``, and the pieces reassemble the tensor exactly."""

@@ -1,4 +1,4 @@
-"""Property tests of the placement rules (``perparam.placement.rule``) through ``ShardLayout``, in one
+"""Property tests of the placement rules (``perparam.sharding.placement.rule``) through ``ShardLayout``, in one
 process: random shapes (0-dim and empty dims included), shard axes of 1-8 ranks, HSDP meshes, and
 ``Shard(0)``, ``Shard(d > 0)`` and ``Replicate()``. Every rank's piece is what ``torch.chunk`` (or DTensor)
 gives, the all-gather buffer reassembles the tensor, and the reduce-scatter packing hands each rank its own

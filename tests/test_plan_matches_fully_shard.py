@@ -13,7 +13,7 @@ import perparam
 from perparam.memory.measure import model_state_bytes, storage_bytes
 from perparam.memory.plan import plan_module
 from perparam.memory.policy_args import policy_mapping
-from perparam.module import group_of
+from perparam.runtime.group import group_of
 from tests.distributed import run_distributed
 
 POLICIES = ["0.*=bf16,master=fp32", "1.*=frozen", "2.weight=frozen,int8,stored", "3.weight=nf4", "3.bias=replicate"]

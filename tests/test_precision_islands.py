@@ -1,4 +1,4 @@
-"""Per-parameter compute dtypes on stock torch modules: precision islands (``perparam.islands``).
+"""Per-parameter compute dtypes on stock torch modules: precision islands (``perparam.runtime.islands``).
 
 The property test builds random stacks of stock modules (Linear, LayerNorm, RMSNorm, Conv1d, Embedding)
 with random per-layer compute dtypes (fp32/bf16), frozen parameters and int8/fp8/nf4 all-gathers (nf4 also

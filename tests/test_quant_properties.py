@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from perparam.quant import dequantize_blocks, quantize_blocks
 from perparam.sharding.layout import GroupLayout, WirePiece
-from perparam.sharding.quant import dequantize_blocks, quantize_blocks
 from tests.test_quantizers import _block_amax, matrix_case
 
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, quant
+from perparam import MixedPrecisionPolicy, ParamPolicy, PolicyError, QuantPolicy, quant
 from perparam.sharding.layout import ShardLayout, wire_pieces
-from perparam.sharding.policy import PolicyError, resolve
+from perparam.sharding.policy import resolve
 from perparam.sharding.quant_nf4 import NF4_HALF_MAX_GAP, NF4_LEVELS
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import perparam
-from perparam.module import group_of
+from perparam.runtime.group import group_of
 from perparam.runtime.state import TrainingState
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches

@@ -10,7 +10,7 @@ every buffer pooled, CPU per step within 1%: benchmarks/README.md). So only buff
 pooled.
 
 **Bound.** A pool keeps at most ``max_idle_bytes`` bytes of idle buffers; a buffer given back beyond that
-is dropped (freed). Each root's ``IterationContext`` (``perparam.context``) owns one pool and sets the bound
+is dropped (freed). Each root's ``IterationContext`` (``perparam.runtime.context``) owns one pool and sets the bound
 to ``IN_FLIGHT_GROUPS`` times the largest group's ``ParamGroup.pool_bytes()`` (its all-gather and
 reduce-scatter buffers together): with one group prefetched, a step never has more than two groups'
 buffers in use at once, so that much idle memory lets every pooled buffer of a step be reused and nothing

@@ -15,7 +15,7 @@ in the closing note of the issue that added it. Use it to find a mismatch, not i
 Known limit: the check makes every gradient reduction synchronous, so debug mode can hang a backward in
 which the ranks use different parameters (one rank does not use a branch's output: its peers' check of
 that branch's reduction waits for it, while it waits in an all-gather they have yet to issue). Without
-debug mode that backward runs (reductions are never waited for in backward, ``perparam.context``). The fix
+debug mode that backward runs (reductions are never waited for in backward, ``perparam.runtime.context``). The fix
 would run the checks on a process group of their own and issue each reduction once its check is seen to
 have finished, in queue order; not done yet.
 """

@@ -3,7 +3,7 @@
 The model is built on the meta device (no storage is allocated), each parameter gets the layout
 ``fully_shard`` gives it on a 1D mesh of K ranks (``ShardLayout(shape, dtype, K, Shard(0))``, placement
 ``(Shard(0),)``), and the per-rank bytes of parameters, gradients and optimizer state are summed from
-``perparam.layout``, the same code the runtime uses. Units: bytes, GB = 10**9 bytes.
+``perparam.sharding.layout``, the same code the runtime uses. Units: bytes, GB = 10**9 bytes.
 
 Byte counts default to the ZeRO tables' mixed-precision Adam (ZeRO paper, Section 3.1): parameters stored
 in fp16 (2 bytes per element, through the layout's dtype), gradients 2 bytes and optimizer state 12 bytes
@@ -53,7 +53,7 @@ class ParamPlan:
     """One parameter: its name (as ``named_parameters`` gives it), layout and placements on the mesh."""
 
     name: str
-    resolution: ParamResolution  # what fully_shard resolves for it (perparam.resolution)
+    resolution: ParamResolution  # what fully_shard resolves for it (perparam.sharding.resolution)
 
     @property
     def layout(self) -> ShardLayout:
@@ -130,7 +130,7 @@ class ModelPlan:
     @property
     def padded_param_bytes_per_rank(self) -> int:
         """Bytes each rank sends in the all-gathers of every parameter, padding included (equal on all ranks;
-        the wire pieces of ``perparam.layout.wire_pieces``: ``param_dtype``, or quantized codes and scales;
+        the wire pieces of ``perparam.sharding.layout.wire_pieces``: ``param_dtype``, or quantized codes and scales;
         replicated parameters send nothing)."""
         return sum(p.wire_bytes for p in self.params)
 
@@ -189,7 +189,7 @@ def plan_module(
     per gradient element (``None``: the stored itemsize). ``optim_bytes``: optimizer-state bytes per trainable
     element. Tied parameters are counted once (``named_parameters``); a ``param_policy`` pattern may name
     any of their names. ``param_policy``, ``mp_policy``: as ``fully_shard``'s. Every parameter goes
-    through ``perparam.resolution.resolve_params``, the path ``fully_shard`` takes (placements,
+    through ``perparam.sharding.resolution.resolve_params``, the path ``fully_shard`` takes (placements,
     ``placement="auto"``, stored dtypes, quantization), so whatever ``fully_shard`` refuses raises the same
     ``ValueError`` here (e.g. a 0-dim parameter without ``ParamPolicy(placement=Replicate())``).
     ``tp``, ``tp_plan``: a tensor-parallel axis of ``tp`` ranks and ``parallelize_module``'s plan for it

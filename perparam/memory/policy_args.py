@@ -12,7 +12,7 @@ One flag per pattern (fnmatch on the names ``named_parameters`` gives, first mat
 ``stored``           with a quantizer: keep the (frozen) shard quantized (``store_quantized=True``)
 ``replicate``        ``placement=Replicate()``
 ``shardD``           ``placement=Shard(D)``, e.g. ``shard1``
-``auto``             ``placement="auto"`` (``perparam.placement``)
+``auto``             ``placement="auto"`` (``perparam.sharding.placement``)
 ===================  ===================================================================
 """
 

@@ -14,7 +14,7 @@ module              ``ColwiseParallel``                    ``RowwiseParallel``
 
 Every other parameter is not tensor-parallel (a plain tensor, the same on every tp rank), as after
 ``parallelize_module``. ``fully_shard`` then shards each tp-local tensor over the dp shard axis
-(``perparam.tp``), which needs every tp-split dim to divide by T; the same is checked here.
+(``perparam.runtime.tp``), which needs every tp-split dim to divide by T; the same is checked here.
 
 ``GPT2_TP_PLAN`` is the Megatron-LM plan of the GPT-2 presets (Shoeybi et al., 2019): the attention's fused
 q/k/v projection and the MLP's first projection column-parallel, the attention output and the MLP's second

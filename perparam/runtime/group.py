@@ -2,7 +2,7 @@
 quantizations and placements; one reduce-scatter per distinct reduce dtype.
 
 The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` is in
-``perparam.state``; its iteration context (``perparam.context``, which hands the group its buffer pool) is
+``perparam.runtime.state``; its iteration context (``perparam.runtime.context``, which hands the group its buffer pool) is
 above it. Beside that state: the padded unsharded storage is *alive* or *freed*; the module has the
 *sharded* DTensors or the *unsharded* tensors registered.
 """
@@ -58,13 +58,13 @@ class ParamGroup:
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
         self._pending_gather = None  # (send buffer, collectives.GatheredRows) of an all-gather in flight
         self.name = ", ".join(type(m).__name__ for m in modules)
-        # per-iteration bookkeeping, driven by hooks.py (see perparam.state for the states)
+        # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
-        self.ctx = None  # its IterationContext (perparam.context): its own, then its root's from its first forward
+        self.ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
         self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
-        self.islands: list = []  # perparam.islands.Island: modules computing in their own dtype
+        self.islands: list = []  # perparam.runtime.islands.Island: modules computing in their own dtype
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
         self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
@@ -83,7 +83,7 @@ class ParamGroup:
     def replicate_pg(self):
         return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
 
-    # Gradient reductions run on process groups of their own (``perparam.process_groups``): their order
+    # Gradient reductions run on process groups of their own (``perparam.comm.process_groups``): their order
     # on every rank then never depends on how they interleave with the all-gathers.
     @property
     def reduce_shard_pg(self):
@@ -101,7 +101,7 @@ class ParamGroup:
         return f"group #{self.index}{where} [{self.name}] ({', '.join(p.fqn for p in self.params)})"
 
     def transition(self, new: TrainingState) -> None:
-        """Move to state ``new``; raises ``StateError`` for a transition ``perparam.state`` does not allow."""
+        """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
         if new is not self.state and new not in ALLOWED[self.state]:
             raise StateError(f"perparam: group [{self.name}] cannot go from {self.state.value} to {new.value}; "
                              "call module.reset() after an interrupted step, or report this as a bug")
@@ -144,10 +144,10 @@ class ParamGroup:
 
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
-        (``perparam.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
+        (``perparam.comm.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
         of the send row for K > 2), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
         K > 2, its ``[K, n]`` receive buffer (``n``: padded local elements plus used flags; for K = 2 the
-        peer's piece arrives in the output, ``perparam.collectives``). Counts every sharded parameter,
+        peer's piece arrives in the output, ``perparam.comm.collectives``). Counts every sharded parameter,
         trainable or not (an upper bound)."""
         k = self.num_shards
         if k == 1:

@@ -1,6 +1,6 @@
 """When the collectives run: forward pre/post hooks, pre-backward hooks, post-backward and the final callback.
 
-Timeline of one training step for a group G (K ranks); the states are ``perparam.state.TrainingState``:
+Timeline of one training step for a group G (K ranks); the states are ``perparam.runtime.state.TrainingState``:
 
 * pre-forward (IDLE -> FORWARD): all-gather G (one collective), register the unsharded tensors; when grad
   is enabled, pass G's inputs that require grad through an identity function whose backward marks the
@@ -25,14 +25,14 @@ Timeline of one training step for a group G (K ranks); the states are ``perparam
 
 Every rank therefore issues the same all-gathers in the same order, and the same reductions in the same
 order, whatever its backward computed; the two sequences run on different process groups
-(``perparam.process_groups``), so how they interleave on a rank does not matter.
+(``perparam.comm.process_groups``), so how they interleave on a rank does not matter.
 
 A gradient that reaches an unsharded parameter outside a backward the hooks saw (``unshard()`` then a
 method other than ``forward``; a backward through a graph built with ``create_graph=True``) moves its group
 to PRE_BACKWARD and queues the final callback, so every route reduces its gradients exactly once.
 
 The *root* is the outermost group whose forward runs while no forward of its context is running; the
-iteration's state lives in the root's ``IterationContext`` (``perparam.context``).
+iteration's state lives in the root's ``IterationContext`` (``perparam.runtime.context``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A gradient reduction in flight (``PendingReduce``) and the reduce-scatter's packed input: the state
-``ParamGroup.reduce_grads`` hands the iteration context's queue (``perparam.context``), which advances it
+``ParamGroup.reduce_grads`` hands the iteration context's queue (``perparam.runtime.context``), which advances it
 without ever waiting in backward."""
 
 from __future__ import annotations

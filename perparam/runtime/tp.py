@@ -40,7 +40,7 @@ class TensorParallel:
 def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placement) -> TensorParallel:
     """Check that ``param`` (a DTensor on a tp mesh) can be sharded further over ``dp_mesh``.
 
-    ``dp_placement``: the parameter's concrete dp placement (``perparam.placement.rule`` says what it
+    ``dp_placement``: the parameter's concrete dp placement (``perparam.sharding.placement.rule`` says what it
     becomes on the combined mesh). Raises ``CompositionError`` when the meshes have no axis names, are not sub-meshes of one mesh, share
     an axis, or when a tp-sharded dim does not divide evenly over its axis.
     """

@@ -49,7 +49,7 @@ class ShardLayout:
     ``global_shape``: the shape the shard axis splits (the parameter's, or under TP its tp-local one).
     ``dtype``: the stored dtype. ``num_shards``: K, the size of the shard axis. ``placement``: its dp
     placement, ``Shard(d)`` with ``0 <= d < ndim`` or ``Replicate()`` (a 0-dim shape needs
-    ``Replicate()``). What a placement means comes from ``perparam.placement.rule``; nothing here
+    ``Replicate()``). What a placement means comes from ``perparam.sharding.placement.rule``; nothing here
     branches on it. Raises ``ValueError`` for K < 1 or a placement the shape cannot take, ``TypeError`` for
     a placement that is not a ``Placement``.
     """

@@ -6,7 +6,7 @@ A parameter's dp placement is a torch ``Placement`` object: ``Shard(d)`` (split 
 ``torch.chunk(t, K, dim=d)``: every rank but the last few holds ``ceil(S[d] / K)`` slices, the last ones may
 hold fewer or none) or ``Replicate()`` (every rank holds all of it; it is never all-gathered and its
 gradient is all-reduced). ``rule(placement)`` is the only place that branches on the placement's type:
-the layout (``perparam.layout.ShardLayout``), the runtime (``param.py``, ``group.py``), tensor-parallel
+the layout (``perparam.sharding.layout.ShardLayout``), the runtime (``param.py``, ``group.py``), tensor-parallel
 composition (``tp.py``), the policy check (``normalize``) and ``perparam plan`` ask the rule. Adding a
 placement is one more rule class here (and, if ``auto`` may choose it, one more candidate below).
 

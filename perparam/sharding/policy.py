@@ -64,7 +64,7 @@ class QuantPolicy:
 class ParamPolicy:
     """Per-parameter overrides; ``None`` inherits from the call's ``MixedPrecisionPolicy`` and state.
 
-    ``placement``: ``Shard(d)``, ``Replicate()``, or ``"auto"`` (``perparam.placement.auto_placement``:
+    ``placement``: ``Shard(d)``, ``Replicate()``, or ``"auto"`` (``perparam.sharding.placement.auto_placement``:
     the dim with the least padding for the shard axis's K, ``Replicate()`` for tiny parameters).
     """
 
@@ -82,7 +82,7 @@ class ResolvedPolicy:
 
     ``param_dtype``: compute dtype of the unsharded parameter. ``reduce_dtype``: gradient reduction dtype.
     ``placement``: the dp placement, concrete (``Shard(d)`` with ``0 <= d < ndim``, or ``Replicate()``;
-    ``perparam.placement.rule`` says what it means). ``stored_dtype``: the
+    ``perparam.sharding.placement.rule`` says what it means). ``stored_dtype``: the
     dtype of the sharded parameter (its ``master_dtype``, else the original dtype), before any stored
     quantization.
     """

@@ -28,7 +28,7 @@ To add a quantizer: subclass ``BlockQuantizer``: set ``codes_dtype`` and ``defau
 implement ``encode`` (a ``[rows, blocks, block_size]`` tensor to one code per value and the scales),
 ``decode`` (codes to unscaled values) and ``error_bound``; override ``codes_per_row`` and ``pack_codes``
 if several codes share an element. Then ``perparam.quant.register("name", instance)`` and
-``QuantPolicy("name")`` uses it (``perparam/quant_nf4.py`` is a complete example). A block of zeros (e.g. the padding of an empty shard) has scale 0 and
+``QuantPolicy("name")`` uses it (``perparam/sharding/quant_nf4.py`` is a complete example). A block of zeros (e.g. the padding of an empty shard) has scale 0 and
 unpacks to zeros in every quantizer here.
 """
 
