@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.configs import CONFIGS  # noqa: E402
+from perparam.runtime.config import GLOO_ALGORITHMS  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -35,14 +36,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    import perparam
     from benchmarks.configs import build
     from benchmarks.model import GPTConfig, make_batches
     from benchmarks.runner import local_batch
-    from perparam.comm import collectives
 
     torch.set_num_threads(1)
-    collectives.GLOO_REDUCE_SCATTER = args.gloo_reduce_scatter
-    collectives.GLOO_ALL_GATHER = args.gloo_all_gather
+    perparam.configure(gloo_reduce_scatter=args.gloo_reduce_scatter, gloo_all_gather=args.gloo_all_gather)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("config", choices=CONFIGS)
     ap.add_argument("--steps", type=int, default=6, help="profiled steps after 2 warm-up steps (default 6)")
     ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
-    ap.add_argument("--gloo-reduce-scatter", choices=("all_to_all", "native"), default="all_to_all",
-                    help="perparam.comm.collectives.GLOO_REDUCE_SCATTER")
-    ap.add_argument("--gloo-all-gather", choices=("all_to_all", "native"), default="all_to_all",
-                    help="perparam.comm.collectives.GLOO_ALL_GATHER")
+    ap.add_argument("--gloo-reduce-scatter", choices=GLOO_ALGORITHMS, default="all_to_all",
+                    help="perparam.configure(gloo_reduce_scatter=...)")
+    ap.add_argument("--gloo-all-gather", choices=GLOO_ALGORITHMS, default="all_to_all",
+                    help="perparam.configure(gloo_all_gather=...)")
     ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     args = ap.parse_args(argv)

@@ -12,6 +12,7 @@ from .comm.debug import CollectiveMismatchError, set_debug
 from .full_state import CheckpointError
 from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
 from .runtime.adopt import ReplacedParameterError
+from .runtime.config import RuntimeConfig, configure
 from .runtime.hooks import TransformError
 from .runtime.param import ReplacedAfterShardingError
 from .runtime.state import StateError
@@ -28,6 +29,7 @@ __all__ = [
     "QuantPolicy",
     "ReplacedAfterShardingError",
     "ReplacedParameterError",
+    "RuntimeConfig",
     "ShardedModule",
     "ShardingError",
     "StateError",
@@ -35,6 +37,7 @@ __all__ = [
     "TransformError",
     "UnshardHandle",
     "clip_grad_norm_",
+    "configure",
     "distributed_session",
     "fully_shard",
     "register_forward_method",

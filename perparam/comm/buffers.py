@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-#: groups whose buffers are in use at once: the current one and the one prefetched (``hooks.PREFETCH``)
+#: groups whose buffers are in use at once: the current one and the one prefetched (``perparam.configure(prefetch=...)``)
 IN_FLIGHT_GROUPS = 2
 #: smaller buffers are left to glibc's heap (see the module docstring)
 MIN_POOLED_BYTES = 32 << 20

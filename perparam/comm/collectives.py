@@ -79,12 +79,12 @@ def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype
             c.records.append(rec)
 
 
-# How an all-gather of rows runs on gloo: "all_to_all" (one all-to-all in which each rank sends its row to
-# every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
+# How an all-gather of rows runs on gloo (``gloo``): "all_to_all" (one all-to-all in which each rank sends its
+# row to every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
 # "native" (``dist.all_gather_single``, which gloo runs through a flat buffer it allocates on every
 # call and copies out afterwards). Same bytes on the wire. Measured on 2 ranks, one 12.6 MB gather of the
-# benchmark model (benchmarks/README.md): CPU per call 5.2-9.0 ms native, 2.7-3.3 ms all-to-all.
-GLOO_ALL_GATHER = "all_to_all"
+# benchmark model (benchmarks/README.md): CPU per call 5.2-9.0 ms native, 2.7-3.3 ms all-to-all. The
+# runtime passes ``perparam.configure(gloo_all_gather=...)``.
 
 
 def _take(pool, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -107,12 +107,12 @@ class GatheredRows:
 
 
 def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, async_op: bool = True,
-                    what: str = "") -> GatheredRows:
+                    what: str = "", gloo: str = "all_to_all") -> GatheredRows:
     """All-gather ``send`` (uint8 ``[slot]``, this rank's row) over ``group``: one collective, recorded as
     an all-gather of ``K * slot`` bytes. ``send`` must stay untouched until the rows have been read
     (on gloo it *is* this rank's row). Receive buffers come from ``pool`` (a ``BufferPool``) when given.
 
-    On gloo (``GLOO_ALL_GATHER``) an all-to-all with split sizes: ``send`` goes to every other rank (for
+    On gloo (``gloo="all_to_all"``, the default) an all-to-all with split sizes: ``send`` goes to every other rank (for
     K > 2 from K - 1 copies of it), the other ranks' rows arrive in one ``[K - 1, slot]`` buffer. Elsewhere
     ``dist.all_gather_single`` (all-gather into one tensor) into a ``[K, slot]`` buffer."""
     k, slot = group.size(), send.numel()
@@ -121,7 +121,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
     _record("all_gather", k * slot, group, send.dtype)
     if k == 1:
         return GatheredRows(None, [(0, send.view(1, slot))], [])
-    if GLOO_ALL_GATHER == "all_to_all" and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    if gloo == "all_to_all" and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
         me = group.rank()
         others = _take(pool, (k - 1) * slot, send.device)
         buffers = [others]
@@ -145,11 +145,11 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
     return result
 
 
-# How a reduce-scatter runs on gloo: "all_to_all" (each rank receives the K pieces of its own chunk and
-# sums them locally) or "native" (``dist.reduce_scatter_single``, which gloo builds from an all-reduce of the
-# whole input). Same bytes in CommCounter's convention; measured on the benchmark model (2 ranks, 12.6 MB
-# fp32 input): CPU per call 15 -> 6 ms (benchmarks/README.md). Module-level so benchmarks can compare.
-GLOO_REDUCE_SCATTER = "all_to_all"
+# How a reduce-scatter runs on gloo (``gloo``): "all_to_all" (each rank receives the K pieces of its own chunk
+# and sums them locally) or "native" (``dist.reduce_scatter_single``, which gloo builds from an all-reduce of
+# the whole input). Same bytes in CommCounter's convention; measured on the benchmark model (2 ranks, 12.6 MB
+# fp32 input): CPU per call 15 -> 6 ms (benchmarks/README.md). The runtime passes
+# ``perparam.configure(gloo_reduce_scatter=...)``, so benchmarks can compare.
 
 
 class _SumAfterAllToAll:
@@ -181,10 +181,10 @@ class _SumAfterAllToAll:
 
 
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                       async_op: bool = False, what: str = "", pool=None):
+                       async_op: bool = False, what: str = "", pool=None, gloo: str = "all_to_all"):
     """Sum ``input`` (``[K * n]``) over ``group`` and leave this rank's ``[n]`` piece in ``output``.
 
-    On gloo (``GLOO_REDUCE_SCATTER``) an all-to-all of the same bytes then a local sum (at ``wait()``)
+    On gloo (``gloo="all_to_all"``, the default) an all-to-all of the same bytes then a local sum (at ``wait()``)
     into ``output``. For K = 2 each rank sends only the other rank's piece, receives its peer's piece of
     its own chunk straight into ``output`` and adds its own piece there (no buffer, no copy of its own
     piece); for K > 2 the ``[K, n]`` pieces, its own included, arrive in one buffer (from ``pool``, a
@@ -197,7 +197,7 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     if k == 1:
         output.copy_(input)
         return None
-    if GLOO_REDUCE_SCATTER == "all_to_all" and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    if gloo == "all_to_all" and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
         rows = input.view(k, -1)
         row_bytes = rows.shape[1] * input.element_size()
         if k == 2:

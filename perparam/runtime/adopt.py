@@ -5,14 +5,18 @@ DTensor cannot swap contents in place: ``torch.utils.swap_tensors`` refuses obje
 So that the replacement is invisible where it can be:
 
 * the attributes a user set on a parameter (``p.no_decay = True``) are copied onto its sharded parameter;
-* an optimizer built before ``fully_shard`` is retargeted at its first ``step()``: a global optimizer
-  step pre-hook replaces, in its ``param_groups``, every parameter ``fully_shard`` replaced by the sharded
+* an optimizer built before ``fully_shard`` is retargeted at its first ``step()``: an optimizer step
+  pre-hook replaces, in its ``param_groups``, every parameter ``fully_shard`` replaced by the sharded
   one, so it trains exactly like an optimizer built after. An optimizer that already holds state for a
-  replaced parameter (it stepped before sharding) is refused with ``ShardingError``. Cost: one dict
-  lookup per step once an optimizer has been checked;
-* every optimizer step is counted (a global step post-hook), so parameters kept gathered across steps
+  replaced parameter (it stepped before sharding) is refused with ``ReplacedParameterError``. The hook is
+  global (an optimizer built before sharding is nowhere else to be found), installed by the first
+  ``fully_shard`` of the process, never at import; cost: one dict lookup per step once an optimizer has
+  been checked (again when ``fully_shard`` ran since, or its ``param_groups`` grew);
+* the steps of every optimizer holding perparam parameters are counted (a post-hook registered on that
+  optimizer alone, when the pre-hook first sees it holding one), so parameters kept gathered across steps
   (``set_reshard_after_backward(False)``) are all-gathered afresh after one, whatever the optimizer's
-  update path (foreach updates do not bump a DTensor's version counter);
+  update path (foreach updates do not bump a DTensor's version counter). Optimizers of other models in
+  the process are never counted;
 * a parameter assigned after ``fully_shard`` (``module.weight = nn.Parameter(...)``) is refused with a
   clear error at the next forward or unshard (``ShardedParam.register``), instead of being silently put
   back.
@@ -26,14 +30,18 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _generation = 0
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> generation checked
+#: sharded parameters perparam created (weak): an optimizer holding one has its steps counted
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (generation, groups) checked
+_counted: weakref.WeakSet = weakref.WeakSet()  # optimizers whose steps are counted
 _steps = 0
+_pre_hook = None  # the global step pre-hook's handle, once the first fully_shard installed it
 
 #: attributes nn.Parameter / DTensor keep in ``__dict__`` themselves: never copied
 _INTERNAL = {"_is_param", "_local_tensor", "_spec"}
@@ -50,12 +58,21 @@ def record(original: torch.Tensor, sharded: torch.Tensor) -> None:
         if key not in _INTERNAL and key not in sharded.__dict__:
             sharded.__dict__[key] = value
     _REPLACED[original] = sharded
+    _SHARDED[sharded] = True
     _generation += 1
+    _install()
+
+
+def _install() -> None:
+    """The optimizer step pre-hook, registered once, by the first ``fully_shard`` (not at import)."""
+    global _pre_hook
+    if _pre_hook is None:
+        _pre_hook = register_optimizer_step_pre_hook(_retarget)
 
 
 def optimizer_steps() -> int:
-    """How many ``torch.optim`` optimizer steps this process has taken: parameters gathered before a step
-    are stale after it (``ParamGroup.stale``)."""
+    """How many steps the ``torch.optim`` optimizers holding perparam parameters have taken: parameters
+    gathered before such a step are stale after it (``ParamGroup.stale``)."""
     return _steps
 
 
@@ -65,7 +82,8 @@ def _count_step(optimizer, args, kwargs) -> None:
 
 
 def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if _checked.get(optimizer) == _generation:
+    key = (_generation, len(optimizer.param_groups))
+    if _checked.get(optimizer) == key:
         return
     for group in optimizer.param_groups:
         params = group["params"]
@@ -79,8 +97,7 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "fully_shard has since replaced by a sharded DTensor; build the optimizer after fully_shard "
                     "(or load its state with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)")
             params[i] = sharded
-    _checked[optimizer] = _generation
-
-
-register_optimizer_step_pre_hook(_retarget)
-register_optimizer_step_post_hook(_count_step)
+    if optimizer not in _counted and any(p in _SHARDED for g in optimizer.param_groups for p in g["params"]):
+        optimizer.register_step_post_hook(_count_step)
+        _counted.add(optimizer)
+    _checked[optimizer] = key

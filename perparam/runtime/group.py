@@ -20,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import adopt
+from . import adopt, config
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
@@ -136,8 +136,8 @@ class ParamGroup:
         return tuple(versions)
 
     def stale(self) -> bool:
-        """The gathered storage may no longer match the shards: a ``torch.optim`` optimizer stepped (any
-        optimizer in the process: foreach updates do not bump a DTensor's version) or an in-place update
+        """The gathered storage may no longer match the shards: a ``torch.optim`` optimizer holding perparam
+        parameters stepped (foreach updates do not bump a DTensor's version) or an in-place update
         bumped a sharded parameter's or its local shard's version since the all-gather. Not detected:
         ``torch._foreach_*`` called by hand on DTensors and writes through ``.data``."""
         return self._alive and self._versions() != self._gathered_versions
@@ -201,7 +201,8 @@ class ParamGroup:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what)
+        rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
+                                           gloo=config.current().gloo_all_gather)
         self._pending_gather = (send, rows)
 
     @torch.no_grad()
@@ -309,7 +310,8 @@ class ParamGroup:
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
             recv = send.new_empty(total)
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
-                                                  what=f"{self._what} [{dtype}]", pool=self.pool)
+                                                  what=f"{self._what} [{dtype}]", pool=self.pool,
+                                                  gloo=config.current().gloo_reduce_scatter)
             pending.append(PendingReduce(work, send, recv, params, offsets))
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from . import config
 from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
 from .group import ParamGroup, group_of
@@ -48,10 +49,6 @@ from .state import TrainingState
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 PRE_BACKWARD, POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
-
-#: issue the all-gather of the group expected next (forward and backward) before computing this one
-PREFETCH = True
-
 
 class TransformError(RuntimeError):
     """A sharded module was called inside a ``torch.func`` transform."""
@@ -124,7 +121,7 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
 def _prefetch(nxt: ParamGroup | None, done: set | None = None) -> None:
     """Issue ``nxt``'s all-gather if it has not started its backward yet (never a group that is done) and,
     in forward, has not run its forward in this iteration yet (``done``)."""
-    if PREFETCH and nxt is not None and nxt.state is IDLE and (done is None or nxt not in done):
+    if config.current().prefetch and nxt is not None and nxt.state is IDLE and (done is None or nxt not in done):
         nxt.start_unshard()
 
 
@@ -273,7 +270,7 @@ def _backward_gathers(ctx: IterationContext, group: ParamGroup) -> None:
         group.start_unshard()
         return
     order = ctx.backward_expected
-    stop = min(index + (2 if PREFETCH else 1), len(order))
+    stop = min(index + (2 if config.current().prefetch else 1), len(order))
     while ctx.gather_cursor < stop:
         order[ctx.gather_cursor].start_unshard()
         ctx.gather_cursor += 1

@@ -1,0 +1,65 @@
+"""The runtime's switches, as one frozen ``RuntimeConfig`` set through ``perparam.configure``.
+
+No other module-level variable of perparam changes how it runs. ``configure`` replaces the process's
+config (it is read at every unshard and reduction, so it applies from the next collective on) and
+returns the previous one, so a benchmark or a test can restore it::
+
+    previous = perparam.configure(prefetch=False)
+    ...
+    perparam.configure(**dataclasses.asdict(previous))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+#: how a gloo collective on CPU runs: "all_to_all" (perparam's: the same bytes, no flat staging buffer)
+#: or "native" (``dist.all_gather_single`` / ``dist.reduce_scatter_single``)
+GLOO_ALGORITHMS = ("all_to_all", "native")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """``prefetch``: issue the all-gather of the group expected next (forward and backward) before
+    computing this one. ``gloo_all_gather`` / ``gloo_reduce_scatter``: how those collectives run on gloo
+    on CPU, ``"all_to_all"`` (default: one all-to-all of the same bytes; measured 2-3x less CPU per call
+    in ``benchmarks/README.md``) or ``"native"`` (gloo's own). Other backends always run the native ones.
+
+    Raises ``ValueError`` naming the field for a value outside these."""
+
+    prefetch: bool = True
+    gloo_all_gather: str = "all_to_all"
+    gloo_reduce_scatter: str = "all_to_all"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"perparam.configure: prefetch must be True or False, got {self.prefetch!r}")
+        for name in ("gloo_all_gather", "gloo_reduce_scatter"):
+            value = getattr(self, name)
+            if value not in GLOO_ALGORITHMS:
+                raise ValueError(f"perparam.configure: {name} must be one of {GLOO_ALGORITHMS}, got {value!r}")
+
+
+_current = RuntimeConfig()
+
+
+def current() -> RuntimeConfig:
+    """The config the runtime reads now."""
+    return _current
+
+
+def configure(**changes) -> RuntimeConfig:
+    """Change the runtime's switches (fields of ``RuntimeConfig``) for the whole process, from the next
+    collective on; returns the previous config. ``configure()`` changes nothing and returns the current one.
+
+    Raises ``TypeError`` for an unknown field and ``ValueError`` for a bad value, before changing anything.
+    """
+    global _current
+    fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise TypeError(f"perparam.configure: unknown setting(s) {unknown}; the settings are {sorted(fields)}")
+    previous = _current
+    _current = dataclasses.replace(_current, **changes)
+    return previous
