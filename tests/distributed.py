@@ -59,6 +59,13 @@ def _worker(fn, rank: int, world_size: int, store_path: str, timeout: float, con
         conn.close()
 
 
+def one_process(fn, *args):
+    """The single-process reference of a parity test: ``fn(0, 0, *args)`` in this process, with no process
+    group. By the convention of these tests ``world_size == 0`` means "do not shard": ``fn`` builds, trains
+    and returns the plain model that a sharded run (``run_distributed(fn, world_size, *args)``) must match."""
+    return fn(0, 0, *args)
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
     import torch

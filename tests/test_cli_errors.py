@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from perparam.cli import main
-from tests.test_finetune_cli import REPO, _env, _one_line_error
-from tests.test_finetune_gguf import write_tiny_gguf
+from tests.finetune_helpers import REPO, assert_one_line_error, subprocess_env, write_tiny_gguf
 
 
 @pytest.fixture
@@ -24,20 +23,20 @@ def tiny(tmp_path, monkeypatch) -> list[str]:
 
 
 def test_finetune_sizes_and_paths_are_refused_before_any_worker(capsys, tmp_path, tiny):
-    _one_line_error(capsys, [*tiny, "--batch-size", "0"], "--batch-size 0 must be at least 1")
-    _one_line_error(capsys, [*tiny, "--lr", "inf"], "--lr inf must be a positive finite number")
-    _one_line_error(capsys, [*tiny, "--lr", "nan"], "must be a positive finite number")
+    assert_one_line_error(capsys, [*tiny, "--batch-size", "0"], "--batch-size 0 must be at least 1")
+    assert_one_line_error(capsys, [*tiny, "--lr", "inf"], "--lr inf must be a positive finite number")
+    assert_one_line_error(capsys, [*tiny, "--lr", "nan"], "must be a positive finite number")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    _one_line_error(capsys, [*tiny, "--summary-json", str(a_file / "sub" / "s.json")],
-                    f"{a_file} is a file, not a folder")
-    _one_line_error(capsys, [*tiny, "--summary-json", str(tmp_path)], "is a folder")
+    assert_one_line_error(capsys, [*tiny, "--summary-json", str(a_file / "sub" / "s.json")],
+                          f"{a_file} is a file, not a folder")
+    assert_one_line_error(capsys, [*tiny, "--summary-json", str(tmp_path)], "is a folder")
 
 
 def test_a_gguf_flag_pointing_at_a_text_file_is_called_not_a_gguf(capsys, tmp_path, tiny):
     mine = tmp_path / "notes.txt"
     mine.write_text("my notes\n")
-    _one_line_error(capsys, ["--gguf", str(mine), *tiny[2:]], "is not a GGUF file")
+    assert_one_line_error(capsys, ["--gguf", str(mine), *tiny[2:]], "is not a GGUF file")
     good = tmp_path / "good.gguf"
     write_tiny_gguf(good, quantize_ffn=False)
     cut = tmp_path / "cut.gguf"
@@ -50,7 +49,7 @@ def test_a_gguf_flag_pointing_at_a_text_file_is_called_not_a_gguf(capsys, tmp_pa
 def test_a_non_finite_loss_stops_the_run(tiny):
     proc = subprocess.run([sys.executable, "-m", "perparam.cli", "finetune", *tiny, "--nproc", "1", "--steps",
                            "6", "--seq-len", "16", "--batch-size", "1", "--eval-tokens", "32", "--lr", "1e30"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=subprocess_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "the training loss became nan at step" in lines[0], proc.stderr

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_finetune_cli import TINY, _cli
+from tests.finetune_helpers import TINY, run_finetune
 
 pytestmark = pytest.mark.slow
 
 
 def _run(tmp: Path, text: Path, name: str, *flags: str, nproc: int = 2) -> dict:
     out = tmp / f"{name}.json"
-    proc = _cli(*TINY, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    proc = run_finetune(*TINY, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())
 
@@ -40,7 +40,7 @@ def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
     for folder, fragment in ((tmp_path / "missing", "no such folder"), (empty, "no complete checkpoint")):
-        proc = _cli(*TINY, "--text", str(text), "--resume", str(folder))
+        proc = run_finetune(*TINY, "--text", str(text), "--resume", str(folder))
         assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    proc = _cli(*TINY, "--text", str(text), "--save-every", "2")
+    proc = run_finetune(*TINY, "--text", str(text), "--save-every", "2")
     assert proc.returncode == 2 and "--save" in proc.stderr, proc.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -12,31 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from perparam.cli import main
-from tests.test_finetune_gguf import write_tiny_gguf
-
-REPO = Path(__file__).resolve().parents[1]
-def _env() -> dict:
-    env = dict(os.environ)
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "perparam.cli", "finetune", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=_env())
-
-
-#: the tiny runs below share these flags, so their losses and bytes compare one to one
-TINY = ("--config", "tiny", "--steps", "4", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3",
-        "--eval-tokens", "128")
+from tests.finetune_helpers import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    run_finetune,
+    subprocess_env,
+    write_tiny_gguf,
+)
 
 
 def _tiny_run(folder: Path, text_dir: Path, *flags: str, nproc: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
     out = folder / "runs" / "summary.json"
-    proc = _cli(*TINY, "--text", str(text_dir), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    proc = run_finetune(*TINY, "--text", str(text_dir), "--nproc", str(nproc), *flags, "--summary-json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     losses = [summary["heldout_loss_before"], summary["heldout_loss_after"], *summary["train_losses"]]
@@ -148,7 +135,7 @@ def test_torchrun_runs_the_module_unchanged(text_dir):
                            "--text", str(text_dir), "--steps", "2", "--seq-len", "32", "--batch-size", "2",
                            "--eval-tokens", "64"],
                           capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**_env(), "OMP_NUM_THREADS": "1"})
+                          env={**subprocess_env(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sharded over 2 ranks" in proc.stdout and "held-out loss after" in proc.stdout
 
@@ -156,23 +143,14 @@ def test_torchrun_runs_the_module_unchanged(text_dir):
 @pytest.mark.slow
 def test_a_dying_worker_fails_the_run_promptly(text_dir):
     start = time.monotonic()
-    proc = _cli("--config", "tiny", "--text", str(text_dir), "--nproc", "2", "--steps", "50",
-                "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--crash-at-step", "1",
-                timeout=90)
+    proc = run_finetune("--config", "tiny", "--text", str(text_dir), "--nproc", "2", "--steps", "50",
+                        "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--crash-at-step", "1",
+                        timeout=90)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("perparam finetune: error: rank 1 exited with code 17"), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr  # the surviving rank reports the lost peer in one line
-
-
-def _one_line_error(capsys, argv: list[str], expect: str) -> None:
-    code = main(["finetune", *argv])
-    err = capsys.readouterr().err
-    assert code != 0
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("perparam finetune: error: "), err
-    assert expect in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -190,25 +168,25 @@ def test_bad_inputs_give_one_line_errors(capsys, tmp_path, text_dir, bad_ggufs, 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     tiny = ["--config", "tiny", "--text", str(text_dir)]
-    _one_line_error(capsys, ["--gguf", str(tmp_path / "missing.gguf"), "--text", str(text_dir)],
-                    "does not exist")
-    _one_line_error(capsys, ["--gguf", str(bad_ggufs["truncated"]), "--text", str(text_dir)], "truncated")
-    _one_line_error(capsys, ["--gguf", str(bad_ggufs["other"]), "--text", str(text_dir)],
-                    "architecture 'falcon'")
-    _one_line_error(capsys, ["--assets", str(tmp_path / "no-assets")], "make assets")
+    assert_one_line_error(capsys, ["--gguf", str(tmp_path / "missing.gguf"), "--text", str(text_dir)],
+                          "does not exist")
+    assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["truncated"]), "--text", str(text_dir)], "truncated")
+    assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["other"]), "--text", str(text_dir)],
+                          "architecture 'falcon'")
+    assert_one_line_error(capsys, ["--assets", str(tmp_path / "no-assets")], "make assets")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _one_line_error(capsys, ["--config", "tiny", "--text", str(empty)], "no non-empty text file")
-    _one_line_error(capsys, ["--config", "tiny", "--text", str(tmp_path / "nothing.txt")], "does not exist")
-    _one_line_error(capsys, [*tiny, "--nproc", "16", "--batch-size", "16", "--seq-len", "512"],
-                    "larger than the data allows")
-    _one_line_error(capsys, [*tiny, "--seq-len", "5000"], "above the model's context of 1024")
-    _one_line_error(capsys, ["--gguf", str(bad_ggufs["good"]), "--text", str(text_dir), "--seq-len", "300"],
-                    "above the model's context of 256")
-    _one_line_error(capsys, [*tiny, "--nproc", "3", "--batch-size", "4"], "cannot be split evenly")
-    _one_line_error(capsys, [*tiny, "--nproc", "6", "--dp-replicate", "4"], "pass a --nproc that is a multiple of 4")
-    _one_line_error(capsys, [*tiny, "--nproc", "2", "--tp", "4"], "multiple of 4")
-    _one_line_error(capsys, [*tiny, "--tp", "0"], "--tp 0 must be at least 1")
-    _one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "4"], "--tp 4 does not divide the model's 2 key/value")
-    _one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "2", "--batch-size", "3"],
-                    "cannot be split evenly over 2 data-parallel ranks")
+    assert_one_line_error(capsys, ["--config", "tiny", "--text", str(empty)], "no non-empty text file")
+    assert_one_line_error(capsys, ["--config", "tiny", "--text", str(tmp_path / "nothing.txt")], "does not exist")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "16", "--batch-size", "16", "--seq-len", "512"],
+                          "larger than the data allows")
+    assert_one_line_error(capsys, [*tiny, "--seq-len", "5000"], "above the model's context of 1024")
+    assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["good"]), "--text", str(text_dir), "--seq-len", "300"],
+                          "above the model's context of 256")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "3", "--batch-size", "4"], "cannot be split evenly")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "6", "--dp-replicate", "4"], "pass a --nproc that is a multiple of 4")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "2", "--tp", "4"], "multiple of 4")
+    assert_one_line_error(capsys, [*tiny, "--tp", "0"], "--tp 0 must be at least 1")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "4"], "--tp 4 does not divide the model's 2 key/value")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "2", "--batch-size", "3"],
+                          "cannot be split evenly over 2 data-parallel ranks")

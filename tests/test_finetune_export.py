@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_finetune_cli import TINY, _cli, _one_line_error
+from tests.finetune_helpers import TINY, assert_one_line_error, run_finetune
 
 gguf = pytest.importorskip("gguf")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -27,7 +27,7 @@ FLAGS = [a for a in TINY if a not in ("--config", "tiny")]  # the same sizes, fo
 
 
 def _run(text: Path, summary: Path, *flags: str) -> dict:
-    proc = _cli(*flags, "--text", str(text), "--nproc", "2", "--summary-json", str(summary))
+    proc = run_finetune(*flags, "--text", str(text), "--nproc", "2", "--summary-json", str(summary))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(summary.read_text())
 
@@ -99,7 +99,7 @@ def _load_on_ranks(rank: int, world: int, path: str, tp: int) -> tuple[int, dict
 @pytest.mark.parametrize("tp", [1, 2])
 def test_only_rank_0_reads_the_gguf_and_the_sharded_model_holds_its_weights(tmp_path, tp):
     from tests.distributed import run_distributed
-    from tests.test_finetune_gguf import write_tiny_gguf
+    from tests.finetune_helpers import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)  # q/k rows permuted, Q8_0 MLP weights
@@ -143,15 +143,15 @@ def test_bad_export_paths_stop_before_any_worker_starts(capsys, tmp_path, text_d
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     tiny = ["--config", "tiny", "--text", str(text_dir)]
-    _one_line_error(capsys, [*tiny, "--export", str(tmp_path / "m.bin")], "unknown suffix '.bin'")
-    _one_line_error(capsys, [*tiny, "--export", str(tmp_path)], "unknown suffix")
+    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "m.bin")], "unknown suffix '.bin'")
+    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path)], "unknown suffix")
     (tmp_path / "dir.gguf").mkdir()
-    _one_line_error(capsys, [*tiny, "--export", str(tmp_path / "dir.gguf")], "is a folder")
+    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "dir.gguf")], "is a folder")
     (tmp_path / "file").write_text("")
-    _one_line_error(capsys, [*tiny, "--export", str(tmp_path / "file" / "m.gguf")], "is a file, not a folder")
-    _one_line_error(capsys, [*tiny, "--export", str(tmp_path / "a.gguf"), "--export", str(tmp_path / "b.gguf")],
-                    "pass one path per suffix")
+    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "file" / "m.gguf")], "is a file, not a folder")
+    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "a.gguf"), "--export", str(tmp_path / "b.gguf")],
+                          "pass one path per suffix")
     if os.geteuid() != 0:  # root may write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        _one_line_error(capsys, [*tiny, "--export", str(locked / "m.gguf")], "no permission")
+        assert_one_line_error(capsys, [*tiny, "--export", str(locked / "m.gguf")], "no permission")

@@ -10,78 +10,12 @@ import pytest
 import torch
 
 from perparam.finetune.errors import FinetuneInputError
-from perparam.finetune.export import llama_hyperparameters
 from perparam.finetune.gguf_loader import load_llama, open_gguf, read_config, unpermute_rows
-from perparam.finetune.model import Llama, LlamaConfig, apply_rotary, rotary_cos_sin
+from perparam.finetune.model import Llama, apply_rotary, rotary_cos_sin
 from perparam.finetune.tokenizer import GGUFTokenizer
+from tests.finetune_helpers import converter_permute, tiny_gguf_config, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf")
-
-MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a")]
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-in for each byte 0..255 (printable latin-1 bytes map to themselves)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's q/k permutation, rows ``[heads * head_dim, in]`` -> interleaved rotary pairs per head."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def tiny_gguf_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=256 + len(MERGES) + 1, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                       ffn_dim=64, max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5)
-
-
-def write_tiny_gguf(path: Path, arch: str = "llama", quantize_ffn: bool = True) -> Llama:
-    """Write a random tiny LLaMA to ``path`` as a GGUF file; returns the model it holds."""
-    cfg = tiny_gguf_config()
-    torch.manual_seed(1)
-    model = Llama(cfg)
-    with torch.no_grad():  # make the norms non-trivial so a wrong mapping shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    writer = gguf.GGUFWriter(str(path), arch)
-    llama_hyperparameters(writer, cfg)
-    alphabet = byte_alphabet()
-    tokens = alphabet + ["".join(m) for m in MERGES] + ["<|endoftext|>"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([" ".join(m) for m in MERGES])
-    writer.add_token_types([1] * (len(tokens) - 1) + [3])
-    writer.add_eos_token_id(len(tokens) - 1)
-    sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", sd["embed.weight"])
-    writer.add_tensor("output_norm.weight", sd["norm.weight"])
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "attn_norm.weight"])
-        q, k = sd[p + "attn.q_proj.weight"], sd[p + "attn.k_proj.weight"]
-        writer.add_tensor(f"blk.{i}.attn_q.weight", converter_permute(q, cfg.n_heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", converter_permute(k, cfg.n_kv_heads))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "attn.v_proj.weight"])
-        writer.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "attn.o_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "mlp_norm.weight"])
-        for gname, name in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
-            w = sd[p + f"mlp.{name}.weight"]
-            if quantize_ffn:
-                q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-                writer.add_tensor(f"blk.{i}.{gname}.weight", q, raw_shape=q.shape,
-                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            else:
-                writer.add_tensor(f"blk.{i}.{gname}.weight", w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return model
-
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> tuple[Path, Llama]:

@@ -15,7 +15,7 @@ import torch
 from perparam.finetune import schedule
 from perparam.finetune.model import Llama, LlamaConfig
 from perparam.finetune.plot import read_series, series, write_plot
-from tests.test_finetune_cli import TINY, _cli, _one_line_error
+from tests.finetune_helpers import TINY, assert_one_line_error, run_finetune
 
 LOOP = ("--warmup-steps", "1", "--min-lr", "3e-4", "--max-grad-norm", "1.0", "--eval-every", "2")
 PROMPTS = ("ROMEO:", "Enter KING")
@@ -24,7 +24,7 @@ GENERATE = ("--generate", PROMPTS[0], "--generate", PROMPTS[1], "--max-new-token
 
 def _run(folder: Path, text: Path, *flags: str, nproc: int = 2, ok: bool = True):
     out = folder / "summary.json"
-    proc = _cli(*TINY, *LOOP, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    proc = run_finetune(*TINY, *LOOP, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
     if ok:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, (json.loads(out.read_text()) if ok else None)
@@ -90,7 +90,7 @@ def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_di
     # "before" is the resumed model: its held-out loss is the straight run's at step 2
     assert resumed["heldout_losses"] == [h for h in straight["heldout_losses"] if h[0] >= 2]
     assert resumed["heldout_loss_before"] == straight["heldout_losses"][1][1]
-    proc = _cli(*TINY, *LOOP, "--text", str(text_dir), "--grad-accum", "1", "--resume", str(mid_schedule))
+    proc = run_finetune(*TINY, *LOOP, "--text", str(text_dir), "--grad-accum", "1", "--resume", str(mid_schedule))
     assert proc.returncode == 2 and "--grad-accum 2" in proc.stderr, proc.stderr  # another data order
 
 
@@ -153,7 +153,7 @@ def test_bad_loop_sample_and_plot_flags_give_one_line_errors(capsys, tmp_path, t
             (["--plot", str(tmp_path / "loss.jpg")], "pass a path ending in .png"),
             (["--plot", str(tmp_path / "dir.png")], "is a folder"),
             (["--plot", str(tmp_path / "file.txt" / "loss.png")], "is a file, not a folder")):
-        _one_line_error(capsys, [*tiny, *flags], expect)
+        assert_one_line_error(capsys, [*tiny, *flags], expect)
 
 
 def test_model_flops_per_token_follow_palm_6n_plus_12lhqt():

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.test_finetune_cli import TINY, _cli, _one_line_error
+from tests.finetune_helpers import TINY, assert_one_line_error, run_finetune
 
 GLOBAL_BATCH, SEQ, STEPS, TOL = 4, 16, 3, 1e-5
 
@@ -256,15 +256,15 @@ def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp
                                                                            monkeypatch):
     out, ckpt = tmp_path / "s.json", tmp_path / "ckpt"
     gguf_out = tmp_path / "merged.gguf"
-    proc = _cli(*TINY, "--text", str(text_dir), "--lora", "4", "--lora-targets", "q_proj,down_proj",
-                "--summary-json", str(out), "--save", str(ckpt), "--export", str(gguf_out))
+    proc = run_finetune(*TINY, "--text", str(text_dir), "--lora", "4", "--lora-targets", "q_proj,down_proj",
+                        "--summary-json", str(out), "--save", str(ckpt), "--export", str(gguf_out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     # the export holds the merged weights: the file, loaded as a plain model, gives the trained loss
     reload_json = tmp_path / "reload.json"
     plain = [a for a in TINY if a not in ("--config", "tiny")]
-    again = _cli(*plain, "--text", str(text_dir), "--gguf", str(gguf_out), "--steps", "0",
-                 "--summary-json", str(reload_json))
+    again = run_finetune(*plain, "--text", str(text_dir), "--gguf", str(gguf_out), "--steps", "0",
+                         "--summary-json", str(reload_json))
     assert again.returncode == 0, again.stdout + again.stderr
     reloaded = json.loads(reload_json.read_text())
     assert abs(reloaded["heldout_loss_before"] - summary["heldout_loss_after"]) < 1e-5
@@ -284,8 +284,8 @@ def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp
     assert planned["qlora"]["params"] == planned["full"]["params"] - projections + 0.140625 * projections + adapters
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    _one_line_error(capsys, [*TINY, "--text", str(text_dir), "--resume", str(ckpt), "--steps", "6"],
-                    "trained with --lora 4 --lora-alpha 8 --lora-targets q_proj,down_proj, this run has no --lora")
+    assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--resume", str(ckpt), "--steps", "6"],
+                          "trained with --lora 4 --lora-alpha 8 --lora-targets q_proj,down_proj, this run has no --lora")
 
 
 @pytest.mark.parametrize("flags, expect", [
@@ -300,4 +300,4 @@ def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp
 def test_bad_lora_flags_give_one_line_errors(flags, expect, capsys, text_dir, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    _one_line_error(capsys, ["--config", "tiny", "--text", str(text_dir), *flags], expect)
+    assert_one_line_error(capsys, ["--config", "tiny", "--text", str(text_dir), *flags], expect)

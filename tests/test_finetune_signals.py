@@ -18,7 +18,7 @@ import pytest
 
 from perparam.finetune import lifecycle
 from tests.conftest import SONNET
-from tests.test_finetune_cli import _env
+from tests.finetune_helpers import count_tracebacks, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -55,7 +55,7 @@ class Run:
                 [sys.executable, "-m", "perparam.cli", "finetune", "--config", "tiny", "--text", str(text),
                  "--nproc", "2", "--steps", str(steps), "--seq-len", "32", "--batch-size", "2",
                  "--eval-tokens", "64", *flags],
-                stdout=out, stderr=err, cwd=REPO, env={**_env(), "TMPDIR": str(self.tmp)},
+                stdout=out, stderr=err, cwd=REPO, env={**subprocess_env(), "TMPDIR": str(self.tmp)},
                 start_new_session=True)
 
     def wait_for_step(self, step: int = 2, timeout: float = 90, text: str | None = None) -> None:
@@ -82,8 +82,7 @@ class Run:
             time.sleep(0.2)
 
 
-def _tracebacks(err: str) -> int:
-    return sum("Traceback" in line for line in err.splitlines())
+
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -93,7 +92,7 @@ def test_an_interrupted_run_says_one_line_and_stops_its_workers(tmp_path, sig, c
     run.proc.send_signal(sig)
     status, err = run.finish()
     assert status == code, err
-    assert _tracebacks(err) == 0, err
+    assert count_tracebacks(err) == 0, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("perparam finetune: interrupted at step "), err
     assert lines[0].endswith("/2000; nothing saved"), err
@@ -106,7 +105,7 @@ def test_an_interrupted_run_names_its_last_checkpoint(tmp_path):
     run.wait_for_step(text="checkpoint: step 2 in")
     run.proc.send_signal(signal.SIGINT)
     status, err = run.finish()
-    assert status == 130 and _tracebacks(err) == 0, err
+    assert status == 130 and count_tracebacks(err) == 0, err
     match = re.fullmatch(r"perparam finetune: interrupted at step (\d+)/2000; last checkpoint: step (\d+) in (.+)",
                          err.strip())
     assert match, err
@@ -124,7 +123,7 @@ def test_a_killed_launcher_takes_its_workers_and_files_with_it(tmp_path):
     status, err = run.finish()
     assert status == -signal.SIGKILL
     run.assert_nothing_left()
-    assert _tracebacks(err) == 0, err
+    assert count_tracebacks(err) == 0, err
 
 
 def test_a_killed_worker_stops_the_run(tmp_path):
@@ -135,7 +134,7 @@ def test_a_killed_worker_stops_the_run(tmp_path):
     os.kill(workers[-1], signal.SIGKILL)
     status, err = run.finish()
     assert status == 1, err
-    assert _tracebacks(err) == 0, err
+    assert count_tracebacks(err) == 0, err
     assert "was killed by signal 9" in err.strip().splitlines()[-1], err
     run.assert_nothing_left()
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 import perparam
 from perparam import CommCounter
 from perparam.runtime.group import group_of
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 
 
@@ -162,7 +162,7 @@ def generate(rank: int, world_size: int, keep: bool, async_unshard: bool) -> dic
                           (True, True, 2)],  # the async unshard is the root's only all-gather
                          ids=["default", "keep", "async_unshard"])
 def test_generate_through_register_forward_method(keep, async_unshard, gathers):
-    want = generate(0, 0, keep, async_unshard)["out"]
+    want = one_process(generate, keep, async_unshard)["out"]
     for got in run_distributed(generate, 2, keep, async_unshard):
         torch.testing.assert_close(got["out"], want, atol=1e-6, rtol=0)
         torch.testing.assert_close(got["again"], want, atol=1e-6, rtol=0)
@@ -221,7 +221,7 @@ def kept_across_steps(rank: int, world_size: int, foreach: bool) -> list:
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 def test_parameters_kept_after_backward_are_gathered_again_after_an_optimizer_step(foreach):
     # foreach updates do not bump a DTensor's version counter: the step itself must invalidate them
-    want = kept_across_steps(0, 0, foreach)
+    want = one_process(kept_across_steps, foreach)
     for got in run_distributed(kept_across_steps, 1, foreach):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=0)
 
@@ -269,6 +269,6 @@ def kept_then_updated_by_hand(rank: int, world_size: int, how: str) -> list:
 
 @pytest.mark.parametrize("how", ["inplace", "to_local"])
 def test_kept_parameters_see_in_place_updates_of_the_shards(how):
-    want = kept_then_updated_by_hand(0, 0, how)
+    want = one_process(kept_then_updated_by_hand, how)
     for got in run_distributed(kept_then_updated_by_hand, 2, how):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=0)

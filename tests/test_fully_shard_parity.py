@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 import perparam
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import TinyNet, local_slice, make_batches, mean_over_ranks
 
 STEPS, GLOBAL_BATCH, TOL = 10, 12, 1e-5
@@ -142,7 +142,7 @@ def several_forwards_then_one_backward(rank: int, world_size: int) -> dict:
 
 
 def test_several_forwards_before_one_backward():
-    want = several_forwards_then_one_backward(0, 0)
+    want = one_process(several_forwards_then_one_backward)
     for got in run_distributed(several_forwards_then_one_backward, 2):
         for name, grad in got.items():
             torch.testing.assert_close(grad, want[name], atol=TOL, rtol=0, msg=name)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import perparam
 from perparam.runtime.group import group_of
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 
 
@@ -131,7 +131,7 @@ def tied_weights(rank: int, world_size: int, as_list: bool) -> tuple[torch.Tenso
 
 
 def test_tied_weights_in_one_group_share_one_sharded_parameter():
-    want, _ = tied_weights(0, 0, False)
+    want, _ = one_process(tied_weights, False)
     for as_list in (False, True):
         for grad, still_tied in run_distributed(tied_weights, 2, as_list):
             assert still_tied == 1.0
@@ -180,7 +180,7 @@ def clip_norm(rank: int, world_size: int) -> tuple[float, dict]:
 
 
 def test_clip_grad_norm_returns_the_global_norm():
-    want_norm, want_grads = clip_norm(0, 0)
+    want_norm, want_grads = one_process(clip_norm)
     for norm, grads in run_distributed(clip_norm, 3):
         assert abs(norm - want_norm) <= 1e-6 * max(1.0, want_norm)
         for name, grad in grads.items():

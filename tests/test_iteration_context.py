@@ -12,7 +12,7 @@ import perparam
 from perparam import StateError
 from perparam.runtime.group import group_of
 from perparam.runtime.state import TrainingState
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 
 
@@ -47,7 +47,7 @@ def two_models(rank: int, world_size: int) -> dict:
 
 
 def test_two_models_in_one_process_keep_their_own_iteration_state():
-    want = two_models(0, 0)["params"]
+    want = one_process(two_models)["params"]
     for got in run_distributed(two_models, 2):
         assert got["contexts"] == 2
         for name, value in want.items():

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from tests.conftest import SONNET
-from tests.test_finetune_cli import REPO, _cli, _env
+from tests.finetune_helpers import REPO, run_finetune, subprocess_env
 
 FLAGS = ("--config", "tiny", "--steps", "3", "--seq-len", "32", "--eval-tokens", "64", "--dp-replicate", "2")
 
@@ -38,7 +38,7 @@ def test_two_torchrun_nodes_match_one_launcher(tmp_path, per_node):
                                str(per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id",
                                run_id, "-m", "perparam.finetune", *flags,
                                "--summary-json", str(tmp_path / f"node{n}.json")],
-                              cwd=REPO, env={**_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+                              cwd=REPO, env={**subprocess_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in range(2)]
     try:
@@ -52,7 +52,7 @@ def test_two_torchrun_nodes_match_one_launcher(tmp_path, per_node):
     assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"]) == (world, 2, per_node)
 
     single = tmp_path / "single.json"
-    proc = _cli(*flags, "--nproc", str(world), "--summary-json", str(single))
+    proc = run_finetune(*flags, "--nproc", str(world), "--summary-json", str(single))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = json.loads(single.read_text())
     for key in ("train_losses", "heldout_loss_before", "heldout_loss_after"):
@@ -67,7 +67,7 @@ def test_when_one_nodes_launcher_dies_the_other_node_ends_with_one_line(tmp_path
     import signal
     import time
 
-    from tests.test_finetune_signals import _tracebacks
+    from tests.finetune_helpers import count_tracebacks
 
     text = tmp_path / "text"
     text.mkdir()
@@ -83,7 +83,7 @@ def test_when_one_nodes_launcher_dies_the_other_node_ends_with_one_line(tmp_path
                  "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, "-m",
                  "perparam.finetune", *FLAGS, "--text", str(text), "--batch-size", "2", "--steps", "5000",
                  "--pg-timeout", "30"],
-                cwd=REPO, env={**_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+                cwd=REPO, env={**subprocess_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
                 stdout=log, stderr=subprocess.STDOUT, text=True))
     try:
         deadline = time.monotonic() + 120
@@ -108,7 +108,7 @@ def test_when_one_nodes_launcher_dies_the_other_node_ends_with_one_line(tmp_path
             assert time.monotonic() < deadline, f"node 1's worker {workers} still runs"
             time.sleep(0.2)
         out1 = logs[1].read_text()
-        assert "its torchrun launcher is gone" in out1 and _tracebacks(out1) == 0, out1
+        assert "its torchrun launcher is gone" in out1 and count_tracebacks(out1) == 0, out1
     finally:
         for node in nodes:
             if node.poll() is None:

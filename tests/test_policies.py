@@ -12,7 +12,7 @@ from torch.nn.utils import parametrize
 import perparam
 from perparam import CommCounter, MixedPrecisionPolicy, ParamPolicy, QuantPolicy
 from perparam.memory.measure import model_state_bytes
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import mean_over_ranks
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -98,7 +98,7 @@ def train_mixed(rank: int, world_size: int, bf16: bool) -> tuple[list[float], di
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_mixed_policy_group_trains_like_a_reference_with_the_same_casts(bf16):
     tol = 2e-2 if bf16 else 1e-5
-    want_losses, want_params = train_mixed(0, 0, bf16)
+    want_losses, want_params = one_process(train_mixed, bf16)
     for losses, params in run_distributed(train_mixed, 2, bf16):
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= tol, (losses, want_losses)
         for name, value in want_params.items():

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from perparam.quant import dequantize_blocks, quantize_blocks
 from perparam.sharding.layout import GroupLayout, WirePiece
-from tests.test_quantizers import _block_amax, matrix_case
+from tests.quant_cases import block_amax, matrix_case
 
 
 @settings(max_examples=300, deadline=None)
@@ -19,7 +19,7 @@ def test_int8_round_trip_error_is_at_most_amax_over_254(case):
     assert codes.dtype == torch.int8 and codes.shape == x.shape
     assert scales.shape == (x.shape[0], -(-x.shape[1] // block))
     out = dequantize_blocks(codes, scales, block, out=torch.empty_like(x))
-    bound = _block_amax(x, block) / 254
+    bound = block_amax(x, block) / 254
     assert torch.all((out - x).abs() <= bound * (1 + 1e-5) + 1e-30)
 
 
@@ -29,7 +29,7 @@ def test_fp8_round_trip_stays_within_its_relative_bound(case):
     x, block = case
     codes, scales = quantize_blocks(x, torch.float8_e4m3fn, block)
     out = dequantize_blocks(codes, scales, block, out=torch.empty_like(x))
-    scale = _block_amax(x, block) / 448
+    scale = block_amax(x, block) / 448
     # 3 mantissa bits: half an ulp is 2**-4 of |x| for normal codes, 2**-10 * scale below 2**-6
     bound = x.abs() * 2**-4 + scale * 2**-10
     assert torch.all((out - x).abs() <= bound * (1 + 1e-5) + 1e-30)

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -16,29 +15,7 @@ from perparam import MixedPrecisionPolicy, ParamPolicy, PolicyError, QuantPolicy
 from perparam.sharding.layout import ShardLayout, wire_pieces
 from perparam.sharding.policy import resolve
 from perparam.sharding.quant_nf4 import NF4_HALF_MAX_GAP, NF4_LEVELS
-
-
-@st.composite
-def matrix_case(draw):
-    """``[rows, n]`` values with a block size; often an all-zero block, an odd ``n`` or an empty matrix."""
-    rows = draw(st.integers(0, 4))
-    n = draw(st.integers(0, 150))
-    block = draw(st.sampled_from([1, 3, 8, 64, 100]))
-    scale = draw(st.sampled_from([1e-3, 1.0, 1e3]))
-    seed = draw(st.integers(0, 2**16))
-    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * scale
-    if rows and n and draw(st.booleans()):
-        x[:, : min(n, block)] = 0.0  # an all-zero block
-    return x, block
-
-
-def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Each element's block absmax, ``[rows, n]``."""
-    rows, n = x.shape
-    nb = -(-n // block)
-    padded = torch.zeros(rows, nb * block)
-    padded[:, :n] = x.abs()
-    return padded.view(rows, nb, block).amax(2).repeat_interleave(block, 1)[:, :n]
+from tests.quant_cases import block_amax, matrix_case
 
 
 @pytest.mark.parametrize("name", quant.names())
@@ -53,9 +30,9 @@ def test_every_quantizer_packs_its_stated_pieces_and_round_trips_within_its_boun
     assert [(t.dtype, t.numel()) for t in packed] == [(p.dtype, p.numel) for p in want]
     assert [t.shape[0] for t in packed] == [rows] * len(packed)  # one row of pieces per row of values
     out = q.unpack([t.reshape(-1) for t in packed], block, out=torch.full((rows, n), float("nan")))
-    bound = q.error_bound(_block_amax(x, block))
+    bound = q.error_bound(block_amax(x, block))
     assert torch.all((out - x).abs() <= bound * (1 + 1e-5) + 1e-30), name
-    assert torch.all(out[_block_amax(x, block) == 0] == 0)  # an all-zero block (padding) unpacks to zeros
+    assert torch.all(out[block_amax(x, block) == 0] == 0)  # an all-zero block (padding) unpacks to zeros
 
 
 @pytest.mark.parametrize("name", quant.names())
@@ -67,7 +44,7 @@ def test_every_quantizer_handles_empty_shards_and_bf16_outputs(name):
         assert q.unpack(packed, 64, out=torch.empty(rows, n)).shape == (rows, n)
     x = torch.randn(2, 70)
     out = q.unpack(q.pack(x, 64), 64, out=torch.empty(2, 70, dtype=torch.bfloat16))
-    assert torch.all((out.float() - x).abs() <= q.error_bound(_block_amax(x, 64)) + x.abs() * 2**-8)
+    assert torch.all((out.float() - x).abs() <= q.error_bound(block_amax(x, 64)) + x.abs() * 2**-8)
 
 
 def test_nf4_levels_bound_and_packing():

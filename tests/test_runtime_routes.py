@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import perparam
 from perparam.runtime.group import group_of
 from perparam.runtime.state import TrainingState
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import TinyNet, local_slice, make_batches
 
 
@@ -71,7 +71,7 @@ def checkpoint_inside(rank: int, world_size: int, how: str, dtype) -> dict:
 @pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_checkpointing_a_submodule_inside_a_sharded_unit_matches_no_checkpointing(how, dtype):
-    want = checkpoint_inside(0, 0, "none", dtype)
+    want = one_process(checkpoint_inside, "none", dtype)
     for world in (1, 2):
         for got in run_distributed(checkpoint_inside, world, how, dtype):
             if world == 1 and dtype == torch.float32:  # one rank: no reduction, bit-exact
@@ -118,7 +118,7 @@ def accumulate_across_groups(rank: int, world_size: int) -> dict:
 
 
 def test_accumulation_without_sync_is_reduced_at_the_next_sync_even_if_the_group_is_unused():
-    want = accumulate_across_groups(0, 0)
+    want = one_process(accumulate_across_groups)
     assert want["step0"]["b.weight"] is not None
     for world in (1, 2):
         for got in run_distributed(accumulate_across_groups, world):
@@ -158,7 +158,7 @@ def manual_path(rank: int, world_size: int) -> dict:
 
 
 def test_the_manual_unshard_path_reduces_gradients_exactly_once():
-    want = manual_path(0, 0)
+    want = one_process(manual_path)
     for got in run_distributed(manual_path, 2):
         assert got["sharded"]
         # each rank's loss is a sum over its half: the mean over ranks is half the full-batch gradient
@@ -193,7 +193,7 @@ def gradient_penalty(rank: int, world_size: int, keep: bool) -> dict:
 
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "reshard_after_backward_false"])
 def test_a_gradient_penalty_through_a_sharded_model_matches_the_unsharded_one(keep):
-    want = gradient_penalty(0, 0, keep)
+    want = one_process(gradient_penalty, keep)
     for got in run_distributed(gradient_penalty, 2, keep):
         alive = got.pop("alive_after")
         _assert_grads(got, {n: None if g is None else g / 2 for n, g in want.items()}, atol=1e-6)
@@ -278,7 +278,7 @@ def test_a_submodule_shared_by_two_calls_is_refused_with_the_remedies_that_work(
     message = out["message"]
     assert "shared" in message and "Sequential" in message and "'0.weight'" in message
     assert "bottom-up" not in message and "fully_shard([" in message
-    want = shared_submodule(0, 0, "reference")["grad"]
+    want = one_process(shared_submodule, "reference")["grad"]
     for remedy in ("list", "shard_shared_first"):
         for got in run_distributed(shared_submodule, 2, remedy):
             torch.testing.assert_close(got["grad"], want, atol=1e-6, rtol=0)
@@ -368,7 +368,7 @@ def errors_in_flight(rank: int, world_size: int, use_reset: bool) -> dict:
 
 @pytest.mark.parametrize("use_reset", [False, True], ids=["next_forward_resets", "module_reset"])
 def test_an_exception_in_forward_or_backward_leaves_the_model_training_to_parity(use_reset):
-    want = errors_in_flight(0, 0, use_reset)
+    want = one_process(errors_in_flight, use_reset)
     assert len(want["losses"]) == 4
     for world in (1, 2):
         for got in run_distributed(errors_in_flight, world, use_reset):

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import perparam
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import mean_over_ranks
 
 STEPS, TOL = 6, 1e-5
@@ -79,7 +79,7 @@ def train(rank: int, world_size: int, clip: bool, layout: str = "1d") -> dict:
 
 @pytest.mark.parametrize("layout", ["1d", "mixed"])
 def test_fsdp_plus_tp_matches_a_single_process(layout):
-    want = train(0, 0, True)
+    want = one_process(train, True)
     for out in run_distributed(train, 4, True, layout):
         assert out["exact"], "full_tensor() after sharding must equal the original"
         assert "_StridedShard" in out["placements"]["up.weight"] or layout == "mixed", out["placements"]
