@@ -134,7 +134,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     sharded_params = []
     for (fqn, original, slots), policy, tp in zip(found, policies, tps):
         sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy, tp)
-        adopt.record(original, sp.sharded)
+        adopt.record(original, sp)
         sp.register_sharded()
         if sp.stored_quantized:
             sp.register_scales()

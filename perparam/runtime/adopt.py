@@ -36,8 +36,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _generation = 0
-#: sharded parameters perparam created (weak): an optimizer holding one has its steps counted
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the live ``ShardedParam``s (weak; never a weak reference to a tensor: ``torch.utils.swap_tensors``,
+#: which ``to_empty`` may use, refuses tensors that have one): an optimizer holding one of their sharded
+#: parameters has its steps counted
+_OWNERS: weakref.WeakSet = weakref.WeakSet()
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (generation, groups) checked
 _counted: weakref.WeakSet = weakref.WeakSet()  # optimizers whose steps are counted
 _steps = 0
@@ -51,14 +53,16 @@ class ReplacedParameterError(RuntimeError):
     """An optimizer holds state for a parameter that ``fully_shard`` replaced."""
 
 
-def record(original: torch.Tensor, sharded: torch.Tensor) -> None:
-    """Remember that ``sharded`` replaced ``original`` and copy the user's attributes onto it."""
+def record(original: torch.Tensor, owner) -> None:
+    """Remember that ``owner.sharded`` (``owner``: a ``ShardedParam``) replaced ``original`` and copy the
+    user's attributes onto it."""
     global _generation
+    sharded = owner.sharded
     for key, value in original.__dict__.items():
         if key not in _INTERNAL and key not in sharded.__dict__:
             sharded.__dict__[key] = value
     _REPLACED[original] = sharded
-    _SHARDED[sharded] = True
+    _OWNERS.add(owner)
     _generation += 1
     _install()
 
@@ -97,7 +101,8 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "fully_shard has since replaced by a sharded DTensor; build the optimizer after fully_shard "
                     "(or load its state with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)")
             params[i] = sharded
-    if optimizer not in _counted and any(p in _SHARDED for g in optimizer.param_groups for p in g["params"]):
+    ours = {id(sp.sharded) for sp in _OWNERS}
+    if optimizer not in _counted and any(id(p) in ours for g in optimizer.param_groups for p in g["params"]):
         optimizer.register_step_post_hook(_count_step)
         _counted.add(optimizer)
     _checked[optimizer] = key
