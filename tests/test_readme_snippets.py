@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written, so the snippets cannot rot.
+"""Every ```python block of README.md and of every page under docs/ runs as written, so the snippets cannot
+rot.
 
 Each block is written to a file and run as its own processes (no torchrun): a 1-process gloo group by
 default, or as many as its first line asks for with ``--nproc_per_node N``. A block that is deliberately a
@@ -20,9 +21,19 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    text = (REPO / "README.md").read_text()
-    return [(text[: m.start()].count("\n") + 1, m.group(1)) for m in BLOCK.finditer(text)]
+def pages() -> list[Path]:
+    """README.md and every markdown page under docs/."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def python_blocks() -> list[tuple[str, int, str]]:
+    """``(page, line, code)`` of every ```python block, ``page`` relative to the repository."""
+    blocks = []
+    for page in pages():
+        text = page.read_text()
+        name = str(page.relative_to(REPO))
+        blocks += [(name, text[: m.start()].count("\n") + 1, m.group(1)) for m in BLOCK.finditer(text)]
+    return blocks
 
 
 def _free_port() -> int:
@@ -31,17 +42,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_readme_has_python_blocks():
-    assert len(python_blocks()) >= 3
+def test_the_readme_and_the_docs_have_python_blocks():
+    names = {name for name, _, _ in python_blocks()}
+    assert "README.md" in names and len(names) >= 4, names
+    assert len(pages()) >= 8  # README and the docs pages it links
 
 
-@pytest.mark.parametrize("line, code", python_blocks(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
-def test_readme_python_block_runs(tmp_path, line, code):
+def test_every_page_the_readme_links_is_read_here_or_is_being_written_elsewhere():
+    """The README's links to docs/ name pages that exist (or the two being written on other branches), and
+    each of those pages' blocks are among the ones run below."""
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)", (REPO / "README.md").read_text()))
+    elsewhere = {"docs/mixture-of-experts.md", "docs/evaluation.md"}
+    present = {str(p.relative_to(REPO)) for p in pages()}
+    assert linked - elsewhere <= present, linked - present
+
+
+@pytest.mark.parametrize("page, line, code", python_blocks(),
+                         ids=[f"{name}:{line}" for name, line, _ in python_blocks()])
+def test_readme_python_block_runs(tmp_path, page, line, code):
     first = code.splitlines()[0] if code.strip() else ""
     if first.startswith("# not run:"):
         pytest.skip(first)
     nproc = int(m.group(1)) if (m := re.search(r"--nproc_per_node (\d+)", first)) else 1
-    script = tmp_path / f"readme_line{line}.py"
+    script = tmp_path / f"{Path(page).stem}_line{line}.py"
     script.write_text(code)
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -61,5 +84,5 @@ def test_readme_python_block_runs(tmp_path, line, code):
             if proc.poll() is None:
                 proc.kill()
     failed = [(r, p.returncode, o) for r, (p, o) in enumerate(zip(procs, outputs, strict=True)) if p.returncode]
-    assert not failed, f"README.md block at line {line} failed:\n" + "\n".join(
+    assert not failed, f"{page} block at line {line} failed:\n" + "\n".join(
         f"--- rank {r} (exit {c})\n{o}" for r, c, o in failed)
