@@ -224,7 +224,9 @@ def _check_same_on_every_rank(state: dict, extra: dict) -> None:
     mine["<extra>"] = json.dumps(extra, sort_keys=True)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    differ = sorted(k for k in mine if any(other.get(k) != mine[k] for other in everyone))
+    # from `everyone` only (the same list on every rank), so every rank decides alike: a key some rank lacks
+    # differs too, on the ranks that have it and on those that do not
+    differ = sorted(k for k in set().union(*everyone) if any(o.get(k) != everyone[0].get(k) for o in everyone))
     if differ:
         what = ", ".join(k.removeprefix("model.") for k in differ[:5])
         raise CheckpointError(f"save: {what} differ between ranks, but a plain tensor (not a DTensor) and extra are "

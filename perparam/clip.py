@@ -1,46 +1,204 @@
-"""Gradient clipping across parameters that live on different meshes (DP-only, HSDP, DP+TP)."""
+"""The global gradient norm of a model whose gradients live on different meshes, and clipping by it.
+
+The rule: every rank contributes ``sum over its local shards of ||shard||_p^p / copies`` (``max |x|`` for
+``p = inf``, where copies do not matter), ``copies`` being the number of ranks that hold each element of
+that gradient; the contributions of all ranks then add up to ``sum |x|^p`` over every distinct element,
+each counted once. An empty shard contributes 0. ``copies`` of a DTensor gradient on a mesh ``M`` cut from
+a root mesh ``R`` (``M`` itself when it was not cut) is the product of
+
+* the sizes of ``M``'s ``Replicate()`` axes: along its ``Shard``/``_StridedShard`` axes the local shards
+  partition the elements (HSDP ``(Replicate(), Shard(0))`` on 2 x 2: 2 copies; TP-composed: 1);
+* the sizes of ``R``'s axes that ``M`` does not span and that *replicate* it (``replicated_axes``, e.g. the
+  ``tp`` axis for a parameter sharded on ``mesh["dp_shard"]`` only: its tp peers hold the same one). Along
+  a *distinct* axis (``distinct_axes``, e.g. ``ep``: a per-rank expert on ``mesh["edp"]``) the ranks hold
+  other parameters, which they contribute themselves: factor 1. Ranks outside ``R`` hold other parameters.
+
+A plain (non-DTensor) gradient counts as replicated on every rank of the default group, as DDP's is
+(``copies = world size``).
+
+The one assumption: the copies of an element are equal (the gradient really is replicated where the rule
+says it is, as after perparam's or DDP's reduction). If they are not, the result is the mean of ``|x|^p``
+over the copies: still the same on every rank.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from mesh import AXIS_NAMES
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-    """Clip gradients by their global norm; returns that norm (a plain 0-dim tensor, same on every rank).
+from .comm import collectives
 
-    ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms, which fails when gradients are DTensors
-    on different meshes (a model mixing tensor-parallel and data-parallel-only parameters). Here each
-    mesh's gradients are reduced to one norm (``get_total_norm`` then ``full_tensor``), and the norm of
-    those norms is the global norm.
+__all__ = ["clip_grad_norm_", "copies", "outside_copies", "local_contribution", "combine", "DISTINCT_AXES",
+           "REPLICATED_AXES"]
+
+#: Root-mesh axis names along which ranks hold different parameters (expert and pipeline parallelism).
+DISTINCT_AXES = ("ep", "pp")
+#: Root-mesh axis names along which ranks hold the same parameters (mesh.AXIS_NAMES, "dp", "cp").
+REPLICATED_AXES = (*AXIS_NAMES, "dp", "cp")
+
+
+def copies(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> int:
+    """How many ranks of a mesh of ``mesh_shape`` hold each element of a DTensor with ``placements`` (one per
+    mesh axis): the product of the sizes of the ``Replicate()`` axes, 1 when every axis shards.
+
+    Raises ``ValueError`` for a placement that neither shards (``Shard``, ``_StridedShard``) nor replicates,
+    e.g. ``Partial``: its local tensors hold summands of the elements, not the elements."""
+    if len(mesh_shape) != len(placements):
+        raise ValueError(f"mesh shape {tuple(mesh_shape)} and placements {tuple(placements)} need one entry per "
+                         "mesh axis")
+    n = 1
+    for size, placement in zip(mesh_shape, placements):
+        if placement.is_replicate():
+            n *= size
+        elif not isinstance(placement, (Shard, _StridedShard)):
+            raise ValueError(f"placement {placement!r} holds partial values, not the gradient's elements; reduce "
+                             "the gradient first (grad.redistribute(placements=[Replicate() or Shard(d)]))")
+    return n
+
+
+def outside_copies(root_shape: Sequence[int], root_names: Sequence[str] | None, mesh_axes: Collection[int],
+                   distinct_axes: Collection[str] = DISTINCT_AXES,
+                   replicated_axes: Collection[str] = REPLICATED_AXES) -> int:
+    """How many copies of a sub-mesh spanning root axes ``mesh_axes`` hold the same parameter: the product
+    of the sizes of the other root axes (``root_shape``, named ``root_names``) in ``replicated_axes``;
+    axes in ``distinct_axes`` and of size 1 count 1.
+
+    Raises ``ValueError`` naming an axis of size > 1 outside the sub-mesh that is in neither collection:
+    nothing tells whether its ranks hold the same parameters or other ones."""
+    n = 1
+    for axis, size in enumerate(root_shape):
+        if axis in mesh_axes or size == 1:
+            continue
+        name = root_names[axis] if root_names is not None else None
+        if name in replicated_axes:
+            n *= size
+        elif name not in distinct_axes:
+            raise ValueError(f"its mesh was cut from a mesh with axes {root_names} along axis {name or axis} (size "
+                             f"{size}), which is neither replicating nor distinct: pass "
+                             f"replicated_axes=(..., {name!r}) if the ranks along it hold the same parameters, "
+                             f"distinct_axes=(..., {name!r}) if they hold other ones (experts, pipeline stages)")
+    return n
+
+
+def _mesh_copies(mesh: DeviceMesh, distinct_axes: Collection[str], replicated_axes: Collection[str]) -> int:
+    """``outside_copies`` of a DeviceMesh: the root axes it spans are those its ranks' coordinates vary along."""
+    root = mesh._get_root_mesh()
+    ranks = mesh.mesh.flatten().tolist()
+    where = torch.stack([(root.mesh == r).nonzero()[0] for r in ranks])  # [mesh size, root ndim]
+    spans = {a for a in range(root.ndim) if bool((where[:, a] != where[0, a]).any())}
+    return outside_copies(tuple(root.shape), root.mesh_dim_names, spans, distinct_axes, replicated_axes)
+
+
+def local_contribution(shards: Iterable[tuple[torch.Tensor, int]], norm_type: float, foreach: bool | None = None,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """This rank's part of the global ``norm_type``-norm, a 0-dim float64 tensor on ``device``.
+
+    ``shards``: ``(local tensor, copies)`` pairs, any shapes and floating dtypes. Finite ``p``: the sum of
+    ``||tensor||_p^p / copies``; ``p = inf``: the largest ``|x|``. Empty tensors contribute 0 (a rank that
+    holds nothing returns 0). Per-tensor norms come from ``torch.nn.utils.get_total_norm`` (in the tensors'
+    dtype, ``foreach`` as torch means it), one call per distinct ``copies``; the rest is float64."""
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for t, n in shards:
+        if t.numel():
+            by_copies.setdefault(n, []).append(t)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for n, tensors in by_copies.items():
+        norm = get_total_norm(tensors, norm_type, False, foreach).to(device, torch.float64)
+        total = torch.maximum(total, norm) if norm_type == float("inf") else total + norm ** norm_type / n
+    return total
+
+
+def combine(contributions: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The global norm (0-dim float64) from every rank's ``local_contribution`` (``[world]`` float64, in rank
+    order): ``max`` for ``p = inf``, else ``sum ** (1 / p)``. NaN propagates."""
+    if norm_type == float("inf"):
+        return contributions.max()
+    return contributions.sum() ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+                    distinct_axes: Collection[str] = DISTINCT_AXES,
+                    replicated_axes: Collection[str] = REPLICATED_AXES) -> torch.Tensor:
+    """Clip gradients by their global norm, the same on every rank; return that norm (0-dim float32).
+
+    The norm is over every distinct gradient element held anywhere, each counted once; the rule, its one
+    assumption and what ``distinct_axes``/``replicated_axes`` mean (root-mesh axis names along which ranks
+    hold other / the same parameters) are in this module's docstring. A plain tensor's gradient counts as
+    replicated on every rank, as DDP's. Every rank of the default process group must call it, whatever it
+    holds: it issues one all-reduce (sum) of a ``[world, 2]`` float64 tensor
+    (``perparam.comm.collectives.all_reduce_sum``) where row ``r`` carries rank ``r``'s contribution and zeros
+    elsewhere (adding zeros is exact), then every rank reduces the same rows in the same order, so the norm
+    is bitwise equal on every rank. Every gradient is then scaled by ``min(max_norm / (norm + 1e-6), 1)``
+    (``torch.nn.utils.clip_grads_with_norm_``), in place on the local shards. ``error_if_nonfinite`` and
+    ``foreach`` mean what they mean to torch.
+
+    Raises ``ValueError`` unless ``norm_type > 0`` (``inf`` included) or when an axis name is in both
+    collections; ``ValueError`` on every rank when a rank holds a gradient the rule cannot count (a
+    ``Partial`` placement, a mesh cut along an axis in neither collection); ``RuntimeError`` for a
+    non-finite norm with ``error_if_nonfinite=True``.
     """
-    params = [p for p in parameters if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
-        by_mesh.setdefault(key, []).append(p.grad)
-    norms = []
-    for grads in by_mesh.values():
-        norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.tensor(0.0)
-    total = get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
-    for grads in by_mesh.values():
-        clip_grads_with_norm_(grads_holder(grads), max_norm, total, foreach)
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be > 0 (2.0, 1.0, any p, or float('inf'))")
+    if set(distinct_axes) & set(replicated_axes):
+        raise ValueError(f"clip_grad_norm_: axes {sorted(set(distinct_axes) & set(replicated_axes))} are in both "
+                         "distinct_axes and replicated_axes; an axis is one or the other")
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    shards: list[tuple[torch.Tensor, int]] = []
+    refused: list[str] = []
+    per_mesh: dict[int, int] = {}  # id(mesh) -> outside copies (meshes compare by value, roots may differ)
+    for i, p in enumerate(parameters):
+        g = p.grad
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            shards.append((g, world))
+            continue
+        try:
+            mesh = g.device_mesh
+            if id(mesh) not in per_mesh:
+                per_mesh[id(mesh)] = _mesh_copies(mesh, distinct_axes, replicated_axes)
+            shards.append((g.to_local(), copies(mesh.shape, g.placements) * per_mesh[id(mesh)]))
+        except ValueError as e:
+            refused.append(f"the gradient of parameter #{i} (shape {tuple(g.shape)}, placements "
+                           f"{tuple(g.placements)}, mesh axes {g.device_mesh.mesh_dim_names}): {e}")
+    device = torch.device("cuda", torch.cuda.current_device()) if initialized and dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    rows = torch.zeros(world, 2, dtype=torch.float64, device=device)
+    me = dist.get_rank() if initialized else 0
+    rows[me, 0] = local_contribution(shards, norm_type, foreach, device)
+    rows[me, 1] = len(refused)
+    if initialized:
+        collectives.all_reduce_sum(rows, dist.group.WORLD, what="clip_grad_norm_")
+    if bool(rows[:, 1].any()):
+        ranks = [r for r in range(world) if rows[r, 1]]
+        raise ValueError("clip_grad_norm_: " + ("; ".join(refused) if refused else
+                                                f"rank(s) {ranks} hold a gradient it cannot count (their error "
+                                                "names it and the fix)"))
+    total = combine(rows[:, 0], norm_type).to(torch.float32)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
+                           "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    clip_grads_with_norm_([_GradHolder(t) for t, _ in shards], max_norm, total, foreach)
     return total
 
 
 class _GradHolder:
-    """``clip_grads_with_norm_`` reads ``.grad`` off what it is given."""
+    """``clip_grads_with_norm_`` reads ``.grad`` off what it is given: here a local shard."""
 
     def __init__(self, grad: torch.Tensor) -> None:
         self.grad = grad
-
-
-def grads_holder(grads: list[torch.Tensor]) -> list[_GradHolder]:
-    return [_GradHolder(g) for g in grads]

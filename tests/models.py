@@ -73,3 +73,20 @@ def comm_per_micro_batch(model: nn.Module, rank: int, world_size: int, micro_bat
             F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
         counts.append(comm.by_kind())
     return counts
+
+
+class MLPNet(nn.Module):
+    """The tensor-parallel tests' model: embedding, colwise ``up``, rowwise ``down``, norm and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 6)
+        self.up = nn.Linear(6, 10)  # colwise on tp=2: 5 rows per tp rank, then 3 + 2 over dp
+        self.down = nn.Linear(10, 6)  # rowwise on tp=2: weight [6, 5] per tp rank, dp splits its rows
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, idx):  # idx: [batch, tokens] -> [batch, 3]
+        x = self.embed(idx).mean(1)
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(self.norm(x))

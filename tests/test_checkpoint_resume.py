@@ -195,6 +195,8 @@ def rank_dependent(rank: int, world_size: int, path: str, what: str) -> str:
     extra = {"rank": rank} if what == "extra" else {}
     if what == "buffer":
         model.register_buffer("seen", torch.tensor([float(rank)]))
+    if what == "buffer_on_rank_0" and rank == 0:  # rank 1 holds nothing to compare: it must refuse too
+        model.register_buffer("seen", torch.ones(1))
     try:
         checkpoint.save(path, model, opt, extra=extra)
     except CheckpointError as e:
@@ -202,7 +204,7 @@ def rank_dependent(rank: int, world_size: int, path: str, what: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("what", ["extra", "buffer"])
+@pytest.mark.parametrize("what", ["extra", "buffer", "buffer_on_rank_0"])
 def test_state_that_differs_between_ranks_is_refused_rather_than_saved_as_rank_0s(tmp_path, what):
     for message in run_distributed(rank_dependent, 2, str(tmp_path / "ckpt"), what):
         assert "differ between ranks" in message and ("extra" in message or "seen" in message), message

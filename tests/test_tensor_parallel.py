@@ -12,24 +12,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import perparam
 from tests.distributed import one_process, run_distributed
-from tests.models import mean_over_ranks
+from tests.models import MLPNet, mean_over_ranks
 
 STEPS, TOL = 6, 1e-5
-
-
-class MLPNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(5, 6)
-        self.up = nn.Linear(6, 10)  # colwise on tp=2: 5 rows per tp rank, then 3 + 2 over dp
-        self.down = nn.Linear(10, 6)  # rowwise on tp=2: weight [6, 5] per tp rank, dp splits its rows
-        self.norm = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, idx):  # idx: [batch, tokens] -> [batch, 3]
-        x = self.embed(idx).mean(1)
-        x = x + self.down(torch.relu(self.up(x)))
-        return self.head(self.norm(x))
 
 
 def _data():
