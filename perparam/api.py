@@ -57,7 +57,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             on the default device (CUDA when the backend is NCCL, else CPU).
         reshard_after_forward: as FSDP2: ``True`` frees the unsharded parameters after forward
             (all-gather again in backward); ``False`` keeps them until the end of backward; ``None`` (the
-            default) is ``True``, the root keeping its parameters for the backward that follows anyway.
+            default) is ``True``, the root keeping its parameters for the backward that follows anyway
+            (an explicit ``True`` frees the root's too: one all-gather more per step, less memory).
             An int is the world size to reshard to: ``1`` means ``False`` and the shard axis's size
             means ``True``; resharding to another size is not supported (``ShardingError``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.policy``.
@@ -99,6 +100,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                 "optimize in; use ParamPolicy(quant=QuantPolicy('fp8')) for an fp8 all-gather")
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
+    auto_reshard_after_forward = reshard_after_forward is None
     reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     for m in modules:
         if isinstance(m, ShardedModule):
@@ -140,7 +142,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         _TAKEN[original] = (owner, fqn)
         sharded_params.append(sp)
 
-    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
+    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy,
+                       auto_reshard_after_forward=auto_reshard_after_forward)
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
     _GROUPS.add(group)
     for sp in sharded_params:

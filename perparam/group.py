@@ -35,7 +35,7 @@ class ParamGroup:
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
-                 reshard_after_forward: bool, mp_policy) -> None:
+                 reshard_after_forward: bool, mp_policy, auto_reshard_after_forward: bool = False) -> None:
         self.modules = modules
         self.params = params
         self.mesh = mesh
@@ -46,6 +46,9 @@ class ParamGroup:
         self.replicated = [p for p in params if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.reshard_after_forward = reshard_after_forward
+        #: ``reshard_after_forward`` was left to its default (``None``): as root the group keeps its parameters
+        #: from forward to backward; an explicit ``True`` frees them as for any other group (FSDP2's rule)
+        self.auto_reshard_after_forward = auto_reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.registered_unsharded = False

@@ -80,16 +80,19 @@ class ShardedModule:
         for group in _groups_below(self, recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """``True`` frees the unsharded parameters after forward and all-gathers again in backward;
-        ``False`` keeps them from forward to backward (more memory, one all-gather fewer), and after a
-        forward without grad (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the
-        next forward with grad, so several evaluation forwards all-gather once. (FSDP2's root also keeps
-        its parameters after a forward, to save the backward's all-gather; under no_grad it frees them.)"""
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
+        """``True`` frees the unsharded parameters after forward and all-gathers again in backward, the
+        root's too (as FSDP2's setter: one all-gather more per step); ``False`` keeps them from forward to
+        backward (more memory, one all-gather fewer), and after a forward without grad
+        (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the next forward with grad,
+        so several evaluation forwards all-gather once. ``None`` (not in FSDP2) restores ``fully_shard``'s
+        default: ``True``, except that the root keeps its parameters for the backward that follows a
+        forward with grad (under no_grad it frees them)."""
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
         for group in _groups_below(self, recurse):
-            group.reshard_after_forward = reshard_after_forward
+            group.reshard_after_forward = reshard_after_forward is not False
+            group.auto_reshard_after_forward = reshard_after_forward is None
 
 
 class UnshardHandle:
