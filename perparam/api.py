@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 import weakref
@@ -42,7 +43,8 @@ class ShardingError(ValueError):
 
 def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None):
+                param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None,
+                gradient_divide_factor: float | None = None):
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
 
     Every parameter not already managed by a ``fully_shard`` call on a submodule is replaced by an
@@ -66,13 +68,22 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             casts its inputs and outputs (a precision island, ``perparam.islands``).
         ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
             sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
+        gradient_divide_factor: what this call's reduced gradients are divided by. A reduction sums a
+            gradient over the ranks of ``mesh`` (both axes on a 2D mesh, and for ``Replicate()``
+            parameters too); ``None`` (the default) divides by the mesh's size, the mean over its ranks.
+            When the loss is the mean over more ranks than ``mesh`` has (experts on their own mesh,
+            ``docs/mixture-of-experts.md``), pass the number of ranks whose losses are averaged (the
+            data-parallel degree of the dense part). Same meaning as FSDP2's
+            ``set_gradient_divide_factor``, which changes it later
+            (``ShardedModule.set_gradient_divide_factor``).
 
     Raises:
         ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
-            compute in two dtypes, an ignored parameter that is not in ``module``. Nothing is changed then.
+            compute in two dtypes, an ignored parameter that is not in ``module``, a
+            ``gradient_divide_factor`` that is not a positive finite number. Nothing is changed then.
 
     Warns (once per process) when a trainable parameter is stored in bf16 or fp16: its optimizer then
     updates low-precision weights; pass ``MixedPrecisionPolicy(master_dtype=torch.float32)``.
@@ -102,6 +113,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     _check_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
     reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    gradient_divide_factor = check_divide_factor(gradient_divide_factor, "fully_shard(gradient_divide_factor=...)",
+                                                 mesh.size())
     for m in modules:
         if isinstance(m, ShardedModule):
             raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
@@ -143,6 +156,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         sharded_params.append(sp)
 
     group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy,
+                       gradient_divide_factor=gradient_divide_factor,
                        auto_reshard_after_forward=auto_reshard_after_forward)
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
     _GROUPS.add(group)
@@ -179,6 +193,19 @@ def _warn_low_precision_training(found, policies) -> None:
                       "updates round away. To train with fp32 master weights while computing in the low "
                       "precision, pass MixedPrecisionPolicy(master_dtype=torch.float32, param_dtype="
                       f"{dtype}) (this warning is shown once per process)", UserWarning, stacklevel=3)
+
+
+def check_divide_factor(factor, where: str, mesh_size: int) -> float | None:
+    """``factor`` as a float (``None`` stays ``None``: the mesh's size); raises ``ShardingError`` unless it
+    is a positive finite number (not a bool). ``where`` names the call, ``mesh_size`` the default."""
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
+        raise ShardingError(
+            f"{where}: gradient divide factor {factor!r} is not a positive finite number. It is what the summed "
+            "gradients are divided by: pass the number of ranks whose losses are averaged (the data-parallel "
+            f"degree of the dense part, e.g. {mesh_size} for this mesh), or None for the mesh's size")
+    return float(factor)
 
 
 def _ignored(ignored_params, found, owner: str) -> set[int]:

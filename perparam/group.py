@@ -35,7 +35,8 @@ class ParamGroup:
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
-                 reshard_after_forward: bool, mp_policy, auto_reshard_after_forward: bool = False) -> None:
+                 reshard_after_forward: bool, mp_policy, gradient_divide_factor: float | None = None,
+                 auto_reshard_after_forward: bool = False) -> None:
         self.modules = modules
         self.params = params
         self.mesh = mesh
@@ -49,6 +50,8 @@ class ParamGroup:
         #: ``reshard_after_forward`` was left to its default (``None``): as root the group keeps its parameters
         #: from forward to backward; an explicit ``True`` frees them as for any other group (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
+        #: what the reduced (summed) gradients are divided by; ``None``: the mesh's data-parallel size
+        self.gradient_divide_factor = gradient_divide_factor
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.registered_unsharded = False
@@ -160,6 +163,14 @@ class ParamGroup:
     def trainable(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded.requires_grad]
 
+    @property
+    def divisor(self) -> float | int:
+        """What a reduced gradient (the sum over the ranks of the mesh) is divided by: the gradient divide
+        factor, or by default the mesh's data-parallel size (``num_shards * num_replicas``)."""
+        if self.gradient_divide_factor is not None:
+            return self.gradient_divide_factor
+        return self.num_shards * self.num_replicas
+
     @torch.no_grad()
     def unshard(self) -> None:
         """All-gather every sharded parameter of the group in one collective into its padded unsharded
@@ -266,8 +277,9 @@ class ParamGroup:
 
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
-        """Reduce the unsharded gradients into the sharded ``.grad``s, averaged over all data-parallel
-        ranks and accumulated into existing sharded gradients.
+        """Reduce the unsharded gradients into the sharded ``.grad``s: summed over the mesh's ranks, divided
+        by ``divisor`` (the gradient divide factor; by default the mesh's size, i.e. the mean) and
+        accumulated into existing sharded gradients.
 
         The collectives depend on the group alone, never on which gradients this rank computed: every
         trainable parameter of the group is packed, in the group's fixed order, into one reduce-scatter
@@ -327,8 +339,8 @@ class ParamGroup:
     @torch.no_grad()
     def advance_reduce(self, item: PendingReduce, block: bool) -> bool:
         """Move a reduction on: once its reduce-scatter has finished, issue the all-reduce over the
-        replicate axis (HSDP, asynchronously); once that has finished, average and accumulate each
-        parameter's piece into its sharded ``.grad`` (when some rank had a gradient). ``block=False``
+        replicate axis (HSDP, asynchronously); once that has finished, divide by ``divisor`` and
+        accumulate each parameter's piece into its sharded ``.grad`` (when some rank had a gradient). ``block=False``
         never waits (a reduction a peer has not issued yet must not stall this rank's backward); returns
         whether the reduction is complete. Callers advance reductions in the order they were issued, so
         the all-reduces are issued in the same order on every rank."""
@@ -355,26 +367,22 @@ class ParamGroup:
         return True
 
     def _accumulate(self, item: PendingReduce) -> None:
-        if item.replicated:
-            self._accumulate_replicated(item)
-            return
-        recv = item.recv
-        flags = recv.narrow(0, recv.numel() - len(item.params), len(item.params)).tolist()
-        recv.div_(self.num_shards * self.num_replicas)
-        for p, offset, flag in zip(item.params, item.offsets, flags):
+        """Divide the summed gradients by ``divisor`` and add each parameter's piece to its sharded
+        ``.grad`` (when some rank had a gradient for it)."""
+        recv, n = item.recv, len(item.params)
+        flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before the division
+        grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
+        grads.div_(self.divisor)
+        if item.replicated:  # every replicated gradient, whole, in order
+            pieces = grads.split([p.layout.numel for p in item.params])
+            targets = [piece.view(p.layout.global_shape) for p, piece in zip(item.params, pieces)]  # (tp-local)
+        else:
+            targets = [recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
+                       .narrow(0, 0, p.layout.extent(p.shard_rank)[1]) for p, offset in zip(item.params, item.offsets)]
+        for p, local, flag in zip(item.params, targets, flags):
             if flag <= 0:  # no rank had a gradient for it
                 continue
-            rows = p.layout.extent(p.shard_rank)[1]
-            local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
-            p.accumulate_sharded_grad(local.narrow(0, 0, rows))
-
-    def _accumulate_replicated(self, item: PendingReduce) -> None:
-        flat = item.recv  # every replicated gradient, whole, then the used flags; summed over all dp ranks
-        flat.div_(self.num_shards * self.num_replicas)
-        pieces = flat.split([*(p.layout.numel for p in item.params), len(item.params)])
-        for p, piece, flag in zip(item.params, pieces, pieces[-1].tolist()):
-            if flag > 0:  # some rank had a gradient
-                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
+            p.accumulate_sharded_grad(local)
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""

@@ -60,6 +60,26 @@ class ShardedModule:
         group = group_of(self)
         group.ctx.reset()
 
+    def set_gradient_divide_factor(self, factor: float | None, *, recurse: bool = False) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the mesh's size (FSDP2's
+        ``set_gradient_divide_factor``; ``fully_shard(..., gradient_divide_factor=)`` sets it at shard
+        time). A reduction sums each gradient over the ranks of the group's mesh (both axes under HSDP,
+        ``Replicate()`` parameters too); the sum is then divided by ``factor``. For the mean of the ranks'
+        losses, ``factor`` is the number of ranks whose losses are averaged: for experts sharded on their own
+        mesh, the data-parallel degree of the dense part, not the expert mesh's size
+        (``docs/mixture-of-experts.md``). ``None`` restores the default, the mesh's size.
+
+        ``recurse``: also set it on every sharded module below this one (FSDP2's method has no such
+        argument and sets this module's group only, the default here).
+
+        Raises ``ShardingError`` unless ``factor`` is a positive finite number (or ``None``)."""
+        from .api import check_divide_factor
+
+        own = group_of(self)
+        factor = check_divide_factor(factor, f"{own.name}.set_gradient_divide_factor", own.mesh.size())
+        for group in _groups_below(self, recurse):
+            group.gradient_divide_factor = factor
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters gathered after backward until ``reshard()`` (or until a
         shard changes in place, e.g. an optimizer step, which the next unshard detects and all-gathers
