@@ -83,7 +83,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
             compute in two dtypes, an ignored parameter that is not in ``module``, a
-            ``gradient_divide_factor`` that is not a positive finite number. Nothing is changed then.
+            ``gradient_divide_factor`` that is not a positive finite number, a parameter with a hook from
+            ``register_hook`` (it could never fire). Nothing is changed then.
 
     Warns (once per process) when a trainable parameter is stored in bf16 or fp16: its optimizer then
     updates low-precision weights; pass ``MixedPrecisionPolicy(master_dtype=torch.float32)``.
@@ -320,4 +321,10 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
             f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
             f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
+    if p._backward_hooks:
+        raise ShardingError(
+            f"parameter '{fqn}' of {owner} has a hook registered with register_hook(); fully_shard replaces the "
+            "parameter by a sharded one, so the hook would never fire. Remove it (handle.remove()) before "
+            "fully_shard, and use p.register_post_accumulate_grad_hook(fn) instead: it carries over to the "
+            "sharded parameter and fires with the reduced sharded gradient in p.grad")
     # the 0-dim, dtype and requires-grad checks run in resolve_params (shared with perparam plan)

@@ -368,7 +368,8 @@ class ParamGroup:
 
     def _accumulate(self, item: PendingReduce) -> None:
         """Divide the summed gradients by ``divisor`` and add each parameter's piece to its sharded
-        ``.grad`` (when some rank had a gradient for it)."""
+        ``.grad``; a parameter some rank had a gradient for is queued for its post-accumulate-grad hooks
+        (``IterationContext.run_grad_hooks``, at the end of backward)."""
         recv, n = item.recv, len(item.params)
         flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before the division
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
@@ -379,10 +380,11 @@ class ParamGroup:
         else:
             targets = [recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
                        .narrow(0, 0, p.layout.extent(p.shard_rank)[1]) for p, offset in zip(item.params, item.offsets)]
-        for p, local, flag in zip(item.params, targets, flags):
+        for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
             if flag <= 0:  # no rank had a gradient for it
                 continue
             p.accumulate_sharded_grad(local)
+            self.ctx.grad_hooks_due.append((item.seq, i, p))
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""

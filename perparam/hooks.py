@@ -369,3 +369,4 @@ def _final_callback(ctx: IterationContext) -> None:
     ctx.grad_order_closed = True
     ctx.keep_gathered = False
     ctx.callback_queued = False
+    ctx.run_grad_hooks()  # last: the model is IDLE and clean whatever a hook does (or raises)
