@@ -47,11 +47,10 @@ class ParamGroup:
         self.replicated = [p for p in params if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.reshard_after_forward = reshard_after_forward
-        #: ``reshard_after_forward`` was left to its default (``None``): as root the group keeps its parameters
-        #: from forward to backward; an explicit ``True`` frees them as for any other group (FSDP2's rule)
+        # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
-        #: what the reduced (summed) gradients are divided by; ``None``: the mesh's data-parallel size
-        self.gradient_divide_factor = gradient_divide_factor
+        self.gradient_divide_factor = gradient_divide_factor  # None: divide by the mesh's size (``divisor``)
+        self.all_reduce_hook = None  # set_all_reduce_hook: sees each reduction's sum before the division
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.registered_unsharded = False
@@ -165,11 +164,10 @@ class ParamGroup:
 
     @property
     def divisor(self) -> float | int:
-        """What a reduced gradient (the sum over the ranks of the mesh) is divided by: the gradient divide
-        factor, or by default the mesh's data-parallel size (``num_shards * num_replicas``)."""
-        if self.gradient_divide_factor is not None:
-            return self.gradient_divide_factor
-        return self.num_shards * self.num_replicas
+        """What a reduced gradient (the sum over the mesh's ranks) is divided by: the gradient divide factor,
+        by default the mesh's size (``num_shards * num_replicas``)."""
+        factor = self.gradient_divide_factor
+        return self.num_shards * self.num_replicas if factor is None else factor
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -339,11 +337,12 @@ class ParamGroup:
     @torch.no_grad()
     def advance_reduce(self, item: PendingReduce, block: bool) -> bool:
         """Move a reduction on: once its reduce-scatter has finished, issue the all-reduce over the
-        replicate axis (HSDP, asynchronously); once that has finished, divide by ``divisor`` and
-        accumulate each parameter's piece into its sharded ``.grad`` (when some rank had a gradient). ``block=False``
-        never waits (a reduction a peer has not issued yet must not stall this rank's backward); returns
-        whether the reduction is complete. Callers advance reductions in the order they were issued, so
-        the all-reduces are issued in the same order on every rank."""
+        replicate axis (HSDP, asynchronously); once that has finished, run the all-reduce hook (if any),
+        divide by ``divisor`` and accumulate each parameter's piece into its sharded ``.grad`` (when some
+        rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
+        stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
+        returns whether the reduction is complete. Callers advance reductions in the order they were
+        issued, so the all-reduces are issued in the same order on every rank."""
         if item.stage == 0:
             if item.work is not None and not (block or item.work.is_completed()):
                 return False
@@ -362,17 +361,21 @@ class ParamGroup:
             item.work.wait()
             item.work = None
         if item.stage == 1 and not item.discard:
+            if self.all_reduce_hook is not None and not block:
+                return False  # a user hook may issue collectives: it runs in the final callback, in issue order
             self._accumulate(item)
         item.stage = 2
         return True
 
     def _accumulate(self, item: PendingReduce) -> None:
-        """Divide the summed gradients by ``divisor`` and add each parameter's piece to its sharded
-        ``.grad``; a parameter some rank had a gradient for is queued for its post-accumulate-grad hooks
-        (``IterationContext.run_grad_hooks``, at the end of backward)."""
+        """Divide the summed gradients by ``divisor`` (after the all-reduce hook, if any) and add each
+        parameter's piece to its sharded ``.grad``; a parameter some rank had a gradient for is queued for
+        its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward)."""
         recv, n = item.recv, len(item.params)
-        flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before the division
+        flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before any hook or division
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(grads)
         grads.div_(self.divisor)
         if item.replicated:  # every replicated gradient, whole, in order
             pieces = grads.split([p.layout.numel for p in item.params])

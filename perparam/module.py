@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ class ShardedModule:
     """Mixed into every module passed to ``fully_shard``; ``isinstance(m, ShardedModule)`` tells.
 
     The methods act on the module's group (all modules of one ``fully_shard`` call share one group).
+    FSDP2's ``FSDPModule`` names that have a meaning in perparam are here with that meaning
+    (``set_reduce_scatter_max_input_buffers`` raises ``NotImplementedError``, saying why).
     """
 
     def _apply(self, fn, recurse=True):
@@ -60,6 +63,24 @@ class ShardedModule:
         group = group_of(self)
         group.ctx.reset()
 
+    def reset_iter_state(self) -> None:
+        """FSDP2's name for ``reset()``, with its meaning: after an exception aborted a forward or backward,
+        finish the collectives in flight, discard the reductions of the failed iteration and the
+        gradients accumulated without sync, reshard every group and start the next iteration clean.
+        FSDP2 requires the root; perparam accepts any sharded module of the model."""
+        self.reset()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code: FSDP2 with ``False`` skips waiting, at the end of backward, for the
+        gradient reductions still running on its streams (their results are the same; the wait moves to
+        a later backward). perparam finishes every reduction before ``backward()`` returns whatever the
+        value (the sharded ``.grad``s are complete then, and no rank waits for a reduction earlier,
+        ``perparam.hooks``), so either value leaves communication and results as they are.
+
+        Raises ``TypeError`` for a value that is not a bool."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward takes a bool, got {is_last_backward!r}")
+
     def set_gradient_divide_factor(self, factor: float | None, *, recurse: bool = False) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the mesh's size (FSDP2's
         ``set_gradient_divide_factor``; ``fully_shard(..., gradient_divide_factor=)`` sets it at shard
@@ -79,6 +100,43 @@ class ShardedModule:
         factor = check_divide_factor(factor, f"{own.name}.set_gradient_divide_factor", own.mesh.size())
         for group in _groups_below(self, recurse):
             group.gradient_divide_factor = factor
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream=None) -> None:
+        """Call ``hook(reduced)`` on each gradient reduction of this module's group (FSDP2's
+        ``set_all_reduce_hook``), e.g. to all-reduce the gradients over a further process group.
+
+        ``reduced``: this rank's summed gradients of one reduction, a 1-D tensor in the reduce dtype: the
+        reduce-scatter's output (after the all-reduce over the replicate axis under HSDP), the rank's padded
+        pieces of the group's sharded parameters in registration order; for ``Replicate()`` parameters the
+        all-reduced whole gradients. A group issues one reduction per reduce dtype (plus one per reduce
+        dtype for its replicated parameters), each hooked. The hook may change ``reduced`` in place; it runs
+        before the division by the gradient divide factor (FSDP2 divides fp32 sums inside the collective,
+        before its hook: for a linear hook such as an all-reduce the result is the same). It runs in the
+        final callback of a synchronising backward, on every rank, in the reductions' issue order (the same
+        on every rank), so it may issue collectives. A parameter no rank of the group's mesh used keeps its
+        ``.grad`` whatever the hook does. ``None`` removes the hook.
+
+        Raises ``NotImplementedError`` for a ``stream`` (perparam runs reductions on the current stream)
+        and ``TypeError`` for a hook that is not callable."""
+        if stream is not None:
+            raise NotImplementedError("set_all_reduce_hook(stream=...): perparam issues its reductions and runs "
+                                      "the hook on the current stream; pass stream=None")
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook takes a callable hook(reduced_grads) or None, got {hook!r}")
+        group_of(self).all_reduce_hook = hook
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Not supported: FSDP2 caps the reduce-scatter input buffers in flight, waiting for an earlier
+        reduce-scatter when the cap is reached. perparam never waits for a reduction during backward (a
+        peer may issue it only at its final callback, ``perparam.hooks``), so it cannot honour a cap;
+        its buffers come from the root's ``BufferPool``.
+
+        Raises ``NotImplementedError`` always."""
+        raise NotImplementedError(
+            "set_reduce_scatter_max_input_buffers is not supported by perparam: capping the reduce-scatter "
+            "input buffers in flight means waiting for an earlier reduction during backward, which perparam "
+            "never does (a peer may issue it only at its final callback: a deadlock). Every reduction "
+            "finishes before backward() returns; remove the call")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters gathered after backward until ``reshard()`` (or until a
