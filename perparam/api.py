@@ -16,8 +16,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh
 
+from .errors import ShardingError
 from .full_state import install_load_hooks
-from .module import ShardedModule, attach, group_of, guard_stored_dtypes
+from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes
 from .runtime import adopt, hooks, islands
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
@@ -37,13 +38,10 @@ _GROUPS: weakref.WeakSet = weakref.WeakSet()
 ParamPolicyArg = ParamPolicy | Mapping[str, ParamPolicy] | Callable[[str, nn.Parameter], ParamPolicy | None]
 
 
-class ShardingError(ValueError):
-    """Raised by ``fully_shard`` for input it cannot shard; the message says what to do instead."""
-
-
 def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None):
+                param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None,
+                gradient_divide_factor: float | None = None):
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
 
     Every parameter not already managed by a ``fully_shard`` call on a submodule is replaced by an
@@ -58,7 +56,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             on the default device (CUDA when the backend is NCCL, else CPU).
         reshard_after_forward: as FSDP2: ``True`` frees the unsharded parameters after forward
             (all-gather again in backward); ``False`` keeps them until the end of backward; ``None`` (the
-            default) is ``True``, the root keeping its parameters for the backward that follows anyway.
+            default) is ``True``, the root keeping its parameters for the backward that follows anyway
+            (an explicit ``True`` frees the root's too: one all-gather more per step, less memory).
             An int is the world size to reshard to: ``1`` means ``False`` and the shard axis's size
             means ``True``; resharding to another size is not supported (``ShardingError``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.sharding.policy``.
@@ -66,13 +65,23 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             casts its inputs and outputs (a precision island, ``perparam.runtime.islands``).
         ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
             sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
+        gradient_divide_factor: what this call's reduced gradients are divided by. A reduction sums a
+            gradient over the ranks of ``mesh`` (both axes on a 2D mesh, and for ``Replicate()``
+            parameters too); ``None`` (the default) divides by the mesh's size, the mean over its ranks.
+            When the loss is the mean over more ranks than ``mesh`` has (experts on their own mesh,
+            ``docs/mixture-of-experts.md``), pass the number of ranks whose losses are averaged (the
+            data-parallel degree of the dense part). Same meaning as FSDP2's
+            ``set_gradient_divide_factor``, which changes it later
+            (``ShardedModule.set_gradient_divide_factor``).
 
     Raises:
         ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
-            compute in two dtypes, an ignored parameter that is not in ``module``. Nothing is changed then.
+            compute in two dtypes, an ignored parameter that is not in ``module``, a
+            ``gradient_divide_factor`` that is not a positive finite number, a parameter with a hook from
+            ``register_hook`` (it could never fire). Nothing is changed then.
 
     Warns (once per process) when a trainable parameter is stored in bf16 or fp16: its optimizer then
     updates low-precision weights; pass ``MixedPrecisionPolicy(master_dtype=torch.float32)``.
@@ -100,7 +109,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                 "optimize in; use ParamPolicy(quant=QuantPolicy('fp8')) for an fp8 all-gather")
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
+    auto_reshard_after_forward = reshard_after_forward is None
     reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    gradient_divide_factor = check_divide_factor(gradient_divide_factor, "fully_shard(gradient_divide_factor=...)",
+                                                 mesh.size())
     for m in modules:
         if isinstance(m, ShardedModule):
             raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
@@ -141,7 +153,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         _TAKEN[original] = (owner, fqn)
         sharded_params.append(sp)
 
-    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy)
+    group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy,
+                       gradient_divide_factor=gradient_divide_factor,
+                       auto_reshard_after_forward=auto_reshard_after_forward)
     IterationContext([group]).take(group)  # its own until a root's first forward takes it into its tree
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
     _GROUPS.add(group)
@@ -292,4 +306,10 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
             f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
             f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
+    if p._backward_hooks:
+        raise ShardingError(
+            f"parameter '{fqn}' of {owner} has a hook registered with register_hook(); fully_shard replaces the "
+            "parameter by a sharded one, so the hook would never fire. Remove it (handle.remove()) before "
+            "fully_shard, and use p.register_post_accumulate_grad_hook(fn) instead: it carries over to the "
+            "sharded parameter and fires with the reduced sharded gradient in p.grad")
     # the 0-dim, dtype and requires-grad checks run in resolve_params (shared with perparam plan)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .errors import ShardingError
 from .runtime import hooks
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 
@@ -21,6 +25,8 @@ class ShardedModule:
     """Mixed into every module passed to ``fully_shard``; ``isinstance(m, ShardedModule)`` tells.
 
     The methods act on the module's group (all modules of one ``fully_shard`` call share one group).
+    FSDP2's ``FSDPModule`` names that have a meaning in perparam are here with that meaning
+    (``set_reduce_scatter_max_input_buffers`` raises ``NotImplementedError``, saying why).
     """
 
     def _apply(self, fn, recurse=True):
@@ -60,6 +66,79 @@ class ShardedModule:
         group = group_of(self)
         group.ctx.reset()
 
+    def reset_iter_state(self) -> None:
+        """FSDP2's name for ``reset()``, with its meaning: after an exception aborted a forward or backward,
+        finish the collectives in flight, discard the reductions of the failed iteration and the
+        gradients accumulated without sync, reshard every group and start the next iteration clean.
+        FSDP2 requires the root; perparam accepts any sharded module of the model."""
+        self.reset()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code: FSDP2 with ``False`` skips waiting, at the end of backward, for the
+        gradient reductions still running on its streams (their results are the same; the wait moves to
+        a later backward). perparam finishes every reduction before ``backward()`` returns whatever the
+        value (the sharded ``.grad``s are complete then, and no rank waits for a reduction earlier,
+        ``perparam.runtime.hooks``), so either value leaves communication and results as they are.
+
+        Raises ``TypeError`` for a value that is not a bool."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward takes a bool, got {is_last_backward!r}")
+
+    def set_gradient_divide_factor(self, factor: float | None, *, recurse: bool = False) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the mesh's size (FSDP2's
+        ``set_gradient_divide_factor``; ``fully_shard(..., gradient_divide_factor=)`` sets it at shard
+        time). A reduction sums each gradient over the ranks of the group's mesh (both axes under HSDP,
+        ``Replicate()`` parameters too); the sum is then divided by ``factor``. For the mean of the ranks'
+        losses, ``factor`` is the number of ranks whose losses are averaged: for experts sharded on their own
+        mesh, the data-parallel degree of the dense part, not the expert mesh's size
+        (``docs/mixture-of-experts.md``). ``None`` restores the default, the mesh's size.
+
+        ``recurse``: also set it on every sharded module below this one (FSDP2's method has no such
+        argument and sets this module's group only, the default here).
+
+        Raises ``ShardingError`` unless ``factor`` is a positive finite number (or ``None``)."""
+        own = group_of(self)
+        factor = check_divide_factor(factor, f"{own.name}.set_gradient_divide_factor", own.mesh.size())
+        for group in _groups_below(self, recurse):
+            group.gradient_divide_factor = factor
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream=None) -> None:
+        """Call ``hook(reduced)`` on each gradient reduction of this module's group (FSDP2's
+        ``set_all_reduce_hook``), e.g. to all-reduce the gradients over a further process group.
+
+        ``reduced``: this rank's summed gradients of one reduction, a 1-D tensor in the reduce dtype: the
+        reduce-scatter's output (after the all-reduce over the replicate axis under HSDP), the rank's padded
+        pieces of the group's sharded parameters in registration order; for ``Replicate()`` parameters the
+        all-reduced whole gradients. A group issues one reduction per reduce dtype (plus one per reduce
+        dtype for its replicated parameters), each hooked. The hook may change ``reduced`` in place; it runs
+        before the division by the gradient divide factor (FSDP2 divides fp32 sums inside the collective,
+        before its hook: for a linear hook such as an all-reduce the result is the same). It runs in the
+        final callback of a synchronising backward, on every rank, in the reductions' issue order (the same
+        on every rank), so it may issue collectives. A parameter no rank of the group's mesh used keeps its
+        ``.grad`` whatever the hook does. ``None`` removes the hook.
+
+        Raises ``NotImplementedError`` for a ``stream`` (perparam runs reductions on the current stream)
+        and ``TypeError`` for a hook that is not callable."""
+        if stream is not None:
+            raise NotImplementedError("set_all_reduce_hook(stream=...): perparam issues its reductions and runs "
+                                      "the hook on the current stream; pass stream=None")
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook takes a callable hook(reduced_grads) or None, got {hook!r}")
+        group_of(self).all_reduce_hook = hook
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Not supported: FSDP2 caps the reduce-scatter input buffers in flight, waiting for an earlier
+        reduce-scatter when the cap is reached. perparam never waits for a reduction during backward (a
+        peer may issue it only at its final callback, ``perparam.runtime.hooks``), so it cannot honour a cap;
+        its buffers come from the root's ``BufferPool``.
+
+        Raises ``NotImplementedError`` always."""
+        raise NotImplementedError(
+            "set_reduce_scatter_max_input_buffers is not supported by perparam: capping the reduce-scatter "
+            "input buffers in flight means waiting for an earlier reduction during backward, which perparam "
+            "never does (a peer may issue it only at its final callback: a deadlock). Every reduction "
+            "finishes before backward() returns; remove the call")
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters gathered after backward until ``reshard()`` (or until a
         shard changes in place, e.g. an optimizer step, which the next unshard detects and all-gathers
@@ -80,16 +159,19 @@ class ShardedModule:
         for group in _groups_below(self, recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """``True`` frees the unsharded parameters after forward and all-gathers again in backward;
-        ``False`` keeps them from forward to backward (more memory, one all-gather fewer), and after a
-        forward without grad (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the
-        next forward with grad, so several evaluation forwards all-gather once. (FSDP2's root also keeps
-        its parameters after a forward, to save the backward's all-gather; under no_grad it frees them.)"""
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
+        """``True`` frees the unsharded parameters after forward and all-gathers again in backward, the
+        root's too (as FSDP2's setter: one all-gather more per step); ``False`` keeps them from forward to
+        backward (more memory, one all-gather fewer), and after a forward without grad
+        (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the next forward with grad,
+        so several evaluation forwards all-gather once. ``None`` (not in FSDP2) restores ``fully_shard``'s
+        default: ``True``, except that the root keeps its parameters for the backward that follows a
+        forward with grad (under no_grad it frees them)."""
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
         for group in _groups_below(self, recurse):
-            group.reshard_after_forward = reshard_after_forward
+            group.reshard_after_forward = reshard_after_forward is not False
+            group.auto_reshard_after_forward = reshard_after_forward is None
 
 
 class UnshardHandle:
@@ -199,3 +281,16 @@ def attach(module: nn.Module, group: ParamGroup) -> None:
         _CLASS_CACHE[cls] = sharded_cls
     module.__class__ = sharded_cls
     module.__dict__[GROUP_ATTR] = group
+
+
+def check_divide_factor(factor, where: str, mesh_size: int) -> float | None:
+    """``factor`` as a float (``None`` stays ``None``: the mesh's size); raises ``ShardingError`` unless it
+    is a positive finite number (not a bool). ``where`` names the call, ``mesh_size`` the default."""
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
+        raise ShardingError(
+            f"{where}: gradient divide factor {factor!r} is not a positive finite number. It is what the summed "
+            "gradients are divided by: pass the number of ranks whose losses are averaged (the data-parallel "
+            f"degree of the dense part, e.g. {mesh_size} for this mesh), or None for the mesh's size")
+    return float(factor)

@@ -11,13 +11,13 @@ from tests.distributed import c10d_calls, run_distributed
 from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
 
-def _shard(model: TinyNet, reshard_after_forward: bool = True) -> None:
+def _shard(model: TinyNet, reshard_after_forward: bool | None = None) -> None:
     for block in model.blocks:
         perparam.fully_shard(block, reshard_after_forward=reshard_after_forward)
     perparam.fully_shard(model, reshard_after_forward=reshard_after_forward)
 
 
-def count_one_step(rank: int, world_size: int, reshard_after_forward: bool) -> dict:
+def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | None) -> dict:
     torch.manual_seed(0)
     model = TinyNet(n_blocks=3)
     _shard(model, reshard_after_forward)
@@ -34,13 +34,39 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool) -> d
 def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
     # 4 groups: 3 blocks + root. Forward: 4 all-gathers. Backward: the 3 blocks gather again (the root
     # keeps its parameters for the backward that follows), 4 reduce-scatters.
-    for counts in run_distributed(count_one_step, 2, True):
+    for counts in run_distributed(count_one_step, 2, None):
         assert counts["fwd"] == {"all_gather": 4}
         assert counts["bwd"] == {"all_gather": 3, "reduce_scatter": 4}
         # on gloo each all-gather is one all-to-all (this rank's row to every other rank) and each
         # reduce-scatter an all-to-all then a local sum (perparam.comm.collectives): 7 + 4 calls, nothing else
         assert counts["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 11,
                                  "all_reduce": 0}
+
+
+def test_an_explicit_reshard_after_forward_frees_the_root_too_one_all_gather_more_per_step():
+    # asked for explicitly, the root frees after forward and gathers again in backward (FSDP2's rule);
+    # left to the default (None, the test above) it keeps its parameters: 3 backward all-gathers
+    for counts in run_distributed(count_one_step, 2, True):
+        assert counts["fwd"] == {"all_gather": 4}
+        assert counts["bwd"] == {"all_gather": 4, "reduce_scatter": 4}
+
+
+def root_set_to_reshard(rank: int, world_size: int, value) -> int:
+    torch.manual_seed(0)
+    model = TinyNet(n_blocks=3)
+    _shard(model)
+    model.set_reshard_after_forward(value, recurse=False)
+    x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
+    F.mse_loss(model(x), y).backward()
+    with CommCounter() as step:
+        F.mse_loss(model(x), y).backward()
+    return step.count("all_gather")
+
+
+def test_set_reshard_after_forward_true_on_the_root_is_honoured_and_none_restores_the_default():
+    # 4 in forward; backward: 3 blocks, plus the root when True was set (None: fully_shard's default)
+    assert run_distributed(root_set_to_reshard, 2, True) == [8, 8]
+    assert run_distributed(root_set_to_reshard, 2, None) == [7, 7]
 
 
 def test_no_reshard_after_forward_gathers_once_per_step():

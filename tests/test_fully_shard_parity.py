@@ -45,7 +45,7 @@ def reference(call_twice: bool = False, micro_batches: int = 1, eval_every: int 
 
 
 def sharded_run(rank: int, world_size: int, call_twice: bool = False, micro_batches: int = 1,
-                eval_every: int = 0, reshard_after_forward: bool = True) -> tuple[list, dict]:
+                eval_every: int = 0, reshard_after_forward: bool | None = None) -> tuple[list, dict]:
     torch.manual_seed(0)
     model = TinyNet(call_twice=call_twice)
     for block in model.blocks:

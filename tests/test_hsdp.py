@@ -36,7 +36,7 @@ def _mesh(shape: tuple[int, ...], via_parallel_dims: bool = False):
 MIXED = {"norm.*": ParamPolicy(placement=Replicate()), "fc2.weight": ParamPolicy(placement=Shard(1))}
 
 
-def _shard(model: TinyNet, mesh, reshard_after_forward: bool = True, param_policy=None) -> None:
+def _shard(model: TinyNet, mesh, reshard_after_forward: bool | None = None, param_policy=None) -> None:
     for block in model.blocks:
         perparam.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
                              param_policy=param_policy)
@@ -163,7 +163,7 @@ def _group_layouts(model: TinyNet, k: int) -> list[list[ShardLayout]]:
     return groups + [[ShardLayout(tuple(p.shape), p.dtype, k) for p in root]]
 
 
-def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_after_forward: bool) -> dict:
+def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_after_forward: bool | None) -> dict:
     torch.manual_seed(0)
     model = TinyNet(n_blocks=3)
     mesh = _mesh(mesh_shape)
@@ -212,7 +212,7 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
 
 
 def test_reshard_after_forward_gathers_again_in_backward_over_the_shard_axis():
-    for res in run_distributed(count_step, 4, (2, 2), True):
+    for res in run_distributed(count_step, 4, (2, 2), None):
         shard_name = res["groups"]["dp_shard"][0]
         rs_name, ar_name = res["reduce_groups"]["dp_shard"][0], res["reduce_groups"]["dp_replicate"][0]
         for step in res["steps"]:

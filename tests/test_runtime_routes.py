@@ -334,7 +334,7 @@ class Fragile(nn.Module):
         return self.net.head(self.net.blocks[1](x))
 
 
-def errors_in_flight(rank: int, world_size: int, use_reset: bool) -> dict:
+def errors_in_flight(rank: int, world_size: int, reset: str | None) -> dict:
     torch.manual_seed(0)
     model = Fragile()
     batches = make_batches(6, 4)
@@ -353,8 +353,8 @@ def errors_in_flight(rank: int, world_size: int, use_reset: bool) -> dict:
             loss.backward()
         except RuntimeError as e:
             assert "boom" in str(e)
-            if use_reset and world_size:
-                model.reset()
+            if reset and world_size:
+                getattr(model, reset)()  # reset() or FSDP2's name for it, reset_iter_state()
             opt.zero_grad()
             continue
         opt.step()
@@ -366,12 +366,13 @@ def errors_in_flight(rank: int, world_size: int, use_reset: bool) -> dict:
             "idle": all(s is TrainingState.IDLE for s in states)}
 
 
-@pytest.mark.parametrize("use_reset", [False, True], ids=["next_forward_resets", "module_reset"])
-def test_an_exception_in_forward_or_backward_leaves_the_model_training_to_parity(use_reset):
-    want = one_process(errors_in_flight, use_reset)
+@pytest.mark.parametrize("reset", [None, "reset", "reset_iter_state"],
+                         ids=["next_forward_resets", "module_reset", "module_reset_iter_state"])
+def test_an_exception_in_forward_or_backward_leaves_the_model_training_to_parity(reset):
+    want = one_process(errors_in_flight, reset)
     assert len(want["losses"]) == 4
     for world in (1, 2):
-        for got in run_distributed(errors_in_flight, world, use_reset):
+        for got in run_distributed(errors_in_flight, world, reset):
             assert got["idle"]
             # the losses are per rank on its half: compare the parameters, which see the global batch
             for name, value in want["params"].items():

@@ -71,8 +71,8 @@ def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 @contextmanager
 def parameters_kept_gathered(model: torch.nn.Module):
     """Within the block, forwards without grad keep every group's parameters gathered after the first one;
-    on exit every group is resharded and ``reshard_after_forward`` is set back to ``True`` (the main job's
-    setting)."""
+    on exit every group is resharded and ``reshard_after_forward`` is set back to ``fully_shard``'s default
+    (the main job's setting: the root keeps its parameters from a training forward to its backward)."""
     modules = sharded_modules(model)
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
@@ -80,7 +80,7 @@ def parameters_kept_gathered(model: torch.nn.Module):
         yield
     finally:
         for m in modules:
-            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_forward(None, recurse=False)
             m.reshard()
 
 

@@ -4,7 +4,9 @@
 DTensor cannot swap contents in place: ``torch.utils.swap_tensors`` refuses objects with different slots).
 So that the replacement is invisible where it can be:
 
-* the attributes a user set on a parameter (``p.no_decay = True``) are copied onto its sharded parameter;
+* the attributes a user set on a parameter (``p.no_decay = True``) are copied onto its sharded parameter,
+  and so are its post-accumulate-grad hooks (``register_post_accumulate_grad_hook``; a ``register_hook``
+  hook, which could never fire, is refused by ``fully_shard``);
 * an optimizer built before ``fully_shard`` is retargeted at its first ``step()``: an optimizer step
   pre-hook replaces, in its ``param_groups``, every parameter ``fully_shard`` replaced by the sharded
   one, so it trains exactly like an optimizer built after. An optimizer that already holds state for a
@@ -55,12 +57,16 @@ class ReplacedParameterError(RuntimeError):
 
 def record(original: torch.Tensor, owner) -> None:
     """Remember that ``owner.sharded`` (``owner``: a ``ShardedParam``) replaced ``original`` and copy the
-    user's attributes onto it."""
+    user's attributes onto it, and its post-accumulate-grad hooks: the same dict, so a handle taken before
+    ``fully_shard`` still removes the hook (perparam runs them on the sharded parameter after each
+    reduction, ``IterationContext``)."""
     global _generation
     sharded = owner.sharded
     for key, value in original.__dict__.items():
         if key not in _INTERNAL and key not in sharded.__dict__:
             sharded.__dict__[key] = value
+    if original._post_accumulate_grad_hooks:
+        sharded._post_accumulate_grad_hooks = original._post_accumulate_grad_hooks
     _REPLACED[original] = sharded
     _OWNERS.add(owner)
     _generation += 1

@@ -59,6 +59,11 @@ class IterationContext:
         self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
         self.callback_queued = False
         self.keep_gathered = False
+        #: (reduction's issue number, position in it, parameter) for each parameter whose sharded ``.grad``
+        #: received a reduced gradient in this backward: their post-accumulate-grad hooks run at the end of
+        #: the final callback (``run_grad_hooks``)
+        self.grad_hooks_due: list = []
+        self.issued = 0  # reductions issued through this context (``PendingReduce.seq``)
         self.pool = BufferPool(IN_FLIGHT_GROUPS * max((g.pool_bytes() for g in groups), default=0))
 
     def take(self, group: ParamGroup) -> None:
@@ -79,6 +84,8 @@ class IterationContext:
         never block on a reduction, since a peer may issue it only at its final callback (a branch whose
         output it did not use) while waiting on an all-gather this rank has yet to issue."""
         for item in items:
+            item.seq = self.issued
+            self.issued += 1
             self.pending.append((group, item))
         if len(self.pending) > MAX_REDUCES_IN_FLIGHT:
             self.poll_pending()
@@ -97,6 +104,20 @@ class IterationContext:
         while self.pending:
             g, item = self.pending.popleft()
             g.finish_reduce(item)
+
+    def run_grad_hooks(self) -> None:
+        """Run the post-accumulate-grad hooks users registered on the sharded parameters
+        (``p.register_post_accumulate_grad_hook(fn)``, called as ``fn(p)``), once per reduced gradient, in
+        the reductions' issue order, then the group's parameter order (the same on every rank, whatever
+        order the reductions finished in). Called at the end of the final callback, when every reduction
+        of the backward has finished and the model is back to IDLE: a hook that steps an optimizer
+        (optimizer in backward) or issues collectives cannot change what this backward all-gathers."""
+        due, self.grad_hooks_due = sorted(self.grad_hooks_due, key=lambda entry: entry[:2]), []
+        for _, _, p in due:
+            hooks = p.sharded._post_accumulate_grad_hooks
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(p.sharded)
 
     def reset(self, reason: str | None = None) -> None:
         """Drop whatever an interrupted iteration left: wait for the collectives in flight and discard their
@@ -122,3 +143,4 @@ class IterationContext:
         self.reduce_cursor = 0
         self.callback_queued = False
         self.keep_gathered = False
+        self.grad_hooks_due = []

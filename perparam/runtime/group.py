@@ -40,7 +40,8 @@ class ParamGroup:
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
-                 reshard_after_forward: bool, mp_policy) -> None:
+                 reshard_after_forward: bool, mp_policy, gradient_divide_factor: float | None = None,
+                 auto_reshard_after_forward: bool = False) -> None:
         self.modules = modules
         self.params = params
         self.mesh = mesh
@@ -51,6 +52,10 @@ class ParamGroup:
         self.replicated = [p for p in params if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.reshard_after_forward = reshard_after_forward
+        # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.gradient_divide_factor = gradient_divide_factor  # None: divide by the mesh's size (``divisor``)
+        self.all_reduce_hook = None  # set_all_reduce_hook: sees each reduction's sum before the division
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.registered_unsharded = False
@@ -163,6 +168,13 @@ class ParamGroup:
     def trainable(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded.requires_grad]
 
+    @property
+    def divisor(self) -> float | int:
+        """What a reduced gradient (the sum over the mesh's ranks) is divided by: the gradient divide factor,
+        by default the mesh's size (``num_shards * num_replicas``)."""
+        factor = self.gradient_divide_factor
+        return self.num_shards * self.num_replicas if factor is None else factor
+
     @torch.no_grad()
     def unshard(self) -> None:
         """All-gather every sharded parameter of the group in one collective into its padded unsharded
@@ -270,8 +282,9 @@ class ParamGroup:
 
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
-        """Reduce the unsharded gradients into the sharded ``.grad``s, averaged over all data-parallel
-        ranks and accumulated into existing sharded gradients.
+        """Reduce the unsharded gradients into the sharded ``.grad``s: summed over the mesh's ranks, divided
+        by ``divisor`` (the gradient divide factor; by default the mesh's size, i.e. the mean) and
+        accumulated into existing sharded gradients.
 
         The collectives depend on the group alone, never on which gradients this rank computed: every
         trainable parameter of the group is packed, in the group's fixed order, into one reduce-scatter
@@ -332,11 +345,12 @@ class ParamGroup:
     @torch.no_grad()
     def advance_reduce(self, item: PendingReduce, block: bool) -> bool:
         """Move a reduction on: once its reduce-scatter has finished, issue the all-reduce over the
-        replicate axis (HSDP, asynchronously); once that has finished, average and accumulate each
-        parameter's piece into its sharded ``.grad`` (when some rank had a gradient). ``block=False``
-        never waits (a reduction a peer has not issued yet must not stall this rank's backward); returns
-        whether the reduction is complete. Callers advance reductions in the order they were issued, so
-        the all-reduces are issued in the same order on every rank."""
+        replicate axis (HSDP, asynchronously); once that has finished, run the all-reduce hook (if any),
+        divide by ``divisor`` and accumulate each parameter's piece into its sharded ``.grad`` (when some
+        rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
+        stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
+        returns whether the reduction is complete. Callers advance reductions in the order they were
+        issued, so the all-reduces are issued in the same order on every rank."""
         if item.stage == 0:
             if item.work is not None and not (block or item.work.is_completed()):
                 return False
@@ -355,31 +369,33 @@ class ParamGroup:
             item.work.wait()
             item.work = None
         if item.stage == 1 and not item.discard:
+            if self.all_reduce_hook is not None and not block:
+                return False  # a user hook may issue collectives: it runs in the final callback, in issue order
             self._accumulate(item)
         item.stage = 2
         return True
 
     def _accumulate(self, item: PendingReduce) -> None:
-        if item.replicated:
-            self._accumulate_replicated(item)
-            return
-        recv = item.recv
-        flags = recv.narrow(0, recv.numel() - len(item.params), len(item.params)).tolist()
-        recv.div_(self.num_shards * self.num_replicas)
-        for p, offset, flag in zip(item.params, item.offsets, flags):
+        """Divide the summed gradients by ``divisor`` (after the all-reduce hook, if any) and add each
+        parameter's piece to its sharded ``.grad``; a parameter some rank had a gradient for is queued for
+        its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward)."""
+        recv, n = item.recv, len(item.params)
+        flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before any hook or division
+        grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(grads)
+        grads.div_(self.divisor)
+        if item.replicated:  # every replicated gradient, whole, in order
+            pieces = grads.split([p.layout.numel for p in item.params])
+            targets = [piece.view(p.layout.global_shape) for p, piece in zip(item.params, pieces)]  # (tp-local)
+        else:
+            targets = [recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
+                       .narrow(0, 0, p.layout.extent(p.shard_rank)[1]) for p, offset in zip(item.params, item.offsets)]
+        for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
             if flag <= 0:  # no rank had a gradient for it
                 continue
-            rows = p.layout.extent(p.shard_rank)[1]
-            local = recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
-            p.accumulate_sharded_grad(local.narrow(0, 0, rows))
-
-    def _accumulate_replicated(self, item: PendingReduce) -> None:
-        flat = item.recv  # every replicated gradient, whole, then the used flags; summed over all dp ranks
-        flat.div_(self.num_shards * self.num_replicas)
-        pieces = flat.split([*(p.layout.numel for p in item.params), len(item.params)])
-        for p, piece, flag in zip(item.params, pieces, pieces[-1].tolist()):
-            if flag > 0:  # some rank had a gradient
-                p.accumulate_sharded_grad(piece.view(p.layout.global_shape))  # (tp-local shape under TP)
+            p.accumulate_sharded_grad(local)
+            self.ctx.grad_hooks_due.append((item.seq, i, p))
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""

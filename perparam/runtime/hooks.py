@@ -8,7 +8,8 @@ Timeline of one training step for a group G (K ranks); the states are ``perparam
 * post-forward (FORWARD -> IDLE): register the sharded DTensors again; free the unsharded storage when
   G reshards after forward (a G of several modules: after the forward of the last one listed), or when
   no backward can follow (grad disabled). The root keeps its storage for the backward that immediately
-  follows (no second all-gather), as FSDP2's does. Hooks on G's outputs wait for the gradient.
+  follows (no second all-gather), as FSDP2's does, unless ``reshard_after_forward=True`` was passed to its
+  ``fully_shard`` or ``set_reshard_after_forward`` explicitly. Hooks on G's outputs wait for the gradient.
 * pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: the backward all-gathers
   are issued in a fixed order (the root, then the reverse forward order), up to G and one beyond (the
   prefetch); register the unsharded tensors, so a region recomputed inside G (activation checkpointing of
@@ -182,11 +183,12 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
                 group.register_sharded()
         else:
             group.register_sharded()
-            # with grad the root keeps its parameters for the backward that follows; without grad no
-            # backward follows, and reshard_after_forward=False keeps them for the next forward; a group of
-            # several modules frees after its last module's forward (as listed): one all-gather for all
-            if (group.reshard_after_forward and (group is not ctx.active_root or not grad_enabled)
-                    and module is group.modules[-1]):
+            # with grad the root keeps its parameters for the backward that follows, unless its
+            # reshard_after_forward=True was asked for explicitly; without grad no backward follows, and
+            # reshard_after_forward=False keeps them for the next forward; a group of several modules frees
+            # after its last module's forward (as listed): one all-gather for all
+            keep_as_root = group is ctx.active_root and grad_enabled and group.auto_reshard_after_forward
+            if group.reshard_after_forward and not keep_as_root and module is group.modules[-1]:
                 group.free()
             group.transition(IDLE)
         if grad_enabled:
@@ -361,3 +363,4 @@ def _final_callback(ctx: IterationContext) -> None:
     ctx.grad_order_closed = True
     ctx.keep_gathered = False
     ctx.callback_queued = False
+    ctx.run_grad_hooks()  # last: the model is IDLE and clean whatever a hook does (or raises)
