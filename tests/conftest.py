@@ -26,3 +26,56 @@ def text_dir(tmp_path_factory) -> Path:
     (folder / "a_sonnets.txt").write_text(SONNET * 60)
     (folder / "b_heldout.txt").write_text(SONNET[::-1] * 20)
     return folder
+
+
+#: ``make test-fast`` (``pytest -m fast``): the pure properties (no process), the fake-process-group tests
+#: and one parity test per feature; under 3 minutes on 2 cores. An entry is a test file (all its tests),
+#: ``file::test_name`` (every parametrization of that test) or ``file::test_name[id]`` (that one). ``tests/test_fast_selection.py`` checks that each
+#: entry still names a test. ``make test`` (CI) runs everything, marked or not.
+FAST = (
+    # pure: layouts, placements, quantizers, policies, plans, layers (no process group)
+    "test_layers.py", "test_public_names.py", "test_fast_selection.py",
+    "test_layout_properties.py", "test_layout_2d_properties.py", "test_placement_properties.py",
+    "test_auto_placement_properties.py", "test_quant_properties.py", "test_memory_formulas.py",
+    "test_cast_preserves_inputs.py", "test_finetune_units.py", "test_finetune_gguf.py",
+    "test_quantizers.py",
+    "test_memory_plan.py::test_plan_matches_layout_per_parameter",
+    # one process per rank through torch's fake process group
+    "test_empty_shard_properties.py",
+    # one parity (or count) test per feature, on gloo ranks
+    "test_fully_shard_parity.py::test_nested_uneven_and_empty_shards_match_single_process[3]",
+    "test_collective_counts.py::test_one_all_gather_per_group_and_one_reduce_scatter_per_group",
+    "test_policies.py::test_mixed_policy_group_trains_like_a_reference_with_the_same_casts[bf16]",
+    "test_hsdp.py::test_hsdp_2x2_equals_fsdp_and_single_process",
+    "test_tensor_parallel.py::test_fsdp_plus_tp_matches_a_single_process[mixed]",
+    "test_runtime_routes.py::test_the_manual_unshard_path_reduces_gradients_exactly_once",
+    "test_rank_dependent_use.py::test_ranks_using_different_parameters_get_the_averaged_gradient[3]",
+    "test_precision_islands.py::test_a_linear_asked_to_compute_in_fp32_inside_a_bf16_call_is_an_island[2-False]",
+    "test_nf4.py::test_nf4_unshards_to_the_expected_dequantized_weights[stored-3]",
+    "test_zero_dim_params.py::test_0_dim_parameters_replicated_train_like_one_process",
+    "test_full_state_dict.py::test_load_full_state_dict_from_rank_0_into_a_meta_device_sharded_model",
+    "test_fsdp2_api_parity.py::test_an_optimizer_built_before_sharding_trains_exactly_like_one_built_after",
+    "test_iteration_context.py::test_two_models_in_one_process_keep_their_own_iteration_state",
+    "test_no_import_side_effects.py::test_only_steps_of_optimizers_holding_perparam_parameters_mark_kept_parameters_stale[3]",
+    "test_no_import_side_effects.py::test_configure_returns_the_previous_config_and_refuses_bad_settings",
+    "test_fully_shard_errors.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        file, _, rest = item.nodeid.removeprefix("tests/").partition("::")
+        if any(_selects(entry, file, rest) for entry in FAST):
+            item.add_marker(pytest.mark.fast)
+
+
+def _selects(entry: str, file: str, test: str) -> bool:
+    """Whether FAST's ``entry`` selects ``file::test`` (``test`` with its parametrization id, if any)."""
+    entry_file, _, entry_test = entry.partition("::")
+    if entry_file != file:
+        return False
+    if not entry_test:
+        return True
+    if "[" in entry_test:
+        return test == entry_test
+    return test.split("[")[0].startswith(entry_test)
