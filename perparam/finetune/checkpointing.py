@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from perparam.finetune import lora
+from perparam.finetune.errors import FinetuneInputError
 
 
 def resume_from(args, model, optimizer, rank: int, scheduler=None) -> int:
@@ -29,7 +30,8 @@ def resume_from(args, model, optimizer, rank: int, scheduler=None) -> int:
 
 
 def save_if_due(args, model, optimizer, step: int, rank: int, scheduler=None) -> None:
-    """``--save DIR``: a checkpoint every ``--save-every`` steps and after the last one (keep 2)."""
+    """``--save DIR``: a checkpoint every ``--save-every`` steps and after the last one (keep 2); a
+    collective. Raises :class:`FinetuneInputError` (one line) when the file system refuses the write."""
     folder, every = getattr(args, "save", None), getattr(args, "save_every", 0)
     if not folder or not (step == args.steps or (every and step % every == 0)):
         return
@@ -40,7 +42,11 @@ def save_if_due(args, model, optimizer, step: int, rank: int, scheduler=None) ->
              **lora.checkpoint_extra(args)}
     if scheduler is not None:
         extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
-    path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
+    try:
+        path = checkpoint.save(Path(folder) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
+    except OSError as exc:
+        raise FinetuneInputError(f"--save {folder}: the checkpoint of step {step} could not be written "
+                                 f"({exc.strerror or exc}): free space or pass another folder") from None
     if rank == 0:
         from perparam.finetune import lifecycle
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from perparam.finetune import lifecycle, lora, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import PreparedData, rank_slice
-from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.errors import FinetuneInputError, write_output
 from perparam.finetune.generate import Samples
 
 
@@ -269,10 +269,9 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         print(f"plot written to {write_run_plot(cfg.plot, summary)}", flush=True)
     summary["wall_s"] = time.time() - launched
     if run.rank == 0 and cfg.summary_json:
-        out = Path(cfg.summary_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"summary written to {out}", flush=True)
+        text = json.dumps(summary, indent=2) + "\n"
+        write_output("--summary-json", cfg.summary_json, lambda tmp: Path(tmp).write_text(text))
+        print(f"summary written to {cfg.summary_json}", flush=True)
     return summary
 
 
