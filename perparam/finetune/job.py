@@ -20,6 +20,7 @@ from perparam.finetune import lifecycle, lora, schedule, steps, throughput, trai
 from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError, write_output
+from perparam.finetune.evaluation import heldout_loss, mean_over_ranks
 from perparam.finetune.generate import Samples
 
 
@@ -130,7 +131,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are)
-    loss_before = train.heldout_loss(model, eval_rows, device, micro)
+    loss_before = heldout_loss(model, eval_rows, device, micro)
     if rank == 0:
         at = f" (step {first_step}, resumed)" if first_step else ""
         print(f"held-out loss before{at}: {loss_before:.4f}", flush=True)
@@ -171,7 +172,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
             batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank, run.meshes.dp_size)
             result = steps.optimizer_step(run.model, run.optimizer, run.scheduler, batches, run.device,
                                           cfg.grad_accum, cfg.max_grad_norm)
-            losses.append(train._mean_over_ranks(result.loss))
+            losses.append(mean_over_ranks(result.loss))
             step_s += time.perf_counter() - began
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
@@ -186,7 +187,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                             grad_norm=result.grad_norm, eta_s=elapsed / done * (cfg.steps - step - 1))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 issued = len(comm.records)
-                evals.append((step + 1, train.heldout_loss(run.model, run.eval_rows, run.device, run.micro)))
+                evals.append((step + 1, heldout_loss(run.model, run.eval_rows, run.device, run.micro)))
                 del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
@@ -221,7 +222,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         from perparam.finetune import lora_memory
 
         by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, lora.config_from_args(cfg))
-    loss_after = train.heldout_loss(run.model, run.eval_rows, run.device, run.micro)
+    loss_after = heldout_loss(run.model, run.eval_rows, run.device, run.micro)
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)
     label = train.zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)

@@ -8,7 +8,8 @@ with a timeout so a rank blocked on a dead peer fails instead of hanging), one n
 ``(dp_replicate, dp_shard, tp)`` over all ranks (:mod:`mesh`), the model (GGUF weights, or a random
 ``tiny`` one), tensor parallelism inside each decoder layer when ``--tp`` > 1, ``fully_shard`` per decoder
 layer then on the root over the data-parallel mesh (1D, or 2D for HSDP), AdamW, held-out loss before and
-after training (averaged over all held-out tokens of all ranks), a progress bar on rank 0, and at the end
+after training (averaged over all held-out tokens of all ranks: :mod:`perparam.finetune.evaluation`), a
+progress bar on rank 0, and at the end
 a table of per-rank model-state bytes and the ``--summary-json`` file.
 
 Layout: rank ``r`` of the world mesh has tp coordinate ``r % T`` and data-parallel rank ``r // T`` (of
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from perparam.finetune.data import PreparedData
 from perparam.finetune.errors import FinetuneInputError
-from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
+from perparam.finetune.model import Llama, LlamaConfig
 from perparam.memory.measure import shard_factor  # noqa: F401 (re-exported for the job's tests)
 
 #: ``--param-dtype``: the dtype of the all-gathered parameters used in forward and backward (stored
@@ -155,30 +156,6 @@ def build_sharded_model(args, device: torch.device, meshes, param_dtype: torch.d
     model = shard_model(Llama(cfg, device="meta"), meshes, param_dtype, quant)
     load_full_state_dict(model, load_state_dict(reader, cfg) if reader is not None else None)
     return model, cfg, Path(args.gguf_path).name
-
-
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, rows: torch.Tensor, device: torch.device, micro_batch: int) -> float:
-    """Mean next-token loss (nats/token) over this rank's ``rows`` ``[n, seq+1]`` and all other ranks'.
-
-    Every rank must hold the same number of rows (the sharded forward is a collective).
-    """
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, token count]
-    for chunk in rows.split(micro_batch):
-        chunk = chunk.to(device)
-        logits = model(chunk[:, :-1])  # [micro, seq, vocab]
-        total[0] += next_token_loss(logits, chunk[:, 1:], reduction="sum").double()
-        total[1] += chunk[:, 1:].numel()
-    dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item()
-
-
-def _mean_over_ranks(x: torch.Tensor) -> float:
-    x = x.detach().clone().double()
-    dist.all_reduce(x)
-    return x.item() / dist.get_world_size()
 
 
 class Progress:
