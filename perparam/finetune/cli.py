@@ -10,7 +10,7 @@ Two roles, chosen from the environment:
   a ``--tp`` that does not divide the heads or the MLP width, a batch that does not split over the
   data-parallel ranks). If a worker dies the agent stops the others and the launcher exits non-zero.
 - worker (``RANK``/``WORLD_SIZE`` set, as under the launcher or ``torchrun``): loads the prepared rows (or,
-  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.train.train`.
+  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.job.run_job`.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def run_worker(args: argparse.Namespace) -> int:
     import torch
 
     from perparam.finetune.data import PreparedData
-    from perparam.finetune.train import train
+    from perparam.finetune.job import JobConfig, run_job
 
     lifecycle.install_worker_handlers()
     world = int(os.environ["WORLD_SIZE"])
@@ -247,7 +247,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if data.heldout.shape[0] % world or data.train.shape[0] < world:
         raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
     try:
-        train(args, data)
+        run_job(JobConfig.from_args(args), data)
     except (torch.distributed.DistError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not any(s in first for s in PEER_LOST):

@@ -1,7 +1,13 @@
-"""The worker of ``perparam finetune`` in three phases, as torchtitan splits its trainer: ``setup`` (process
-group, meshes, model, ``fully_shard``, optimizer, resume), ``training_loop`` (the steps, checkpoints) and
-``report`` (held-out loss, bytes, the summary). ``JobConfig`` is the typed configuration, built once from the
-command line; the phases never read ``argparse`` attributes.
+"""The worker of ``perparam finetune``: its entry point :func:`run_job` runs three phases, as torchtitan
+splits its trainer: ``setup`` (process group, meshes, model, ``fully_shard``, optimizer, resume),
+``training_loop`` (the steps, checkpoints) and ``report`` (held-out loss, bytes, the summary), over the
+building blocks of :mod:`~perparam.finetune.train`, :mod:`~perparam.finetune.evaluation`,
+:mod:`~perparam.finetune.steps` and the others (none of which calls back here). ``JobConfig`` is the typed
+configuration, built once from the command line (:meth:`JobConfig.from_args`); the phases and every
+helper they call read it, never ``argparse`` attributes.
+
+Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set.
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ class JobConfig:
         defaults)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
+    def lora_config(self) -> lora.LoraConfig | None:
+        """The adapters' :class:`~perparam.finetune.lora.LoraConfig` (None: full fine-tuning)."""
+        return lora.lora_config(self.lora, self.lora_alpha, self.lora_targets, self.qlora, self.tp,
+                                self.quant)
+
 
 @dataclass
 class Run:
@@ -101,7 +112,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
-    lora_cfg = lora.config_from_args(cfg)
+    lora_cfg = cfg.lora_config()
     if lora_cfg is None:  # only rank 0 reads the GGUF; the others build on the meta device
         model, llama_cfg, name = train.build_sharded_model(cfg, device, meshes)
     else:  # adapters in and everything else frozen before sharding (one group per layer). Every rank
@@ -221,7 +232,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     if dims.tp == 1:  # full / LoRA / QLoRA side by side (planned per parameter: 1D or HSDP only)
         from perparam.finetune import lora_memory
 
-        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, lora.config_from_args(cfg))
+        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, cfg.lora_config())
     loss_after = heldout_loss(run.model, run.eval_rows, run.device, run.micro)
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)
@@ -253,7 +264,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "model_state_bytes_zero3_formula": zero3,
         "zero3_formula_k": label,
         "device": run.device.type,
-        "lora": lora.checkpoint_extra(cfg)["lora"],
+        "lora": lora.record(cfg.lora_config()),
         "model_state_bytes_by_mode": by_mode,
     }
     if run.rank == 0:
@@ -277,7 +288,8 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
 
 
 def run_job(cfg: JobConfig, data: PreparedData) -> dict:
-    """``setup``, ``training_loop``, ``report``; then frees the sharded model before the process group."""
+    """The whole worker: ``setup``, ``training_loop``, ``--export``, ``report``; then frees the sharded
+    model before the process group. Returns the summary dict (every rank; rank 0 writes the files)."""
     import gc
     import sys
 
