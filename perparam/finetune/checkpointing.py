@@ -25,8 +25,8 @@ def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> 
         from perparam.finetune.schedule import restore
 
         restore(scheduler, extra.get("lr_scheduler"), int(extra["step"]), cfg.lr)
+    lifecycle.checkpoint_done(int(extra["step"]), cfg.resume)  # named if stopped before the next save
     if rank == 0:
-        lifecycle.checkpoint_done(int(extra["step"]), cfg.resume)  # named if interrupted before the next save
         print(f"resumed from {newest} at step {extra['step']}", flush=True)
     return int(extra["step"])
 
@@ -48,6 +48,6 @@ def save_if_due(cfg: JobConfig, model, optimizer, step: int, rank: int, schedule
     except OSError as exc:
         raise FinetuneInputError(f"--save {cfg.save}: the checkpoint of step {step} could not be written "
                                  f"({exc.strerror or exc}): free space or pass another folder") from None
+    lifecycle.checkpoint_done(step, cfg.save)  # the interruption / lost-peer line names it from now on
     if rank == 0:
-        lifecycle.checkpoint_done(step, cfg.save)  # the interruption line names it from now on
         print(f"checkpoint: step {step} in {path}", flush=True)

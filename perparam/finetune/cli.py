@@ -10,7 +10,9 @@ Two roles, chosen from the environment:
   a ``--tp`` that does not divide the heads or the MLP width, a batch that does not split over the
   data-parallel ranks). If a worker dies the agent stops the others and the launcher exits non-zero.
 - worker (``RANK``/``WORLD_SIZE`` set, as under the launcher or ``torchrun``): loads the prepared rows (or,
-  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.job.run_job`.
+  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.job.run_job`. A worker
+  whose peer is gone says so in one line naming it and the last checkpoint, and exits 1
+  (:mod:`perparam.finetune.peers`).
 """
 
 from __future__ import annotations
@@ -233,6 +235,7 @@ def resolve(args: argparse.Namespace, world: int, outputs: bool = True):
 def run_worker(args: argparse.Namespace) -> int:
     import torch
 
+    from perparam.finetune import peers
     from perparam.finetune.data import PreparedData
     from perparam.finetune.job import JobConfig, run_job
 
@@ -253,8 +256,9 @@ def run_worker(args: argparse.Namespace) -> int:
         if not any(s in first for s in PEER_LOST):
             raise
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first).split(". ")[0]  # drop the C++ location
-        print(f"perparam finetune: rank {os.environ['RANK']} stopped: a peer process died or hung during a "
-              f"collective ({first[:160]})", file=sys.stderr, flush=True)
+        gone = peers.who_is_gone(wait_s=2.0)  # a peer's sockets close a moment before its process is gone
+        line = peers.lost_peer_line(os.environ["RANK"], gone, first[:160], lifecycle.last_checkpoint())
+        lifecycle.say_once(line)
         return 1
     return 0
 

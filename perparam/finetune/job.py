@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, lora, schedule, steps, throughput, train
+from perparam.finetune import lifecycle, lora, peers, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError, write_output
@@ -110,6 +110,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     """Process group, meshes, model, tensor parallelism and ``fully_shard``, AdamW, held-out loss before,
     and ``--resume``."""
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
+    peers.record_roster()  # who is who, to name a peer that dies
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
     lora_cfg = cfg.lora_config()
