@@ -22,9 +22,9 @@ def check_output_path(flag: str, path: str | os.PathLike | None, folder: bool = 
     """Prove that ``path`` (the value of the output flag ``flag``) can be written by writing there now, and
     leave nothing behind: the missing folders above it are created (then removed, deepest first), then
 
-    - a file path (``folder=False``): the file itself is created empty and removed; an existing file is
-      opened for appending (its content and times unchanged) and a probe file is created next to it and
-      removed (writers replace it through a temporary file in the same folder);
+    - a file path (``folder=False``): the file itself is created empty and removed; next to an existing
+      file, a probe file is created and removed instead (the file is left as it is: every writer replaces
+      it through a temporary file in the same folder, :func:`write_output`);
     - a folder (``folder=True``, ``--save DIR``): DIR is created if missing and a probe folder inside it
       created and removed (checkpoints are folders inside DIR).
 
@@ -49,8 +49,6 @@ def check_output_path(flag: str, path: str | os.PathLike | None, folder: bool = 
             probe.mkdir()
             probe.rmdir()
         elif out.exists():
-            with open(out, "ab"):
-                pass
             _create_and_remove(out.parent / f".{out.name}{probe_name}")
         else:
             _create_and_remove(out)
