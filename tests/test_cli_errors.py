@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from perparam.cli import main
+from perparam.finetune.errors import FinetuneInputError
 from tests.finetune_helpers import REPO, assert_one_line_error, subprocess_env, write_tiny_gguf
 
 
@@ -31,6 +34,57 @@ def test_finetune_sizes_and_paths_are_refused_before_any_worker(capsys, tmp_path
     assert_one_line_error(capsys, [*tiny, "--summary-json", str(a_file / "sub" / "s.json")],
                           f"{a_file} is a file, not a folder")
     assert_one_line_error(capsys, [*tiny, "--summary-json", str(tmp_path)], "is a folder")
+
+
+OUTPUT_FLAGS = {"--summary-json": "s.json", "--plot": "p.png", "--save": "ckpt", "--export": "m.safetensors"}
+
+
+def _unwritable(kind: str, tmp_path: Path) -> Path:
+    """A folder no output can be written under: one ``/proc`` refuses, a regular file, a read-only folder."""
+    if kind == "proc":
+        return Path("/proc/none")
+    if kind == "under_a_file":
+        (tmp_path / "a_file").write_text("x")
+        return tmp_path / "a_file" / "sub"
+    if os.geteuid() == 0:
+        pytest.skip("as root a read-only folder accepts writes: permission bits refuse nothing")
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    return folder / "sub"
+
+
+@pytest.mark.parametrize("kind", ["proc", "under_a_file", "read_only"])
+@pytest.mark.parametrize("flag", list(OUTPUT_FLAGS))
+def test_every_output_flag_refuses_an_unwritable_path_before_any_worker(capsys, tmp_path, tiny, flag, kind):
+    target = _unwritable(kind, tmp_path) / OUTPUT_FLAGS[flag]
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["finetune", *tiny, "--steps", "1", flag, str(target)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"perparam finetune: error: {flag} {target} "), err
+    assert "cannot be written" in lines[0] and "Traceback" not in err, err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing created, nothing left
+
+
+def test_proving_an_output_path_leaves_nothing_behind(tmp_path):
+    """The check creates what will be written (folders, the file) and removes exactly what it created."""
+    from perparam.finetune.errors import check_output_path
+
+    check_output_path("--summary-json", tmp_path / "a" / "b" / "s.json")
+    check_output_path("--save", tmp_path / "c" / "ckpt", folder=True)
+    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    old = kept / "s.json"
+    old.write_text("old summary")
+    stamp = old.stat().st_mtime_ns
+    check_output_path("--summary-json", old)
+    check_output_path("--save", kept, folder=True)
+    assert [p.name for p in kept.iterdir()] == ["s.json"]
+    assert old.read_text() == "old summary" and old.stat().st_mtime_ns == stamp
+    with pytest.raises(FinetuneInputError, match="--save .* is a file: pass a folder"):
+        check_output_path("--save", old, folder=True)
 
 
 def test_a_gguf_flag_pointing_at_a_text_file_is_called_not_a_gguf(capsys, tmp_path, tiny):

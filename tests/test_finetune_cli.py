@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -142,12 +141,12 @@ def test_torchrun_runs_the_module_unchanged(text_dir):
 
 @pytest.mark.slow
 def test_a_dying_worker_fails_the_run_promptly(text_dir):
-    start = time.monotonic()
+    """The process-group timeout is an hour: a run that ends at all (here within the 300 s guard) ended
+    because its peer died, not at the timeout; no timing is asserted."""
     proc = run_finetune("--config", "tiny", "--text", str(text_dir), "--nproc", "2", "--steps", "50",
                         "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--crash-at-step", "1",
-                        timeout=90)
+                        "--pg-timeout", "3600", timeout=300)
     assert proc.returncode != 0
-    assert time.monotonic() - start < 60
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("perparam finetune: error: rank 1 exited with code 17"), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr  # the surviving rank reports the lost peer in one line

@@ -1,7 +1,9 @@
 """``perparam finetune`` stopped from outside: Ctrl-C, SIGTERM, SIGKILL of the launcher, SIGKILL of a worker.
 
 Each run is a real launcher with 2 tiny workers. Every test asserts the exit status, that stderr holds no
-traceback, and that within 10 s no worker process and no temporary folder of the run is left.
+traceback, and that no worker process and no temporary folder of the run is left. The waits are guards
+against a hang, generous for a loaded 2-core machine (5 runs at once), never timing claims: each test
+acts on what a run printed (a step, a checkpoint), not after a sleep.
 """
 
 from __future__ import annotations
@@ -58,27 +60,27 @@ class Run:
                 stdout=out, stderr=err, cwd=REPO, env={**subprocess_env(), "TMPDIR": str(self.tmp)},
                 start_new_session=True)
 
-    def wait_for_step(self, step: int = 2, timeout: float = 90, text: str | None = None) -> None:
+    def wait_for_step(self, step: int = 2, timeout: float = 300, text: str | None = None) -> None:
         deadline = time.monotonic() + timeout
         while (text or f"step {step}/") not in self.out.read_text():
             assert self.proc.poll() is None, self.out.read_text() + self.err.read_text()
             assert time.monotonic() < deadline, "no training step within the timeout"
             time.sleep(0.1)
 
-    def finish(self, timeout: float = 30) -> tuple[int, str]:
+    def finish(self, timeout: float = 120) -> tuple[int, str]:
         code = self.proc.wait(timeout=timeout)
         return code, self.err.read_text()
 
     def files(self) -> list[Path]:  # torch's compile cache is shared by every run, not a file of this one
         return [p for p in self.tmp.iterdir() if not p.name.startswith("torchinductor_")]
 
-    def assert_nothing_left(self) -> None:
-        deadline = time.monotonic() + 10
+    def assert_nothing_left(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
         while (left := _workers_of(self.proc.pid)) or self.files():
             if time.monotonic() > deadline:
                 for pid in left:
                     os.kill(pid, signal.SIGKILL)
-                raise AssertionError(f"left after 10 s: workers {left}, files {self.files()}")
+                raise AssertionError(f"left after {timeout} s: workers {left}, files {self.files()}")
             time.sleep(0.2)
 
 

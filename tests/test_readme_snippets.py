@@ -48,13 +48,12 @@ def test_the_readme_and_the_docs_have_python_blocks():
     assert len(pages()) >= 8  # README and the docs pages it links
 
 
-def test_every_page_the_readme_links_is_read_here_or_is_being_written_elsewhere():
-    """The README's links to docs/ name pages that exist (or the two being written on other branches), and
-    each of those pages' blocks are among the ones run below."""
+def test_every_page_the_readme_links_exists_and_is_read_here():
+    """The README's links to docs/ name pages that exist, and each of those pages' blocks are among the ones
+    run below."""
     linked = set(re.findall(r"\]\((docs/[\w-]+\.md)", (REPO / "README.md").read_text()))
-    elsewhere = {"docs/mixture-of-experts.md", "docs/evaluation.md"}
     present = {str(p.relative_to(REPO)) for p in pages()}
-    assert linked - elsewhere <= present, linked - present
+    assert linked <= present, linked - present
 
 
 @pytest.mark.parametrize("page, line, code", python_blocks(),

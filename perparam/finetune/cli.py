@@ -10,7 +10,9 @@ Two roles, chosen from the environment:
   a ``--tp`` that does not divide the heads or the MLP width, a batch that does not split over the
   data-parallel ranks). If a worker dies the agent stops the others and the launcher exits non-zero.
 - worker (``RANK``/``WORLD_SIZE`` set, as under the launcher or ``torchrun``): loads the prepared rows (or,
-  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.train.train`.
+  under plain ``torchrun``, prepares them itself) and runs :func:`perparam.finetune.job.run_job`. A worker
+  whose peer is gone says so in one line naming it and the last checkpoint, and exits 1
+  (:mod:`perparam.finetune.peers`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from perparam.finetune import lifecycle, loop_flags, lora
-from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.errors import FinetuneInputError, check_output_path
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
 #: Error texts of a collective whose peer died (gloo, NCCL) or timed out: reported in one line per rank.
@@ -109,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
+def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = True) -> None:
     """One-line errors for sizes that cannot work, before anything heavy runs (``cfg``: the model's
-    :class:`~perparam.finetune.model.LlamaConfig`, once known)."""
+    :class:`~perparam.finetune.model.LlamaConfig`, once known); ``outputs``: also prove every output path
+    writable (:func:`check_outputs`)."""
     if world < 1:
         raise FinetuneInputError(f"--nproc {world} must be at least 1")
     if args.steps < 0:
@@ -148,13 +151,26 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None) -> None:
                                  f"pass a multiple of {dp} (or use fewer processes)")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
-    check_output_path("--summary-json", getattr(args, "summary_json", None))
     lora.config_from_args(args)  # --lora/--qlora values and conflicts (fills in --param-dtype)
     loop_flags.check(args)  # samples, the training loop's options, the plot
     check_checkpoint_args(args)
-    from perparam.finetune.export import check_export_args
+    from perparam.finetune.export import check_export_args  # (gguf, torch: not needed for --help)
 
     check_export_args(getattr(args, "export", None), getattr(args, "export_dtype", "f32"))
+    if outputs:
+        check_outputs(args)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every flag that writes (``--summary-json``, ``--plot``, ``--save``, ``--export``): its path proven
+    writable now by creating what will be written there and removing it (:func:`check_output_path`), so a
+    run never ends in a traceback at its last write. One process does it (the launcher, or rank 0 of
+    ``torchrun``): two creating and removing the same folders at once could fail each other."""
+    check_output_path("--summary-json", getattr(args, "summary_json", None))
+    check_output_path("--plot", getattr(args, "plot", None))
+    check_output_path("--save", getattr(args, "save", None), folder=True)
+    for path in getattr(args, "export", None) or ():
+        check_output_path("--export", path)
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> None:
@@ -164,8 +180,6 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
     save, every, resume = getattr(args, "save", None), getattr(args, "save_every", 0), getattr(args, "resume", None)
     if every < 0 or (every and not save):
         raise FinetuneInputError(f"--save-every {every}: pass a positive number of steps together with --save DIR")
-    if save:
-        check_output_path("--save", str(Path(save) / "step-000000"))
     if resume:
         if Path(resume).exists() and not Path(resume).is_dir():
             raise FinetuneInputError(f"--resume {resume} is a file, not a folder: pass the --save folder of "
@@ -188,30 +202,12 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
                                      f"{args.steps} is not beyond it: pass a larger --steps")
 
 
-def check_output_path(flag: str, path: str | None) -> None:
-    """One-line error, before any worker starts, for an output file that could not be written: its parent
-    is a file, the path is a folder, or the nearest existing folder above it is not writable."""
-    if not path:
-        return
-    out = Path(path).absolute()
-    if out.is_dir():
-        raise FinetuneInputError(f"{flag} {path} is a folder: pass a file path")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise FinetuneInputError(f"{flag} {path} cannot be written (permission denied): pass another path")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise FinetuneInputError(f"{flag} {path} cannot be written: {parent} is a file, not a folder")
-    if not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        raise FinetuneInputError(f"{flag} {path} cannot be written: no permission to create it in {parent}")
-
-
-def resolve(args: argparse.Namespace, world: int):
-    """Find the model and text, check sizes, tokenize: the :class:`PreparedData` (sets ``args.gguf_path``)."""
+def resolve(args: argparse.Namespace, world: int, outputs: bool = True):
+    """Find the model and text, check sizes (and, with ``outputs``, the output paths), tokenize: the
+    :class:`PreparedData` (sets ``args.gguf_path``)."""
     from perparam.finetune.data import HELDOUT_WORKS, prepare_data, shakespeare_works, text_documents
 
-    check_sizes(args, world)
+    check_sizes(args, world, outputs=outputs)
     if args.config == "tiny":
         from perparam.finetune.model import LlamaConfig
         from perparam.finetune.tokenizer import ByteTokenizer
@@ -226,7 +222,7 @@ def resolve(args: argparse.Namespace, world: int):
         cfg = read_config(reader, path)
         tokenizer = GGUFTokenizer.from_reader(reader, str(path))
         args.gguf_path = str(path)
-    check_sizes(args, world, cfg)
+    check_sizes(args, world, cfg, outputs=False)
     loop_flags.check_prompts(args, tokenizer, cfg.max_seq_len)
     if args.text is not None:
         docs, held, source = text_documents(args.text), (), args.text
@@ -239,28 +235,30 @@ def resolve(args: argparse.Namespace, world: int):
 def run_worker(args: argparse.Namespace) -> int:
     import torch
 
+    from perparam.finetune import peers
     from perparam.finetune.data import PreparedData
-    from perparam.finetune.train import train
+    from perparam.finetune.job import JobConfig, run_job
 
     lifecycle.install_worker_handlers()
     world = int(os.environ["WORLD_SIZE"])
-    if args.prepared:
+    if args.prepared:  # our launcher checked the output paths already
         data = PreparedData(**torch.load(args.prepared, weights_only=True))
         args.gguf_path = args.gguf
-    else:  # plain torchrun: every rank prepares the same rows itself
-        data = resolve(args, world)
-    check_sizes(args, world)
+    else:  # plain torchrun: every rank prepares the same rows itself; rank 0 alone proves the output paths
+        data = resolve(args, world, outputs=os.environ.get("RANK") == "0")
+    check_sizes(args, world, outputs=False)
     if data.heldout.shape[0] % world or data.train.shape[0] < world:
         raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
     try:
-        train(args, data)
+        run_job(JobConfig.from_args(args), data)
     except (torch.distributed.DistError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not any(s in first for s in PEER_LOST):
             raise
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first).split(". ")[0]  # drop the C++ location
-        print(f"perparam finetune: rank {os.environ['RANK']} stopped: a peer process died or hung during a "
-              f"collective ({first[:160]})", file=sys.stderr, flush=True)
+        gone = peers.who_is_gone(wait_s=2.0)  # a peer's sockets close a moment before its process is gone
+        line = peers.lost_peer_line(os.environ["RANK"], gone, first[:160], lifecycle.last_checkpoint())
+        lifecycle.say_once(line)
         return 1
     return 0
 

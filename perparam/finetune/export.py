@@ -25,14 +25,13 @@ with adapters passes one that merges them into the base weights and returns the 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.errors import FinetuneInputError, write_output
 from perparam.finetune.gguf_loader import LAYER_TENSORS, TOP_TENSORS
 from perparam.finetune.model import LlamaConfig
 
@@ -58,9 +57,8 @@ GGUF_FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}
 
 def check_export_args(paths, dtype: str = "f32") -> None:
     """Launcher-side checks of ``--export`` (before any worker starts), one line each: the suffix, one file
-    per suffix, a path that can be written (no folder there, a writable folder above it)."""
-    from perparam.finetune.cli import check_output_path
-
+    per suffix. (That each path can be written is proven with the other output paths:
+    ``perparam.finetune.cli.check_outputs``.)"""
     seen: dict[str, str] = {}
     for path in paths or ():
         suffix = Path(path).suffix.lower()
@@ -71,7 +69,6 @@ def check_export_args(paths, dtype: str = "f32") -> None:
             raise FinetuneInputError(f"--export {path}: a {suffix} file is already exported to {seen[suffix]}: "
                                      "pass one path per suffix")
         seen[suffix] = path
-        check_output_path("--export", path)
     if dtype not in EXPORT_DTYPES:
         raise FinetuneInputError(f"--export-dtype {dtype}: pass one of {', '.join(EXPORT_DTYPES)}")
 
@@ -122,24 +119,6 @@ def _cast(t: torch.Tensor, dtype: str) -> torch.Tensor:
     return t.detach().to("cpu", EXPORT_DTYPES[dtype]).contiguous()
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` into a temporary file next to ``path``, then rename it over ``path``."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        write(str(tmp))
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (safetensors' writer makes it 0600)
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise FinetuneInputError(f"--export {path} could not be written ({exc.strerror or exc}): free space "
-                                 "or pass another path") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 # ------------------------------------------------------------------------------------------------ safetensors
 
 
@@ -176,7 +155,7 @@ def write_safetensors(path, state: dict[str, torch.Tensor], cfg: LlamaConfig, dt
 
     tensors = {k: _cast(v, dtype) for k, v in hf_state(state).items()}
     metadata = {"format": "pt", "config": json.dumps(hf_config(cfg, dtype))}
-    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    write_output("--export", path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 # ------------------------------------------------------------------------------------------------------- GGUF
@@ -283,4 +262,4 @@ def write_gguf(path, state: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: st
         writer.write_tensors_to_file()
         writer.close()
 
-    _atomic_write(path, write)
+    write_output("--export", path, write)

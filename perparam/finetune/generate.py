@@ -1,9 +1,9 @@
 """``perparam finetune --generate PROMPT``: text sampled from the sharded model, before and after fine-tuning.
 
-Sampling runs on the sharded model itself. Every ``fully_shard`` group is set to keep its parameters after a
-forward without grad (``set_reshard_after_forward(False)``), so the first forward of a generation all-gathers
-each group once and the following forwards (one per new token) issue no all-gather at all; the groups are
-resharded (storage freed) when the generation ends. There is no KV cache: each new token recomputes the
+Sampling runs on the sharded model itself, inside ``evaluation.parameters_kept_gathered``: each group is
+all-gathered once when a generation starts and kept (``set_reshard_after_forward(False)``), so the forwards
+(one per new token) issue no all-gather at all; the groups are resharded (storage freed) when the
+generation ends. There is no KV cache: each new token recomputes the
 forward over the whole prefix (``[1, prompt + generated]`` tokens), which is cheap at these lengths.
 
 Every rank runs the same forwards (they are collectives under tensor parallelism, and the hooks expect the
@@ -17,13 +17,13 @@ two candidates' cumulative probabilities meet within rounding).
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.evaluation import parameters_kept_gathered
 
 
 @dataclass(frozen=True)
@@ -59,29 +59,6 @@ def check_prompt_lengths(prompts: list[str], tokenizer, max_new_tokens: int, con
             raise FinetuneInputError(f"--generate {prompt[:40]!r}...: {n} prompt tokens + --max-new-tokens "
                                      f"{max_new_tokens} exceed the model's context of {context}: pass a shorter "
                                      "prompt or fewer new tokens")
-
-
-def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules ``fully_shard`` was called on (each owns one parameter group)."""
-    from perparam import ShardedModule
-
-    return [m for m in model.modules() if isinstance(m, ShardedModule)]
-
-
-@contextmanager
-def parameters_kept_gathered(model: torch.nn.Module):
-    """Within the block, forwards without grad keep every group's parameters gathered after the first one;
-    on exit every group is resharded and ``reshard_after_forward`` is set back to ``fully_shard``'s default
-    (the main job's setting: the root keeps its parameters from a training forward to its backward)."""
-    modules = sharded_modules(model)
-    for m in modules:
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.set_reshard_after_forward(None, recurse=False)
-            m.reshard()
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:

@@ -1,7 +1,13 @@
-"""The worker of ``perparam finetune`` in three phases, as torchtitan splits its trainer: ``setup`` (process
-group, meshes, model, ``fully_shard``, optimizer, resume), ``training_loop`` (the steps, checkpoints) and
-``report`` (held-out loss, bytes, the summary). ``JobConfig`` is the typed configuration, built once from the
-command line; the phases never read ``argparse`` attributes.
+"""The worker of ``perparam finetune``: its entry point :func:`run_job` runs three phases, as torchtitan
+splits its trainer: ``setup`` (process group, meshes, model, ``fully_shard``, optimizer, resume),
+``training_loop`` (the steps, checkpoints) and ``report`` (held-out loss, bytes, the summary), over the
+building blocks of :mod:`~perparam.finetune.train`, :mod:`~perparam.finetune.evaluation`,
+:mod:`~perparam.finetune.steps` and the others (none of which calls back here). ``JobConfig`` is the typed
+configuration, built once from the command line (:meth:`JobConfig.from_args`); the phases and every
+helper they call read it, never ``argparse`` attributes.
+
+Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, lora, schedule, steps, throughput, train
+from perparam.finetune import lifecycle, lora, peers, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
 from perparam.finetune.data import PreparedData, rank_slice
-from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.errors import FinetuneInputError, write_output
+from perparam.finetune.evaluation import heldout_loss, mean_over_ranks
 from perparam.finetune.generate import Samples
 
 
@@ -73,6 +80,11 @@ class JobConfig:
         defaults)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
+    def lora_config(self) -> lora.LoraConfig | None:
+        """The adapters' :class:`~perparam.finetune.lora.LoraConfig` (None: full fine-tuning)."""
+        return lora.lora_config(self.lora, self.lora_alpha, self.lora_targets, self.qlora, self.tp,
+                                self.quant)
+
 
 @dataclass
 class Run:
@@ -98,9 +110,10 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     """Process group, meshes, model, tensor parallelism and ``fully_shard``, AdamW, held-out loss before,
     and ``--resume``."""
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
+    peers.record_roster()  # who is who, to name a peer that dies
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
-    lora_cfg = lora.config_from_args(cfg)
+    lora_cfg = cfg.lora_config()
     if lora_cfg is None:  # only rank 0 reads the GGUF; the others build on the meta device
         model, llama_cfg, name = train.build_sharded_model(cfg, device, meshes)
     else:  # adapters in and everything else frozen before sharding (one group per layer). Every rank
@@ -130,7 +143,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are)
-    loss_before = train.heldout_loss(model, eval_rows, device, micro)
+    loss_before = heldout_loss(model, eval_rows, device, micro)
     if rank == 0:
         at = f" (step {first_step}, resumed)" if first_step else ""
         print(f"held-out loss before{at}: {loss_before:.4f}", flush=True)
@@ -171,7 +184,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
             batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank, run.meshes.dp_size)
             result = steps.optimizer_step(run.model, run.optimizer, run.scheduler, batches, run.device,
                                           cfg.grad_accum, cfg.max_grad_norm)
-            losses.append(train._mean_over_ranks(result.loss))
+            losses.append(mean_over_ranks(result.loss))
             step_s += time.perf_counter() - began
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
@@ -186,7 +199,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                             grad_norm=result.grad_norm, eta_s=elapsed / done * (cfg.steps - step - 1))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 issued = len(comm.records)
-                evals.append((step + 1, train.heldout_loss(run.model, run.eval_rows, run.device, run.micro)))
+                evals.append((step + 1, heldout_loss(run.model, run.eval_rows, run.device, run.micro)))
                 del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
@@ -220,8 +233,8 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     if dims.tp == 1:  # full / LoRA / QLoRA side by side (planned per parameter: 1D or HSDP only)
         from perparam.finetune import lora_memory
 
-        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, lora.config_from_args(cfg))
-    loss_after = train.heldout_loss(run.model, run.eval_rows, run.device, run.micro)
+        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, cfg.lora_config())
+    loss_after = heldout_loss(run.model, run.eval_rows, run.device, run.micro)
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)
     label = train.zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)
@@ -252,7 +265,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "model_state_bytes_zero3_formula": zero3,
         "zero3_formula_k": label,
         "device": run.device.type,
-        "lora": lora.checkpoint_extra(cfg)["lora"],
+        "lora": lora.record(cfg.lora_config()),
         "model_state_bytes_by_mode": by_mode,
     }
     if run.rank == 0:
@@ -269,15 +282,15 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         print(f"plot written to {write_run_plot(cfg.plot, summary)}", flush=True)
     summary["wall_s"] = time.time() - launched
     if run.rank == 0 and cfg.summary_json:
-        out = Path(cfg.summary_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"summary written to {out}", flush=True)
+        text = json.dumps(summary, indent=2) + "\n"
+        write_output("--summary-json", cfg.summary_json, lambda tmp: Path(tmp).write_text(text))
+        print(f"summary written to {cfg.summary_json}", flush=True)
     return summary
 
 
 def run_job(cfg: JobConfig, data: PreparedData) -> dict:
-    """``setup``, ``training_loop``, ``report``; then frees the sharded model before the process group."""
+    """The whole worker: ``setup``, ``training_loop``, ``--export``, ``report``; then frees the sharded
+    model before the process group. Returns the summary dict (every rank; rank 0 writes the files)."""
     import gc
     import sys
 

@@ -8,6 +8,11 @@
 - SIGKILL of the launcher: each worker asked the kernel for a parent-death signal (``PR_SET_PDEATHSIG``,
   Linux) and also watches its parent pid from a thread (other systems, or a parent that died before the
   request); it removes the launcher's temporary folder and exits within about a second.
+- A peer that is gone (a node that died, a worker killed) is not an interruption: the worker that finds
+  it says so in one line naming the rank or node that is gone and the last checkpoint, and exits 1
+  (:mod:`perparam.finetune.peers`). Under ``torchrun`` across nodes this holds also when the surviving
+  node's agent, having lost the rendezvous store with the node that hosted it, stops its workers with
+  SIGTERM: the worker tells that from a user's signal by probing the stores and the roster of ranks.
 - A temporary folder left by a launcher that no longer runs (SIGKILL before the workers started, a power
   cut) is named ``perparam-finetune-<pid>-*`` and removed by the next launcher's start.
 
@@ -39,6 +44,8 @@ PR_SET_PDEATHSIG = 1
 _progress = {"step": None, "total": None, "checkpoint": None}
 #: the pid of the process that started this worker (our launcher, or torchrun's agent), once watched
 _parent = {"pid": None}
+#: whether this worker already said (in one line) why it stops
+_said = {"done": False}
 
 
 def exit_code(signum: int) -> int:
@@ -143,22 +150,47 @@ def _parent_gone(parent: int) -> bool:
     return state in ("Z", "X", "x")
 
 
+def say_once(line: str) -> bool:
+    """Write ``line`` to stderr unless this worker already said why it stops; whether it was written."""
+    if _said["done"]:
+        return False
+    _said["done"] = True
+    os.write(2, (line + "\n").encode())
+    return True
+
+
+def last_checkpoint() -> tuple[int, str] | None:
+    """``(step, folder)`` of the last complete ``--save`` checkpoint this worker knows of, or None."""
+    return _progress["checkpoint"]
+
+
 def _stop_worker(signum: int) -> None:
     """Leave now and quietly: remove the launcher's folder if the launcher is gone, then ``os._exit``
-    (no finalizers: a process group torn down in the middle of a collective can abort the process)."""
+    (no finalizers: a process group torn down in the middle of a collective can abort the process).
+    Under plain ``torchrun``, a SIGTERM from the agent that lost a peer node is told apart from a user's
+    signal (:func:`perparam.finetune.peers.who_is_gone`): one line, exit 1."""
+    if _said["done"]:  # this worker already said why it stops (a lost peer): a failure, not an interruption
+        os._exit(1)
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     parent_gone = _parent["pid"] is not None and _parent_gone(_parent["pid"])
+    if not launcher and not parent_gone and "TORCHELASTIC_RUN_ID" in os.environ:
+        from perparam.finetune import peers
+
+        # (this node's ranks got the same signal from the same agent: only other nodes' count)
+        gone = peers.who_is_gone(other_nodes_only=True)
+        if gone is not None:
+            say_once(peers.lost_peer_line(os.environ.get("RANK", "?"), gone, None, last_checkpoint()))
+            os._exit(1)
     if launcher and parent_gone:
         tmp = os.environ.get(TMPDIR_ENV)
         if tmp and Path(tmp).name.startswith(TMP_PREFIX):
             shutil.rmtree(tmp, ignore_errors=True)
     elif not launcher and parent_gone:  # torchrun's agent died: say so once per node
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            os.write(2, f"perparam finetune: rank {os.environ.get('RANK')} stopped: its torchrun launcher "
-                        "is gone\n".encode())
+            rank = os.environ.get("RANK")
+            say_once(f"perparam finetune: rank {rank} stopped: its torchrun launcher is gone")
     elif not launcher and os.environ.get("RANK") == "0":  # plain torchrun: no launcher to say it
-        line = interrupted_line(_progress["step"], _progress["total"], _progress["checkpoint"])
-        os.write(2, (line + "\n").encode())
+        say_once(interrupted_line(_progress["step"], _progress["total"], _progress["checkpoint"]))
     os._exit(exit_code(signum))
 
 
@@ -206,7 +238,8 @@ def step_done(step: int, total: int) -> None:
 
 
 def checkpoint_done(step: int, folder: str) -> None:
-    """Rank 0, once the checkpoint of ``step`` in ``folder`` (the ``--save`` DIR) is complete."""
+    """Every rank, once the checkpoint of ``step`` in ``folder`` (the ``--save`` DIR) is complete (rank 0
+    also tells the launcher)."""
     _progress["checkpoint"] = (step, str(folder))
     _write_progress()
 

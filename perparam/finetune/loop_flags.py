@@ -41,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """One-line :class:`FinetuneInputError` for any bad value of these flags."""
-    from perparam.finetune.cli import check_output_path
     from perparam.finetune.generate import check_sampling
     from perparam.finetune.plot import check_plot_path
     from perparam.finetune.schedule import check_schedule
@@ -57,8 +56,7 @@ def check(args: argparse.Namespace) -> None:
     if args.eval_every < 0 or args.eval_every > max(args.steps, 1):
         raise FinetuneInputError(f"--eval-every {args.eval_every} must be between 1 and --steps {args.steps} "
                                  "(or 0: no evaluation during training)")
-    check_plot_path(args.plot)
-    check_output_path("--plot", args.plot)
+    check_plot_path(args.plot)  # its path is proven writable with the other outputs (cli.check_outputs)
 
 
 def check_prompts(args: argparse.Namespace, tokenizer, context: int) -> None:

@@ -69,13 +69,22 @@ def parse_targets(spec: str | None) -> tuple[str, ...]:
 
 
 def config_from_args(args) -> LoraConfig | None:
-    """The :class:`LoraConfig` of the ``--lora*``/``--qlora`` flags (``None`` without ``--lora``); one-line
-    :class:`FinetuneInputError` for bad values and conflicts. Also sets ``args.param_dtype`` when it was
-    not given: bf16 under ``--qlora``, fp32 otherwise."""
-    rank, alpha = getattr(args, "lora", None), getattr(args, "lora_alpha", None)
-    qlora, targets = getattr(args, "qlora", False), getattr(args, "lora_targets", None)
+    """The launcher's :func:`lora_config` of the ``--lora*``/``--qlora`` flags on an ``argparse.Namespace``
+    (absent flags: their defaults). Also sets ``args.param_dtype`` when it was not given: bf16 under
+    ``--qlora``, fp32 otherwise."""
+    qlora = getattr(args, "qlora", False)
     if getattr(args, "param_dtype", None) is None:
         args.param_dtype = "bf16" if qlora else "fp32"
+    return lora_config(getattr(args, "lora", None), getattr(args, "lora_alpha", None),
+                       getattr(args, "lora_targets", None), qlora, getattr(args, "tp", 1),
+                       getattr(args, "quant", "none"))
+
+
+def lora_config(rank: int | None, alpha: float | None = None, targets: str | None = None, qlora: bool = False,
+                tp: int = 1, quant: str = "none") -> LoraConfig | None:
+    """The :class:`LoraConfig` of ``--lora RANK --lora-alpha ALPHA --lora-targets NAMES [--qlora]`` (``None``
+    without ``--lora``); one-line :class:`FinetuneInputError` for bad values and conflicts (with ``--tp``
+    and ``--quant``)."""
     if rank is None:
         for flag, given in (("--qlora", qlora), ("--lora-alpha", alpha is not None),
                             ("--lora-targets", targets is not None)):
@@ -86,11 +95,12 @@ def config_from_args(args) -> LoraConfig | None:
         raise FinetuneInputError(f"--lora {rank} must be a positive rank (e.g. --lora 8)")
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
         raise FinetuneInputError(f"--lora-alpha {alpha} must be a positive finite number (default 2 x --lora)")
-    if getattr(args, "tp", 1) > 1:
-        raise FinetuneInputError(f"--lora with --tp {args.tp}: tensor parallelism of LoRA layers is not supported; "
-                                 "pass --tp 1 (the adapters are small: shard them over data-parallel ranks)")
-    if qlora and getattr(args, "quant", "none") != "none":
-        raise FinetuneInputError(f"--qlora with --quant {args.quant}: --qlora already stores and gathers the base "
+    if tp > 1:
+        raise FinetuneInputError(f"--lora with --tp {tp}: tensor parallelism of LoRA layers is not "
+                                 "supported; pass --tp 1 (the adapters are small: shard them over data-parallel "
+                                 "ranks)")
+    if qlora and quant != "none":
+        raise FinetuneInputError(f"--qlora with --quant {quant}: --qlora already stores and gathers the base "
                                  "weights in NF4; drop --quant")
     return LoraConfig(rank, float(2 * rank if alpha is None else alpha), parse_targets(targets), bool(qlora))
 
@@ -104,18 +114,20 @@ def worker_argv(args) -> list[str]:
             *(["--qlora"] if cfg.qlora else [])]
 
 
-def checkpoint_extra(args) -> dict:
-    """What a checkpoint records of the adapters (``--save``), so ``--resume`` can check it."""
-    cfg = config_from_args(args)
-    return {"lora": None if cfg is None else {"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
-                                              "qlora": cfg.qlora}}
+def record(cfg: LoraConfig | None) -> dict | None:
+    """What a checkpoint (``--save``) and the summary record of the adapters, so ``--resume`` can check it;
+    None for full fine-tuning."""
+    if cfg is None:
+        return None
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets), "qlora": cfg.qlora}
+
 
 
 def check_resume(extra: dict, args) -> None:
     """One-line :class:`FinetuneInputError` when ``--resume``'s checkpoint (its manifest's ``extra``) was
     trained with other LoRA settings than this run's (a model of other parameters cannot load it).
     Checkpoints written before LoRA existed (no ``lora`` key) were full fine-tuning."""
-    saved, now = extra.get("lora"), checkpoint_extra(args)["lora"]
+    saved, now = extra.get("lora"), record(config_from_args(args))
     if saved == now:
         return
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from perparam.finetune.errors import FinetuneInputError
+from perparam.finetune.errors import FinetuneInputError, write_output
 
 SERIES_KEY = "perparam-series"
 INSTALL_HINT = "install the plot extra (pip install 'perparam[plot]', matplotlib) or leave out --plot"
 
 
 def check_plot_path(path: str | None) -> None:
-    """Launcher: a ``.png`` path, and matplotlib importable; the path's writability is checked with the
-    other output paths."""
+    """Launcher: a ``.png`` path, and matplotlib importable; that the path can be written is proven with the
+    other output paths (``perparam.finetune.cli.check_outputs``)."""
     if not path:
         return
     if Path(path).suffix.lower() != ".png":
@@ -43,7 +43,8 @@ def series(train_losses: list[float], first_step: int, evals: list[tuple[int, fl
 
 def write_plot(path: str | Path, data: dict[str, list], title: str = "") -> Path:
     """Draw ``data`` (from :func:`series`) into the PNG at ``path`` (folders created), with the series as
-    JSON in its :data:`SERIES_KEY` text chunk."""
+    JSON in its :data:`SERIES_KEY` text chunk; written through a temporary file (``errors.write_output``:
+    one-line :class:`FinetuneInputError` naming ``--plot`` if it cannot be)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,8 +72,8 @@ def write_plot(path: str | Path, data: dict[str, list], title: str = "") -> Path
         ax.set_title(title)
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", metadata={SERIES_KEY: json.dumps(data)})
+    metadata = {SERIES_KEY: json.dumps(data)}
+    write_output("--plot", out, lambda tmp: fig.savefig(tmp, format="png", metadata=metadata))
     return out
 
 

@@ -1,15 +1,13 @@
-"""The worker of ``perparam finetune``: one process of N, sharding the model with ``perparam.fully_shard``.
-The building blocks are here; :mod:`perparam.finetune.job` runs them in three phases (set-up, training
-loop, report) from a typed ``JobConfig``.
+"""Building blocks of the ``perparam finetune`` worker; the worker itself is :mod:`perparam.finetune.job`
+(its entry point ``run_job``, three phases from a typed ``JobConfig``), which calls these. No block calls
+back into the job.
 
-Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Steps: process group (gloo on CPU, NCCL on CUDA,
-with a timeout so a rank blocked on a dead peer fails instead of hanging), one named mesh
-``(dp_replicate, dp_shard, tp)`` over all ranks (:mod:`mesh`), the model (GGUF weights, or a random
-``tiny`` one), tensor parallelism inside each decoder layer when ``--tp`` > 1, ``fully_shard`` per decoder
-layer then on the root over the data-parallel mesh (1D, or 2D for HSDP), AdamW, held-out loss before and
-after training (averaged over all held-out tokens of all ranks), a progress bar on rank 0, and at the end
-a table of per-rank model-state bytes and the ``--summary-json`` file.
+The blocks: the process group (gloo on CPU, NCCL on CUDA, with a timeout so a rank blocked on a dead peer
+fails instead of hanging), one named mesh ``(dp_replicate, dp_shard, tp)`` over all ranks (:mod:`mesh`),
+the model (GGUF weights, or a random ``tiny`` one), tensor parallelism inside each decoder layer when
+``--tp`` > 1, ``fully_shard`` per decoder layer then on the root over the data-parallel mesh (1D, or 2D for
+HSDP); rank 0's progress display and its table of per-rank model-state bytes. The held-out loss is in
+:mod:`perparam.finetune.evaluation`.
 
 Layout: rank ``r`` of the world mesh has tp coordinate ``r % T`` and data-parallel rank ``r // T`` (of
 ``R * S``). The global batch and the held-out rows are split over the data-parallel ranks only; the ``T``
@@ -21,14 +19,17 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from perparam.finetune.data import PreparedData
 from perparam.finetune.errors import FinetuneInputError
-from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
+from perparam.finetune.model import Llama, LlamaConfig
 from perparam.memory.measure import shard_factor  # noqa: F401 (re-exported for the job's tests)
+
+if TYPE_CHECKING:
+    from perparam.finetune.job import JobConfig
 
 #: ``--param-dtype``: the dtype of the all-gathered parameters used in forward and backward (stored
 #: shards, gradients and optimizer state stay fp32; gradients are reduced in fp32).
@@ -113,72 +114,49 @@ def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(args, device: torch.device) -> tuple[Llama, LlamaConfig, str]:
-    """``(model, cfg, name)``: the tiny random model (seeded, same on every rank) or the GGUF's weights."""
-    if args.config == "tiny":
-        torch.manual_seed(args.seed)
-        cfg = LlamaConfig.tiny()
-        model, name = Llama(cfg), "tiny (random init)"
+def build_model(cfg: JobConfig, device: torch.device) -> tuple[Llama, LlamaConfig, str]:
+    """``(model, model_cfg, name)``: the tiny random model (seeded, same on every rank) or the GGUF's
+    weights (``cfg``: the job's ``config``, ``seed``, ``gguf_path``)."""
+    if cfg.config == "tiny":
+        torch.manual_seed(cfg.seed)
+        model_cfg = LlamaConfig.tiny()
+        model, name = Llama(model_cfg), "tiny (random init)"
     else:
         from perparam.finetune.gguf_loader import load_llama
 
-        model, cfg = load_llama(args.gguf_path)
-        name = Path(args.gguf_path).name
-    return model.to(device), cfg, name
+        model, model_cfg = load_llama(cfg.gguf_path)
+        name = Path(cfg.gguf_path).name
+    return model.to(device), model_cfg, name
 
 
-def build_sharded_model(args, device: torch.device, meshes, param_dtype: torch.dtype | None = None,
+def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtype: torch.dtype | None = None,
                         quant: str | None = None) -> tuple[Llama, LlamaConfig, str]:
-    """``(model, cfg, name)``: the model, sharded by :func:`shard_model`; collective.
+    """``(model, model_cfg, name)``: the model, sharded by :func:`shard_model`; collective.
 
     ``tiny``: the seeded random init on every rank, then sharded. GGUF: only rank 0 reads the file. Its
     :class:`LlamaConfig` is broadcast, every rank builds the model on the meta device and shards it, then
     rank 0 dequantises the weights and ``perparam.checkpoint.load_full_state_dict`` broadcasts them one tensor at a
     time, each rank keeping its shard (the model has no buffers to recompute: the rotary angles are made
-    in every forward). ``param_dtype``/``quant`` default to ``args.param_dtype``/``args.quant``.
+    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``.
     """
     from perparam.checkpoint import load_full_state_dict
 
-    param_dtype = PARAM_DTYPES[args.param_dtype] if param_dtype is None else param_dtype
-    quant = QUANT_DTYPES[args.quant] if quant is None else quant
-    if args.config == "tiny":
-        model, cfg, name = build_model(args, device)
-        return shard_model(model, meshes, param_dtype, quant), cfg, name
+    param_dtype = PARAM_DTYPES[cfg.param_dtype] if param_dtype is None else param_dtype
+    quant = QUANT_DTYPES[cfg.quant] if quant is None else quant
+    if cfg.config == "tiny":
+        model, model_cfg, name = build_model(cfg, device)
+        return shard_model(model, meshes, param_dtype, quant), model_cfg, name
     from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
 
     reader, box = None, [None]
     if dist.get_rank() == 0:
-        reader = open_gguf(args.gguf_path)
-        box = [read_config(reader, args.gguf_path)]
+        reader = open_gguf(cfg.gguf_path)
+        box = [read_config(reader, cfg.gguf_path)]
     dist.broadcast_object_list(box, src=0)
-    cfg = box[0]
-    model = shard_model(Llama(cfg, device="meta"), meshes, param_dtype, quant)
-    load_full_state_dict(model, load_state_dict(reader, cfg) if reader is not None else None)
-    return model, cfg, Path(args.gguf_path).name
-
-
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, rows: torch.Tensor, device: torch.device, micro_batch: int) -> float:
-    """Mean next-token loss (nats/token) over this rank's ``rows`` ``[n, seq+1]`` and all other ranks'.
-
-    Every rank must hold the same number of rows (the sharded forward is a collective).
-    """
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, token count]
-    for chunk in rows.split(micro_batch):
-        chunk = chunk.to(device)
-        logits = model(chunk[:, :-1])  # [micro, seq, vocab]
-        total[0] += next_token_loss(logits, chunk[:, 1:], reduction="sum").double()
-        total[1] += chunk[:, 1:].numel()
-    dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item()
-
-
-def _mean_over_ranks(x: torch.Tensor) -> float:
-    x = x.detach().clone().double()
-    dist.all_reduce(x)
-    return x.item() / dist.get_world_size()
+    model_cfg = box[0]
+    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant)
+    load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
+    return model, model_cfg, Path(cfg.gguf_path).name
 
 
 class Progress:
@@ -279,9 +257,3 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
                   f"{sum(zero3.values()) / mib:.2f}", style="bold")
     Console().print(table)
 
-
-def train(args, data: PreparedData) -> dict:
-    """The whole worker (``perparam.finetune.job``); returns the summary dict."""
-    from perparam.finetune.job import JobConfig, run_job
-
-    return run_job(JobConfig.from_args(args), data)

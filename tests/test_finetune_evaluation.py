@@ -1,0 +1,109 @@
+"""Evaluation on a sharded model when the ranks run different numbers of no-grad batches: with the
+parameters gathered once and kept (``perparam.finetune.evaluation``, the recipe of docs/evaluation.md) it
+finishes, with the results of one process; and the doc's snippet runs as written on 2 processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tests.distributed import run_distributed
+from tests.models import TinyNet
+from tests.test_readme_snippets import BLOCK, REPO, _free_port
+
+#: no-grad batches per rank: unequal, and one rank with none (3 ranks: the 5-row embedding and the
+#: 2-row head leave rank 2 with empty shards)
+BATCHES = {2: [3, 5], 3: [3, 5, 0]}
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 5, (2, 3), generator=g) for _ in range(n)]  # [batch, tokens] each
+
+
+def _unequal_eval_rank(rank: int, world: int) -> dict:
+    import perparam
+    from perparam.finetune.evaluation import parameters_kept_gathered
+
+    torch.manual_seed(0)
+    model = TinyNet(d=4)
+    for block in model.blocks:
+        perparam.fully_shard(block)
+    perparam.fully_shard(model)
+    counts = BATCHES[world]
+    first = sum(counts[:rank])
+    mine = _batches(sum(counts))[first:first + counts[rank]]
+    with perparam.CommCounter() as comm, parameters_kept_gathered(model), torch.no_grad():
+        outputs = [model(x) for x in mine]  # [2, 2] each
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    return {"outputs": outputs, "all_gathers": comm.count("all_gather"), "sharded": sharded}
+
+
+def test_unequal_no_grad_batches_finish_with_the_results_of_one_process():
+    torch.manual_seed(0)
+    reference = TinyNet(d=4)
+    for world, counts in BATCHES.items():
+        with torch.no_grad():
+            want = [reference(x) for x in _batches(sum(counts))]
+        results = run_distributed(_unequal_eval_rank, world, timeout=60)
+        got = [y for r in results for y in r["outputs"]]  # the ranks' batches, in order
+        assert len(got) == len(want)
+        assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(got, want, strict=True)), world
+        # every group gathered once, on every rank (the empty one included); resharded at the end
+        assert [r["all_gathers"] for r in results] == [3] * world and all(r["sharded"] for r in results)
+
+
+def _heldout_rank(rank: int, world: int, rows: torch.Tensor, counts: list[int]) -> float:
+    from perparam.finetune.evaluation import heldout_loss
+    from perparam.finetune.model import Llama, LlamaConfig
+    from perparam.finetune.train import build_meshes, shard_model
+
+    torch.manual_seed(0)
+    model = shard_model(Llama(LlamaConfig.tiny()), build_meshes(world, 1, 1, "cpu"))
+    first = sum(counts[:rank])
+    return heldout_loss(model, rows[first:first + counts[rank]], torch.device("cpu"), micro_batch=1)
+
+
+def test_the_jobs_heldout_loss_over_unequal_rows_matches_one_process():
+    from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
+
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randint(0, 256, (8, 9), generator=g)  # [rows, seq + 1] tokens
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    with torch.no_grad():
+        want = next_token_loss(model(rows[:, :-1]), rows[:, 1:]).item()
+    losses = run_distributed(_heldout_rank, 2, rows, [3, 5], timeout=60)
+    assert losses[0] == losses[1] and abs(losses[0] - want) < 1e-5, (losses, want)
+
+
+def test_the_evaluation_doc_snippet_runs_on_two_processes(tmp_path):
+    """Each ```python block of docs/evaluation.md, as tests/test_readme_snippets.py runs README's."""
+    text = (REPO / "docs" / "evaluation.md").read_text()
+    blocks = [m.group(1) for m in BLOCK.finditer(text)]
+    assert blocks
+    for i, code in enumerate(blocks):
+        first = code.splitlines()[0]
+        nproc = int(m.group(1)) if (m := re.search(r"--nproc_per_node (\d+)", first)) else 1
+        script = tmp_path / f"evaluation_{i}.py"
+        script.write_text(code)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+                   GLOO_SOCKET_IFNAME="lo")
+        procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)})
+                 for r in range(nproc)]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert all(p.returncode == 0 for p in procs), "\n".join(outs)
