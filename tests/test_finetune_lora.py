@@ -201,8 +201,8 @@ def test_qlora_nf4_base_at_0_140625x_fp32_bytes_and_the_loss_falls():
 def _resume_rank(rank: int, world: int, folder: str) -> dict:
     """QLoRA: 3 steps straight, against 2 steps, a checkpoint, a fresh model (other adapters), 1 step."""
     from perparam.finetune.checkpointing import resume_from, save_if_due
+    from perparam.finetune.config import JobConfig
     from perparam.finetune.data import BatchStream
-    from perparam.finetune.job import JobConfig
     from perparam.finetune.lora import config_from_args, trainable_parameters
     from perparam.finetune.model import next_token_loss
 

@@ -109,7 +109,7 @@ def test_the_job_config_is_built_once_from_the_command_line():
     import argparse
 
     from perparam.finetune.cli import add_arguments
-    from perparam.finetune.job import JobConfig
+    from perparam.finetune.config import JobConfig
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

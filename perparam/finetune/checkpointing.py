@@ -9,7 +9,7 @@ from perparam.finetune import lifecycle, lora
 from perparam.finetune.errors import FinetuneInputError
 
 if TYPE_CHECKING:
-    from perparam.finetune.job import JobConfig
+    from perparam.finetune.config import JobConfig
 
 
 def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> int:

@@ -236,8 +236,9 @@ def run_worker(args: argparse.Namespace) -> int:
     import torch
 
     from perparam.finetune import peers
+    from perparam.finetune.config import JobConfig
     from perparam.finetune.data import PreparedData
-    from perparam.finetune.job import JobConfig, run_job
+    from perparam.finetune.job import run_job
 
     lifecycle.install_worker_handlers()
     world = int(os.environ["WORLD_SIZE"])

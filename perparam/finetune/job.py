@@ -2,8 +2,8 @@
 splits its trainer: ``setup`` (process group, meshes, model, ``fully_shard``, optimizer, resume),
 ``training_loop`` (the steps, checkpoints) and ``report`` (held-out loss, bytes, the summary), over the
 building blocks of :mod:`~perparam.finetune.train`, :mod:`~perparam.finetune.evaluation`,
-:mod:`~perparam.finetune.steps` and the others (none of which calls back here). ``JobConfig`` is the typed
-configuration, built once from the command line (:meth:`JobConfig.from_args`); the phases and every
+:mod:`~perparam.finetune.steps` and the others (none of which calls back here). ``JobConfig`` (:mod:`~perparam.finetune.config`) is
+the typed configuration, built once from the command line (:meth:`JobConfig.from_args`); the phases and every
 helper they call read it, never ``argparse`` attributes.
 
 Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
@@ -16,7 +16,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,66 +24,11 @@ import torch.distributed as dist
 
 from perparam.finetune import lifecycle, lora, peers, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import resume_from, save_if_due
+from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError, write_output
 from perparam.finetune.evaluation import heldout_loss, mean_over_ranks
 from perparam.finetune.generate import Samples
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """What one worker runs (the ``perparam finetune`` flags, after the launcher's checks)."""
-
-    steps: int
-    seq_len: int
-    batch_size: int
-    lr: float
-    seed: int
-    config: str = "gguf"  # "gguf" or "tiny"
-    gguf_path: str | None = None
-    summary_json: str | None = None
-    param_dtype: str | None = "fp32"  # None: bf16 under --qlora, else fp32
-    quant: str = "none"
-    dp_replicate: int = 1
-    tp: int = 1
-    pg_timeout: float = 300.0
-    crash_at_step: int | None = None  # test hook: the last rank dies at this step
-    save: str | None = None
-    save_every: int = 0
-    resume: str | None = None
-    lora: int | None = None  # LoRA rank (perparam.finetune.lora); None: full fine-tuning
-    lora_alpha: float | None = None
-    lora_targets: str | None = None
-    qlora: bool = False
-    export: list[str] | None = None  # --export paths (.gguf, .safetensors), written by rank 0 after training
-    export_dtype: str = "f32"
-    # samples (generate.py), the training loop (steps.py, schedule.py), the plot (plot.py): loop_flags.py
-    generate: list[str] | None = None
-    max_new_tokens: int = 40
-    temperature: float = 0.8
-    top_k: int = 50
-    sample_seed: int = 0
-    grad_accum: int = 1
-    max_grad_norm: float | None = None
-    warmup_steps: int = 0
-    min_lr: float | None = None
-    eval_every: int = 0
-    plot: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.param_dtype is None:
-            object.__setattr__(self, "param_dtype", "bf16" if self.qlora else "fp32")
-
-    @classmethod
-    def from_args(cls, args) -> JobConfig:
-        """From an ``argparse.Namespace`` (or any object with these attributes; absent ones keep their
-        defaults)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-    def lora_config(self) -> lora.LoraConfig | None:
-        """The adapters' :class:`~perparam.finetune.lora.LoraConfig` (None: full fine-tuning)."""
-        return lora.lora_config(self.lora, self.lora_alpha, self.lora_targets, self.qlora, self.tp,
-                                self.quant)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from perparam.finetune.model import Llama, LlamaConfig
 from perparam.memory.measure import shard_factor  # noqa: F401 (re-exported for the job's tests)
 
 if TYPE_CHECKING:
-    from perparam.finetune.job import JobConfig
+    from perparam.finetune.config import JobConfig
 
 #: ``--param-dtype``: the dtype of the all-gathered parameters used in forward and backward (stored
 #: shards, gradients and optimizer state stay fp32; gradients are reduced in fp32).
