@@ -173,6 +173,32 @@ class ShardedModule:
             group.reshard_after_forward = reshard_after_forward is not False
             group.auto_reshard_after_forward = reshard_after_forward is None
 
+    def set_custom_all_gather(self, comm) -> None:
+        """Run this module's group's all-gathers through ``comm`` (FSDP2's ``set_custom_all_gather``): an
+        object with FSDP2's ``AllGather`` interface, ``comm.allocate(size, *, dtype, device)`` returning the
+        output buffer (uint8, ``[K * slot bytes]``) and ``comm(output, input, group, async_op)`` returning a
+        work handle (or ``None``). ``None`` restores perparam's own. Every rank must set the same.
+
+        Raises ``TypeError`` for an object without ``allocate`` or not callable."""
+        group_of(self).all_gather_comm = _check_comm(comm, "set_custom_all_gather", "AllGather")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Run this module's group's gradient reduce-scatters through ``comm`` (FSDP2's
+        ``set_custom_reduce_scatter``): ``comm.allocate(size, *, dtype, device)`` returns the output (one
+        rank's ``[n]`` piece in the reduce dtype) and ``comm(output, input, group, op, async_op)`` sums the
+        ``[K * n]`` input over ``group`` (``op`` is ``ReduceOp.SUM``; perparam divides afterwards). The HSDP
+        all-reduce and replicated parameters' all-reduces are unchanged. ``None`` restores perparam's own.
+
+        Raises ``TypeError`` for an object without ``allocate`` or not callable."""
+        group_of(self).reduce_scatter_comm = _check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
+
+
+def _check_comm(comm, method: str, interface: str):
+    if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(f"{method}: {comm!r} has no allocate(size, *, dtype, device) or is not callable; pass "
+                        f"an object with FSDP2's {interface} interface (or None for perparam's own collective)")
+    return comm
+
 
 class UnshardHandle:
     """The all-gather of ``module.unshard(async_op=True)``; ``wait()`` finishes it and registers the

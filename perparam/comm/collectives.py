@@ -107,21 +107,27 @@ class GatheredRows:
 
 
 def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, async_op: bool = True,
-                    what: str = "", gloo: str = "all_to_all") -> GatheredRows:
+                    what: str = "", gloo: str = "all_to_all", comm=None) -> GatheredRows:
     """All-gather ``send`` (uint8 ``[slot]``, this rank's row) over ``group``: one collective, recorded as
     an all-gather of ``K * slot`` bytes. ``send`` must stay untouched until the rows have been read
     (on gloo it *is* this rank's row). Receive buffers come from ``pool`` (a ``BufferPool``) when given.
 
     On gloo (``gloo="all_to_all"``, the default) an all-to-all with split sizes: ``send`` goes to every other rank (for
     K > 2 from K - 1 copies of it), the other ranks' rows arrive in one ``[K - 1, slot]`` buffer. Elsewhere
-    ``dist.all_gather_single`` (all-gather into one tensor) into a ``[K, slot]`` buffer."""
+    ``dist.all_gather_single`` (all-gather into one tensor) into a ``[K, slot]`` buffer. ``comm``: a custom
+    all-gather with FSDP2's ``AllGather`` interface (``set_custom_all_gather``): its ``allocate`` gives the
+    ``[K * slot]`` uint8 output and ``comm(output, send, group, async_op=True)`` fills it."""
     k, slot = group.size(), send.numel()
     if debug.debug_enabled():
         debug.check("all_gather", send, k * slot, group, what)
     _record("all_gather", k * slot, group, send.dtype)
     if k == 1:
         return GatheredRows(None, [(0, send.view(1, slot))], [])
-    if gloo == "all_to_all" and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    if comm is not None:
+        recv = comm.allocate((k * slot,), dtype=torch.uint8, device=send.device)
+        work = comm(recv, send, group, async_op=True)
+        result = GatheredRows(work, [(0, recv.view(k, slot))], [])
+    elif gloo == "all_to_all" and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
         me = group.rank()
         others = _take(pool, (k - 1) * slot, send.device)
         buffers = [others]
@@ -181,7 +187,8 @@ class _SumAfterAllToAll:
 
 
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                       async_op: bool = False, what: str = "", pool=None, gloo: str = "all_to_all"):
+                       async_op: bool = False, what: str = "", pool=None, gloo: str = "all_to_all",
+                       comm=None):
     """Sum ``input`` (``[K * n]``) over ``group`` and leave this rank's ``[n]`` piece in ``output``.
 
     On gloo (``gloo="all_to_all"``, the default) an all-to-all of the same bytes then a local sum (at ``wait()``)
@@ -189,7 +196,8 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     its own chunk straight into ``output`` and adds its own piece there (no buffer, no copy of its own
     piece); for K > 2 the ``[K, n]`` pieces, its own included, arrive in one buffer (from ``pool``, a
     ``BufferPool``, when given; back to it at ``wait()``) and are summed in rank order. ``input`` must stay
-    untouched until ``wait()``."""
+    untouched until ``wait()``. ``comm``: a custom reduce-scatter with FSDP2's ``ReduceScatter`` interface
+    (``set_custom_reduce_scatter``), called as ``comm(output, input, group, op=SUM, async_op=...)``."""
     if debug.debug_enabled():
         debug.check("reduce_scatter", input, output.numel() * output.element_size(), group, what)
     _record("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
@@ -197,6 +205,8 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     if k == 1:
         output.copy_(input)
         return None
+    if comm is not None:
+        return comm(output, input, group, op=dist.ReduceOp.SUM, async_op=async_op)
     if gloo == "all_to_all" and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
         rows = input.view(k, -1)
         row_bytes = rows.shape[1] * input.element_size()

@@ -58,6 +58,8 @@ class ParamGroup:
         self.all_reduce_hook = None  # set_all_reduce_hook: sees each reduction's sum before the division
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
+        self.reduce_scatter_comm = None
         self.registered_unsharded = False
         self._alive = False  # the unsharded storage holds the gathered parameters
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
@@ -214,7 +216,7 @@ class ParamGroup:
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
         rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
-                                           gloo=config.current().gloo_all_gather)
+                                           gloo=config.current().gloo_all_gather, comm=self.all_gather_comm)
         self._pending_gather = (send, rows)
 
     @torch.no_grad()
@@ -321,10 +323,12 @@ class ParamGroup:
             # [K, sum(padded_local_numel) + len(params)]
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
-            recv = send.new_empty(total)
+            comm = self.reduce_scatter_comm
+            recv = (comm.allocate((total,), dtype=dtype, device=send.device) if comm is not None
+                    else send.new_empty(total))
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
                                                   what=f"{self._what} [{dtype}]", pool=self.pool,
-                                                  gloo=config.current().gloo_reduce_scatter)
+                                                  gloo=config.current().gloo_reduce_scatter, comm=comm)
             pending.append(PendingReduce(work, send, recv, params, offsets))
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
