@@ -1,20 +1,15 @@
 """Evaluation on a sharded model when the ranks run different numbers of no-grad batches: with the
 parameters gathered once and kept (``perparam.finetune.evaluation``, the recipe of docs/evaluation.md) it
-finishes, with the results of one process; and the doc's snippet runs as written on 2 processes."""
+finishes, with the results of one process. (docs/evaluation.md's snippet runs in
+tests/test_readme_snippets.py with every page's.)"""
 
 from __future__ import annotations
-
-import os
-import re
-import subprocess
-import sys
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from tests.distributed import run_distributed
 from tests.models import TinyNet
-from tests.test_readme_snippets import BLOCK, REPO, _free_port
 
 #: no-grad batches per rank: unequal, and one rank with none (3 ranks: the 5-row embedding and the
 #: 2-row head leave rank 2 with empty shards)
@@ -80,30 +75,3 @@ def test_the_jobs_heldout_loss_over_unequal_rows_matches_one_process():
         want = next_token_loss(model(rows[:, :-1]), rows[:, 1:]).item()
     losses = run_distributed(_heldout_rank, 2, rows, [3, 5], timeout=60)
     assert losses[0] == losses[1] and abs(losses[0] - want) < 1e-5, (losses, want)
-
-
-def test_the_evaluation_doc_snippet_runs_on_two_processes(tmp_path):
-    """Each ```python block of docs/evaluation.md, as tests/test_readme_snippets.py runs README's."""
-    text = (REPO / "docs" / "evaluation.md").read_text()
-    blocks = [m.group(1) for m in BLOCK.finditer(text)]
-    assert blocks
-    for i, code in enumerate(blocks):
-        first = code.splitlines()[0]
-        nproc = int(m.group(1)) if (m := re.search(r"--nproc_per_node (\d+)", first)) else 1
-        script = tmp_path / f"evaluation_{i}.py"
-        script.write_text(code)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-                   GLOO_SOCKET_IFNAME="lo")
-        procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)})
-                 for r in range(nproc)]
-        try:
-            outs = [p.communicate(timeout=120)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        assert all(p.returncode == 0 for p in procs), "\n".join(outs)

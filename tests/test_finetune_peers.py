@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from perparam.finetune import peers
-from tests.test_finetune_cli import REPO, _env
+from tests.finetune_helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -41,7 +41,7 @@ def _closed_port() -> int:
 
 
 def _sigterm_worker(store_port: int, dead_peer: int = 0, rank: int = 0) -> tuple[int, str]:
-    env = {**_env(), "RANK": str(rank), "LOCAL_RANK": "0", "GROUP_RANK": str(rank), "WORLD_SIZE": "2",
+    env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": "0", "GROUP_RANK": str(rank), "WORLD_SIZE": "2",
            "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port)}
     env.pop("PET_RDZV_ENDPOINT", None)
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(dead_peer)], cwd=REPO, env=env, text=True,
