@@ -9,8 +9,15 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .collectives import CommCounter
 from .debug import CollectiveMismatchError, set_debug
-from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
+from .module import (
+    ShardedModule,
+    StoredDtypeChangeError,
+    UnshardedApplyError,
+    UnshardHandle,
+    register_forward_method,
+)
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
+from .registration import ShardedTreeChangeError
 from .session import distributed_session
 
 __all__ = [
@@ -20,9 +27,11 @@ __all__ = [
     "ParamPolicy",
     "QuantPolicy",
     "ShardedModule",
+    "ShardedTreeChangeError",
     "ShardingError",
     "StoredDtypeChangeError",
     "UnshardHandle",
+    "UnshardedApplyError",
     "clip_grad_norm_",
     "distributed_session",
     "fully_shard",

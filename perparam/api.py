@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh
 
-from . import adopt, hooks, islands
+from . import adopt, hooks, islands, registration
 from .full_state import install_load_hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of, guard_stored_dtypes
@@ -72,6 +72,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
             compute in two dtypes, an ignored parameter that is not in ``module``. Nothing is changed then.
+
+    After the call, torch utilities that register parameters into the sharded tree are checked as they
+    run (``perparam.registration``): ``remove_parametrizations`` moves the merged parameter into place;
+    what perparam cannot follow raises ``ShardedTreeChangeError`` at that call.
 
     Warns (once per process) when a trainable parameter is stored in bf16 or fp16: its optimizer then
     updates low-precision weights; pass ``MixedPrecisionPolicy(master_dtype=torch.float32)``.
@@ -157,6 +161,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     for island in island_list:  # after the group's hooks: inside its input cast, before its output cast
         islands.install(island)
     group.islands = island_list
+    registration.watch(group, ignored)
     return module
 
 
