@@ -17,6 +17,7 @@ from .module import (
     register_forward_method,
 )
 from .policy import MixedPrecisionPolicy, ParamPolicy, QuantPolicy
+from .readers import UsedWhileShardedError
 from .registration import ShardedTreeChangeError
 from .session import distributed_session
 
@@ -32,6 +33,7 @@ __all__ = [
     "StoredDtypeChangeError",
     "UnshardHandle",
     "UnshardedApplyError",
+    "UsedWhileShardedError",
     "clip_grad_norm_",
     "distributed_session",
     "fully_shard",

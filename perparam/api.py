@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh
 
-from . import adopt, hooks, islands, registration
+from . import adopt, hooks, islands, readers, registration
 from .full_state import install_load_hooks
 from .group import ParamGroup
 from .module import ShardedModule, attach, group_of, guard_stored_dtypes
@@ -71,7 +71,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
-            compute in two dtypes, an ignored parameter that is not in ``module``. Nothing is changed then.
+            compute in two dtypes, an ignored parameter that is not in ``module``, a stock module whose
+            forward reads a child's parameters directly
+            (``MultiheadAttention.out_proj``) when that child was sharded by an earlier call
+            (``perparam.readers``). Nothing is changed then.
 
     After the call, torch utilities that register parameters into the sharded tree are checked as they
     run (``perparam.registration``): ``remove_parametrizations`` moves the merged parameter into place;
@@ -115,6 +118,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
     owner = ", ".join(type(m).__name__ for m in modules)
 
+    refusal = readers.check_readers(modules, group_of)
+    if refusal is not None:
+        raise ShardingError(f"fully_shard: {refusal}")
     found, aliases = _collect(modules)
     ignored = _ignored(ignored_params, found, owner)
     found = [entry for entry in found if id(entry[1]) not in ignored]

@@ -37,10 +37,13 @@ iteration's state lives in the root's ``IterationContext``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.autograd import Variable
 
+from . import readers
 from .cast import cast_floating, replace_tensors, tensors_in
 from .group import ParamGroup
 from .state import IterationContext, TrainingState
@@ -174,6 +177,8 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
 
 
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
+    if output is None and sys.exc_info()[1] is not None:  # the forward raised (always_call hook)
+        readers.note(sys.exc_info()[1], group)
     if group.forward_depth == 0:  # no pre-forward to close: it refused the call (and raised)
         return output
     group.forward_depth -= 1

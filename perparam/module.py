@@ -38,6 +38,15 @@ class ShardedModule:
         _refuse_dtype_change(self, fn)
         return super()._apply(fn, recurse)
 
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
+            explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
+            if explained is None:
+                raise
+            raise explained from e
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the
         end of the next forward (which reshards as usual) or the end of a backward through them.
@@ -143,12 +152,15 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     def wrapped(*args, **kwargs):
         args, kwargs = hooks.pre_forward(group, module, args, kwargs)
-        output = None
         try:
             output = method(*args, **kwargs)
-        finally:  # as forward's always_call hooks: a method that raises still reshards
-            output = hooks.post_forward(group, module, args, kwargs, output)
-        return output
+        except BaseException as e:  # as forward's always_call hooks: a method that raises still reshards
+            hooks.post_forward(group, module, args, kwargs, None)
+            explained = e.__dict__.pop("_perparam_explained", None)  # perparam.readers.note
+            if explained is None:
+                raise
+            raise explained from e
+        return hooks.post_forward(group, module, args, kwargs, output)
 
     object.__setattr__(module, method_name, wrapped)
 
