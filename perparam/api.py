@@ -62,7 +62,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             means ``True``; resharding to another size is not supported (``ShardingError``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.policy``.
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
-            casts its inputs and outputs (a precision island, ``perparam.islands``).
+            casts its inputs and outputs (a precision island, ``perparam.islands``); a norm with running
+            statistics (BatchNorm, InstanceNorm with ``track_running_stats``) computes in their dtype.
         ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
             sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
 
@@ -71,8 +72,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
-            compute in two dtypes, an ignored parameter that is not in ``module``, a stock module whose
-            forward reads a child's parameters directly
+            compute in two dtypes, an ignored parameter that is not in ``module``, an uninitialised (Lazy)
+            parameter, a ``param_dtype`` given to a norm that computes with running statistics of another
+            dtype, a stock module whose forward reads a child's parameters directly
             (``MultiheadAttention.out_proj``) when that child was sharded by an earlier call
             (``perparam.readers``). Nothing is changed then.
 
@@ -127,12 +129,13 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     for fqn, original, _ in found:
         _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
+    prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
     try:
         resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner,
-                                  aliases=aliases)
+                                  aliases=aliases, compute_dtypes=islands.buffer_dtypes(
+                                      prefixes, lambda m: group_of(m) is not None))
         policies = [r.policy for r in resolved]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
-        prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],

@@ -18,6 +18,14 @@ dtype around the top is the one the inputs arrive in, and islands are set up onl
 parameters compute in more than one dtype. Modules of groups sharded by an earlier call follow their own
 call's policies. Gradients flow through the casts (``Tensor.to`` is differentiable).
 
+A stock norm with running statistics (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm`` with
+``track_running_stats=True``, a ``LazyBatchNorm`` once initialised) computes its parameters with its
+floating-point buffers, and its kernels want one dtype: its parameters compute in the buffers' dtype
+(``buffer_dtypes``, passed to ``resolution.resolve_params``), so under ``param_dtype=torch.bfloat16`` the
+norm becomes an fp32 island by the rule above (FSDP1 kept ``_BatchNorm`` modules in fp32 by wrapping them
+apart; FSDP2's ``fully_shard`` casts them to ``param_dtype`` and ``F.batch_norm`` then fails with
+"Expected running_mean to have type BFloat16").
+
 A stock torch module whose own direct parameters ask for two different compute dtypes cannot compute
 (its ops need one dtype); it is refused at ``fully_shard`` time (``IslandError``), naming the module and
 both parameters. A module of the user's own class with mixed dtypes is trusted to cast in its own
@@ -30,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 from .cast import cast_floating, first_floating_dtype
 
@@ -101,6 +111,28 @@ def find_islands(roots: list[tuple[str, nn.Module]], params, call_dtype: torch.d
                 if child is not None:
                     stack.append((f"{path}.{name}" if path else name, child, inner, False, module))
     return islands
+
+
+def buffer_dtypes(roots: list[tuple[str, nn.Module]], skip) -> dict[str, torch.dtype]:
+    """Parameter name -> the dtype of its module's running statistics, for every stock norm with
+    floating-point running statistics in the call's trees (``roots``: ``(name prefix, module)``;
+    ``skip(module)``: true for a module sharded by an earlier call, whose subtree is not this call's)."""
+    out: dict[str, torch.dtype] = {}
+    for prefix, root in roots:
+        stack = [(prefix, root, True)]
+        while stack:
+            path, module, top = stack.pop()
+            if not top and skip(module):
+                continue
+            stats = module._buffers.get("running_mean") if isinstance(module, _NormBase) else None
+            if stats is not None and not is_lazy(stats) and stats.is_floating_point():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        out[path + name] = stats.dtype
+            for name, child in module._modules.items():
+                if child is not None:
+                    stack.append((f"{path}{name}.", child, False))
+    return out
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
+from perparam.islands import buffer_dtypes
 from perparam.layout import ShardLayout
 from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
@@ -216,8 +217,10 @@ def plan_module(
     named = [(n, nn.Parameter(torch.empty(tp_local_shape(n, tuple(p.shape), on_tp[n], tp) if n in on_tp else p.shape,
                                           dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
+    compute_dtypes = buffer_dtypes([("", module)], lambda m: False)  # norms compute in their statistics' dtype
     plans = [ParamPlan(r.name, r) for r in resolve_params(named, mp_policy, param_policy, world_size, model_name,
-                                                          aliases=aliases, tensor_parallel=set(on_tp))]
+                                                          aliases=aliases, tensor_parallel=set(on_tp),
+                                                          compute_dtypes=compute_dtypes)]
 
     groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy) for pp in plans)
     sample = {(pp.layout, pp.requires_grad, pp.resolution.policy): pp for pp in plans}
