@@ -291,17 +291,19 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             raise ShardingError(
                 f"parameter '{fqn}' of {owner} is already sharded by an earlier fully_shard call on its parent "
                 f"{earlier.name} (as '{other_fqn}'); apply fully_shard bottom-up: submodules first, then "
-                "their parent")
+                "their parent (build the model again: a fully_shard call cannot be undone)")
         raise ShardingError(
             f"parameter '{fqn}' of {owner} (this call) is already sharded by an earlier fully_shard call on "
             f"{earlier.name} (as '{other_fqn}'): the submodule holding it is shared by both. A parameter "
-            f"belongs to one group: shard both modules in one call (fully_shard([the {earlier.name}, this "
-            f"{owner}])), or shard the shared submodule first with its own fully_shard call, before both")
+            f"belongs to one group: build the model again and shard both modules in one call (fully_shard([the "
+            f"{earlier.name}, this {owner}])), or shard the shared submodule first with its own fully_shard call, "
+            "before both")
     taken = _TAKEN.get(p)
     if taken is not None:
         other, other_fqn = taken
         raise ShardingError(
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
-            f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
-            f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
+            f"fully_shard call on {other}; a parameter can belong to one group only: build the model again and shard "
+            "the modules that share it in one call, e.g. fully_shard([module_a, module_b]), or leave them to the "
+            "parent's call")
     # the 0-dim, dtype and requires-grad checks run in resolve_params (shared with perparam plan)

@@ -196,8 +196,8 @@ def _refuse_dtype_change(module: nn.Module, fn) -> None:
             raise StoredDtypeChangeError(
                 f"{type(module).__name__} holds parameters sharded by perparam; changing its parameters' dtype ('{sp.fqn}': "
                 f"{probe.dtype} -> {changed.dtype}) after fully_shard is not supported: the compute dtype and "
-                "the all-gather layout were fixed from the stored dtypes then. To compute in "
-                f"{changed.dtype}, pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+                "the all-gather layout were fixed from the stored dtypes then. Build the model again, and to "
+                f"compute in {changed.dtype} pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
                 f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
         owner, name = sp.slots[0]
         if changed is not probe and sp.unsharded is not None and owner._parameters.get(name) is sp.unsharded:
