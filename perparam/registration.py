@@ -79,7 +79,7 @@ def tree_group(module: nn.Module):
 
 
 _GENERATION = [0]  # bumped when perparam creates parameter objects; the lookup table below is rebuilt then
-_TABLE: dict = {"generation": -1, "ids": {}, "meshes": set()}
+_TABLE: dict = {"generation": -1, "ids": {}, "meshes": {}}
 
 
 def bump() -> None:
@@ -89,16 +89,16 @@ def bump() -> None:
 
 def _table() -> dict:
     """id -> weak (group, ShardedParam) of every sharded and unsharded parameter object perparam holds, and
-    the ids of their meshes; rebuilt only after ``bump()``."""
+    id -> weak mesh of their meshes; rebuilt only after ``bump()``."""
     if _TABLE["generation"] != _GENERATION[0]:
-        ids, meshes = {}, set()
+        ids, meshes = {}, {}
         for g in list(_GROUPS):
             for sp in g.params:
                 entry = (weakref.ref(g), weakref.ref(sp))
                 ids[id(sp.sharded)] = entry
                 if sp.unsharded is not None:
                     ids[id(sp.unsharded)] = entry
-                meshes.update((id(sp.mesh), id(sp.dp_mesh)))
+                meshes.update({id(m): weakref.ref(m) for m in (sp.mesh, sp.dp_mesh)})
         _TABLE.update(generation=_GENERATION[0], ids=ids, meshes=meshes)
     return _TABLE
 
@@ -127,8 +127,7 @@ def _path(group, module: nn.Module) -> str | None:
     for i, root in enumerate(group.modules):
         for path, m in root.named_modules(remove_duplicate=False):
             if m is module:
-                return (f"{i}." if len(group.modules) > 1 else "") + path if path else (
-                    str(i) if len(group.modules) > 1 else "")
+                return ".".join(p for p in (str(i) if len(group.modules) > 1 else "", path) if p)
     return None
 
 
@@ -220,7 +219,8 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             f"{_utility(module, name)}): fully_shard fixed the parameters of this sharded tree, so this one "
             "would be neither sharded nor reduced (each rank would train its own copy). "
             f"{_FIX}.{_changed(back, name)}")
-    if isinstance(param, DTensor) and id(param.device_mesh) in _table()["meshes"]:
+    mesh = param.device_mesh if isinstance(param, DTensor) else None
+    if mesh is not None and _table()["meshes"].get(id(mesh), lambda: None)() is mesh:
         raise ShardedTreeChangeError(
             f"perparam: new parameter '{name}' of {_cls(module)} holds a DTensor computed from "
             f"parameters sharded by fully_shard (by {_utility(module, name)}); perparam would neither all-gather "
