@@ -10,11 +10,19 @@ from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
 from .full_state import CheckpointError
-from .module import ShardedModule, StoredDtypeChangeError, UnshardHandle, register_forward_method
+from .module import (
+    ShardedModule,
+    StoredDtypeChangeError,
+    UnshardedApplyError,
+    UnshardHandle,
+    register_forward_method,
+)
 from .runtime.adopt import ReplacedParameterError
 from .runtime.config import RuntimeConfig, configure
 from .runtime.hooks import TransformError
 from .runtime.param import ReplacedAfterShardingError
+from .runtime.readers import UsedWhileShardedError
+from .runtime.registration import ShardedTreeChangeError
 from .runtime.state import StateError
 from .session import distributed_session
 from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, QuantPolicy
@@ -31,11 +39,14 @@ __all__ = [
     "ReplacedParameterError",
     "RuntimeConfig",
     "ShardedModule",
+    "ShardedTreeChangeError",
     "ShardingError",
     "StateError",
     "StoredDtypeChangeError",
     "TransformError",
     "UnshardHandle",
+    "UnshardedApplyError",
+    "UsedWhileShardedError",
     "clip_grad_norm_",
     "configure",
     "distributed_session",

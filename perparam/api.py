@@ -19,13 +19,13 @@ from mesh import MeshError, check_dp_mesh
 from .errors import ShardingError
 from .full_state import install_load_hooks
 from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes
-from .runtime import adopt, hooks, islands
+from .runtime import adopt, hooks, islands, readers, registration
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
 from .runtime.param import ShardedParam
 from .runtime.tp import CompositionError, TensorParallel, compose
 from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
-from .sharding.resolution import ParamError, resolve_params
+from .sharding.resolution import ParamError, buffer_dtypes, resolve_params
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
 #: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.
@@ -62,7 +62,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             means ``True``; resharding to another size is not supported (``ShardingError``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.sharding.policy``.
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
-            casts its inputs and outputs (a precision island, ``perparam.runtime.islands``).
+            casts its inputs and outputs (a precision island, ``perparam.runtime.islands``); a norm with running
+            statistics (BatchNorm, InstanceNorm with ``track_running_stats``) computes in their dtype.
         ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
             sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
         gradient_divide_factor: what this call's reduced gradients are divided by. A reduction sums a
@@ -81,7 +82,15 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
             compute in two dtypes, an ignored parameter that is not in ``module``, a
             ``gradient_divide_factor`` that is not a positive finite number, a parameter with a hook from
-            ``register_hook`` (it could never fire). Nothing is changed then.
+            ``register_hook`` (it could never fire), an uninitialised (Lazy)
+            parameter, a ``param_dtype`` given to a norm that computes with running statistics of another
+            dtype, a stock module whose forward reads a child's parameters directly
+            (``MultiheadAttention.out_proj``) when that child was sharded by an earlier call
+            (``perparam.runtime.readers``). Nothing is changed then.
+
+    After the call, torch utilities that register parameters into the sharded tree are checked as they
+    run (``perparam.runtime.registration``): ``remove_parametrizations`` moves the merged parameter into
+    place; what perparam cannot follow raises ``ShardedTreeChangeError`` at that call.
 
     Warns (once per process) when a trainable parameter is stored in bf16 or fp16: its optimizer then
     updates low-precision weights; pass ``MixedPrecisionPolicy(master_dtype=torch.float32)``.
@@ -124,18 +133,22 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
     owner = ", ".join(type(m).__name__ for m in modules)
 
+    refusal = readers.check_readers(modules, group_of)
+    if refusal is not None:
+        raise ShardingError(f"fully_shard: {refusal}")
     found, aliases = _collect(modules)
     ignored = _ignored(ignored_params, found, owner)
     found = [entry for entry in found if id(entry[1]) not in ignored]
     for fqn, original, _ in found:
         _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
+    prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
     try:
         resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner,
-                                  aliases=aliases)
+                                  aliases=aliases, compute_dtypes=buffer_dtypes(
+                                      prefixes, lambda m: group_of(m) is not None))
         policies = [r.policy for r in resolved]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
-        prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],
@@ -168,12 +181,21 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         # always_call: a forward that raises still reshards and releases the root
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
                                 with_kwargs=True, always_call=True)
-    install_load_hooks(sharded_params)
-    guard_stored_dtypes(sharded_params)
+    _set_up_places(sharded_params)
     for island in island_list:  # after the group's hooks: inside its input cast, before its output cast
         islands.install(island)
     group.islands = island_list
+    registration.watch(group, ignored, on_move=_set_up_places)
     return module
+
+
+
+def _set_up_places(params: list[ShardedParam]) -> None:
+    """What ``fully_shard`` sets up on the modules where each of ``params`` is registered: the stored-dtype
+    guard and the ``load_state_dict`` hooks (again for a parameter a torch utility moved,
+    ``perparam.runtime.registration.move``)."""
+    guard_stored_dtypes(params)
+    install_load_hooks(params)
 
 
 _WARNED_LOW_PRECISION = False
@@ -293,19 +315,21 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             raise ShardingError(
                 f"parameter '{fqn}' of {owner} is already sharded by an earlier fully_shard call on its parent "
                 f"{earlier.name} (as '{other_fqn}'); apply fully_shard bottom-up: submodules first, then "
-                "their parent")
+                "their parent (build the model again: a fully_shard call cannot be undone)")
         raise ShardingError(
             f"parameter '{fqn}' of {owner} (this call) is already sharded by an earlier fully_shard call on "
             f"{earlier.name} (as '{other_fqn}'): the submodule holding it is shared by both. A parameter "
-            f"belongs to one group: shard both modules in one call (fully_shard([the {earlier.name}, this "
-            f"{owner}])), or shard the shared submodule first with its own fully_shard call, before both")
+            f"belongs to one group: build the model again and shard both modules in one call (fully_shard([the "
+            f"{earlier.name}, this {owner}])), or shard the shared submodule first with its own fully_shard call, "
+            "before both")
     taken = _TAKEN.get(p)
     if taken is not None:
         other, other_fqn = taken
         raise ShardingError(
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
-            f"fully_shard call on {other}; a parameter can belong to one group only: shard the modules that share it in one "
-            f"call, e.g. fully_shard([module_a, module_b]), or leave them to the parent's call")
+            f"fully_shard call on {other}; a parameter can belong to one group only: build the model again and shard "
+            "the modules that share it in one call, e.g. fully_shard([module_a, module_b]), or leave them to the "
+            "parent's call")
     if p._backward_hooks:
         raise ShardingError(
             f"parameter '{fqn}' of {owner} has a hook registered with register_hook(); fully_shard replaces the "

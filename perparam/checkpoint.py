@@ -121,8 +121,10 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     meta = [k for k, v in state.items() if v.is_meta]
     if meta:
-        raise CheckpointError(f"'{meta[0]}' (and {len(meta) - 1} more) of the model are on the meta device: call "
-                              "model.to_empty(device=...) first (or load_full_state_dict, which does it)")
+        raise CheckpointError(f"'{meta[0]}' (and {len(meta) - 1} more) of the model are on the meta device: "
+                              "materialise it first with model.to_empty(device=...), then recompute its "
+                              "non-persistent buffers, which no checkpoint holds (perparam.full_state."
+                              "load_full_state_dict does both, for a full state dict held by rank 0)")
     return state
 
 
@@ -135,8 +137,9 @@ def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch
         for p in group["params"]:
             if id(p) not in names:
                 raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter "
-                                      "of the model (an optimizer built before fully_shard is retargeted at its first "
-                                      "step(): step once, or build the optimizer after fully_shard)")
+                                      "of the model (a parameter the model no longer has, e.g. an adapter merged "
+                                      "away by remove_parametrizations, or a tensor that never was one): build the "
+                                      "optimizer from the model's parameters as they are now")
             named.append((names[id(p)], p))
         groups.append(named)
     return groups

@@ -9,16 +9,22 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .errors import ShardingError
 from .runtime import hooks
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
+from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
 
 _CLASS_CACHE: dict[type, type] = {}
 
 
 class StoredDtypeChangeError(TypeError):
     """``module.to(dtype)`` / ``.half()`` / ``.double()`` ... on a sharded module: refused."""
+
+
+class UnshardedApplyError(RuntimeError):
+    """``module.to(device)`` / ``to_empty`` ... while the unsharded parameters are registered: refused."""
 
 
 class ShardedModule:
@@ -33,9 +39,20 @@ class ShardedModule:
         """``nn.Module.to``, ``.half()``, ``.cuda()``, ``to_empty`` ... all come here. A change of device
         (or ``to_empty``) is applied to the shards as usual; a change of the stored dtype is refused,
         before anything changes, with ``StoredDtypeChangeError``: the compute dtype, the all-gather
-        layout and the reduce dtype were resolved from the stored dtypes at ``fully_shard``."""
+        layout and the reduce dtype were resolved from the stored dtypes at ``fully_shard``. Any change
+        while the unsharded parameters are registered (after ``unshard()``) is refused likewise: it would
+        reach the gathered copies and not the shards."""
         _refuse_dtype_change(self, fn)
         return super()._apply(fn, recurse)
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
+            explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
+            if explained is None:
+                raise
+            raise explained from e
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the
@@ -242,17 +259,17 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     def wrapped(*args, **kwargs):
         args, kwargs = hooks.pre_forward(group, module, args, kwargs)
-        output = None
         try:
             output = method(*args, **kwargs)
-        finally:  # as forward's always_call hooks: a method that raises still reshards
-            output = hooks.post_forward(group, module, args, kwargs, output)
-        return output
+        except BaseException as e:  # as forward's always_call hooks: a method that raises still reshards
+            hooks.post_forward(group, module, args, kwargs, None)
+            explained = e.__dict__.pop("_perparam_explained", None)  # perparam.runtime.readers.note
+            if explained is None:
+                raise
+            raise explained from e
+        return hooks.post_forward(group, module, args, kwargs, output)
 
     object.__setattr__(module, method_name, wrapped)
-
-
-_OWNED_ATTR = "_perparam_owned"
 
 
 def guard_stored_dtypes(params) -> None:
@@ -260,7 +277,7 @@ def guard_stored_dtypes(params) -> None:
     modules given to ``fully_shard``: ``model.layer.half()`` comes through the child's own ``_apply``."""
     for sp in params:
         for module, _ in sp.slots:
-            module.__dict__.setdefault(_OWNED_ATTR, []).append(sp)
+            module.__dict__.setdefault(OWNED_ATTR, []).append(sp)
             if not isinstance(module, ShardedModule) and "_apply" not in module.__dict__:
                 module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
 
@@ -271,7 +288,7 @@ def _guarded_apply(self, fn, recurse=True):
 
 
 def _refuse_dtype_change(module: nn.Module, fn) -> None:
-    owned = {id(sp): sp for m in module.modules() for sp in m.__dict__.get(_OWNED_ATTR, ())}
+    owned = {id(sp): sp for m in module.modules() for sp in m.__dict__.get(OWNED_ATTR, ())}
     for sp in owned.values():
         shard = sp.local_shard()
         probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
@@ -283,9 +300,15 @@ def _refuse_dtype_change(module: nn.Module, fn) -> None:
             raise StoredDtypeChangeError(
                 f"{type(module).__name__} holds parameters sharded by perparam; changing its parameters' dtype ('{sp.fqn}': "
                 f"{probe.dtype} -> {changed.dtype}) after fully_shard is not supported: the compute dtype and "
-                "the all-gather layout were fixed from the stored dtypes then. To compute in "
-                f"{changed.dtype}, pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+                "the all-gather layout were fixed from the stored dtypes then. Build the model again, and to "
+                f"compute in {changed.dtype} pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
                 f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
+        owner, name = sp.slots[0]
+        if changed is not probe and sp.unsharded is not None and owner._parameters.get(name) is sp.unsharded:
+            raise UnshardedApplyError(
+                f"{class_name(module)} holds parameters sharded by perparam whose unsharded copies are registered "
+                f"now (after unshard(); e.g. '{sp.fqn}'): .to() / .cuda() / to_empty() would change those copies "
+                "and not the shards. Call reshard() on the sharded module first, then this")
 
 
 def _groups_below(module: nn.Module, recurse: bool) -> list[ParamGroup]:
@@ -298,14 +321,28 @@ def _groups_below(module: nn.Module, recurse: bool) -> list[ParamGroup]:
     return list(groups.values())
 
 
-def attach(module: nn.Module, group: ParamGroup) -> None:
-    """Swap ``module``'s class, in place, for a subclass that also derives from ``ShardedModule``."""
-    cls = type(module)
+def sharded_class(cls: type) -> type:
+    """The subclass of ``cls`` that also derives from ``ShardedModule`` (one per class)."""
     sharded_cls = _CLASS_CACHE.get(cls)
     if sharded_cls is None:
-        sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+        sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__, BASE_ATTR: cls})
         _CLASS_CACHE[cls] = sharded_cls
-    module.__class__ = sharded_cls
+    return sharded_cls
+
+
+def attach(module: nn.Module, group: ParamGroup) -> None:
+    """Swap ``module``'s class, in place, for a subclass that also derives from ``ShardedModule``.
+
+    A module parametrized by ``torch.nn.utils.parametrize`` has a class of its own made by parametrize
+    (its properties on top of the original class), which ``remove_parametrizations`` rolls back to its
+    first base: that class is rebuilt on top of the sharded class, so the roll-back keeps the module
+    sharded."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        module.__class__ = type(cls.__name__, (sharded_class(cls.__bases__[0]),), body)
+    else:
+        module.__class__ = sharded_class(cls)
     module.__dict__[GROUP_ATTR] = group
 
 

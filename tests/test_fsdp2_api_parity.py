@@ -78,21 +78,31 @@ def test_an_optimizer_with_state_from_before_sharding_is_refused():
 def reassigned(rank: int, world_size: int) -> list:
     model = nn.Sequential(nn.Linear(2, 2))
     perparam.fully_shard(model)
-    mine = model[0].weight = nn.Parameter(torch.zeros(2, 2))
+    sharded = model[0].weight
+    try:  # an assignment is refused at the call, the model unchanged
+        model[0].weight = nn.Parameter(torch.zeros(2, 2))
+        at_call = "no error"
+    except RuntimeError as e:
+        at_call = str(e)
+    unchanged = model[0].weight is sharded
+    model(torch.ones(1, 2))
+    # a write no registration hook sees is refused at every forward, never silently put back
+    mine = model[0]._parameters["weight"] = nn.Parameter(torch.zeros(2, 2))
     messages = []
-    for _ in range(2):  # refused every time, never silently put back
+    for _ in range(2):
         try:
             model(torch.ones(1, 2))
             messages.append("no error")
         except RuntimeError as e:
             messages.append(str(e))
-    return [*messages, model[0].weight is mine]
+    return [at_call, unchanged, *messages, model[0].weight is mine]
 
 
-def test_a_parameter_assigned_after_sharding_is_refused_at_the_next_forward():
-    first, second, still_mine = run_distributed(reassigned, 1)[0]
-    assert "'0.weight'" in first and "replaced after fully_shard" in first and "copy_" in first
-    assert second == first and still_mine
+def test_a_parameter_assigned_after_sharding_is_refused_at_the_call_or_the_next_forward():
+    at_call, unchanged, first, second, still_mine = run_distributed(reassigned, 1)[0]
+    for message in (at_call, first):
+        assert "'0.weight'" in message and "replaced after fully_shard" in message and "copy_" in message
+    assert unchanged and second == first and still_mine
 
 
 def reshard_values(rank: int, world_size: int, value) -> str:

@@ -166,3 +166,34 @@ def test_full_state_dict_gathers_stored_fp8_codes_on_gloo():
     assert sd["0.weight"].dtype == torch.float8_e4m3fn and sd["0.weight"].shape == (3, 4)
     assert torch.equal(sd["0.weight"][:2].view(torch.uint8), got[0][1])
     assert torch.equal(sd["0.weight"][2:].view(torch.uint8), got[1][1])
+
+
+def dcp_load_into_meta(rank: int, world_size: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    full = TinyNet().state_dict()
+    with torch.device("meta"):
+        model = TinyNet()
+    for block in model.blocks:
+        perparam.fully_shard(block)
+    perparam.fully_shard(model)
+    options = StateDictOptions(full_state_dict=True)
+    try:  # on meta, torch loads with assign=True: refused at the call, saying what is missing
+        set_model_state_dict(model, dict(full), options=options)  # (torch rewrites the dict it gets)
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    model.to_empty(device="cpu")  # the advice: materialise the shards first, then the same call
+    set_model_state_dict(model, full, options=options)
+    return {"message": message, "out": model(torch.tensor([[0, 1, 4]])).detach()}
+
+
+def test_loading_a_meta_sharded_model_without_to_empty_names_what_is_missing():
+    torch.manual_seed(0)
+    want = TinyNet()(torch.tensor([[0, 1, 4]])).detach()
+    for got in run_distributed(dcp_load_into_meta, 3):
+        message = got["message"]
+        assert "meta device" in message and "model.to_empty(device=...)" in message, message
+        assert "perparam.full_state.load_full_state_dict" in message, message
+        assert torch.allclose(got["out"], want, atol=1e-6)

@@ -76,6 +76,11 @@ def _case(name: str) -> None:
         perparam.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})
     elif name == "param_policy_type":
         perparam.fully_shard(nn.Linear(2, 2), param_policy=[perparam.ParamPolicy()])
+    elif name == "lazy_module":
+        perparam.fully_shard(nn.Sequential(nn.Linear(2, 2), nn.LazyBatchNorm1d()))
+    elif name == "norm_param_dtype":  # a norm computes with its fp32 running statistics
+        perparam.fully_shard(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)),
+                             param_policy={"1.*": perparam.ParamPolicy(param_dtype=torch.bfloat16)})
     elif name == "dtype_as_string":
         perparam.fully_shard(nn.Linear(2, 2), mp_policy=perparam.MixedPrecisionPolicy(param_dtype="bf16"))
     else:
@@ -105,6 +110,8 @@ CASES = {
     "mp_policy_type": ["MixedPrecisionPolicy", "dict"],
     "param_policy_type": ["ParamPolicy", "list"],
     "dtype_as_string": ["torch.dtype", "'bf16'"],
+    "lazy_module": ["'1.weight'", "Lazy", "forward with a sample batch before fully_shard"],
+    "norm_param_dtype": ["'1.weight'", "running statistics", "torch.float32", "drop its param_dtype"],
 }
 
 

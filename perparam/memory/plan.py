@@ -34,7 +34,7 @@ from perparam.memory.presets import PRESETS
 from perparam.memory.tp_plan import tp_local_shape, tp_placements
 from perparam.sharding.layout import ShardLayout
 from perparam.sharding.placement import placement_str as one_placement_str
-from perparam.sharding.resolution import ParamResolution, aliases_of, resolve_params
+from perparam.sharding.resolution import ParamResolution, aliases_of, buffer_dtypes, resolve_params
 
 #: Dtype names accepted by ``--dtype`` ("model" keeps each parameter's own dtype).
 DTYPES = {
@@ -216,8 +216,10 @@ def plan_module(
     named = [(n, nn.Parameter(torch.empty(tp_local_shape(n, tuple(p.shape), on_tp[n], tp) if n in on_tp else p.shape,
                                           dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
+    compute_dtypes = buffer_dtypes([("", module)], lambda m: False)  # norms compute in their statistics' dtype
     plans = [ParamPlan(r.name, r) for r in resolve_params(named, mp_policy, param_policy, world_size, model_name,
-                                                          aliases=aliases, tensor_parallel=set(on_tp))]
+                                                          aliases=aliases, tensor_parallel=set(on_tp),
+                                                          compute_dtypes=compute_dtypes)]
 
     groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy) for pp in plans)
     sample = {(pp.layout, pp.requires_grad, pp.resolution.policy): pp for pp in plans}

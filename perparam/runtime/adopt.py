@@ -104,8 +104,11 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             if optimizer.state.get(p):
                 raise ReplacedParameterError(
                     f"{type(optimizer).__name__} holds state for a parameter of shape {tuple(p.shape)} that "
-                    "fully_shard has since replaced by a sharded DTensor; build the optimizer after fully_shard "
-                    "(or load its state with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)")
+                    "fully_shard has since replaced by a sharded DTensor; build the optimizer after fully_shard. To "
+                    "keep the state it has, take it before fully_shard with torch.distributed.checkpoint.state_dict."
+                    "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)) and "
+                    "load it into the new optimizer with set_optimizer_state_dict(model, new_optimizer, state, "
+                    "options=StateDictOptions(full_state_dict=True))")
             params[i] = sharded
     ours = {id(sp.sharded) for sp in _OWNERS}
     if optimizer not in _counted and any(id(p) in ours for g in optimizer.param_groups for p in g["params"]):

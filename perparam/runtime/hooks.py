@@ -38,11 +38,13 @@ iteration's state lives in the root's ``IterationContext`` (``perparam.runtime.c
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.autograd import Variable
 
-from . import config
+from . import config, readers
 from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
 from .group import ParamGroup, group_of
@@ -169,6 +171,8 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
 
 
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
+    if output is None and sys.exc_info()[1] is not None:  # the forward raised (always_call hook)
+        readers.note(sys.exc_info()[1], group)
     if group.forward_depth == 0:  # no pre-forward to close: it refused the call (and raised)
         return output
     group.forward_depth -= 1

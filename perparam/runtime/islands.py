@@ -18,6 +18,14 @@ dtype around the top is the one the inputs arrive in, and islands are set up onl
 parameters compute in more than one dtype. Modules of groups sharded by an earlier call follow their own
 call's policies. Gradients flow through the casts (``Tensor.to`` is differentiable).
 
+A stock norm with running statistics (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm`` with
+``track_running_stats=True``, a ``LazyBatchNorm`` once initialised) computes its parameters with its
+floating-point buffers, and its kernels want one dtype: its parameters compute in the buffers' dtype
+(``perparam.sharding.resolution.buffer_dtypes``, passed to ``resolve_params``), so under ``param_dtype=torch.bfloat16`` the
+norm becomes an fp32 island by the rule above (FSDP1 kept ``_BatchNorm`` modules in fp32 by wrapping them
+apart; FSDP2's ``fully_shard`` casts them to ``param_dtype`` and ``F.batch_norm`` then fails with
+"Expected running_mean to have type BFloat16").
+
 A stock torch module whose own direct parameters ask for two different compute dtypes cannot compute
 (its ops need one dtype); it is refused at ``fully_shard`` time (``IslandError``), naming the module and
 both parameters. A module of the user's own class with mixed dtypes is trusted to cast in its own

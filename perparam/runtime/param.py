@@ -23,6 +23,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..sharding.policy import ResolvedPolicy
 from ..sharding.resolution import shard_layout
+from . import registration
 from .tp import TensorParallel
 
 
@@ -180,6 +181,7 @@ class ShardedParam:
             if self.tp:  # the module computes with DTensors on the tp mesh
                 view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+            registration.bump()  # a new parameter object perparam holds
             if self.on_grad_ready is not None and self.unsharded.is_floating_point():
                 # also on a frozen parameter: it may be unfrozen later (the hook only fires on gradients)
                 self.unsharded.requires_grad_(True)
@@ -240,18 +242,14 @@ class ShardedParam:
     # -- registration -----------------------------------------------------------------------------------
     def check_slots(self) -> None:
         """Raise ``ReplacedAfterShardingError`` when a slot holds an object perparam did not put there (a
-        parameter assigned after ``fully_shard``, e.g. ``module.weight = nn.Parameter(...)``)."""
+        parameter assigned after ``fully_shard`` where no registration hook saw it, e.g.
+        ``module._parameters[name] = ...`` or ``torch.func.functional_call``) or nothing (``del
+        module.weight``)."""
         for module, name in self.slots:
             current = module._parameters.get(name)
-            if current is not self.sharded and current is not self.unsharded:
+            if current is None or (current is not self.sharded and current is not self.unsharded):
                 raise ReplacedAfterShardingError(
-                    f"parameter '{self.fqn}' ({type(module).__name__}.{name}) was replaced after fully_shard "
-                    "(module.weight = ..., load_state_dict(assign=True), or torch.func.functional_call, which "
-                    "cannot pass its own tensors through a sharded module); perparam manages the sharded "
-                    "parameter it created. Change values in place instead "
-                    f"(with torch.no_grad(): {name}.copy_(distribute_tensor(new, {name}.device_mesh, "
-                    f"{name}.placements)), load_state_dict without assign=True, or set_model_state_dict(..., "
-                    "StateDictOptions(full_state_dict=True))), or build the module again and shard it")
+                    registration.replaced_message(self, module, name, removed=current is None))
 
     def register(self, tensor: nn.Parameter) -> None:
         for module, name in self.slots:

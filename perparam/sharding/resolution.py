@@ -19,7 +19,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 from .layout import ShardLayout, WirePiece, ceil_div, wire_pieces
 from .placement import AUTO_REPLICATE_BYTES, auto_placement
@@ -44,6 +47,9 @@ class ParamError(ValueError):
 def check_param(fqn: str, p: torch.Tensor, owner: str) -> None:
     """Raise ``ParamError`` for a non-floating-point parameter that requires grad, or a complex one. (A 0-dim
     parameter is refused by ``policy.resolve`` unless its placement is ``Replicate()`` or ``"auto"``.)"""
+    if isinstance(p, torch.nn.parameter.UninitializedParameter):
+        raise ParamError(f"parameter '{fqn}' of {owner} is not initialised yet (a Lazy module); run one forward "
+                         "with a sample batch before fully_shard, which gives it its shape")
     if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
         raise ParamError(f"parameter '{fqn}' of {owner} has dtype {p.dtype} and requires grad; only "
                          "floating-point parameters can be trained: set requires_grad=False")
@@ -73,17 +79,28 @@ def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicat
 
 def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_policy, num_shards: int, *,
                   replicate_below: int = AUTO_REPLICATE_BYTES, names: Sequence[str] = (),
-                  tensor_parallel: bool = False) -> ResolvedPolicy:
+                  tensor_parallel: bool = False, compute_dtype: torch.dtype | None = None) -> ResolvedPolicy:
     """``policy.resolve`` for one parameter, with ``placement="auto"`` made concrete for K = ``num_shards``.
 
     ``names``: all of the parameter's names (tied aliases; default ``(name,)``), any of which a pattern may
     match. ``tensor_parallel``: ``p`` stands for a tensor-parallel parameter (its tp-local shape), which
-    ``"auto"`` keeps on ``Shard(0)`` (a real tp DTensor is recognised by its type). Raises ``PolicyError``
-    (naming ``name``) for a policy that cannot apply, including a string placement other than ``"auto"``.
+    ``"auto"`` keeps on ``Shard(0)`` (a real tp DTensor is recognised by its type). ``compute_dtype``: the
+    dtype the parameter must compute in whatever the call's ``param_dtype`` (``buffer_dtypes``: a
+    norm's running statistics); a different ``param_dtype`` given for it raises ``PolicyError``. Raises
+    ``PolicyError`` (naming ``name``) for a policy that cannot apply, including a string placement other
+    than ``"auto"``.
     """
     pp = _pick(name, p, param_policy, names)
     if pp is not None and not isinstance(pp, ParamPolicy):
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+    if compute_dtype is not None and p.is_floating_point():
+        pp = pp or ParamPolicy()
+        if pp.param_dtype is not None and pp.param_dtype != compute_dtype:
+            raise PolicyError(f"parameter '{name}' computes with its module's running statistics, which are "
+                              f"{compute_dtype} buffers, so it cannot compute in param_dtype {pp.param_dtype}: drop "
+                              f"its param_dtype (perparam computes the module in {compute_dtype}) or convert the "
+                              f"module, buffers included, with .to({pp.param_dtype}) before fully_shard")
+        pp = dataclasses.replace(pp, param_dtype=compute_dtype)
     if pp is None:
         return resolve(name, p, mp, None, p.dim())
     if isinstance(pp.placement, str):
@@ -163,7 +180,8 @@ def aliases_of(module: torch.nn.Module) -> dict[str, tuple[str, ...]]:
 def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecisionPolicy | None, param_policy,
                    num_shards: int, owner: str = "the module", *,
                    replicate_below: int = AUTO_REPLICATE_BYTES, aliases: Mapping[str, Sequence[str]] | None = None,
-                   tensor_parallel: Collection[str] = ()) -> list[ParamResolution]:
+                   tensor_parallel: Collection[str] = (),
+                   compute_dtypes: Mapping[str, torch.dtype] | None = None) -> list[ParamResolution]:
     """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks.
 
     ``named``: ``(name, parameter)`` pairs, names relative to the module given (as ``fully_shard`` names
@@ -171,7 +189,9 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
     whose name is in ``tensor_parallel``. ``aliases``: name -> all names of a tied parameter; a mapping
     pattern matching any of them applies. Raises ``ParamError`` or ``PolicyError`` (both ``ValueError``)
     naming the parameter; a mapping pattern that matches no name raises ``PolicyError``, and so do two
-    patterns giving different policies to names of one tied parameter. Nothing is allocated.
+    patterns giving different policies to names of one tied parameter. ``compute_dtypes``: name -> the
+    dtype that parameter must compute in (``buffer_dtypes``), see ``resolve_param``. Nothing is
+    allocated.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -184,10 +204,33 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
     for name, p in named:
         on_tp = isinstance(p, DTensor) or name in tensor_parallel
         policy = resolve_param(name, p, mp, param_policy, num_shards, replicate_below=replicate_below,
-                               names=aliases.get(name, (name,)), tensor_parallel=on_tp)
+                               names=aliases.get(name, (name,)), tensor_parallel=on_tp,
+                               compute_dtype=(compute_dtypes or {}).get(name))
         if on_tp and policy.quant is not None and policy.quant.store_quantized:
             raise PolicyError(f"parameter '{name}' is tensor-parallel; store_quantized is not supported for "
                               "tensor-parallel parameters: quantize its communication only")
         layout, pieces = shard_layout(dp_shape(p), policy, num_shards)
         out.append(ParamResolution(name, policy, layout, pieces))
+    return out
+
+
+def buffer_dtypes(roots: list[tuple[str, nn.Module]], skip) -> dict[str, torch.dtype]:
+    """Parameter name -> the dtype of its module's running statistics, for every stock norm with
+    floating-point running statistics in the call's trees (``roots``: ``(name prefix, module)``;
+    ``skip(module)``: true for a module sharded by an earlier call, whose subtree is not this call's)."""
+    out: dict[str, torch.dtype] = {}
+    for prefix, root in roots:
+        stack = [(prefix, root, True)]
+        while stack:
+            path, module, top = stack.pop()
+            if not top and skip(module):
+                continue
+            stats = module._buffers.get("running_mean") if isinstance(module, _NormBase) else None
+            if stats is not None and not is_lazy(stats) and stats.is_floating_point():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        out[path + name] = stats.dtype
+            for name, child in module._modules.items():
+                if child is not None:
+                    stack.append((f"{path}{name}.", child, False))
     return out

@@ -1,0 +1,136 @@
+"""Modules that use a sharded module's parameters without calling it.
+
+perparam all-gathers a group's parameters in the forward pre-hook of the module(s) given to
+``fully_shard``; outside that forward they are sharded DTensors. A module that reads a child's
+parameters directly instead of calling the child (``nn.MultiheadAttention`` passes ``out_proj.weight`` to
+``F.multi_head_attention_forward``; a user's ``F.linear(x, self.head.weight)``; weight tying by reading
+another module's ``.weight``) therefore computes with a sharded DTensor, and DTensor refuses with its
+generic "got mixed torch.Tensor and DTensor".
+
+* At ``fully_shard``: ``check_readers`` refuses a call whose tree holds a stock torch module of
+  ``READERS`` whose reading child was sharded by an earlier call (shard the parent whole).
+* At run time: DTensor's error, as it leaves the forward of a sharded module (its post-forward hook
+  sees it before anything is resharded: ``note``), becomes ``UsedWhileShardedError`` (raised by
+  ``ShardedModule.__call__``) naming the parameter, its group and the module that used it, with the fix.
+  Only the error path does any of this: nothing is added to a call that succeeds. An error that leaves
+  no sharded module's forward (the reader is outside every sharded tree) stays DTensor's.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .registration import _lookup, class_name
+
+#: stock torch modules whose forward reads these children's parameters without calling the children
+READERS: dict[type, tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+if hasattr(nn, "LinearCrossEntropyLoss"):  # reads linear.weight / linear.bias (torch >= 2.13)
+    READERS[nn.LinearCrossEntropyLoss] = ("linear",)
+
+_MIXED = "got mixed torch.Tensor and DTensor"
+
+_FIX = ("Shard the module that uses it whole (fully_shard on it or on a module above it, with no separate "
+        "fully_shard call on the module holding the parameter), or call the module holding the parameter instead "
+        "of reading its parameters (self.head(x), not F.linear(x, self.head.weight)); for parameters tied across "
+        "modules, shard those modules in one call, fully_shard([module_a, module_b])")
+
+
+class UsedWhileShardedError(RuntimeError):
+    """A parameter sharded by ``fully_shard`` was used outside its group's forward (still a DTensor)."""
+
+
+def check_readers(roots: list[nn.Module], group_of) -> str | None:
+    """The refusal for a call over ``roots`` whose tree holds a ``READERS`` module whose reading child is a
+    group of an earlier call (``group_of(child)`` not ``None``), else ``None``."""
+    for root in roots:
+        for path, module in root.named_modules():
+            for child_name in READERS.get(type(module), ()):
+                child = getattr(module, child_name, None)
+                if isinstance(child, nn.Module) and group_of(child) is not None:
+                    cls, where = type(module).__name__, path or type(module).__name__
+                    child_path = f"{path}.{child_name}" if path else child_name
+                    return (f"'{child_path}' ({type(child).__name__}) was sharded by an earlier fully_shard call, "
+                            f"but its parent '{where}' is a {cls}, whose forward reads '{child_name}''s parameters "
+                            f"without calling it, so their all-gather would never run. Shard the {cls} whole: build "
+                            f"the model again and leave '{child_path}' out of the earlier calls (e.g. of a loop that "
+                            f"shards every nn.Linear); fully_shard on '{where}' or a module above it shards it too")
+    return None
+
+
+def _frames(error: BaseException) -> list:
+    """The traceback's frames, innermost first."""
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames[::-1]
+
+
+def _sharded_in(value, lookup):
+    """``(group, ShardedParam)`` when ``value`` (or an element of a tuple/list) is a sharded parameter."""
+    for t in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(t, DTensor):
+            hit = lookup(t)
+            if hit is not None and t is hit[1].sharded:
+                return hit
+    return None
+
+
+def _registered_sharded(module: nn.Module, lookup) -> list:
+    """``(group, ShardedParam)`` of parameters in ``module``'s tree that are registered sharded now."""
+    out = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            hit = _sharded_in(p, lookup) if p is not None else None
+            if hit is not None:
+                out[id(hit[1])] = hit
+    return list(out.values())
+
+
+def note(error: BaseException, group) -> None:
+    """Attach to ``error`` (raised in the forward of ``group``'s module, seen by its post-forward hook before
+    anything is resharded) the ``UsedWhileShardedError`` that explains it, when it is DTensor's mixing
+    error on a parameter perparam sharded; ``ShardedModule.__call__`` raises that instead."""
+    if isinstance(error, UsedWhileShardedError) or hasattr(error, "_perparam_explained") or _MIXED not in str(error):
+        return
+    explained = explain(error, group.ctx.groups[0].modules)
+    if explained is not None:
+        error._perparam_explained = explained
+
+
+def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedError | None:
+    """``UsedWhileShardedError`` for DTensor's mixing error when it involves a parameter perparam sharded
+    (found in the traceback's locals, else among the parameters registered sharded in the innermost
+    module whose code raised it); ``None`` for any other error. ``roots``: the root group's modules, for
+    module paths."""
+    if isinstance(error, UsedWhileShardedError) or _MIXED not in str(error):
+        return None
+    frames = _frames(error)
+    hits, user = [], None
+    for i, frame in enumerate(frames):
+        for value in frame.f_locals.values():
+            hit = _sharded_in(value, _lookup)
+            if hit is not None:
+                hits = [hit]
+                user = next((f.f_locals["self"] for f in frames[i:]
+                             if isinstance(f.f_locals.get("self"), nn.Module)), None)
+                break
+        if hits:
+            break
+    if not hits:
+        user = next((f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), nn.Module)), None)
+        hits = _registered_sharded(user, _lookup) if user is not None else []
+    if not hits:
+        return None
+    names = {id(m): (f"{i}." if len(roots) > 1 else "") + n for i, root in enumerate(roots)
+             for n, m in root.named_modules()}
+    params = " or ".join(f"'{sp.fqn}' of group '{g.path or g.name}' [{g.name}]" for g, sp in hits[:4])
+    by = f"{class_name(user)}.forward" if user is not None else "code outside its group's forward"
+    if user is not None and names.get(id(user)):
+        by += f" ('{names[id(user)]}')"
+    first = str(error).splitlines()[0]
+    return UsedWhileShardedError(
+        f"perparam: parameter {params} was used by {by} while sharded: perparam all-gathers a group's "
+        "parameters only around the forward of the module(s) given to fully_shard, and this code used them "
+        f"without calling that forward, so it got the sharded DTensor. {_FIX}. (DTensor: {first})")
