@@ -59,6 +59,7 @@ FAST = (
     "test_no_import_side_effects.py::test_only_steps_of_optimizers_holding_perparam_parameters_mark_kept_parameters_stale[3]",
     "test_no_import_side_effects.py::test_configure_returns_the_previous_config_and_refuses_bad_settings",
     "test_fully_shard_errors.py",
+    "test_custom_collectives.py::test_custom_all_gather_and_reduce_scatter_train_like_perparams_own[3]",
 )
 
 

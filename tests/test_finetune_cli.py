@@ -65,6 +65,7 @@ def test_tiny_two_process_run_writes_summary(fp32_run):
     assert "Model state per rank" in proc.stdout and "held-out loss after" in proc.stdout
 
 
+@pytest.mark.slow
 def test_hsdp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     """--nproc 4 --dp-replicate 2: 2 replicas of a model sharded over 2 ranks; the same global batches, so
     the same losses as the plain 2-rank run (which also means the replicas stayed equal)."""
@@ -80,6 +81,7 @@ def test_hsdp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     assert comm["all_reduce"] == comm["reduce_scatter"] // 2 > 0
 
 
+@pytest.mark.slow
 def test_tp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     """--nproc 4 --tp 2: 2 data-parallel ranks, each a tensor-parallel pair; the same losses as the plain
     run, and each rank holds 1/(2x2) of the tensor-parallel weights and 1/2 of the rest."""
@@ -96,6 +98,7 @@ def test_tp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     assert "2 shard x 2 tp ranks" in summary["zero3_formula_k"] and "2 tensor-parallel ranks" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bf16_compute_smoke(tmp_path, text_dir, fp32_run):
     _, base = fp32_run
     _, summary = _tiny_run(tmp_path, text_dir, "--param-dtype", "bf16")
@@ -112,6 +115,7 @@ def test_bf16_compute_smoke(tmp_path, text_dir, fp32_run):
 # measured on this config: the layers' gathers (int8 codes + an fp32 scale per 256, or 4-bit NF4 codes + an fp32
 # scale per 64; fp32 norms) are 0.2565x / 0.1436x of fp32; a whole step, with the fp32 embedding gathered once,
 # 0.331x / 0.229x
+@pytest.mark.slow
 @pytest.mark.parametrize("quant,layers,step", [("int8", 0.27, 0.34), ("nf4", 0.15, 0.24)])
 def test_quantized_all_gather_smoke(tmp_path, text_dir, fp32_run, quant, layers, step):
     _, base = fp32_run

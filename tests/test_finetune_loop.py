@@ -79,6 +79,7 @@ def test_plot_png_holds_the_runs_series(accum_run):
     assert data["heldout_loss"][-1][1] == summary["heldout_loss_after"]
 
 
+@pytest.mark.slow
 def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_dir, accum_run):
     folder, _, straight = accum_run
     mid_schedule = folder / "ckpt" / "step-000002"  # after the warmup, 2 steps into the cosine decay

@@ -252,6 +252,7 @@ def test_qlora_checkpoint_resume_continues_exactly(tmp_path):
                                    "gate_proj", "up_proj", "down_proj"], "qlora": True}
 
 
+@pytest.mark.slow
 def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp_path, text_dir, capsys,
                                                                            monkeypatch):
     out, ckpt = tmp_path / "s.json", tmp_path / "ckpt"
