@@ -32,6 +32,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from perparam.finetune import peers
+from perparam.finetune.peers import pid_alive
+
 #: env vars the launcher sets for its workers
 LAUNCHER_PID_ENV = "PERPARAM_LAUNCHER_PID"
 TMPDIR_ENV = "PERPARAM_LAUNCHER_TMPDIR"
@@ -63,16 +66,6 @@ def interrupted_line(step: int | None, total: int | None, checkpoint: tuple[int,
 # ----------------------------------------------------------------------------------------- launcher side
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_tmpdirs(parent: str | None = None) -> list[Path]:
     """Remove ``perparam-finetune-<pid>-*`` folders whose launcher no longer runs; returns them."""
     removed = []
@@ -80,7 +73,7 @@ def clean_stale_tmpdirs(parent: str | None = None) -> list[Path]:
     with contextlib.suppress(OSError):
         for path in root.glob(f"{TMP_PREFIX}*"):
             pid = path.name[len(TMP_PREFIX):].split("-", 1)[0]
-            if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)) or not path.is_dir():
+            if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)) or not path.is_dir():
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -146,7 +139,7 @@ def _parent_gone(parent: int) -> bool:
     try:
         state = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return not _pid_alive(parent)
+        return not pid_alive(parent)
     return state in ("Z", "X", "x")
 
 
@@ -174,7 +167,6 @@ def _stop_worker(signum: int) -> None:
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     parent_gone = _parent["pid"] is not None and _parent_gone(_parent["pid"])
     if not launcher and not parent_gone and "TORCHELASTIC_RUN_ID" in os.environ:
-        from perparam.finetune import peers
 
         # (this node's ranks got the same signal from the same agent: only other nodes' count)
         gone = peers.who_is_gone(other_nodes_only=True)

@@ -42,14 +42,19 @@ def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(pid)
     return state not in ("Z", "X", "x")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0; one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def dead_ranks(other_nodes_only: bool = False, wait_s: float = 0.0) -> list[int]:
