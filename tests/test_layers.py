@@ -129,13 +129,8 @@ def test_the_package_has_the_four_floors_and_the_parts_beside_them():
     assert parts == set(ALLOWED), parts
 
 
-#: the finetune circles (``check_output_path`` and train <-> job) are being cut on another branch; until it
-#: is merged a circle among these modules only is tolerated. Delete this set once it is.
-FINETUNE_CIRCLE_BEING_CUT = {"perparam.finetune." + m for m in ("cli", "export", "job", "loop_flags", "train")}
-
-
 def test_no_module_of_perparam_is_in_an_import_circle():
-    cycles = [c for c in _cycles(_graph()) if not set(c) <= FINETUNE_CIRCLE_BEING_CUT]
+    cycles = _cycles(_graph())
     assert not cycles, f"import circles (function-local and TYPE_CHECKING imports included): {cycles}"
 
 
