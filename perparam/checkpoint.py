@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
-from .runtime import adopt
+from .runtime import adopt, zero
 
 MANIFEST = "perparam_checkpoint.json"
 FORMAT = "perparam-checkpoint/1"
@@ -374,6 +374,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     with torch.no_grad():
         for k, v in current.items():
             _local(v).copy_(_local(targets[f"model.{k}"]))
+    zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
     if optimizer is not None:
         for p, state in restore:
             if state:

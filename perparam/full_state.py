@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .runtime import zero
 from .runtime.group import group_of
 
 
@@ -139,6 +140,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
                 piece = full
             local.copy_(piece)
             del full, piece
+    zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
 
 
 def install_load_hooks(params) -> None:
@@ -156,6 +158,7 @@ def install_load_hooks(params) -> None:
 
 
 def _slice_plain(entries, state_dict, prefix: str) -> None:
+    zero.invalidate()  # a load: stage-1/2 kept copies are refreshed at the next all-gather
     for name, sp in entries:
         key = prefix + name
         value = state_dict.get(key)

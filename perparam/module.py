@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import ShardingError
-from .runtime import hooks
+from .runtime import hooks, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
 
@@ -43,6 +43,7 @@ class ShardedModule:
         while the unsharded parameters are registered (after ``unshard()``) is refused likewise: it would
         reach the gathered copies and not the shards."""
         _refuse_dtype_change(self, fn)
+        zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
         return super()._apply(fn, recurse)
 
     def __call__(self, *args, **kwargs):

@@ -20,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import adopt, config
+from . import adopt, config, zero
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
@@ -51,6 +51,8 @@ class ParamGroup:
         self.gathered = [p for p in params if p.layout.gathered]
         self.replicated = [p for p in params if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
+        self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
+        self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
         self.reshard_after_forward = reshard_after_forward
         # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -139,7 +141,8 @@ class ParamGroup:
     def _versions(self) -> tuple[int, ...]:
         versions = [adopt.optimizer_steps()]
         for p in self.params:  # the wrapper (DTensor in-place ops) and the local shard (to_local().sub_())
-            versions += (p.sharded._version, p.local_shard()._version)
+            if not p.kept:  # kept copies are refreshed by step and load counts only (runtime/zero.py)
+                versions += (p.sharded._version, p.local_shard()._version)
         return tuple(versions)
 
     def stale(self) -> bool:
@@ -190,21 +193,20 @@ class ParamGroup:
     @torch.no_grad()
     def start_unshard(self) -> None:
         """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
-        if not self.params or (self.storage_alive and not self.stale()):
+        if not self.params or self._pending_gather is not None:
             return
-        self._alive = False
-        self._gathered_versions = self._versions()
-        for p in self.replicated:
-            p.fill_replicated()
-        if not self.gathered:
+        members = self._gather_members()
+        if members is None:
+            return
+        if not members:
             self._alive = True
             return
-        layout = self.layout
-        device = self.gathered[0].local_shard().device
+        layout = self._layout_for(members)
+        device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)
         dsts, srcs = [], []
-        for p, offsets in zip(self.gathered, layout.offsets):
+        for p, offsets in zip(members, layout.offsets):
             if p.plain:
                 src = p.wire_source()
                 if src.numel():
@@ -217,7 +219,7 @@ class ParamGroup:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
         rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
                                            gloo=config.current().gloo_all_gather, comm=self.all_gather_comm)
-        self._pending_gather = (send, rows)
+        self._pending_gather = (send, rows, members, layout)
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
@@ -225,12 +227,12 @@ class ParamGroup:
         buffers of plain parameters, through scratch pieces (dequantized) for quantized ones."""
         if self._pending_gather is None:
             return
-        send, rows = self._pending_gather
+        send, rows, members, layout = self._pending_gather
         self._pending_gather = None
         rows.wait()
-        layout, k = self.layout, self.num_shards
+        k = self.num_shards
         targets: list[list[torch.Tensor]] = []
-        for p in self.gathered:
+        for p in members:
             if p.plain:
                 targets.append([p.alloc()])
             else:
@@ -240,19 +242,52 @@ class ParamGroup:
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
             torch.split_with_sizes_copy(seg, sizes, dim=1,
                                         out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
-        for p, pieces in zip(self.gathered, targets):
+        for p, pieces in zip(members, targets):
             if not p.plain:
                 p.unpack(pieces)
         for buffer in (send, *rows.buffers):
             self.pool.give_back(buffer)
         self._alive = True
 
+    # -- which parameters an all-gather carries (ZeRO stages, perparam/runtime/zero.py) ----------------------
+    def _gather_members(self) -> list[ShardedParam] | None:
+        """The parameters the next all-gather carries, in group order: the stage-3 ones unless their
+        storage is alive and current (then the replicated ones are copied again too), plus the stage-1/2
+        ones whose kept copy needs a refresh (``zero.needs_refresh``: decided by counts every rank shares,
+        so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed."""
+        refresh = [p for p in self.kept if zero.needs_refresh(p)]
+        current = self._alive and not self.stale()
+        if current and not refresh:
+            return None
+        if not current:
+            self._alive = False
+            self._gathered_versions = self._versions()
+            for p in self.replicated:
+                p.fill_replicated()
+        zero.mark_gathered(refresh)
+        fresh = {id(p) for p in refresh}
+        if current:
+            return refresh
+        return [p for p in self.gathered if not p.kept or id(p) in fresh]
+
+    def _layout_for(self, members: list[ShardedParam]) -> GroupLayout:
+        """The packed all-gather layout of ``members`` (a sub-list of ``gathered``), built once per set."""
+        if len(members) == len(self.gathered):
+            return self.layout
+        index = {id(p): i for i, p in enumerate(self.gathered)}
+        key = tuple(index[id(p)] for p in members)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = GroupLayout(tuple(p.pieces for p in members), self.num_shards)
+        return layout
+
     def free(self) -> None:
         """Release the unsharded storage (no communication; an all-gather in flight is finished first)."""
         if self._pending_gather is not None:
             self.wait_unshard()
         for p in self.params:
-            p.free()
+            if not p.kept:  # stage 1/2 keep theirs across steps
+                p.free()
         self._alive = False
 
     def check_slots(self) -> None:
@@ -315,7 +350,8 @@ class ParamGroup:
             used = grad is not None
             if not used:
                 grad = p.zero_grad_for_reduce()
-            (sharded if p.layout.gathered else replicated)[p.policy.reduce_dtype].append((p, grad, used))
+            whole = not p.layout.gathered or p.policy.whole_grad  # replicated, or stage 1: all-reduced
+            (replicated if whole else sharded)[p.policy.reduce_dtype].append((p, grad, used))
         pending = []
         for dtype, items in sharded.items():
             params, grads, used = zip(*items)
@@ -389,16 +425,20 @@ class ParamGroup:
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(grads)
         grads.div_(self.divisor)
-        if item.replicated:  # every replicated gradient, whole, in order
+        if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
             pieces = grads.split([p.layout.numel for p in item.params])
-            targets = [piece.view(p.layout.global_shape) for p, piece in zip(item.params, pieces)]  # (tp-local)
+            targets = [piece if p.policy.whole_grad else piece.view(p.layout.global_shape)  # (tp-local)
+                       for p, piece in zip(item.params, pieces)]
         else:
             targets = [recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
                        .narrow(0, 0, p.layout.extent(p.shard_rank)[1]) for p, offset in zip(item.params, item.offsets)]
         for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
             if flag <= 0:  # no rank had a gradient for it
                 continue
-            p.accumulate_sharded_grad(local)
+            if p.policy.whole_grad:
+                p.accumulate_whole_grad(local)
+            else:
+                p.accumulate_sharded_grad(local)
             self.ctx.grad_hooks_due.append((item.seq, i, p))
 
     def finish_reduce(self, item: PendingReduce) -> None:

@@ -88,6 +88,10 @@ class ShardedParam:
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
         self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
+        #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
+        self.kept = policy.keeps_unsharded
+        #: (optimizer steps, load generation, trainable) when the kept copy was gathered (``runtime.zero``)
+        self.kept_key: tuple[int, int, bool] | None = None
 
     @property
     def plain(self) -> bool:
@@ -293,6 +297,39 @@ class ShardedParam:
         rank without a gradient for this parameter contributes to the group's reduction."""
         shape = self.layout.rule.wire_shape(self.layout.global_shape)
         return torch.zeros(shape, dtype=self.policy.reduce_dtype, device=self.local_shard().device)
+
+    def _whole_grad(self) -> torch.Tensor | None:
+        """Stage 1: the whole gradient (dp shape, stored dtype) whose rows the sharded ``.grad`` views, or
+        ``None`` when ``.grad`` is not such a view (``None``, or replaced by the user)."""
+        grad = self.sharded.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else None
+        base = local._base if local is not None else None
+        if base is None or base.dtype != local.dtype or tuple(base.shape) != self.layout.global_shape:
+            return None
+        rows = self.layout.local_piece(base, self.shard_rank)
+        same = (rows.data_ptr() == local.data_ptr() and rows.shape == local.shape
+                and rows.stride() == local.stride())
+        return base if same else None
+
+    def accumulate_whole_grad(self, whole: torch.Tensor) -> None:
+        """Stage 1: add the all-reduced whole gradient (wire order: shard dim first, e.g. a piece of the
+        all-reduce buffer) into the whole gradient kept on this rank, whose rows (this rank's shard, a view)
+        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype."""
+        whole = self.layout.from_wire(whole.view(self.layout.rule.wire_shape(self.layout.global_shape)))
+        kept = self._whole_grad()
+        if kept is not None:
+            kept.add_(whole)
+            return
+        grad = self.sharded.grad
+        if grad is not None:  # a .grad of the user's: add this rank's rows to it
+            grad._local_tensor.add_(self.layout.local_piece(whole, self.shard_rank))
+            return
+        kept = torch.empty(self.layout.global_shape, dtype=self.sharded.dtype, device=whole.device)
+        kept.copy_(whole)  # its own storage: ``whole`` may view the reduction's buffer
+        if self._grad_spec is None:
+            self._grad_spec = _spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+        rows = self.layout.local_piece(kept, self.shard_rank)
+        self.sharded.grad = _dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""

@@ -66,6 +66,21 @@ class ParamPolicy:
 
     ``placement``: ``Shard(d)``, ``Replicate()``, or ``"auto"`` (``perparam.sharding.placement.auto_placement``:
     the dim with the least padding for the shard axis's K, ``Replicate()`` for tiny parameters).
+
+    ``zero_stage``: what a sharded parameter keeps whole on every rank (Rajbhandari et al., 2020; the
+    per-rank bytes are the P, G and O rows of Table 7-2, ``perparam.memory.formulas``); ``None`` means 3:
+
+    * ``3``: parameter, gradient and optimizer state sharded: all-gathered at each unshard, freed after.
+    * ``2``: the unsharded parameter (``param_dtype``, padded) is kept on every rank across steps and never
+      all-gathered in forward or backward; the gradient is reduce-scattered into the sharded ``.grad``
+      and the optimizer updates the shard; the updated shards are all-gathered into the kept copy once
+      per optimizer step, lazily, in the group's next all-gather (its next pre-forward or prefetch).
+    * ``1``: as 2, and the gradient is all-reduced and kept whole on every rank (in the stored dtype); the
+      sharded ``.grad`` is a view of this rank's rows of it.
+
+    A parameter whose placement resolves to ``Replicate()`` is whole everywhere whatever its stage; an
+    explicit ``Replicate()`` with stage 1 or 2 is refused, and so is stage 1 or 2 with
+    ``QuantPolicy(store_quantized=True)`` (the kept copy would hold what the stored codes save).
     """
 
     param_dtype: torch.dtype | None = None
@@ -74,6 +89,11 @@ class ParamPolicy:
     quant: QuantPolicy | None = None
     placement: Placement | str | None = None
     master_dtype: torch.dtype | None = None
+    zero_stage: int | None = None
+
+
+#: the ZeRO stages a ``ParamPolicy.zero_stage`` may name
+ZERO_STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,7 @@ class ResolvedPolicy:
     ``placement``: the dp placement, concrete (``Shard(d)`` with ``0 <= d < ndim``, or ``Replicate()``;
     ``perparam.sharding.placement.rule`` says what it means). ``stored_dtype``: the
     dtype of the sharded parameter (its ``master_dtype``, else the original dtype), before any stored
-    quantization.
+    quantization. ``zero_stage``: 1, 2 or 3 (``ParamPolicy.zero_stage``).
     """
 
     param_dtype: torch.dtype
@@ -93,6 +113,17 @@ class ResolvedPolicy:
     quant: QuantPolicy | None
     placement: Placement
     stored_dtype: torch.dtype
+    zero_stage: int = 3
+
+    @property
+    def keeps_unsharded(self) -> bool:
+        """Stage 1 or 2 on a sharded placement: the unsharded parameter is kept across steps."""
+        return self.zero_stage in (1, 2) and rule(self.placement).gathered
+
+    @property
+    def whole_grad(self) -> bool:
+        """Stage 1 on a sharded placement: the gradient is all-reduced and kept whole on every rank."""
+        return self.zero_stage == 1 and rule(self.placement).gathered
 
 
 def _pick(name: str, param, param_policy, names: Sequence[str] = ()) -> ParamPolicy | None:
@@ -161,6 +192,28 @@ def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
     return QuantPolicy(quantizer, block_size, quant.store_quantized, quantizer.codes_dtype)
 
 
+def _replicated(placement) -> bool:
+    try:
+        return not rule(placement).gathered
+    except ValueError:  # Shard(-1) and the like: not replicated (``normalize`` reports the rest)
+        return False
+
+
+def check_zero_stage(name: str, pp: ParamPolicy) -> int:
+    """``pp.zero_stage`` made concrete (``None``: 3). Raises ``PolicyError`` naming ``name`` for a stage
+    other than 1, 2, 3, and for stage 1 or 2 with an explicit ``Replicate()`` placement (call it before
+    ``placement="auto"`` is made concrete: auto's ``Replicate()`` of a tiny parameter is allowed)."""
+    stage = 3 if pp.zero_stage is None else pp.zero_stage
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise PolicyError(f"parameter '{name}' has zero_stage={pp.zero_stage!r}; use 1 (optimizer state sharded), "
+                          "2 (gradient too) or 3 (parameter too, the default)")
+    if stage != 3 and isinstance(pp.placement, Placement) and _replicated(pp.placement):
+        raise PolicyError(f"parameter '{name}' has placement Replicate() and zero_stage={stage}: a replicated "
+                          "parameter keeps everything whole (it has no shard to update); drop zero_stage for it "
+                          "or shard it (Shard(d) or 'auto')")
+    return stage
+
+
 def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int) -> ResolvedPolicy:
     """Combine the call's ``MixedPrecisionPolicy`` with ``param``'s ``ParamPolicy`` override.
 
@@ -169,6 +222,7 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
     pp = _pick(name, param, param_policy) or ParamPolicy()
     if not isinstance(pp, ParamPolicy):
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+    zero_stage = 3 if pp.zero_stage is None else pp.zero_stage  # checked by resolution.resolve_param
     _float_dtype(pp.param_dtype, f"param_dtype of '{name}'")
     _float_dtype(pp.reduce_dtype, f"reduce_dtype of '{name}'")
     _float_dtype(pp.master_dtype, f"master_dtype of '{name}'")
@@ -209,4 +263,9 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
         if quant.store_quantized and (placement != Shard(0) or ndim < 2):
             raise PolicyError(f"store_quantized needs a parameter of 2+ dims sharded on dim 0 (scales are "
                               f"kept per row); '{name}' has {ndim} dims and {placement_str(placement)}")
-    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype)
+        if quant.store_quantized and zero_stage != 3:
+            raise PolicyError(f"parameter '{name}' has store_quantized=True and zero_stage={zero_stage}: stage "
+                              f"{zero_stage} keeps the unsharded parameter in {param_dtype} on every rank, which "
+                              "undoes what the stored codes save; use zero_stage=3 for it, or "
+                              "store_quantized=False (a quantized all-gather refreshes the kept copy)")
+    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage)

@@ -33,6 +33,7 @@ from .policy import (
     ResolvedPolicy,
     _pick,
     check_patterns,
+    check_zero_stage,
     resolve,
 )
 
@@ -103,6 +104,7 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
         pp = dataclasses.replace(pp, param_dtype=compute_dtype)
     if pp is None:
         return resolve(name, p, mp, None, p.dim())
+    check_zero_stage(name, pp)  # before "auto" is made concrete
     if isinstance(pp.placement, str):
         if pp.placement != AUTO:
             raise PolicyError(f"placement {pp.placement!r} for '{name}' is not supported; use Shard(d), "
