@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import perparam
@@ -109,3 +109,245 @@ def test_stages_on_hsdp_2x2_match_one_process(reference, stage):
     results = run_distributed(train, 4, (2, 2), stage, "adamw")
     for rank, got in enumerate(results):
         _assert_matches(got, reference["adamw"], f"stage {stage} HSDP 2x2 rank {rank}", rank, 4)
+
+
+# -- collectives per step ------------------------------------------------------------------------------------
+
+def _steps_comm(model, opt, rank: int, world_size: int, steps: int = 3) -> list[dict]:
+    """Per step (forward, backward, optimizer step): {kind: count} and the all-gather bytes."""
+    out = []
+    for x, y in make_batches(steps, 4):
+        with CommCounter() as comm:
+            F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append({**comm.by_kind(), "ag_bytes": comm.bytes("all_gather")})
+    return out
+
+
+def step_collectives(rank: int, world_size: int, stage) -> dict:
+    """TinyNet with its blocks in groups of their own (resharded after forward) and the root."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    mesh = _mesh((world_size,))
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage))
+    perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps = _steps_comm(model, opt, rank, world_size)
+    forwards = []
+    for _ in range(2):  # the first refreshes after the last step; the second finds nothing to refresh
+        with torch.no_grad(), CommCounter() as comm:
+            model(torch.zeros(2, 3, dtype=torch.long))
+        forwards.append(comm.by_kind())
+    return {"steps": steps, "no_grad_forwards": forwards}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3, "mix"])
+def test_collectives_per_step_of_each_stage(stage):
+    got = run_distributed(step_collectives, 2, stage)
+    assert got[0] == got[1]  # the same collectives and sizes on every rank
+    steps = got[0]["steps"]
+    kinds = [{k: v for k, v in s.items() if k != "ag_bytes"} for s in steps]
+    # 3 groups; stage 3: the root keeps its parameters into backward, the blocks gather again there
+    want = {1: {"all_gather": 3, "all_reduce": 3},  # one refresh per group per step, gradients all-reduced
+            2: {"all_gather": 3, "reduce_scatter": 3},  # one refresh per group per step, nothing in backward
+            3: {"all_gather": 5, "reduce_scatter": 3},
+            # the mix: every group has stage-3 parameters, so the blocks gather again in backward (only
+            # those); one reduce-scatter and one all-reduce per group (stage-1 and stage-2/3 parameters)
+            "mix": {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}}[stage]
+    assert kinds == [want] * 3, kinds
+    assert steps[0]["ag_bytes"] == steps[1]["ag_bytes"] == steps[2]["ag_bytes"]
+    # the first refreshes after the last step; then nothing stepped: stage 1/2 gather nothing
+    assert got[0]["no_grad_forwards"] == [{"all_gather": 3}, {1: {}, 2: {}, 3: {"all_gather": 3},
+                                                                  "mix": {"all_gather": 2}}[stage]]
+
+
+# -- the routes stage 3 takes, under the mix -----------------------------------------------------------------
+
+class _Fail(RuntimeError):
+    pass
+
+
+def routes(rank: int, world_size: int) -> dict:
+    """Under the mix on K = ``world_size`` (``0``: one process): debug mode, activation checkpointing of
+    a block, accumulation without sync (2 micro-batches, then a synchronising one), clipping, a forward
+    that raises then ``reset()``, ``unshard()``/``reshard()``; 3 SGD steps."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    inner = model.blocks[0].forward
+    model.blocks[0].forward = lambda x: checkpoint(inner, x, use_reentrant=False)
+    fail = {"now": False}
+
+    def maybe_fail(module, args):
+        if fail["now"]:
+            raise _Fail("injected")
+
+    model.blocks[1].fc2.register_forward_pre_hook(maybe_fail)
+    if world_size:
+        mesh = _mesh((world_size,))
+        for block in model.blocks:
+            perparam.fully_shard(block, mesh=mesh, param_policy=policy("mix"))
+        perparam.fully_shard(model, mesh=mesh, param_policy=policy("mix"))
+        perparam.set_debug(True)
+    opt = _optimizer("sgd", model.parameters())
+    out: dict = {"norms": [], "grads": []}
+    ws = max(world_size, 1)
+    try:
+        for step, micro in enumerate([make_batches(3, GLOBAL_BATCH, seed=s) for s in range(3)]):
+            if step == 1:  # an exception in forward, then reset: the next step is as if it never happened
+                fail["now"] = True
+                with pytest.raises(_Fail):
+                    model(local_slice(micro[0][0], rank, ws) if world_size else micro[0][0])
+                fail["now"] = False
+                if world_size:
+                    model.reset()
+            for i, (x, y) in enumerate(micro):
+                if world_size:
+                    model.set_requires_gradient_sync(i == len(micro) - 1)
+                    x, y = local_slice(x, rank, ws), local_slice(y, rank, ws)
+                F.mse_loss(model(x), y).backward()
+            out["norms"].append(_full(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)).item())
+            out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        if world_size:  # unshard()/reshard(): stage-1/2 parameters stay unsharded, stage 3 is freed
+            model.unshard()
+            model.reshard()
+            group = perparam.runtime.group.group_of(model)
+            out["alive"] = {p.fqn: p.storage_alive for p in group.params}
+    finally:
+        perparam.set_debug(False)
+    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def test_mixed_stages_keep_every_route_of_stage_3(world_size=3):
+    want = one_process(routes)
+    assert max(want["norms"]) > 0.5  # clipping is exercised
+    for rank, got in enumerate(run_distributed(routes, world_size)):
+        assert got["alive"] == {"embed.weight": True, "head.weight": True, "head.bias": True}
+        for a, b in zip(got["norms"], want["norms"]):
+            assert abs(a - b) <= TOL, (got["norms"], want["norms"])
+        for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
+            for n in w:
+                torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0, msg=f"rank {rank}: grad {n} step {step}")
+        for n, p in want["params"].items():
+            torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+
+_BAD = {
+    "unknown_stage": (ParamPolicy(zero_stage=4), ["'1.weight'", "zero_stage=4", "use 1", "2 ", "3 "]),
+    "stage_as_bool": (ParamPolicy(zero_stage=True), ["'1.weight'", "zero_stage=True"]),
+    "replicated_stage_2": (ParamPolicy(zero_stage=2, placement=Replicate()),
+                           ["'1.weight'", "Replicate()", "zero_stage=2", "drop zero_stage"]),
+    "stored_quantized_stage_1": (ParamPolicy(zero_stage=1, requires_grad=False,
+                                             quant=perparam.QuantPolicy("int8", store_quantized=True)),
+                                 ["'1.weight'", "store_quantized=True", "zero_stage=1", "zero_stage=3"]),
+}
+
+
+def bad_stage(rank: int, world_size: int, case: str) -> tuple[str, bool]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = {n: p for n, p in model.named_parameters()}
+    try:
+        perparam.fully_shard(model, mesh=_mesh((world_size,)), param_policy={"1.weight": _BAD[case][0]})
+    except perparam.ShardingError as e:
+        unchanged = (dict(model.named_parameters()) == before and type(model) is torch.nn.Sequential
+                     and not any(isinstance(p, DTensor) for p in model.parameters()))
+        return str(e), unchanged
+    return "no error", False
+
+
+@pytest.mark.parametrize("case", sorted(_BAD))
+def test_a_bad_zero_stage_is_refused_at_fully_shard_naming_the_parameter(case):
+    message, unchanged = run_distributed(bad_stage, 1, case)[0]
+    for fragment in _BAD[case][1]:
+        assert fragment in message, (fragment, message)
+    assert unchanged
+
+
+# -- what each rank holds ------------------------------------------------------------------------------------
+
+def held(rank: int, world_size: int) -> dict:
+    """Linear(4, 6) stage 1 (fp32), Linear(6, 3) weight stage 2 computing in bf16 with an int8 all-gather,
+    its bias stage 2 and frozen: per step the all-gather bytes, then what stays alive."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    pol = {"0.*": ParamPolicy(zero_stage=1),
+           "1.weight": ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16, quant=perparam.QuantPolicy("int8")),
+           "1.bias": ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16, requires_grad=False)}
+    perparam.fully_shard(model, mesh=_mesh((world_size,)), param_policy=pol)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ag = []
+    for x, y in make_batches(3, 4):
+        with CommCounter() as comm:
+            F.mse_loss(model(x[:, :1].float().expand(-1, 4)), y[:, :1].expand(-1, 3)).backward()
+            opt.step()
+        ag.append(comm.bytes("all_gather"))
+    group = perparam.runtime.group.group_of(model)
+    out = {"ag": ag, "alive": {p.fqn: p.storage_alive for p in group.params}}
+    w = model[0].weight
+    base = w.grad.to_local()._base
+    out["grad_whole"] = base is not None and tuple(base.shape) == (6, 4)
+    out["grad_is_view"] = base is not None and w.grad.to_local().data_ptr() == base[group.params[0].layout.extent(
+        rank)[0]:].data_ptr()
+    with torch.no_grad():  # refreshes the kept copies after the last step
+        model(torch.zeros(1, 4))
+    kept = group.params[2]  # 1.weight: the kept copy equals the dequantized shards (int8: within its bound)
+    full = model[1].weight.full_tensor()
+    out["kept_error"] = (kept.unsharded.detach().float() - full).abs().max().item()
+    out["kept_dtype"] = str(kept.unsharded.dtype)
+    return out
+
+
+def test_stage_1_keeps_a_whole_gradient_and_frozen_stage_2_is_never_refreshed():
+    for got in run_distributed(held, 2):
+        assert got["alive"] == {"0.weight": True, "0.bias": True, "1.weight": True, "1.bias": True}
+        assert got["grad_whole"] and got["grad_is_view"]
+        # step 1 gathers everything; later steps refresh the trainable ones only (not the frozen 1.bias,
+        # whose 2 bf16 elements per rank, from each of the 2 ranks, the first all-gather carried)
+        assert got["ag"][1] == got["ag"][2] == got["ag"][0] - 2 * 2 * 2
+        assert got["kept_dtype"] == "torch.bfloat16"
+        assert got["kept_error"] < 0.05
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------------------
+
+def train_tp(rank: int, world_size: int, stage) -> dict:
+    """MLPNet, ``up`` colwise and ``down`` rowwise on tp=2, then dp=2 with ``stage``; 3 AdamW steps."""
+    torch.manual_seed(0)
+    model = MLPNet()
+    if world_size:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        perparam.fully_shard(model, mesh=mesh["dp_shard"], param_policy=policy(stage))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"grads": []}
+    dp = mesh["dp_shard"].get_local_rank() if world_size else 0
+    for _ in range(STEPS):
+        x, y = torch.randint(0, 5, (8, 3), generator=g), torch.randn(8, 3, generator=g)
+        if world_size:
+            x, y = local_slice(x, dp, 2), local_slice(y, dp, 2)
+        F.mse_loss(model(x), y).backward()
+        out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, "mix"])
+def test_stages_under_tensor_parallelism_match_one_process(stage):
+    want = one_process(train_tp, stage)
+    for rank, got in enumerate(run_distributed(train_tp, 4, stage)):
+        for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
+            for n in w:
+                torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0, msg=f"rank {rank}: grad {n} step {step}")
+        for n, p in want["params"].items():
+            torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
