@@ -351,3 +351,66 @@ def test_stages_under_tensor_parallelism_match_one_process(stage):
                 torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0, msg=f"rank {rank}: grad {n} step {step}")
         for n, p in want["params"].items():
             torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
+
+
+# -- checkpoints across mixes and world sizes -------------------------------------------------------------------
+
+def _build(world_size: int, stage):
+    torch.manual_seed(0)
+    model = TinyNet()
+    mesh = _mesh((world_size,))
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage))
+    perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state(model, opt) -> dict:
+    out = {f"param {n}": _full(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for key, value in opt.state[p].items():
+            out[f"{key} {n}"] = _full(value)
+    return out
+
+
+def _train_steps(model, opt, rank: int, world_size: int, seed: int) -> None:
+    for x, y in make_batches(2, GLOBAL_BATCH, seed=seed):
+        F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _probe(model) -> torch.Tensor:
+    """A forward of one batch, the same on every rank (through stage-1/2 parameters' kept copies)."""
+    with torch.no_grad():
+        return _full(model(make_batches(1, GLOBAL_BATCH, seed=9)[0][0]))
+
+
+def checkpoint_across(rank: int, world_size: int, stage, load: str | None, save: str | None) -> dict:
+    """2 steps (seed 0 when saving only, else other batches), a forward (the kept copies are current), then
+    ``load`` and/or ``save``: the state after, and a forward (the load must refresh the kept copies)."""
+    model, opt = _build(world_size, stage)
+    _train_steps(model, opt, rank, world_size, seed=0 if load is None else 5)
+    _probe(model)
+    if load is not None:
+        perparam.checkpoint.load(load, model, opt)
+    if save is not None:
+        perparam.checkpoint.save(save, model, opt)
+    return {**_state(model, opt), "probe": _probe(model)}
+
+
+def _assert_same_state(got: dict, want: dict, what: str) -> None:
+    for key, value in want.items():
+        if key == "probe":  # the same parameters: the same forward up to the reduction order
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=0, msg=f"{what}: forward after load")
+        else:
+            assert torch.equal(got[key], value), f"{what}: {key} not bit-exact"
+
+
+def test_a_checkpoint_saved_under_a_mix_on_4_ranks_loads_bit_exact_under_stage_3_on_2_and_back(tmp_path):
+    mix4, stage3 = str(tmp_path / "mix4"), str(tmp_path / "stage3")
+    saved = run_distributed(checkpoint_across, 4, "mix", None, mix4)[0]
+    for rank, got in enumerate(run_distributed(checkpoint_across, 2, 3, mix4, stage3)):
+        _assert_same_state(got, saved, f"stage 3 on 2 ranks, rank {rank}")
+    for rank, got in enumerate(run_distributed(checkpoint_across, 4, "mix", stage3, None)):
+        _assert_same_state(got, saved, f"the mix on 4 ranks again, rank {rank}")
