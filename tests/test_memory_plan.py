@@ -237,3 +237,31 @@ def test_cli_plan_placement_auto(capsys):
     # tiny (<= 1024-byte) parameters are replicated: every rank holds a copy, so the ranks sum to more
     assert "(Replicate(),)" in {p["placements"] for p in data["params"]}
     assert data["sum_over_ranks"]["params_bytes"] > data["unsharded"]["params_bytes"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_plan_of_an_all_stage_k_policy_gives_table_7_2_rows_up_to_padding(stage, capsys):
+    from perparam.memory.policy_args import policy_mapping
+
+    k = 4
+    plan = plan_model("gpt2-tiny", k, param_policy=policy_mapping([], zero_stage=stage))
+    formula, rank = plan.formula(f"ZeRO-{stage}"), plan.rank(0)
+    unsharded = plan.unsharded
+    padding = sum(p.layout.padded_local_numel - p.layout.local_numel(0) for p in plan.params) * 2  # fp16
+    shard = Fraction(unsharded.params, k)  # stages 1/2 keep the parameter whole AND the shard the optimizer updates
+    params_extra = shard if stage != 3 else 0
+    assert 0 <= rank.params - params_extra - formula.params <= (k + 1) * padding
+    assert 0 <= rank.grads - formula.grads <= padding  # stage 1: the whole gradient, exactly G
+    assert 0 <= rank.optimizer - formula.optimizer <= 6 * padding
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "4", "--zero-stage", str(stage), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["zero_stages"] == [stage] and out["rank"]["total_bytes"] == rank.total
+
+
+def test_plan_takes_a_stage_per_pattern_and_refuses_an_unknown_one(capsys):
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "2", "--param-policy", "*.attn.*=stage1", "--zero-stage", "2",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_stages"] == [1, 2]
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "2", "--param-policy", "*.attn.*=stage4"]) == 2
+    err = capsys.readouterr().err
+    assert "zero_stage=4" in err and "use 1" in err

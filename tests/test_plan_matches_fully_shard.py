@@ -26,11 +26,17 @@ def model() -> nn.Sequential:
     return m
 
 
-def measured(rank: int, world_size: int, hsdp: bool, placement: str) -> dict:
+#: stages: call-wide (``--zero-stage``) over policies that every stage takes, and a mix by tokens
+STAGE_POLICIES = ["0.*=bf16,master=fp32", "1.*=frozen", "2.weight=int8", "3.weight=shard1"]
+MIXED_STAGES = ["0.*=bf16,master=fp32,stage1", "1.*=frozen,stage2", "2.weight=int8,stage2", "2.bias=stage1",
+                "3.weight=shard1,stage1", "3.bias=replicate"]
+
+
+def measured(rank: int, world_size: int, hsdp: bool, placement: str, specs=POLICIES, zero_stage=None) -> dict:
     m = model()
     mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp
             else init_device_mesh("cpu", (world_size,)))
-    perparam.fully_shard(m, mesh=mesh, param_policy=policy_mapping(POLICIES, placement))
+    perparam.fully_shard(m, mesh=mesh, param_policy=policy_mapping(specs, placement, zero_stage))
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
     F.mse_loss(m(torch.randn(4, 5)).float(), torch.zeros(4, 3)).backward()
     opt.step()
@@ -58,6 +64,34 @@ def test_plan_with_per_parameter_policies_equals_the_measured_shards(world, hsdp
         assert got["optimizer"] == want.optimizer + 4 * got["steps"], (got, want)
         # gradients: the reduce-scatter output holds each shard padded to the chunk, plus 4-byte used flags
         assert got["grads"] >= want.grads
+
+
+def measured_cases(rank: int, world_size: int, hsdp: bool, cases: list) -> list[dict]:
+    return [measured(rank, world_size, hsdp, "shard0", specs, stage) for specs, stage in cases]
+
+
+@pytest.mark.parametrize("world,hsdp", [(2, False), (3, False), (4, True)])
+def test_plan_of_zero_stages_equals_the_measured_state(world, hsdp):
+    """Stage 1/2 keep the padded unsharded copy (P row) and stage 1 the whole gradient (G row) on every
+    rank: ``perparam plan`` counts them as a live call holds them, for every stage and a mix."""
+    shards = world // 2 if hsdp else world
+    cases = [(STAGE_POLICIES, stage) for stage in (1, 2, 3)] + [(MIXED_STAGES, None)]
+    with torch.device("meta"):
+        meta = model()
+    plans = [plan_module(meta, shards, dtype=None, optim_bytes=8, param_policy=policy_mapping(specs, "shard0", stage))
+             for specs, stage in cases]
+    for per_case in run_distributed(measured_cases, world, hsdp, cases):
+        for plan, (specs, stage), got in zip(plans, cases, per_case):
+            want = plan.rank(got["shard_rank"])
+            assert got["params"] == want.params, (stage, got, want)
+            assert got["optimizer"] == want.optimizer + 4 * got["steps"], (stage, got, want)
+            if stage == 1:  # whole gradients of their own, exactly
+                assert got["grads"] == want.grads, (stage, got, want)
+            else:  # reduce-scatter outputs: padded, plus used flags
+                assert got["grads"] >= want.grads, (stage, got, want)
+    stage1, stage2, stage3 = (p.rank(0) for p in plans[:3])
+    assert stage1.params == stage2.params > stage3.params and stage1.grads > stage2.grads == stage3.grads
+    assert stage1.optimizer == stage2.optimizer == stage3.optimizer
 
 
 def test_plan_dp_replicate_gives_the_bytes_of_its_shard_axis_and_reports_imbalance(capsys):

@@ -48,13 +48,32 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+#: where ``fully_shard`` keeps a module's group (``perparam.runtime.group.GROUP_ATTR``; read, not imported:
+#: this floor imports ``perparam.sharding`` only)
+_GROUP_ATTR = "_perparam_group"
+
+
+def kept_copies(model: nn.Module) -> list[torch.Tensor]:
+    """The unsharded buffers that stage-1/2 parameters (``ParamPolicy.zero_stage``) of ``model`` keep
+    across steps on this rank (padded, ``param_dtype``), where their storage is alive."""
+    out, seen = [], set()
+    for module in model.modules():
+        group = module.__dict__.get(_GROUP_ATTR)
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        out.extend(p._padded for p in group.params if p.kept and p.storage_alive)
+    return out
+
+
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
     """Bytes this rank holds for ``model``'s parameters, their ``.grad``s and ``optimizer``'s state.
 
-    Reads the live tensors: for sharded parameters that is about 1/K of the model (ZeRO-3). Returns
-    ``ModelStateBytes`` in bytes.
+    Reads the live tensors: for sharded parameters that is about 1/K of the model (ZeRO-3). Stage-1/2
+    parameters add their kept unsharded copy to ``params`` (``kept_copies``); a stage-1 ``.grad`` is a
+    view of a whole gradient, counted whole. Returns ``ModelStateBytes`` in bytes.
     """
-    params = list(model.parameters())
+    params = list(model.parameters()) + kept_copies(model)
     grads = [p.grad for p in params if p.grad is not None]
     state: list[torch.Tensor] = []
     if optimizer is not None:

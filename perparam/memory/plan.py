@@ -19,6 +19,7 @@ reported with the rank that holds it.
 from __future__ import annotations
 
 import importlib
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -224,16 +225,17 @@ def plan_module(
     groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy) for pp in plans)
     sample = {(pp.layout, pp.requires_grad, pp.resolution.policy): pp for pp in plans}
     params = [0] * world_size
-    states = [0] * world_size  # elements with a gradient and optimizer state, weighted by grad bytes
-    train_numel = [0] * world_size
+    states = [0] * world_size  # gradient bytes: elements with a gradient, weighted by grad bytes
+    train_numel = [0] * world_size  # elements with optimizer state
     for key, count in groups.items():
-        layout, trainable, _ = key
+        layout, trainable, policy = key
         g = layout.itemsize if grad_bytes is None else grad_bytes
+        kept = count * kept_bytes(layout, policy)  # stage 1/2: the unsharded copy every rank keeps
         for r in range(world_size):
             numel = count * layout.local_numel(r)
-            params[r] += count * sample[key].stored_bytes(r)
+            params[r] += count * sample[key].stored_bytes(r) + kept
             if trainable:
-                states[r] += numel * g
+                states[r] += (count * layout.numel if policy.whole_grad else numel) * g  # stage 1: whole
                 train_numel[r] += numel
     per_rank = tuple(
         RankBytes(r, params[r], _whole(states[r]), _whole(train_numel[r] * optim_bytes)) for r in range(world_size)
@@ -249,6 +251,16 @@ def plan_module(
     )
     return ModelPlan(model_name, world_size, tuple(plans), grad_bytes, optim_bytes, per_rank, unsharded,
                      nominal_params, tp)
+
+
+def kept_bytes(layout: ShardLayout, policy) -> int:
+    """Bytes of the unsharded copy a stage-1/2 parameter keeps on every rank (``ParamPolicy.zero_stage``):
+    its padded buffer (``layout.buffer_shape``, K chunks) in ``param_dtype``; 0 for stage 3 and
+    replicated parameters. Counted in the P row: with it, a stage-1/2 rank holds P (this copy, in the
+    compute dtype) plus its shard, the optimizer's copy (P/K in the stored dtype)."""
+    if not policy.keeps_unsharded:
+        return 0
+    return math.prod(layout.buffer_shape) * policy.param_dtype.itemsize
 
 
 def import_object(spec: str, flag: str, takes: str = "package.module:factory") -> object:
@@ -355,6 +367,10 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
         "zero3_formula": formula.as_dict(),
         "max_rank_vs_formula": float(Fraction(max_rank.total) / formula.total - 1) if formula.total else 0.0,
     }
+    stages = sorted({p.resolution.policy.zero_stage for p in plan.params if p.layout.gathered})
+    out["zero_stages"] = stages  # of the sharded parameters (ParamPolicy.zero_stage)
+    if len(stages) == 1:  # Table 7-2's row of that stage; stages 1/2 also hold the shard the optimizer updates
+        out["zero_stage_formula"] = plan.formula(f"ZeRO-{stages[0]}").as_dict()
     if nominal is not None:
         out["nominal_params"] = plan.nominal_params
         out["zero3_formula_nominal"] = nominal.as_dict()
@@ -373,6 +389,8 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
                 "dtype": str(p.layout.dtype).removeprefix("torch."),
                 "local_bytes": p.stored_bytes(rank),
                 "requires_grad": p.requires_grad,
+                "zero_stage": p.resolution.policy.zero_stage,
+                "kept_bytes": kept_bytes(p.layout, p.resolution.policy),
             }
             for p in plan.params
         ]

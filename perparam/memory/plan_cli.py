@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-policy", action="append", default=[], metavar="PATTERN=TOKENS",
                         help="a per-parameter policy, repeatable, e.g. '*.mlp.*.weight=frozen,nf4,stored' "
                              "(tokens: see perparam/memory/policy_args.py)")
+    parser.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=None, metavar="N",
+                        help="ZeRO stage of every parameter whose --param-policy names none (ParamPolicy.zero_stage): "
+                             "1 keeps the parameter and gradient whole, 2 the parameter, 3 nothing (default 3)")
     parser.add_argument("--dp-replicate", type=int, default=1, metavar="R",
                         help="HSDP: R replicas of a shard axis of --world/R ranks (a rank's bytes depend on the "
                              "shard axis only; default 1)")
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_model(
             spec, shards, dtype=None if args.dtype == "model" else DTYPES[args.dtype],
             grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, nominal_params=args.nominal_params,
-            param_policy=policy_from_args(args.param_policy, args.placement, args.param_policy_factory),
+            param_policy=policy_from_args(args.param_policy, args.placement, args.param_policy_factory,
+                                          args.zero_stage),
             tp=args.tp, tp_plan=args.tp_plan,
         )
     except (ValueError, TypeError, ImportError, AttributeError) as err:

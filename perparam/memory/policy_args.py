@@ -13,7 +13,11 @@ One flag per pattern (fnmatch on the names ``named_parameters`` gives, first mat
 ``replicate``        ``placement=Replicate()``
 ``shardD``           ``placement=Shard(D)``, e.g. ``shard1``
 ``auto``             ``placement="auto"`` (``perparam.sharding.placement``)
+``stageN``           ``zero_stage=N`` (1, 2 or 3; ``ParamPolicy.zero_stage``), e.g. ``stage2``
 ===================  ===================================================================
+
+``--zero-stage N`` gives every parameter whose pattern names no stage (and every parameter no pattern
+matches) stage N, as passing ``ParamPolicy(zero_stage=N)`` call-wide does.
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
             fields["placement"] = "auto"
         elif token.startswith("shard") and token[5:].isdigit():
             fields["placement"] = Shard(int(token[5:]))
+        elif token.startswith("stage") and token[5:].isdigit():
+            fields["zero_stage"] = int(token[5:])  # 1, 2, 3: checked where fully_shard checks it
         else:
             raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, reduce=DTYPE, "
-                             "master=DTYPE, frozen, int8/fp8/nf4, stored, replicate, shardD, auto")
+                             "master=DTYPE, frozen, int8/fp8/nf4, stored, replicate, shardD, auto, stageN")
     if stored and quantizer is None:
         raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token (int8, fp8 or nf4)")
     if quantizer is not None:
@@ -64,25 +70,32 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
     return pattern, ParamPolicy(**fields)
 
 
-def policy_mapping(specs: list[str], placement: str = "shard0") -> dict[str, ParamPolicy] | None:
+def policy_mapping(specs: list[str], placement: str = "shard0",
+                   zero_stage: int | None = None) -> dict[str, ParamPolicy] | None:
     """The ``param_policy`` mapping of the ``--param-policy`` flags; ``placement="auto"`` adds a catch-all
-    ``"*": ParamPolicy(placement="auto")`` and makes every pattern without a placement auto too."""
+    ``"*": ParamPolicy(placement="auto")`` and makes every pattern without a placement auto too;
+    ``zero_stage`` (``--zero-stage``) likewise gives its stage to every pattern without one, and to the
+    catch-all."""
     mapping = dict(parse_param_policy(s) for s in specs)
-    if placement == "auto":
-        mapping = {k: v if v.placement is not None else ParamPolicy(**{**v.__dict__, "placement": "auto"})
-                   for k, v in mapping.items()}
-        mapping.setdefault("*", ParamPolicy(placement="auto"))
+    defaults = {"placement": "auto"} if placement == "auto" else {}
+    if zero_stage is not None:
+        defaults["zero_stage"] = zero_stage
+    if defaults:
+        mapping = {k: ParamPolicy(**{**v.__dict__, **{f: d for f, d in defaults.items()
+                                                      if getattr(v, f) is None}}) for k, v in mapping.items()}
+        mapping.setdefault("*", ParamPolicy(**defaults))
     return mapping or None
 
 
-def policy_from_args(specs: list[str], placement: str = "shard0", factory: str | None = None):
+def policy_from_args(specs: list[str], placement: str = "shard0", factory: str | None = None,
+                     zero_stage: int | None = None):
     """``perparam plan``'s ``param_policy``: the ``--param-policy-factory`` function's result (imported as
     ``--model`` imports, ``perparam.memory.plan.import_object``), then the ``--param-policy`` flags.
 
     A factory's mapping comes first, so its patterns win (first match wins); flags add patterns after it. A
     factory returning a ``ParamPolicy`` or a callable cannot be combined with flags or ``--placement auto``.
     Raises ``ValueError``/``TypeError`` naming the flag."""
-    flags = policy_mapping(specs, placement)
+    flags = policy_mapping(specs, placement, zero_stage)
     if factory is None:
         return flags
     from collections.abc import Mapping
