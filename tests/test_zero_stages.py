@@ -93,21 +93,29 @@ def reference() -> dict:
     return {opt: one_process(train, None, None, opt) for opt in ("adamw", "sgd")}
 
 
-@pytest.mark.parametrize(("stage", "world_size"), [(1, 3), (2, 3), (3, 3), ("mix", 1), ("mix", 2), ("mix", 3),
-                                                   ("mix", 4)])
-def test_each_stage_and_a_mix_match_one_process_on_uneven_and_empty_shards(reference, stage, world_size):
-    for opt in ("adamw", "sgd"):
-        results = run_distributed(train, world_size, (world_size,), stage, opt)
-        for rank, got in enumerate(results):
-            _assert_matches(got, reference[opt], f"stage {stage} K={world_size} {opt} rank {rank}", rank,
+def train_cases(rank: int, world_size: int, mesh_shape: tuple[int, ...], cases: list) -> list[dict]:
+    return [train(rank, world_size, mesh_shape, stage, opt) for stage, opt in cases]
+
+
+def _check_cases(reference: dict, world_size: int, mesh_shape: tuple[int, ...], cases: list) -> None:
+    for rank, per_case in enumerate(run_distributed(train_cases, world_size, mesh_shape, cases)):
+        for (stage, opt), got in zip(cases, per_case):
+            _assert_matches(got, reference[opt], f"stage {stage} mesh {mesh_shape} {opt} rank {rank}", rank,
                             world_size)
 
 
-@pytest.mark.parametrize("stage", [1, 2, "mix"])
-def test_stages_on_hsdp_2x2_match_one_process(reference, stage):
-    results = run_distributed(train, 4, (2, 2), stage, "adamw")
-    for rank, got in enumerate(results):
-        _assert_matches(got, reference["adamw"], f"stage {stage} HSDP 2x2 rank {rank}", rank, 4)
+BOTH = ("adamw", "sgd")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_each_stage_and_a_mix_match_one_process_on_uneven_and_empty_shards(reference, world_size):
+    # K = 3: Embedding(5, 6) and Linear(6, 2) leave rank 2 without rows; every stage there, the mix everywhere
+    stages = (1, 2, 3, "mix") if world_size == 3 else ("mix",)
+    _check_cases(reference, world_size, (world_size,), [(s, o) for s in stages for o in BOTH])
+
+
+def test_stages_on_hsdp_2x2_match_one_process(reference):
+    _check_cases(reference, 4, (2, 2), [(1, "adamw"), (2, "adamw"), ("mix", "sgd")])
 
 
 # -- collectives per step ------------------------------------------------------------------------------------
@@ -142,10 +150,23 @@ def step_collectives(rank: int, world_size: int, stage) -> dict:
     return {"steps": steps, "no_grad_forwards": forwards}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3, "mix"])
-def test_collectives_per_step_of_each_stage(stage):
-    got = run_distributed(step_collectives, 2, stage)
-    assert got[0] == got[1]  # the same collectives and sizes on every rank
+def step_collectives_of(rank: int, world_size: int, stages: list) -> list[dict]:
+    return [step_collectives(rank, world_size, stage) for stage in stages]
+
+
+STAGES = [1, 2, 3, "mix"]
+
+
+@pytest.fixture(scope="module")
+def collectives() -> dict:
+    per_rank = run_distributed(step_collectives_of, 2, STAGES)
+    assert per_rank[0] == per_rank[1]  # the same collectives and sizes on every rank
+    return dict(zip(STAGES, per_rank[0]))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_collectives_per_step_of_each_stage(collectives, stage):
+    got = [collectives[stage]]
     steps = got[0]["steps"]
     kinds = [{k: v for k, v in s.items() if k != "ag_bytes"} for s in steps]
     # 3 groups; stage 3: the root keeps its parameters into backward, the blocks gather again there
@@ -262,12 +283,15 @@ def bad_stage(rank: int, world_size: int, case: str) -> tuple[str, bool]:
     return "no error", False
 
 
-@pytest.mark.parametrize("case", sorted(_BAD))
-def test_a_bad_zero_stage_is_refused_at_fully_shard_naming_the_parameter(case):
-    message, unchanged = run_distributed(bad_stage, 1, case)[0]
-    for fragment in _BAD[case][1]:
-        assert fragment in message, (fragment, message)
-    assert unchanged
+def bad_stages(rank: int, world_size: int) -> dict:
+    return {case: bad_stage(rank, world_size, case) for case in _BAD}
+
+
+def test_a_bad_zero_stage_is_refused_at_fully_shard_naming_the_parameter():
+    for case, (message, unchanged) in run_distributed(bad_stages, 1)[0].items():
+        for fragment in _BAD[case][1]:
+            assert fragment in message, (case, fragment, message)
+        assert unchanged, case
 
 
 # -- what each rank holds ------------------------------------------------------------------------------------
@@ -341,15 +365,23 @@ def train_tp(rank: int, world_size: int, stage) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, "mix"])
-def test_stages_under_tensor_parallelism_match_one_process(stage):
-    want = one_process(train_tp, stage)
-    for rank, got in enumerate(run_distributed(train_tp, 4, stage)):
-        for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
-            for n in w:
-                torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0, msg=f"rank {rank}: grad {n} step {step}")
-        for n, p in want["params"].items():
-            torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
+def train_tp_stages(rank: int, world_size: int, stages: list) -> list[dict]:
+    return [train_tp(rank, world_size, stage) for stage in stages]
+
+
+def test_stages_under_tensor_parallelism_match_one_process():
+    want = one_process(train_tp, 3)  # the reference does not depend on the stage
+    for rank, per_stage in enumerate(run_distributed(train_tp_stages, 4, [1, 2, "mix"])):
+        for got in per_stage:
+            _assert_tp_matches(got, want, rank)
+
+
+def _assert_tp_matches(got: dict, want: dict, rank: int) -> None:
+    for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
+        for n in w:
+            torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0, msg=f"rank {rank}: grad {n} step {step}")
+    for n, p in want["params"].items():
+        torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
 
 
 # -- checkpoints across mixes and world sizes -------------------------------------------------------------------

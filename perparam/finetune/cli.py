@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora)")
     parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage of every "
+                        "parameter (ParamPolicy.zero_stage, docs/zero-stages.md): 3 shards parameters, gradients and "
+                        "AdamW state; 2 keeps the parameters whole on every rank (no all-gather in forward or "
+                        "backward, one per step to refresh them); 1 also the gradients (default 3)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of the sharded model "
                         "(R); each replica shards over nproc / (R * tp) ranks (default 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each data-parallel "
@@ -124,6 +128,10 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = 
                                  "evaluation always runs, on at least one row per rank)")
     if args.seq_len < 1:
         raise FinetuneInputError(f"--seq-len {args.seq_len} must be at least 1")
+    if getattr(args, "zero_stage", 3) != 3 and getattr(args, "qlora", False):
+        raise FinetuneInputError(f"--zero-stage {args.zero_stage} cannot go with --qlora: QLoRA keeps the frozen base "
+                                 "weights NF4-quantized in their shards, which a stage-1/2 whole copy would undo; "
+                                 "drop --zero-stage (or use --lora)")
     replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
     for flag, value in (("--dp-replicate", replicate), ("--tp", tp)):
         if value < 1:
@@ -269,7 +277,7 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
             "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--assets", str(args.assets),
             "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
             "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--param-dtype", args.param_dtype,
-            "--quant", args.quant, "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
+            "--quant", args.quant, "--zero-stage", str(args.zero_stage), "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
     argv += loop_flags.worker_argv(args)
     if args.gguf_path:
         argv += ["--gguf", args.gguf_path]

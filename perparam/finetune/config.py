@@ -23,6 +23,7 @@ class JobConfig:
     summary_json: str | None = None
     param_dtype: str | None = "fp32"  # None: bf16 under --qlora, else fp32
     quant: str = "none"
+    zero_stage: int = 3
     dp_replicate: int = 1
     tp: int = 1
     pg_timeout: float = 300.0

@@ -72,14 +72,16 @@ def tp_plan() -> dict:
 
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
-                quant: str | torch.dtype | None = None, layer_policy: dict | None = None) -> Llama:
+                quant: str | torch.dtype | None = None, layer_policy: dict | None = None,
+                zero_stage: int = 3) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
     ``param_dtype`` other than fp32: ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`` on every
     call. ``quant``: int8/fp8/nf4 all-gather of the layers' Linear weights (:data:`LAYER_LINEAR_WEIGHTS`).
     ``layer_policy``: more ``param_policy`` entries for the layers' calls (QLoRA's NF4 base weights,
-    :func:`perparam.finetune.lora.layer_policy`).
+    :func:`perparam.finetune.lora.layer_policy`). ``zero_stage``: ``ParamPolicy.zero_stage`` of every
+    parameter (``--zero-stage``).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
@@ -88,6 +90,13 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else {}),
                     **(layer_policy or {})} or None
+    root_policy = None
+    if zero_stage != 3:  # every parameter: the patterns' policies, then a catch-all, all with the stage
+        import dataclasses
+
+        layer_policy = {**{k: dataclasses.replace(v, zero_stage=zero_stage) for k, v in (layer_policy or {}).items()},
+                        "*": ParamPolicy(zero_stage=zero_stage)}
+        root_policy = ParamPolicy(zero_stage=zero_stage)
     tp = meshes.tp_mesh.size()
     for layer in model.layers:
         if tp > 1:
@@ -95,7 +104,7 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
 
             parallelize_module(layer, meshes.tp_mesh, tp_plan())
         fully_shard(layer, mesh=meshes.dp_mesh, mp_policy=mp, param_policy=layer_policy)
-    fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp, param_policy=root_policy)
     return model
 
 
@@ -145,7 +154,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     quant = QUANT_DTYPES[cfg.quant] if quant is None else quant
     if cfg.config == "tiny":
         model, model_cfg, name = build_model(cfg, device)
-        return shard_model(model, meshes, param_dtype, quant), model_cfg, name
+        return shard_model(model, meshes, param_dtype, quant, zero_stage=cfg.zero_stage), model_cfg, name
     from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
 
     reader, box = None, [None]
@@ -154,7 +163,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
         box = [read_config(reader, cfg.gguf_path)]
     dist.broadcast_object_list(box, src=0)
     model_cfg = box[0]
-    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant)
+    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, zero_stage=cfg.zero_stage)
     load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
     return model, model_cfg, Path(cfg.gguf_path).name
 
