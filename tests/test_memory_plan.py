@@ -190,7 +190,7 @@ def test_cli_params_table(capsys):
     wte = data["params"][0]
     assert wte == {"name": "wte.weight", "global_shape": [1000, 64], "placements": "(Shard(0),)",
                    "local_shape": [332, 64], "dtype": "float16", "local_bytes": 332 * 64 * 2,
-                   "requires_grad": True}
+                   "requires_grad": True, "zero_stage": 3, "kept_bytes": 0}
 
 
 def test_cli_model_flag(capsys):
