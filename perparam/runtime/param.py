@@ -314,7 +314,9 @@ class ShardedParam:
     def accumulate_whole_grad(self, whole: torch.Tensor) -> None:
         """Stage 1: add the all-reduced whole gradient (wire order: shard dim first, e.g. a piece of the
         all-reduce buffer) into the whole gradient kept on this rank, whose rows (this rank's shard, a view)
-        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype."""
+        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype. Only this rank's
+        rows are read (by the optimizer): after ``zero_grad(set_to_none=False)``, which zeroes those rows
+        only, the other rows hold sums of earlier steps until ``.grad`` is set to ``None``."""
         whole = self.layout.from_wire(whole.view(self.layout.rule.wire_shape(self.layout.global_shape)))
         kept = self._whole_grad()
         if kept is not None:
