@@ -349,7 +349,9 @@ def _series(path: Path) -> list[Path]:
 
 
 def latest(folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``."""
+    """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``; this
+    process's ``async_save`` still in flight is waited for first."""
+    background.wait_pending()
     folder = Path(folder)
     if (folder / MANIFEST).is_file():
         return folder
@@ -393,9 +395,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); every rank calls it.
 
     The world size, mesh shape and tensor parallelism may differ from the saving run's. Returns the
-    ``extra`` dict given to ``save``. Raises ``CheckpointError`` before changing anything when ``path`` is
+    ``extra`` dict given to ``save``. Waits for this process's ``async_save`` still in flight first (and
+    raises its failure). Raises ``CheckpointError`` before changing anything when ``path`` is
     missing, incomplete or foreign, or names, shapes or dtypes differ (all differences in one message).
     """
+    background.wait_pending()  # an async_save of this process still writing (perhaps this very checkpoint)
     path = Path(path)
     manifest = _read_manifest(path)
     current = _model_state(model)

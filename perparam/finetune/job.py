@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from perparam.finetune import lifecycle, lora, peers, schedule, steps, throughput, train
-from perparam.finetune.checkpointing import resume_from, save_if_due
+from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
 from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError, write_output
@@ -149,6 +149,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
+        finish_saves(cfg, run.rank)  # the last checkpoint, written while the loop went on
     progress.close()
     steps_run = cfg.steps - run.first_step
     comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
@@ -236,8 +237,11 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
 def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     """The whole worker: ``setup``, ``training_loop``, ``--export``, ``report``; then frees the sharded
     model before the process group. Returns the summary dict (every rank; rank 0 writes the files)."""
+    import contextlib
     import gc
     import sys
+
+    from perparam import checkpoint_async
 
     launched = float(os.environ.get("PERPARAM_LAUNCH_TIME", time.time()))  # wall_s: from launch
     run = None
@@ -256,6 +260,8 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
         # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
         # kept into interpreter teardown it was seen to abort the process at exit
         run = None  # noqa: F841
+        with contextlib.suppress(Exception):  # on a failure's way out: a background write still running
+            checkpoint_async.release()  # waited for (and its group dropped) before the groups go
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
