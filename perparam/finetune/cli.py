@@ -268,9 +268,10 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
     argv = ["-m", "perparam.finetune", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--assets", str(args.assets),
             "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
-            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--param-dtype", args.param_dtype,
-            "--quant", args.quant, "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
+            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--quant", args.quant, "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
     argv += loop_flags.worker_argv(args)
+    if not getattr(args, "param_dtype_by_default", False):  # a default is the worker's to settle (job.py)
+        argv += ["--param-dtype", args.param_dtype]
     if args.gguf_path:
         argv += ["--gguf", args.gguf_path]
     if args.summary_json:

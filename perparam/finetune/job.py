@@ -16,7 +16,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -234,6 +234,20 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     return summary
 
 
+def hardware_compute_dtype(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with the compute dtype the hardware supports: ``--qlora``'s default bf16 becomes fp32 where
+    bf16 matmuls are emulated (``throughput.compute_dtype``; one line says so). Starts the process group;
+    a collective when the compute dtype is bf16 (every rank times a tiny bf16 and fp32 matmul)."""
+    rank, _, device = train.setup_distributed(cfg.pg_timeout)
+    if cfg.param_dtype != "bf16":
+        return cfg
+    dtype, line = throughput.compute_dtype(cfg.param_dtype, cfg.param_dtype_by_default,
+                                           throughput.bf16_slowdown(device))
+    if line and rank == 0:
+        print(line, flush=True)
+    return replace(cfg, param_dtype=dtype)
+
+
 def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     """The whole worker: ``setup``, ``training_loop``, ``--export``, ``report``; then frees the sharded
     model before the process group. Returns the summary dict (every rank; rank 0 writes the files)."""
@@ -246,6 +260,7 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     launched = float(os.environ.get("PERPARAM_LAUNCH_TIME", time.time()))  # wall_s: from launch
     run = None
     try:
+        cfg = hardware_compute_dtype(cfg)
         run = setup(cfg, data)
         samples = Samples(cfg, run)  # --generate (generate.py): sampled before training here, after it below
         loop = training_loop(cfg, run, data)

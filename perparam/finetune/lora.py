@@ -71,10 +71,11 @@ def parse_targets(spec: str | None) -> tuple[str, ...]:
 def config_from_args(args) -> LoraConfig | None:
     """The launcher's :func:`lora_config` of the ``--lora*``/``--qlora`` flags on an ``argparse.Namespace``
     (absent flags: their defaults). Also sets ``args.param_dtype`` when it was not given: bf16 under
-    ``--qlora``, fp32 otherwise."""
+    ``--qlora``, fp32 otherwise (and ``args.param_dtype_by_default``)."""
     qlora = getattr(args, "qlora", False)
     if getattr(args, "param_dtype", None) is None:
         args.param_dtype = "bf16" if qlora else "fp32"
+        args.param_dtype_by_default = True  # the worker may still pick fp32 where bf16 is emulated (job.py)
     return lora_config(getattr(args, "lora", None), getattr(args, "lora_alpha", None),
                        getattr(args, "lora_targets", None), qlora, getattr(args, "tp", 1),
                        getattr(args, "quant", "none"))
