@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {d['eval_tokens']})")
     parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None, help="dtype of the "
                         "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
-                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora)")
+                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora, unless this machine emulates bf16 "
+                        "matmuls: then fp32, said in one line)")
     parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of the sharded model "
@@ -81,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-targets", default=None, metavar="NAMES", help="with --lora: comma list of "
                         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default all seven)")
     parser.add_argument("--qlora", action="store_true", help="with --lora: store the frozen projection weights "
-                        "in NF4 and compute in bf16 (the adapters keep fp32 master weights)")
+                        "in NF4 and compute in bf16 where the hardware has it (the adapters keep fp32 master weights)")
     # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
     parser.add_argument("--save", default=None, metavar="DIR", help="save crash-safe sharded checkpoints "
                         "(perparam.checkpoint) into DIR/step-NNNNNN every --save-every steps and at the end; the "

@@ -82,7 +82,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
               f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
               f"rows of {data.seq_len} tokens", flush=True)
         if lora_cfg is not None:
-            print(lora.describe(model, lora_cfg, params_total), flush=True)
+            print(lora.describe(model, lora_cfg, params_total, cfg.param_dtype), flush=True)
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
