@@ -121,14 +121,25 @@ def _wait_at_exit() -> None:
 
 def checkpoint_group() -> dist.ProcessGroup | None:
     """The gloo process group over all ranks that background writes use (``None`` without a default
-    group); created on the first call under the current default group, a collective then."""
+    group), with the default group's timeout; created on the first call under the current default group,
+    a collective then."""
     global _GROUP
     if not dist.is_initialized():
         return None
     world = dist.group.WORLD
     if _GROUP is None or _GROUP[0] is not world:
-        _GROUP = (world, dist.new_group(backend="gloo"))
+        _GROUP = (world, dist.new_group(backend="gloo", timeout=_timeout_of(world)))
     return _GROUP[1]
+
+
+def _timeout_of(group: dist.ProcessGroup):
+    """The timeout ``group`` was created with (``init_process_group(timeout=...)``), so a write whose peer
+    died fails as soon as training would, not after gloo's 30-minute default; ``None`` (torch's default)
+    where this torch does not expose it."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

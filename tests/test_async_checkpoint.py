@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import perparam
-from perparam import ParamPolicy, checkpoint
+from perparam import ParamPolicy, checkpoint, checkpoint_async
 from perparam.checkpoint import CheckpointError
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches
@@ -116,13 +117,17 @@ def test_async_save_snapshots_the_state_while_training_continues_and_loads_bit_e
 
 def three_in_a_row(rank: int, world_size: int, folder: str) -> list:
     model, opt = build(world_size, "hsdp")  # 2 replicas x 1 shard: DCP writes each replicated shard once
-    states = []
+    states, groups = [], set()
     for step in (1, 2, 3):
         train(model, opt, 1, rank, world_size, seed=step)
         states.append(state_of(model, opt))
         pending = checkpoint.async_save(f"{folder}/step-{step:06d}", model, opt, extra={"step": step}, keep=2)
+        groups.add(checkpoint_async.checkpoint_group())
+    (group,) = groups  # made by the first save, reused by the next ones
     assert pending.wait().name == "step-000003"
     checkpoint.wait_pending()  # nothing left: returns at once
+    # the training group's timeout (the harness's 120 s), not gloo's 30-minute default
+    assert checkpoint_async._timeout_of(group) == timedelta(seconds=120) == checkpoint_async._timeout_of(dist.group.WORLD)
     return [states, [loaded(rank, world_size, f"{folder}/step-{step:06d}", "hsdp") for step in (2, 3)]]
 
 
