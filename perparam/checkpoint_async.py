@@ -53,9 +53,9 @@ class PendingSave:
     def wait(self, timeout_s: float | None = None) -> Path:
         try:
             self._future.result(timeout=timeout_s)
-        except TimeoutError:
-            raise
         except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
+            if not self._future.done():  # timeout_s passed (TimeoutError) or the wait was interrupted
+                raise
             _forget(self)
             if isinstance(e, CheckpointError):
                 raise

@@ -97,6 +97,8 @@ def save_async_then_train(rank: int, world_size: int, path: str, layout: str) ->
         pending = checkpoint.async_save(path, model, opt, extra={"step": 2})
         train(model, opt, 1, rank, world_size, seed=1)  # changes every parameter, 0-dim scale included
         in_flight = not pending.done()
+        with pytest.raises(TimeoutError):
+            pending.wait(timeout_s=0.01)  # still held back: the handle stays usable
         release.set()
         assert pending.wait() == pending.path
     finally:
