@@ -147,7 +147,36 @@ def machine_info() -> dict:
         commit, dirty = "", False
     return {"nproc": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "perparam": perparam.__version__,
-            "git_commit": commit, "perparam_dirty": dirty}
+            "git_commit": commit, "perparam_dirty": dirty, **bf16_speed()}
+
+
+def bf16_speed() -> dict:
+    """``bf16_matmul_slowdown``: how many times longer a one-thread ``[128, 128]`` bf16 matmul takes than the
+    fp32 one (``perparam.finetune.throughput``, as ``perparam finetune`` measures it); ``bf16_emulated``: above
+    its threshold (no AVX-512 BF16/AMX: torch emulates bf16, issue 24 measured 20x)."""
+    from perparam.finetune.throughput import BF16_EMULATED_ABOVE, time_matmul
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank runs
+    try:
+        cpu = torch.device("cpu")
+        slowdown = time_matmul(cpu, torch.bfloat16) / time_matmul(cpu, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    return {"bf16_matmul_slowdown": slowdown, "bf16_emulated": slowdown > BF16_EMULATED_ABOVE}
+
+
+def bf16_note(machine: dict) -> str | None:
+    """The line under the table when the bf16 rows ran emulated (``machine``: ``meta["machine"]``), else None."""
+    if not machine.get("bf16_emulated"):
+        return None
+    return (f"bf16 rows (marked *) ran emulated: a bf16 matmul took {machine['bf16_matmul_slowdown']:.1f}x the fp32 "
+            "time on this CPU (no native bf16: AVX-512 BF16/AMX); they say nothing of bf16 on hardware that has it")
+
+
+def row_name(name: str, machine: dict) -> str:
+    """``name``, with ``*`` when it computes in bf16 and bf16 ran emulated here (:func:`bf16_note`)."""
+    return f"{name} *" if machine.get("bf16_emulated") and "bf16" in name else name
 
 
 def _ratio(x) -> str:
@@ -171,20 +200,23 @@ def render(result: dict) -> None:
     for col in cols:
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, c in result["configs"].items():
+        shown = row_name(name, meta["machine"])
         if c["status"] != "ok":
-            table.add_row(name, c["status"], *[""] * (len(cols) - 2))
+            table.add_row(shown, c["status"], *[""] * (len(cols) - 2))
             continue
         st, ph = c["step_time_s"], c["phase_time_s"]
         peak = (f"{max(c['training_peak_rss_bytes']) / mib:.0f} (+{c['training_peak_over_baseline_bytes'] / mib:.0f})"
                 if "training_peak_rss_bytes" in c else "-")
         table.add_row(
-            name, f"{st['median'] * 1e3:.0f} ({st['p10'] * 1e3:.0f}-{st['p90'] * 1e3:.0f})",
+            shown, f"{st['median'] * 1e3:.0f} ({st['p10'] * 1e3:.0f}-{st['p90'] * 1e3:.0f})",
             "/".join(f"{ph[p] * 1e3:.0f}" for p in ("forward", "backward", "optimizer")),
             _ratio(c["ratio_vs_bound"]), _ratio(c["ratio_vs_ddp"]), _ratio(c["paired_ratio_vs_fsdp2"]),
             _ratio(c["paired_ratio_vs_fsdp2_bf16"]), f"{c['cpu_time_s'] * 1e3:.0f}", f"{c['page_faults_per_step']:.0f}",
             f"{c['model_state_bytes']['total'] / mib:.1f}", peak, f"{c['comm_sent_bytes_per_rank'] / mib:.1f}",
             _ratio(c["comm_sent_vs_zero3_model"]), f"{c['final_loss']:.4f}")
     console.print(table)
+    if bf16_note(meta["machine"]):
+        console.print(bf16_note(meta["machine"]))
     la = meta["loadavg"]
     console.print(f"load average (1 min) during the timing run: min {la['min']:.2f}, mean {la['mean']:.2f}, "
                   f"max {la['max']:.2f} on {meta['machine']['nproc']} CPUs ({meta['machine']['cpu_model']})")

@@ -11,6 +11,10 @@ was (replacing an existing ``path`` takes two renames; killed between them, the 
 as ``.<name>.old-*`` and ``load`` says so), and the next save removes the leftovers. Plain (non-DTensor)
 tensors and ``extra`` are saved once, from rank 0: ``save`` refuses values that differ between ranks. ``keep`` checkpoints are kept in ``path``'s parent.
 
+``async_save(...)`` is ``save`` that returns once the state is copied to CPU memory: the write, the manifest
+and the rename run in a background thread on a gloo process group of its own (``checkpoint_async.py``), with
+the same crash safety; it returns a ``PendingSave`` (``wait()``), and the next save waits for it.
+
 ``load(path, model, optimizer)`` checks the manifest against the model and optimizer first (one message
 naming every missing, unexpected or reshaped entry), loads into fresh tensors, and only then copies into
 the model and optimizer: nothing is half-loaded. DCP's metadata file is a pickle; it is read with an
@@ -48,8 +52,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
+from . import checkpoint_async as background
 from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
 from .runtime import adopt, zero
+
+PendingSave = background.PendingSave  # re-exported (__all__)
 
 MANIFEST = "perparam_checkpoint.json"
 FORMAT = "perparam-checkpoint/1"
@@ -161,9 +168,74 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     ``extra``: a small JSON-serialisable dict (step, data position, seeds) returned by ``load``.
     ``keep``: how many complete checkpoints of ``path``'s series to keep (its siblings named like it up
     to trailing digits, e.g. ``step-000030``; oldest removed first; ``None``: all). An existing checkpoint at ``path`` is replaced only once the new one is complete. Returns
-    ``path``. Raises ``CheckpointError`` for non-JSON ``extra`` or optimizer options, before writing.
+    ``path``. Raises ``CheckpointError`` for non-JSON ``extra`` or optimizer options, before writing, and
+    the error of an earlier ``async_save`` still unreported (after waiting for it).
     """
+    background.wait_pending()
     path = Path(path)
+    state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    _barrier()  # every rank's files are written
+    if _rank() == 0:
+        _commit(path, tmp, token, manifest, keep)
+    _barrier()
+    return path
+
+
+def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               extra: dict | None = None, keep: int | None = 2) -> background.PendingSave:
+    """``save`` that returns once the state is copied to CPU memory and writes in a background thread, on a
+    gloo process group of its own; every rank calls it. Returns a ``PendingSave``: ``wait()`` returns
+    ``path`` once the checkpoint is complete.
+
+    What is saved is the state at the call: training may change the model and optimizer as soon as it
+    returns. Costs one CPU copy of this rank's model and optimizer shards while the write runs. Crash-safe
+    as ``save``: the manifest and the rename happen only after every rank has written its files, so a run
+    killed during the write leaves the previous checkpoint loadable. An earlier save still in flight is
+    waited for first (one write at a time); ``save``, ``distributed_session()``'s end and interpreter exit
+    wait too. Raises ``CheckpointError`` at once for the inputs ``save`` refuses; a failure of the write
+    itself is raised by ``wait()`` (or the next save, or ``perparam.checkpoint.wait_pending()``), on every
+    rank.
+    """
+    background.wait_pending()
+    path = Path(path)
+    state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
+    group = background.checkpoint_group()  # created by the first asynchronous save: a collective
+    staged = background.snapshot(state)
+
+    def write() -> Path:
+        with _single_process_quiet():
+            dcp.save(staged, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=group is None)
+        failed = None
+        if group is not None:
+            dist.barrier(group=group)  # every rank's files are written
+        if _rank() == 0:
+            try:
+                _commit(path, tmp, token, manifest, keep)
+            except Exception as e:  # every rank must hear of it, not wait in the broadcast below
+                failed = f"{type(e).__name__}: {e}"
+        if group is not None:
+            box = [failed]
+            dist.broadcast_object_list(box, src=0, group=group)
+            failed = box[0]
+        if failed:
+            raise CheckpointError(f"the background save of {path} was written but not committed ({failed}); "
+                                  "the previous checkpoint is unchanged")
+        return path
+
+    return background.submit(write, path)
+
+
+def wait_pending() -> None:
+    """Wait for this process's checkpoints still being written by ``async_save``; raises the first failed
+    one's ``CheckpointError`` (once). Call it on every rank."""
+    background.wait_pending()
+
+
+def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tuple[dict, dict, Path, str]:
+    """The state dict to write (the model's and the optimizer's tensors), the manifest, the temporary folder
+    and the save's token; removes what killed saves left behind. A collective."""
     extra = _json(extra or {}, "extra")
     state = {f"model.{k}": v for k, v in _model_state(model).items()}
     manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
@@ -185,6 +257,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                     opt_state[name] = entries
         manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
     _check_same_on_every_rank(state, extra)
+    manifest = json.loads(json.dumps(manifest))  # a copy: later changes to extra or the options stay out
     token = _from_rank0(uuid.uuid4().hex[:12])
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if _rank() == 0:
@@ -195,26 +268,25 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    with _single_process_quiet():
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
-    _barrier()  # every rank's files are written
-    if _rank() == 0:
-        manifest["saved_ns"] = time.time_ns()
-        _write_json(tmp / MANIFEST, manifest)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{token}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        if keep is not None:
-            for stale in _series(path)[:-keep]:
-                if stale != path:
-                    shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
-    return path
+    return state, manifest, tmp, token
+
+
+def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: the manifest, the atomic rename(s), ``keep``."""
+    manifest["saved_ns"] = time.time_ns()
+    _write_json(tmp / MANIFEST, manifest)
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{token}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    if keep is not None:
+        for stale in _series(path)[:-keep]:
+            if stale != path:
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def _check_same_on_every_rank(state: dict, extra: dict) -> None:
@@ -277,7 +349,9 @@ def _series(path: Path) -> list[Path]:
 
 
 def latest(folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``."""
+    """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``; this
+    process's ``async_save`` still in flight is waited for first."""
+    background.wait_pending()
     folder = Path(folder)
     if (folder / MANIFEST).is_file():
         return folder
@@ -321,9 +395,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); every rank calls it.
 
     The world size, mesh shape and tensor parallelism may differ from the saving run's. Returns the
-    ``extra`` dict given to ``save``. Raises ``CheckpointError`` before changing anything when ``path`` is
+    ``extra`` dict given to ``save``. Waits for this process's ``async_save`` still in flight first (and
+    raises its failure). Raises ``CheckpointError`` before changing anything when ``path`` is
     missing, incomplete or foreign, or names, shapes or dtypes differ (all differences in one message).
     """
+    background.wait_pending()  # an async_save of this process still writing (perhaps this very checkpoint)
     path = Path(path)
     manifest = _read_manifest(path)
     current = _model_state(model)
@@ -390,4 +466,5 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
-__all__ = ["CheckpointError", "full_state_dict", "latest", "load", "load_full_state_dict", "save"]
+__all__ = ["CheckpointError", "PendingSave", "async_save", "full_state_dict", "latest", "load", "load_full_state_dict",
+           "save", "wait_pending"]

@@ -19,6 +19,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import checkpoint_async
+
 
 @contextlib.contextmanager
 def distributed_session(backend: str | None = None, timeout_s: float | None = None) -> Iterator[None]:
@@ -29,6 +31,8 @@ def distributed_session(backend: str | None = None, timeout_s: float | None = No
     (``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); with none of them set, a
     1-process group on 127.0.0.1 is created. Keep models and optimizers inside a function called in the
     block (or ``del`` them before it ends): what is still referenced at the end cannot be collected.
+    Checkpoints still being written by ``perparam.checkpoint.async_save`` are waited for first (their
+    ``CheckpointError``, if one failed, is raised after the teardown).
     """
     import torch
 
@@ -44,6 +48,9 @@ def distributed_session(backend: str | None = None, timeout_s: float | None = No
     try:
         yield
     finally:
-        gc.collect()
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            checkpoint_async.release()  # a checkpoint still written in the background (async_save) uses the groups
+        finally:
+            gc.collect()
+            if created and dist.is_initialized():
+                dist.destroy_process_group()

@@ -200,7 +200,7 @@ def test_qlora_nf4_base_at_0_140625x_fp32_bytes_and_the_loss_falls():
 
 def _resume_rank(rank: int, world: int, folder: str) -> dict:
     """QLoRA: 3 steps straight, against 2 steps, a checkpoint, a fresh model (other adapters), 1 step."""
-    from perparam.finetune.checkpointing import resume_from, save_if_due
+    from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
     from perparam.finetune.config import JobConfig
     from perparam.finetune.data import BatchStream
     from perparam.finetune.lora import config_from_args, trainable_parameters
@@ -226,6 +226,7 @@ def _resume_rank(rank: int, world: int, folder: str) -> dict:
             opt.step()
             losses.append(loss.item())
             save_if_due(job, model, opt, step + 1, rank)
+        finish_saves(job, rank)  # written in the background
         return model, opt, losses, first
 
     straight, _, straight_losses, _ = run(0, 3)

@@ -19,6 +19,8 @@ def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> 
         return 0
     from perparam import checkpoint
 
+    finish_saves(cfg, rank)  # a checkpoint of this process still being written may be the newest
+
     newest = checkpoint.latest(cfg.resume)
     extra = checkpoint.load(newest, model, optimizer)
     if scheduler is not None:
@@ -33,21 +35,51 @@ def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> 
 
 def save_if_due(cfg: JobConfig, model, optimizer, step: int, rank: int, scheduler=None) -> None:
     """``--save DIR``: a checkpoint every ``--save-every`` steps and after the last one (keep 2); a
-    collective. Raises :class:`FinetuneInputError` (one line) when the file system refuses the write."""
+    collective. Written in the background (``perparam.checkpoint.async_save``: the state is copied to CPU,
+    training goes on while the files are written); the previous one is waited for first. Called after
+    every step: a checkpoint found complete is announced then. Raises :class:`FinetuneInputError` (one
+    line) when the file system refuses the write."""
+    _announce_finished(cfg, rank, wait=False)
     if not cfg.save or not (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
         return
     from perparam import checkpoint
 
+    _announce_finished(cfg, rank, wait=True)  # async_save would wait too, but a failure reads better here
     extra = {"step": step, "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
              "config": cfg.config, "lr": cfg.lr, "grad_accum": cfg.grad_accum,
              "lora": lora.record(cfg.lora_config())}
     if scheduler is not None:
         extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
     try:
-        path = checkpoint.save(Path(cfg.save) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
+        pending = checkpoint.async_save(Path(cfg.save) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
     except OSError as exc:
-        raise FinetuneInputError(f"--save {cfg.save}: the checkpoint of step {step} could not be written "
-                                 f"({exc.strerror or exc}): free space or pass another folder") from None
-    lifecycle.checkpoint_done(step, cfg.save)  # the interruption / lost-peer line names it from now on
-    if rank == 0:
-        print(f"checkpoint: step {step} in {path}", flush=True)
+        raise _unwritable(cfg, step, exc.strerror or str(exc)) from None
+    _in_flight.append((pending, step))
+
+
+def finish_saves(cfg: JobConfig, rank: int) -> None:
+    """Wait for the checkpoint still being written (every rank, before the process group goes) and announce
+    it; raises :class:`FinetuneInputError` if its write failed."""
+    _announce_finished(cfg, rank, wait=True)
+
+
+_in_flight: list = []  # (perparam.checkpoint.PendingSave, step) of this process, oldest first
+
+
+def _announce_finished(cfg: JobConfig, rank: int, wait: bool) -> None:
+    from perparam.checkpoint import CheckpointError
+
+    while _in_flight and (wait or _in_flight[0][0].done()):
+        pending, step = _in_flight.pop(0)
+        try:
+            path = pending.wait()
+        except CheckpointError as exc:
+            raise _unwritable(cfg, step, str(exc)) from None
+        lifecycle.checkpoint_done(step, cfg.save)  # the interruption / lost-peer line names it from now on
+        if rank == 0:
+            print(f"checkpoint: step {step} in {path}", flush=True)
+
+
+def _unwritable(cfg: JobConfig, step: int, why: str) -> FinetuneInputError:
+    return FinetuneInputError(f"--save {cfg.save}: the checkpoint of step {step} could not be written ({why}): "
+                              "free space or pass another folder")

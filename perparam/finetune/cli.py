@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {d['eval_tokens']})")
     parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None, help="dtype of the "
                         "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
-                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora)")
+                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora, unless this machine emulates bf16 "
+                        "matmuls: then fp32, said in one line)")
     parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage of every "
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-targets", default=None, metavar="NAMES", help="with --lora: comma list of "
                         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default all seven)")
     parser.add_argument("--qlora", action="store_true", help="with --lora: store the frozen projection weights "
-                        "in NF4 and compute in bf16 (the adapters keep fp32 master weights)")
+                        "in NF4 and compute in bf16 where the hardware has it (the adapters keep fp32 master weights)")
     # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
     parser.add_argument("--save", default=None, metavar="DIR", help="save crash-safe sharded checkpoints "
                         "(perparam.checkpoint) into DIR/step-NNNNNN every --save-every steps and at the end; the "
@@ -276,9 +277,11 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
     argv = ["-m", "perparam.finetune", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--assets", str(args.assets),
             "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
-            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--param-dtype", args.param_dtype,
-            "--quant", args.quant, "--zero-stage", str(args.zero_stage), "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
+            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--quant", args.quant,
+            "--zero-stage", str(args.zero_stage), "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
     argv += loop_flags.worker_argv(args)
+    if not getattr(args, "param_dtype_by_default", False):  # a default is the worker's to settle (job.py)
+        argv += ["--param-dtype", args.param_dtype]
     if args.gguf_path:
         argv += ["--gguf", args.gguf_path]
     if args.summary_json:

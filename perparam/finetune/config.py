@@ -22,6 +22,7 @@ class JobConfig:
     gguf_path: str | None = None
     summary_json: str | None = None
     param_dtype: str | None = "fp32"  # None: bf16 under --qlora, else fp32
+    param_dtype_by_default: bool = False  # not given on the command line: bf16 may become fp32 (job.py)
     quant: str = "none"
     zero_stage: int = 3
     dp_replicate: int = 1
@@ -53,6 +54,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.param_dtype is None:
             object.__setattr__(self, "param_dtype", "bf16" if self.qlora else "fp32")
+            object.__setattr__(self, "param_dtype_by_default", True)
 
     @classmethod
     def from_args(cls, args) -> JobConfig:

@@ -16,14 +16,14 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from perparam.finetune import lifecycle, lora, peers, schedule, steps, throughput, train
-from perparam.finetune.checkpointing import resume_from, save_if_due
+from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
 from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError, write_output
@@ -82,7 +82,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
               f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
               f"rows of {data.seq_len} tokens", flush=True)
         if lora_cfg is not None:
-            print(lora.describe(model, lora_cfg, params_total), flush=True)
+            print(lora.describe(model, lora_cfg, params_total, cfg.param_dtype), flush=True)
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
@@ -149,6 +149,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
+        finish_saves(cfg, run.rank)  # the last checkpoint, written while the loop went on
     progress.close()
     steps_run = cfg.steps - run.first_step
     comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
@@ -234,15 +235,33 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     return summary
 
 
+def hardware_compute_dtype(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with the compute dtype the hardware supports: ``--qlora``'s default bf16 becomes fp32 where
+    bf16 matmuls are emulated (``throughput.compute_dtype``; one line says so). Starts the process group;
+    a collective when the compute dtype is bf16 (every rank times a tiny bf16 and fp32 matmul)."""
+    rank, _, device = train.setup_distributed(cfg.pg_timeout)
+    if cfg.param_dtype != "bf16":
+        return cfg
+    dtype, line = throughput.compute_dtype(cfg.param_dtype, cfg.param_dtype_by_default,
+                                           throughput.bf16_slowdown(device))
+    if line and rank == 0:
+        print(line, flush=True)
+    return replace(cfg, param_dtype=dtype)
+
+
 def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     """The whole worker: ``setup``, ``training_loop``, ``--export``, ``report``; then frees the sharded
     model before the process group. Returns the summary dict (every rank; rank 0 writes the files)."""
+    import contextlib
     import gc
     import sys
+
+    from perparam import checkpoint_async
 
     launched = float(os.environ.get("PERPARAM_LAUNCH_TIME", time.time()))  # wall_s: from launch
     run = None
     try:
+        cfg = hardware_compute_dtype(cfg)
         run = setup(cfg, data)
         samples = Samples(cfg, run)  # --generate (generate.py): sampled before training here, after it below
         loop = training_loop(cfg, run, data)
@@ -257,6 +276,8 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
         # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
         # kept into interpreter teardown it was seen to abort the process at exit
         run = None  # noqa: F841
+        with contextlib.suppress(Exception):  # on a failure's way out: a background write still running
+            checkpoint_async.release()  # waited for (and its group dropped) before the groups go
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

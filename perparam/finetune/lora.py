@@ -11,7 +11,8 @@ QLoRA (Dettmers et al., 2023) also stores the frozen projection weights of every
 targets or not) in NF4 (``QuantPolicy("nf4", store_quantized=True)``: 4-bit codes plus an fp32 absmax per
 64, 0.140625x the fp32 bytes), gathered as 4-bit codes and dequantized to bf16. The adapters keep fp32
 shards, gradients and AdamW state (master weights) and compute in bf16: ``MixedPrecisionPolicy(param_dtype
-=bf16, reduce_dtype=fp32)`` on every call (``--qlora`` makes bf16 the default ``--param-dtype``).
+=bf16, reduce_dtype=fp32)`` on every call (``--qlora`` makes bf16 the default ``--param-dtype``; where bf16
+matmuls are emulated the job computes in fp32 instead: ``job.hardware_compute_dtype``).
 
 Per-parameter sharding is what makes this one group per layer: the frozen base (fp32 or NF4 codes) and the
 trainable fp32 adapters of a decoder layer go into the same ``fully_shard`` call, so a layer's unshard is
@@ -71,10 +72,11 @@ def parse_targets(spec: str | None) -> tuple[str, ...]:
 def config_from_args(args) -> LoraConfig | None:
     """The launcher's :func:`lora_config` of the ``--lora*``/``--qlora`` flags on an ``argparse.Namespace``
     (absent flags: their defaults). Also sets ``args.param_dtype`` when it was not given: bf16 under
-    ``--qlora``, fp32 otherwise."""
+    ``--qlora``, fp32 otherwise (and ``args.param_dtype_by_default``)."""
     qlora = getattr(args, "qlora", False)
     if getattr(args, "param_dtype", None) is None:
         args.param_dtype = "bf16" if qlora else "fp32"
+        args.param_dtype_by_default = True  # the worker may still pick fp32 where bf16 is emulated (job.py)
     return lora_config(getattr(args, "lora", None), getattr(args, "lora_alpha", None),
                        getattr(args, "lora_targets", None), qlora, getattr(args, "tp", 1),
                        getattr(args, "quant", "none"))
@@ -250,11 +252,11 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     return out
 
 
-def describe(model: nn.Module, cfg: LoraConfig, params_total: int) -> str:
+def describe(model: nn.Module, cfg: LoraConfig, params_total: int, compute: str = "bf16") -> str:
     """One line for the job's log: rank, alpha, targets, trainable parameters (of ``params_total``, counted
-    before sharding) and the frozen base's storage."""
+    before sharding) and the frozen base's storage; ``compute``: the compute dtype the job settled on."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    base = "NF4 (4-bit codes + an fp32 absmax per 64), bf16 compute" if cfg.qlora else "as loaded"
+    base = f"NF4 (4-bit codes + an fp32 absmax per 64), {compute} compute" if cfg.qlora else "as loaded"
     return (f"{'QLoRA' if cfg.qlora else 'LoRA'}: rank {cfg.rank}, alpha {cfg.alpha:g} (scale {cfg.scaling:g}) on "
             f"{','.join(cfg.targets)}: {trainable:,} trainable parameters (fp32 adapters, "
             f"{100 * trainable / params_total:.2f}% of {params_total:,}); embedding, norms and projection weights "

@@ -66,6 +66,53 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
     return 2 * n ** 3 / best
 
 
+#: a bf16 matmul slower than the same fp32 one is emulated (issue 24: torch on an AVX2 CPU without AVX-512
+#: BF16/AMX converted it, 20x slower than fp32); native bf16 (AVX-512 BF16, AMX, tensor cores) is faster than fp32
+BF16_EMULATED_ABOVE = 1.0
+BF16_PROBE_N = 128  # [128, 128] @ [128, 128]: 4.2 MFLOP, about 1 ms per product where bf16 is emulated
+
+
+def time_matmul(device: torch.device, dtype: torch.dtype, n: int = BF16_PROBE_N, repeats: int = 3) -> float:
+    """Seconds of the fastest of ``repeats`` ``[n, n] @ [n, n]`` products in ``dtype`` (after one warm-up)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bf16_slowdown(device: torch.device) -> float:
+    """How many times longer a bf16 matmul takes than the same fp32 one (``time_matmul``), from the times
+    summed over all ranks (a collective), so every rank gets the same figure and decides alike."""
+    times = torch.tensor([time_matmul(device, torch.float32), time_matmul(device, torch.bfloat16)],
+                         dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(times)
+    return times[1].item() / times[0].item()
+
+
+def compute_dtype(param_dtype: str, by_default: bool, slowdown: float) -> tuple[str, str | None]:
+    """``(the compute dtype to use, the line that says why it changed, or None)``.
+
+    ``param_dtype``: ``"fp32"`` or ``"bf16"``; ``by_default``: it was not given on the command line
+    (``--qlora``'s bf16); ``slowdown``: ``bf16_slowdown()``. bf16 chosen by default becomes fp32 where bf16
+    is emulated (``slowdown > BF16_EMULATED_ABOVE``); a bf16 the user asked for is kept (with a warning line).
+    """
+    if param_dtype != "bf16" or slowdown <= BF16_EMULATED_ABOVE:
+        return param_dtype, None
+    emulated = f"this machine emulates bf16 matmuls ({slowdown:.1f}x slower than fp32)"
+    if by_default:
+        return "fp32", f"compute in fp32, not --qlora's default bf16: {emulated}; --param-dtype bf16 forces it"
+    return "bf16", f"compute in bf16 as asked (--param-dtype bf16), although {emulated}"
+
+
 def machine_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """``(per-rank peaks summed over all ranks, this rank's peak)`` in FLOP/s; a collective (every rank
     measures at the same time)."""

@@ -109,7 +109,8 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
 
 
 def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
-    """Init the default process group from the launcher's environment; ``(rank, world, device)``."""
+    """Init the default process group from the launcher's environment (unless done already); ``(rank,
+    world, device)``."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -119,7 +120,8 @@ def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # one core per rank; the launcher also sets OMP_NUM_THREADS=1
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 
