@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from . import hf_methods
 from .errors import ShardingError
 from .runtime import hooks
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
@@ -357,11 +358,13 @@ FSDP_MANAGED_ATTRS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 def mark_managed(modules: list[nn.Module]) -> None:
     """Set ``FSDP_MANAGED_ATTRS`` to ``True`` on every module of ``modules``' trees (the roots of one
     ``fully_shard`` call and their submodules; those an earlier call sharded already carry them), as FSDP2
-    does for the modules its call manages, so code that recognises an FSDP2 model recognises this one."""
+    does for the modules its call manages, so code that recognises an FSDP2 model recognises this one; and
+    refuses the Hugging Face methods that cannot run on a sharded module (``perparam.hf_methods``)."""
     for root in modules:
         for m in root.modules():
             for attr in FSDP_MANAGED_ATTRS:
                 setattr(m, attr, True)
+            hf_methods.guard(m)
 
 
 def check_divide_factor(factor, where: str, mesh_size: int) -> float | None:
