@@ -19,7 +19,7 @@ docs/huggingface.md has the recipes.
 
 from __future__ import annotations
 
-import types
+import functools
 
 from torch import nn
 
@@ -38,10 +38,10 @@ def guard(module: nn.Module) -> None:
     """Put the refusing methods on ``module`` (an instance attribute per method its class has)."""
     cls = type(module)
     if callable(getattr(cls, "save_pretrained", None)):
-        module.__dict__["save_pretrained"] = types.MethodType(_save_pretrained, module)
-    for name in TREE_CHANGES:
+        module.__dict__["save_pretrained"] = functools.partial(_save_pretrained, module)
+    for name in TREE_CHANGES:  # partials of module-level functions: a deep copy rebinds them, pickle takes them
         if callable(getattr(cls, name, None)):
-            module.__dict__[name] = types.MethodType(_refuse_tree_change(name), module)
+            module.__dict__[name] = functools.partial(_refuse_tree_change, module, name)
 
 
 def _save_pretrained(self: nn.Module, *args, **kwargs):
@@ -55,12 +55,9 @@ def _save_pretrained(self: nn.Module, *args, **kwargs):
     return type(self).save_pretrained(self, *args, **kwargs)
 
 
-def _refuse_tree_change(name: str):
-    def refuse(self: nn.Module, *args, **kwargs):
-        raise ShardedTreeChangeError(
-            f"perparam: {class_name(self)}.{name}(...) {TREE_CHANGES[name]} of a model sharded by fully_shard; "
-            "the new parameters would be built from sharded ones and be neither sharded nor reduced. Call "
-            f"{name} before fully_shard (build the model again, {name}, then fully_shard), or change an unsharded "
-            "copy loaded from perparam.full_state.full_state_dict(model)")
-    refuse.__name__ = name
-    return refuse
+def _refuse_tree_change(self: nn.Module, name: str, *args, **kwargs):
+    raise ShardedTreeChangeError(
+        f"perparam: {class_name(self)}.{name}(...) {TREE_CHANGES[name]} of a model sharded by fully_shard; "
+        "the new parameters would be built from sharded ones and be neither sharded nor reduced. Call "
+        f"{name} before fully_shard (build the model again, {name}, then fully_shard), or change an unsharded "
+        "copy loaded from perparam.full_state.full_state_dict(model)")

@@ -126,6 +126,8 @@ def refusals(rank: int, world: int, path: str) -> dict:
     peft_model = make_lora()
     shard(peft_model, peft_model.base_model.model.model.layers)
     out["peft_save"] = _error(lambda: peft_model.save_pretrained(f"{path}/plain_adapter"))
+    out["tie_weights"] = _error(lambda: _tie(model))
+    out["peft_after"] = _error(lambda: make_lora(model))
     out["peft_resize"] = _error(lambda: peft_model.resize_token_embeddings(40))
     state = full_state_dict(peft_model)
     if rank == 0:
@@ -133,6 +135,11 @@ def refusals(rank: int, world: int, path: str) -> dict:
     with torch.no_grad():
         out["peft_logits"] = peft_model(input_ids=ids).logits
     return out
+
+
+def _tie(model) -> None:
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
 
 
 def merging(rank: int, world: int) -> dict:
@@ -168,7 +175,7 @@ def qlora(rank: int, world: int) -> dict:
 def _error(call) -> tuple[str, str] | None:
     try:
         call()
-    except Exception as e:  # noqa: BLE001 (the test reads the type and the message)
+    except Exception as e:  # the test reads the type and the message
         return type(e).__name__, str(e)
     return None
 
@@ -185,7 +192,7 @@ def scenarios(rank: int, world: int, path: str) -> dict:
                        ("qlora", lambda: qlora(rank, world))]:
         try:
             out[name] = call()
-        except Exception:  # noqa: BLE001 (reported by the test that reads this scenario)
+        except Exception:  # reported by the test that reads this scenario
             out[name] = traceback.format_exc()
     return out
 
@@ -235,7 +242,7 @@ def test_generate_finishes_when_ranks_reach_eos_at_different_steps_with_one_proc
     assert len(runs[0]["got"]) - 3 < len(runs[1]["got"]) - 4  # rank 0 stopped first
 
 
-def test_plain_save_pretrained_and_resize_after_sharding_are_refused_with_the_recipe(sharded):
+def test_save_pretrained_without_state_dict_and_tree_changes_after_sharding_are_refused_with_the_recipe(sharded):
     for rank in range(WORLD):
         out = result(sharded, "refusals", rank)
         for key, cls in [("save", "LlamaForCausalLM"), ("peft_save", "PeftModel")]:
@@ -246,6 +253,9 @@ def test_plain_save_pretrained_and_resize_after_sharding_are_refused_with_the_re
             kind, message = out[key]
             assert kind == "ShardedTreeChangeError"
             assert "LlamaForCausalLM.resize_token_embeddings" in message and "before fully_shard" in message
+        for key in ("tie_weights", "peft_after"):  # the same kind, caught by perparam's registration hooks
+            kind, message = out[key]
+            assert kind == "ShardedTreeChangeError" and "before fully_shard" in message, message
 
 
 def test_save_pretrained_with_the_full_state_dict_loads_back_with_from_pretrained(sharded):
