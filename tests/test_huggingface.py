@@ -105,7 +105,16 @@ def generation(rank: int, world: int) -> dict:
                 for p in prompts]
     shard(model, model.model.layers)
     got = model.generate(prompts[rank], max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    # a peft model (its inner model as the root), ranks asking for different numbers of new tokens
+    peft_model = make_lora().eval()
+    lengths = [3, 8]
+    peft_expected = peft_model.generate(input_ids=prompts[rank], max_new_tokens=lengths[rank], do_sample=False,
+                                        pad_token_id=0)
+    shard(peft_model, peft_model.base_model.model.model.layers, root=peft_model.base_model.model)
+    peft_got = peft_model.generate(input_ids=prompts[rank], max_new_tokens=lengths[rank], do_sample=False,
+                                   pad_token_id=0)
     return {"expected": expected[rank], "got": got[0].tolist(),
+            "peft_expected": peft_expected[0].tolist(), "peft_got": peft_got[0].tolist(),
             "marked": all(getattr(m, "_is_fsdp_managed_module", False) for m in model.modules())}
 
 
@@ -184,6 +193,7 @@ def scenarios(rank: int, world: int, path: str) -> dict:
     """Every scenario on the sharded model, each result or the traceback that ended it."""
     out = {}
     for name, call in [("llama_adamw", lambda: train(rank, world, "llama", "adamw")),
+                       ("llama_sgd", lambda: train(rank, world, "llama", "sgd")),
                        ("lora_adamw", lambda: train(rank, world, "lora", "adamw")),
                        ("lora_sgd", lambda: train(rank, world, "lora", "sgd")),
                        ("generation", lambda: generation(rank, world)),
@@ -215,7 +225,7 @@ def assert_states_close(got: dict, want: dict, atol: float = 1e-5) -> None:
     assert worst <= atol, worst
 
 
-@pytest.mark.parametrize("name", ["llama_adamw", "lora_adamw", "lora_sgd"])
+@pytest.mark.parametrize("name", ["llama_adamw", "llama_sgd", "lora_adamw", "lora_sgd"])
 def test_llama_and_lora_sharded_per_layer_train_like_one_process(sharded, name):
     kind, optimizer = name.split("_")
     want = one_process(train, kind, optimizer)
@@ -234,12 +244,14 @@ def _a_lora_key(state: dict) -> str:
     return next(k for k in state if "lora_A" in k)
 
 
-def test_generate_finishes_when_ranks_reach_eos_at_different_steps_with_one_process_tokens(sharded):
+def test_generate_finishes_when_ranks_stop_at_different_steps_with_one_process_tokens(sharded):
     runs = [result(sharded, "generation", r) for r in range(WORLD)]
     for run in runs:
         assert run["marked"]
         assert run["got"] == run["expected"]
+        assert run["peft_got"] == run["peft_expected"]
     assert len(runs[0]["got"]) - 3 < len(runs[1]["got"]) - 4  # rank 0 stopped first
+    assert [len(r["peft_got"]) for r in runs] == [3 + 3, 4 + 8]
 
 
 def test_save_pretrained_without_state_dict_and_tree_changes_after_sharding_are_refused_with_the_recipe(sharded):
