@@ -18,7 +18,7 @@ from mesh import MeshError, check_dp_mesh
 
 from .errors import ShardingError
 from .full_state import install_load_hooks
-from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes
+from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes, mark_managed
 from .runtime import adopt, hooks, islands, readers, registration
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
@@ -87,6 +87,11 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             dtype, a stock module whose forward reads a child's parameters directly
             (``MultiheadAttention.out_proj``) when that child was sharded by an earlier call
             (``perparam.runtime.readers``). Nothing is changed then.
+
+    Every module of ``module``'s tree gets FSDP2's marks ``_is_fsdp_managed_module = True`` and
+    ``_fsdp_use_orig_params = True`` (``perparam.module.FSDP_MANAGED_ATTRS``): Hugging Face's ``generate``
+    then keeps the ranks in step when they stop at different lengths (``synced_gpus``; docs/huggingface.md),
+    and torch.compile traces the module as it traces an FSDP2 one.
 
     After the call, torch utilities that register parameters into the sharded tree are checked as they
     run (``perparam.runtime.registration``): ``remove_parametrizations`` moves the merged parameter into
@@ -181,6 +186,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         # always_call: a forward that raises still reshards and releases the root
         m.register_forward_hook(lambda mod, a, kw, out, g=group: hooks.post_forward(g, mod, a, kw, out),
                                 with_kwargs=True, always_call=True)
+    mark_managed(modules)
     _set_up_places(sharded_params)
     for island in island_list:  # after the group's hooks: inside its input cast, before its output cast
         islands.install(island)

@@ -11,6 +11,8 @@ included.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +37,40 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
         if out is not None:
             out[key] = full.detach().to("cpu", copy=True)
         del full
+    return out
+
+
+def dequantized_full_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32
+                                ) -> dict[str, torch.Tensor] | None:
+    """``full_state_dict(model)`` with every stored-quantized parameter (``QuantPolicy(...,
+    store_quantized=True)``, e.g. QLoRA's NF4 base weights) dequantized to ``dtype`` in its original shape
+    and its ``<name>_qscale`` scales dropped: the keys, shapes and float values of the model before
+    ``fully_shard``, which ``load_state_dict``, Hugging Face's ``save_pretrained(state_dict=...)`` and
+    peft can take. Other entries come as stored. CPU tensors on rank 0, ``None`` on the other ranks;
+    every rank calls it (one tensor gathered at a time). The values differ from the weights before
+    quantization by at most the quantizer's ``error_bound``.
+
+    Raises ``CheckpointError`` when a stored-quantized parameter's scales are not in the state dict (a
+    ``state_dict`` hook removed them)."""
+    full = full_state_dict(model)
+    if full is None:
+        return None
+    quantized = {k: sp for k, sp in _sharded_params(model).items() if sp.stored_quantized}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in full.items():
+        sp = quantized.get(key)
+        if sp is None:
+            if not any(key == f"{k}_qscale" for k in quantized):
+                out[key] = value
+            continue
+        scales = full.get(f"{key}_qscale")
+        if scales is None:
+            raise CheckpointError(f"dequantized_full_state_dict: '{key}' is stored quantized but its scales "
+                                  f"'{key}_qscale' are not in the model's state_dict")
+        q = sp.policy.quant
+        shape = sp.global_shape
+        rows = torch.empty(shape[0], math.prod(shape[1:]), dtype=torch.float32)
+        out[key] = q.quantizer.unpack([value, scales], q.block_size, rows).view(shape).to(dtype)
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from . import hf_methods
 from .errors import ShardingError
 from .runtime import hooks, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
@@ -345,6 +346,26 @@ def attach(module: nn.Module, group: ParamGroup) -> None:
     else:
         module.__class__ = sharded_class(cls)
     module.__dict__[GROUP_ATTR] = group
+
+
+#: the attributes torch's FSDP2 sets on every module a ``fully_shard`` call manages, read by others:
+#: Hugging Face ``transformers`` (``transformers.distributed.fsdp.is_fsdp_managed_module``) keeps the ranks
+#: in step during ``generate`` for such a model (``synced_gpus``: a rank whose sequences ended keeps running
+#: forwards, and so all-gathers, until every rank's have), and torch.compile's Dynamo traces such a module
+#: as FSDP's (its parameters read as inputs on every call, not baked into the graph).
+FSDP_MANAGED_ATTRS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def mark_managed(modules: list[nn.Module]) -> None:
+    """Set ``FSDP_MANAGED_ATTRS`` to ``True`` on every module of ``modules``' trees (the roots of one
+    ``fully_shard`` call and their submodules; those an earlier call sharded already carry them), as FSDP2
+    does for the modules its call manages, so code that recognises an FSDP2 model recognises this one; and
+    refuses the Hugging Face methods that cannot run on a sharded module (``perparam.hf_methods``)."""
+    for root in modules:
+        for m in root.modules():
+            for attr in FSDP_MANAGED_ATTRS:
+                setattr(m, attr, True)
+            hf_methods.guard(m)
 
 
 def check_divide_factor(factor, where: str, mesh_size: int) -> float | None:

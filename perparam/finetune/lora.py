@@ -212,39 +212,26 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def dequantize_nf4(codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """fp32 ``shape`` (``[out, in]``) from NF4 ``codes`` ``[out, ceil(in / 2)]`` (uint8) and ``scales``
-    ``[out, ceil(in / 64)]`` (fp32), as stored by ``QuantPolicy("nf4", store_quantized=True)``."""
-    from perparam import quant
-
-    out = torch.empty(shape[0], math.prod(shape[1:]), dtype=torch.float32)
-    return quant.get("nf4").unpack([codes, scales], NF4_BLOCK, out).view(shape)
-
-
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The model with its adapters merged, as plain CPU tensors on rank 0 (``None`` on the others); every
-    rank calls it (gathered one tensor at a time by ``perparam.full_state.full_state_dict``).
+    rank calls it (gathered one tensor at a time by ``perparam.full_state.dequantized_full_state_dict``).
 
     Each :class:`LoRALinear`'s ``weight`` becomes ``W + (alpha / r) B @ A`` in fp32, ``W`` dequantized
     first when it is stored in NF4; ``lora_a``/``lora_b`` and the NF4 scales (``weight_qscale``) are
     dropped, so the names are exactly the state-dict names of the model without LoRA. Other entries come
     as they are stored. A model without LoRA gives its plain full state dict.
     """
-    from perparam.full_state import full_state_dict
+    from perparam.full_state import dequantized_full_state_dict
 
-    full = full_state_dict(model)
+    full = dequantized_full_state_dict(model)
     if full is None:
         return None
     scaling = {name: m.scaling for name, m in model.named_modules() if isinstance(m, LoRALinear)}
     out: dict[str, torch.Tensor] = {}
     for key, value in full.items():
         prefix, _, leaf = key.rpartition(".")
-        if leaf.endswith("_qscale") or (prefix in scaling and leaf in ("lora_a", "lora_b")):
+        if prefix in scaling and leaf in ("lora_a", "lora_b"):
             continue
-        scales = full.get(f"{key}_qscale")
-        if scales is not None:  # NF4 codes [out, in / 2]: the shape comes from the module that owns them
-            owner = model.get_submodule(prefix)
-            value = dequantize_nf4(value, scales, (owner.out_features, owner.in_features))
         if prefix in scaling and leaf == "weight":
             a, b = full[f"{prefix}.lora_a"].float(), full[f"{prefix}.lora_b"].float()
             value = value.float() + scaling[prefix] * (b @ a)  # [out, r] @ [r, in]
