@@ -15,6 +15,7 @@ from .errors import ShardingError
 from .runtime import hooks
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
+from .runtime.untraced import untraced
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -54,6 +55,7 @@ class ShardedModule:
                 raise
             raise explained from e
 
+    @untraced
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the
         end of the next forward (which reshards as usual) or the end of a backward through them.
@@ -70,10 +72,12 @@ class ShardedModule:
         handle.wait()
         return UnshardHandle(None) if async_op else None
 
+    @untraced
     def reshard(self) -> None:
         """Register the sharded DTensors again and free the unsharded storage (no communication)."""
         group_of(self).reshard()
 
+    @untraced
     def reset(self) -> None:
         """Abandon an interrupted iteration (an exception in forward or backward) of the model this module
         belongs to: finish the collectives in flight and drop their results, drop gradients accumulated
@@ -230,6 +234,7 @@ class UnshardHandle:
     def pending(self) -> bool:
         return self._token is not None
 
+    @untraced
     def wait(self) -> None:
         group, self._group = self._group, None
         if group is None:

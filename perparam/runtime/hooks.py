@@ -49,6 +49,7 @@ from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
 from .group import ParamGroup, group_of
 from .state import TrainingState
+from .untraced import untraced
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 PRE_BACKWARD, POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
@@ -128,6 +129,7 @@ def _prefetch(nxt: ParamGroup | None, done: set | None = None) -> None:
         nxt.start_unshard()
 
 
+@untraced
 def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     _check_transforms(group)
     if _recomputing():  # the iteration's state, order and prefetching stay as the real forward left them
@@ -170,6 +172,7 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     return args, kwargs
 
 
+@untraced
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     if output is None and sys.exc_info()[1] is not None:  # the forward raised (always_call hook)
         readers.note(sys.exc_info()[1], group)
@@ -282,6 +285,7 @@ def _backward_gathers(ctx: IterationContext, group: ParamGroup) -> None:
         ctx.gather_cursor += 1
 
 
+@untraced
 def _pre_backward(group: ParamGroup) -> None:
     ctx = group.ctx
     _queue_final_callback(ctx)
@@ -296,6 +300,7 @@ def _pre_backward(group: ParamGroup) -> None:
     group.register_unsharded()
 
 
+@untraced
 def grad_ready(group: ParamGroup) -> None:
     """A gradient was accumulated into one of ``group``'s unsharded parameters."""
     if group.state is PRE_BACKWARD:
@@ -342,6 +347,7 @@ def _issue_reductions(ctx: IterationContext) -> None:
         ctx.reduce_cursor += 1
 
 
+@untraced
 def _final_callback(ctx: IterationContext) -> None:
     for g in ctx.groups:
         if g.state is PRE_BACKWARD:
