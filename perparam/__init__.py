@@ -21,6 +21,7 @@ from .runtime.adopt import ReplacedParameterError
 from .runtime.config import RuntimeConfig, configure
 from .runtime.hooks import TransformError
 from .runtime.param import ReplacedAfterShardingError
+from .runtime.prefetch import PrefetchError
 from .runtime.readers import UsedWhileShardedError
 from .runtime.registration import ShardedTreeChangeError
 from .runtime.state import StateError
@@ -34,6 +35,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "ParamPolicy",
     "PolicyError",
+    "PrefetchError",
     "QuantPolicy",
     "ReplacedAfterShardingError",
     "ReplacedParameterError",

@@ -16,6 +16,7 @@ from .errors import ShardingError
 from .runtime import hooks, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
+from .runtime.untraced import untraced
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -56,6 +57,7 @@ class ShardedModule:
                 raise
             raise explained from e
 
+    @untraced
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the
         end of the next forward (which reshards as usual) or the end of a backward through them.
@@ -72,10 +74,12 @@ class ShardedModule:
         handle.wait()
         return UnshardHandle(None) if async_op else None
 
+    @untraced
     def reshard(self) -> None:
         """Register the sharded DTensors again and free the unsharded storage (no communication)."""
         group_of(self).reshard()
 
+    @untraced
     def reset(self) -> None:
         """Abandon an interrupted iteration (an exception in forward or backward) of the model this module
         belongs to: finish the collectives in flight and drop their results, drop gradients accumulated
@@ -192,6 +196,34 @@ class ShardedModule:
             group.reshard_after_forward = reshard_after_forward is not False
             group.auto_reshard_after_forward = reshard_after_forward is None
 
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Issue the all-gathers of ``modules`` (sharded modules of the same model), in the order given, right
+        after this module's own all-gather in its pre-forward (FSDP2's ``set_modules_to_forward_prefetch``),
+        instead of prefetching the module that ran after it in the last forward. A listed module whose
+        forward already ran in this iteration, or whose parameters are gathered, is skipped. Applies from
+        the first forward (the recorded order needs one forward first) and whatever
+        ``perparam.configure(prefetch=...)`` says. Each prefetched group holds its gathered parameters (and,
+        on gloo, its receive buffers) from then until its forward ends: more than one module listed means
+        more memory. ``[]`` restores the recorded order. Every rank must set the same lists.
+
+        Raises ``ShardingError`` for an entry that is not a module ``fully_shard`` was applied to (naming it);
+        ``PrefetchError`` at the root's first forward for a module of another model."""
+        group_of(self).forward_prefetch = _prefetch_groups(self, modules, "forward")
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Issue the all-gathers of ``modules`` (sharded modules of the same model), in the order given,
+        right after this module's own backward all-gather (FSDP2's ``set_modules_to_backward_prefetch``),
+        instead of the one module after it in the backward order (root, reverse forward order). The lists
+        become part of that fixed order: a rank whose backward does not reach this module (its output
+        unused there) issues them where its peers do, so every rank issues the same all-gathers in the
+        same order; a module gathered earlier in the backward is not gathered again, and a listed module
+        with no backward in this iteration is skipped. ``[]`` restores the default. Every rank must set the
+        same lists.
+
+        Raises ``ShardingError`` for an entry that is not a module ``fully_shard`` was applied to (naming it);
+        ``PrefetchError`` at the root's first forward for a module of another model."""
+        group_of(self).backward_prefetch = _prefetch_groups(self, modules, "backward")
+
     def set_custom_all_gather(self, comm) -> None:
         """Run this module's group's all-gathers through ``comm`` (FSDP2's ``set_custom_all_gather``): an
         object with FSDP2's ``AllGather`` interface, ``comm.allocate(size, *, dtype, device)`` returning the
@@ -210,6 +242,25 @@ class ShardedModule:
 
         Raises ``TypeError`` for an object without ``allocate`` or not callable."""
         group_of(self).reduce_scatter_comm = _check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
+
+
+def _prefetch_groups(module: nn.Module, modules, kind: str) -> list[ParamGroup] | None:
+    """The groups of ``modules`` (in order, each once), or ``None`` for an empty list."""
+    where = f"{class_name(module)}.set_modules_to_{kind}_prefetch"
+    if isinstance(modules, nn.Module) or not isinstance(modules, (list, tuple)):
+        what = class_name(modules) if isinstance(modules, nn.Module) else type(modules).__name__
+        raise ShardingError(f"{where} takes a list of sharded modules, got {what}; pass e.g. "
+                            "[model.layers[i + 1]]")
+    groups: dict[int, ParamGroup] = {}
+    for i, m in enumerate(modules):
+        g = group_of(m) if isinstance(m, nn.Module) else None
+        if g is None:
+            what = class_name(m) if isinstance(m, nn.Module) else type(m).__name__
+            raise ShardingError(f"{where}: entry {i} ({what}) is not a module fully_shard was applied to, so it "
+                                "has no all-gather to prefetch; list modules passed to fully_shard (e.g. the "
+                                "transformer blocks), or call fully_shard on it first")
+        groups.setdefault(id(g), g)
+    return list(groups.values()) or None
 
 
 def _check_comm(comm, method: str, interface: str):
@@ -232,6 +283,7 @@ class UnshardHandle:
     def pending(self) -> bool:
         return self._token is not None
 
+    @untraced
     def wait(self) -> None:
         group, self._group = self._group, None
         if group is None:

@@ -55,6 +55,7 @@ class IterationContext:
         #: have been issued (``hooks._backward_gathers``)
         self.backward_expected: list[ParamGroup] = []
         self.gather_index: dict[ParamGroup, int] = {}
+        self.gather_stop: dict[ParamGroup, int] = {}  # how far a group's pre-backward issues (prefetch.py)
         self.gather_cursor = 0
         self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
         self.callback_queued = False

@@ -59,6 +59,9 @@ class ParamGroup:
         self.gradient_divide_factor = gradient_divide_factor  # None: divide by the mesh's size (``divisor``)
         self.all_reduce_hook = None  # set_all_reduce_hook: sees each reduction's sum before the division
         self.reshard_after_backward = True
+        # explicit prefetch (ShardedModule.set_modules_to_*_prefetch): groups, or None for the recorded order
+        self.forward_prefetch: list[ParamGroup] | None = None
+        self.backward_prefetch: list[ParamGroup] | None = None
         self.requires_gradient_sync = True
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None

@@ -44,11 +44,12 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from . import config, readers
+from . import config, prefetch, readers
 from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
 from .group import ParamGroup, group_of
 from .state import TrainingState
+from .untraced import untraced
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 PRE_BACKWARD, POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
@@ -80,6 +81,7 @@ def _init_root(group: ParamGroup) -> None:
             g = group_of(sub)
             if g is not None and g.path is None:
                 g.path = (prefix + name).rstrip(".") or type(module).__name__
+    prefetch.check_targets(tree)
     for g in tree:
         if g.ctx.dirty():
             g.ctx.reset("a sharded submodule was left mid-iteration before its parent's first forward")
@@ -122,12 +124,14 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
 
 
 def _prefetch(nxt: ParamGroup | None, done: set | None = None) -> None:
-    """Issue ``nxt``'s all-gather if it has not started its backward yet (never a group that is done) and,
-    in forward, has not run its forward in this iteration yet (``done``)."""
-    if config.current().prefetch and nxt is not None and nxt.state is IDLE and (done is None or nxt not in done):
+    """Issue ``nxt``'s all-gather (a target of ``prefetch.forward_targets``) if it has not started its
+    backward yet (never a group that is done) and, in forward, has not run its forward in this iteration
+    yet (``done``)."""
+    if nxt is not None and nxt.state is IDLE and (done is None or nxt not in done):
         nxt.start_unshard()
 
 
+@untraced
 def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     _check_transforms(group)
     if _recomputing():  # the iteration's state, order and prefetching stay as the real forward left them
@@ -161,7 +165,8 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
         group.forward_depth += 1
         group.unshard()
         group.register_unsharded()
-        _prefetch(ctx.forward_next.get(group), ctx.forward_seen)
+        for target in prefetch.forward_targets(group, ctx.forward_next.get(group), config.current().prefetch):
+            _prefetch(target, ctx.forward_seen)
         if torch.is_grad_enabled():
             args, kwargs = _track_backward(group, args, kwargs)
     mp = group.mp_policy
@@ -170,6 +175,7 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     return args, kwargs
 
 
+@untraced
 def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     if output is None and sys.exc_info()[1] is not None:  # the forward raised (always_call hook)
         readers.note(sys.exc_info()[1], group)
@@ -256,8 +262,9 @@ def _queue_final_callback(ctx: IterationContext) -> None:
         # forward order (groups that may have a backward on some rank)
         hooked = ctx.backward_groups
         first = hooked[:1] if hooked and hooked[0] is ctx.groups[0] else []
-        ctx.backward_expected = first + hooked[len(first):][::-1]
-        ctx.gather_index = {g: i for i, g in enumerate(ctx.backward_expected)}
+        # each followed by its explicit backward prefetches (perparam.runtime.prefetch)
+        ctx.backward_expected, ctx.gather_index, ctx.gather_stop = prefetch.backward_sequence(
+            first + hooked[len(first):][::-1], config.current().prefetch)
         ctx.gather_cursor = 0
         for g in ctx.groups:
             g.reduced = False
@@ -276,12 +283,13 @@ def _backward_gathers(ctx: IterationContext, group: ParamGroup) -> None:
         group.start_unshard()
         return
     order = ctx.backward_expected
-    stop = min(index + (2 if config.current().prefetch else 1), len(order))
+    stop = ctx.gather_stop[group]
     while ctx.gather_cursor < stop:
         order[ctx.gather_cursor].start_unshard()
         ctx.gather_cursor += 1
 
 
+@untraced
 def _pre_backward(group: ParamGroup) -> None:
     ctx = group.ctx
     _queue_final_callback(ctx)
@@ -296,6 +304,7 @@ def _pre_backward(group: ParamGroup) -> None:
     group.register_unsharded()
 
 
+@untraced
 def grad_ready(group: ParamGroup) -> None:
     """A gradient was accumulated into one of ``group``'s unsharded parameters."""
     if group.state is PRE_BACKWARD:
@@ -342,6 +351,7 @@ def _issue_reductions(ctx: IterationContext) -> None:
         ctx.reduce_cursor += 1
 
 
+@untraced
 def _final_callback(ctx: IterationContext) -> None:
     for g in ctx.groups:
         if g.state is PRE_BACKWARD:

@@ -1,0 +1,38 @@
+"""perparam's runtime runs eagerly, also inside a region ``torch.compile`` traces.
+
+``torch.compile`` of a sharded module (``module.compile()``, ``torch.compile(model)``) traces through the
+module's forward hooks into perparam's runtime unless told not to. Traced, its bookkeeping becomes graph
+code, and the storage changes of the persistent unsharded buffer (``untyped_storage().resize_``, the
+refill copies) become in-place graph ops on that buffer, which the compiled graph's epilogue replays as
+writes that bump the buffer's version counter, shared by the unsharded parameter views autograd saved in
+forward: the first backward then fails ("modified by an inplace operation ... version 4; expected version
+2"). Eagerly (the hooks' own code) neither the storage resize nor the writes through the buffer's ``.data``
+alias move that counter.
+
+``untraced(fn)`` makes ``fn`` a graph break that runs eagerly, as FSDP2's hooks do: every entry point of
+the runtime (forward hooks, gradient hooks, the final callback, ``ShardedModule`` methods that unshard,
+reshard or reset) carries it. Outside a traced region it costs one ``torch.compiler.is_compiling()`` call
+and imports nothing (``torch._dynamo`` is imported by ``torch.compile`` itself).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def untraced(fn: _F) -> _F:
+    """``fn`` run eagerly, never traced by ``torch.compile`` (a graph break where a traced region calls it)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return torch._dynamo.disable(fn, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
