@@ -20,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import adopt, config
+from . import adopt, config, partial
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
@@ -58,6 +58,9 @@ class ParamGroup:
         self.all_reduce_hook = None  # set_all_reduce_hook: sees each reduction's sum before the division
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
+        self.requires_all_reduce = True
+        self.partial_reduce: dict[tuple, torch.Tensor] = {}
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None
         self.registered_unsharded = False
@@ -281,6 +284,7 @@ class ParamGroup:
                 p.unsharded.grad = None
             p.grad_acc = None
         self.unsynced = False
+        self.partial_reduce.clear()
 
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
@@ -364,6 +368,10 @@ class ParamGroup:
                 self.pool.give_back(item.send)
             item.work = None
             if self.replicate_pg is not None:
+                if partial.hold(self, item):  # set_requires_all_reduce(False): all-reduced by a later reduction
+                    item.stage = 2
+                    return True
+                partial.merge(self, item)
                 item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
                                                        what=f"{self._what} [{item.recv.dtype}]")
             item.stage = 1
