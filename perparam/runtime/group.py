@@ -67,6 +67,7 @@ class ParamGroup:
         self._alive = False  # the unsharded storage holds the gathered parameters
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
         self._pending_gather = None  # (send buffer, collectives.GatheredRows) of an all-gather in flight
+        self.hpz = None  # hpz.Secondary: the secondary partition kept after forward (reshard_after_forward=int)
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
@@ -195,12 +196,18 @@ class ParamGroup:
         """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
         if not self.params or (self.storage_alive and not self.stale()):
             return
+        versions = self._versions()
+        secondary = self.hpz is not None and self.hpz.usable(versions == self._gathered_versions, self.pool)
         self._alive = False
-        self._gathered_versions = self._versions()
+        self._gathered_versions = versions
         for p in self.replicated:
             p.fill_replicated()
         if not self.gathered:
             self._alive = True
+            return
+        if secondary:  # hpZ: the rows kept after forward, all-gathered over the secondary group
+            rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather, self.all_gather_comm)
+            self._pending_gather = (None, rows)
             return
         layout = self.layout
         device = self.gathered[0].local_shard().device
@@ -231,6 +238,8 @@ class ParamGroup:
         send, rows = self._pending_gather
         self._pending_gather = None
         rows.wait()
+        if self.hpz is not None and self.state is TrainingState.FORWARD:
+            self.hpz.keep(rows.segments, self.pool)  # the secondary shard, for the backward all-gather
         layout, k = self.layout, self.num_shards
         targets: list[list[torch.Tensor]] = []
         for p in self.gathered:
@@ -247,13 +256,17 @@ class ParamGroup:
             if not p.plain:
                 p.unpack(pieces)
         for buffer in (send, *rows.buffers):
-            self.pool.give_back(buffer)
+            if buffer is not None:
+                self.pool.give_back(buffer)
         self._alive = True
 
-    def free(self) -> None:
-        """Release the unsharded storage (no communication; an all-gather in flight is finished first)."""
+    def free(self, keep_secondary: bool = False) -> None:
+        """Release the unsharded storage (no communication; an all-gather in flight is finished first).
+        ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
         if self._pending_gather is not None:
             self.wait_unshard()
+        if self.hpz is not None and not keep_secondary:
+            self.hpz.drop(self.pool)
         for p in self.params:
             p.free()
         self._alive = False
