@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import perparam
-from perparam import CommCounter
+from perparam import CommCounter, ParamPolicy, QuantPolicy
 from perparam.memory.hpz import hpz_model
 from perparam.runtime.group import group_of
 from tests.distributed import one_process, run_distributed
@@ -25,14 +25,16 @@ def _sent(records: list[tuple[int, int]]) -> float:
     return sum(n * (g - 1) / g for g, n in records)
 
 
-def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECONDARY) -> dict:
+def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECONDARY, quant: bool = False) -> dict:
     """TinyNet (Embedding(5, 6) and Linear(6, 2) leave empty shards on 4 ranks); the blocks reshard to
-    ``reshard_after_forward`` ranks after forward, the root keeps its parameters (its default)."""
+    ``reshard_after_forward`` ranks after forward, the root keeps its parameters (its default).
+    ``quant``: the blocks' fc1 weights all-gathered in int8 (blocks of 4)."""
     torch.manual_seed(0)
     model = TinyNet()
     if world_size:
         for block in model.blocks:
-            perparam.fully_shard(block, reshard_after_forward=reshard_after_forward)
+            perparam.fully_shard(block, reshard_after_forward=reshard_after_forward, param_policy={
+                "fc1.weight": ParamPolicy(quant=QuantPolicy("int8", 4))} if quant else None)
         perparam.fully_shard(model)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.1))
@@ -53,12 +55,15 @@ def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECO
         opt.zero_grad()
     out["params"] = {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
     if world_size:  # nothing kept once backward is done
-        out["kept_after_backward"] = [group_of(b).hpz.kept_bytes() for b in model.blocks]
+        out["kept_after_backward"] = [group_of(b).hpz.kept_bytes() if group_of(b).hpz else 0 for b in model.blocks]
     return out
 
 
 def train_both(rank: int, world_size: int) -> dict:
-    return {opt: train(rank, world_size, opt) for opt in ("adamw", "sgd")}
+    runs = {opt: train(rank, world_size, opt) for opt in ("adamw", "sgd")}
+    for raf in (SECONDARY, True):
+        runs["int8", raf] = train(rank, world_size, "sgd", raf, quant=True)
+    return runs
 
 
 @functools.cache
@@ -103,3 +108,12 @@ def refused(rank: int, world_size: int, value) -> str:
 def test_a_secondary_size_that_does_not_divide_the_shard_axis_is_refused_at_fully_shard():
     message = run_distributed(refused, WORLD, 3)[0]
     assert "reshard_after_forward=3" in message and "[1, 2, 4]" in message, message
+
+
+def test_hpz_regathers_the_bytes_of_the_forward_so_a_quantized_all_gather_trains_bitwise_as_without_it():
+    for r in _runs():
+        hpz, plain = r["int8", SECONDARY], r["int8", True]
+        assert [len(b) for b in hpz["backward"]] == [2] * STEPS and hpz["backward"][0][0][0] == SECONDARY
+        assert plain["backward"][0][0][0] == WORLD
+        for name, got in hpz["params"].items():
+            assert torch.equal(got, plain["params"][name]), name

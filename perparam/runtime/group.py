@@ -246,7 +246,7 @@ class ParamGroup:
             if p.plain:
                 targets.append([p.alloc()])
             else:
-                targets.append([send.new_empty(k, piece.nbytes) for piece in p.pieces])
+                targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
         sizes = [layout.pieces[i][j].nbytes for i, j in order]
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
