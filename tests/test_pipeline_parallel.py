@@ -84,8 +84,13 @@ def train(rank: int, world_size: int, schedule: str, optimizer: str, reshard_aft
         counts.append(comm.by_kind())
         opt.step()
         opt.zero_grad()
+    try:  # a zero-bubble schedule's split backward (local: refused before anything runs)
+        stages[0].backward_maybe_with_nosync("input", {})
+        refusal = "accepted"
+    except NotImplementedError as e:
+        refusal = str(e)
     return {"params": {f"{i}.{n}": p.full_tensor() for i in mine for n, p in layers[i].named_parameters()},
-            "counts": counts}
+            "counts": counts, "split_backward": refusal}
 
 
 #: (schedule, the layers' reshard_after_forward, all-gathers per step and rank from step 2 on): each rank
@@ -124,3 +129,9 @@ def test_pipeline_stages_sharded_on_dp_match_one_process_reducing_once_per_step(
             # one reduce-scatter per group per step: the micro-batches accumulate without communication
             counts = r[schedule, optimizer]["counts"]
             assert counts[1:] == [{"all_gather": all_gathers, "reduce_scatter": 2}] * (STEPS - 1)
+
+
+def test_a_split_backward_of_a_zero_bubble_schedule_is_refused_naming_the_schedules_to_use():
+    for r in _runs():
+        message = r["1f1b", "sgd"]["split_backward"]
+        assert "split backward ('input'" in message and "Schedule1F1B" in message, message
