@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import perparam
 from perparam import CommCounter, ParamPolicy, QuantPolicy
@@ -25,17 +26,19 @@ def _sent(records: list[tuple[int, int]]) -> float:
     return sum(n * (g - 1) / g for g, n in records)
 
 
-def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECONDARY, quant: bool = False) -> dict:
+def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECONDARY, quant: bool = False,
+          hsdp: bool = False) -> dict:
     """TinyNet (Embedding(5, 6) and Linear(6, 2) leave empty shards on 4 ranks); the blocks reshard to
     ``reshard_after_forward`` ranks after forward, the root keeps its parameters (its default).
-    ``quant``: the blocks' fc1 weights all-gathered in int8 (blocks of 4)."""
+    ``quant``: the blocks' fc1 weights all-gathered in int8 (blocks of 4). ``hsdp``: a 2D (1, 4) mesh."""
     torch.manual_seed(0)
     model = TinyNet()
     if world_size:
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("rep", "shard")) if hsdp else None
         for block in model.blocks:
-            perparam.fully_shard(block, reshard_after_forward=reshard_after_forward, param_policy={
+            perparam.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, param_policy={
                 "fc1.weight": ParamPolicy(quant=QuantPolicy("int8", 4))} if quant else None)
-        perparam.fully_shard(model)
+        perparam.fully_shard(model, mesh=mesh)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.1))
     out: dict = {"forward": [], "backward": [], "kept": [], "gathered": []}
@@ -63,6 +66,7 @@ def train_both(rank: int, world_size: int) -> dict:
     runs = {opt: train(rank, world_size, opt) for opt in ("adamw", "sgd")}
     for raf in (SECONDARY, True):
         runs["int8", raf] = train(rank, world_size, "sgd", raf, quant=True)
+    runs["hsdp"] = train(rank, world_size, "sgd", hsdp=True)
     return runs
 
 
@@ -117,3 +121,12 @@ def test_hpz_regathers_the_bytes_of_the_forward_so_a_quantized_all_gather_trains
         assert plain["backward"][0][0][0] == WORLD
         for name, got in hpz["params"].items():
             assert torch.equal(got, plain["params"][name]), name
+
+
+def test_hpz_on_a_2d_mesh_keeps_the_secondary_groups_inside_the_shard_axis():
+    want = one_process(train, "sgd")["params"]
+    for r in _runs():
+        run = r["hsdp"]
+        assert all(g == SECONDARY for step in run["backward"] for g, _ in step)
+        for name, got in run["params"].items():
+            torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=name)

@@ -49,7 +49,13 @@ def accumulate(rank: int, world_size: int, optimizer: str) -> dict:
         opt.step()
         opt.zero_grad()
     full = {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
-    return {"params": full, "comm": per_micro_batch}
+    refusal = None
+    if world_size:
+        try:
+            model.set_requires_all_reduce(0)
+        except TypeError as e:
+            refusal = str(e)
+    return {"params": full, "comm": per_micro_batch, "refusal": refusal}
 
 
 def accumulate_both(rank: int, world_size: int) -> dict:
@@ -66,3 +72,4 @@ def test_hsdp_accumulation_without_all_reduce_matches_one_process_with_one_all_r
             # per micro-batch: one reduce-scatter (sharded Linears) and one shard-axis all-reduce (the
             # replicated LayerNorm); the replicate-axis all-reduces (2: sharded and replicated) at the last only
             assert r[opt]["comm"] == [(1, 1), (1, 1), (1, 3)] * STEPS
+            assert r[opt]["refusal"] == "requires_all_reduce must be a bool, got 0"
