@@ -27,12 +27,13 @@ def _sent(records: list[tuple[int, int]]) -> float:
 
 
 def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECONDARY, quant: bool = False,
-          hsdp: bool = False) -> dict:
+          hsdp: bool = False, call_twice: bool = False) -> dict:
     """TinyNet (Embedding(5, 6) and Linear(6, 2) leave empty shards on 4 ranks); the blocks reshard to
     ``reshard_after_forward`` ranks after forward, the root keeps its parameters (its default).
-    ``quant``: the blocks' fc1 weights all-gathered in int8 (blocks of 4). ``hsdp``: a 2D (1, 4) mesh."""
+    ``quant``: the blocks' fc1 weights all-gathered in int8 (blocks of 4). ``hsdp``: a 2D (1, 4) mesh.
+    ``call_twice``: each block runs twice per forward."""
     torch.manual_seed(0)
-    model = TinyNet()
+    model = TinyNet(call_twice=call_twice)
     if world_size:
         mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("rep", "shard")) if hsdp else None
         for block in model.blocks:
@@ -67,6 +68,7 @@ def train_both(rank: int, world_size: int) -> dict:
     for raf in (SECONDARY, True):
         runs["int8", raf] = train(rank, world_size, "sgd", raf, quant=True)
     runs["hsdp"] = train(rank, world_size, "sgd", hsdp=True)
+    runs["twice"] = train(rank, world_size, "sgd", call_twice=True)
     return runs
 
 
@@ -127,6 +129,15 @@ def test_hpz_on_a_2d_mesh_keeps_the_secondary_groups_inside_the_shard_axis():
     want = one_process(train, "sgd")["params"]
     for r in _runs():
         run = r["hsdp"]
+        assert all(g == SECONDARY for step in run["backward"] for g, _ in step)
+        for name, got in run["params"].items():
+            torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_hpz_blocks_called_twice_per_forward_match_one_process():
+    want = one_process(train, "sgd", SECONDARY, False, False, True)["params"]
+    for r in _runs():
+        run = r["twice"]
         assert all(g == SECONDARY for step in run["backward"] for g, _ in step)
         for name, got in run["params"].items():
             torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=name)
