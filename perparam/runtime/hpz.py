@@ -16,25 +16,48 @@ when the shards changed since (an optimizer step): the backward all-gather then 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import collectives
 from ..comm.collectives import GatheredRows
+
+#: (device type, the mesh's ranks, k') -> the secondary DeviceMesh, shared by the groups of one layout (one
+#: set of process groups for all the blocks of a model, not one per ``fully_shard`` call)
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def secondary_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
+    """The ``DeviceMesh`` over ``mesh``'s ranks viewed as ``(-1, size)``; its dim 1 groups are the secondary
+    groups. Created by the first call (every rank, in the same order), looked up afterwards; created again
+    once its process groups were destroyed."""
+    key = (mesh.device_type, tuple(mesh.mesh.reshape(-1).tolist()), size)
+    found = _MESHES.get(key)
+    if found is not None:
+        try:
+            alive = found.get_group(1) in dist.distributed_c10d._world.pg_map
+        except (RuntimeError, ValueError, KeyError):  # its groups were destroyed (a new process group)
+            alive = False
+        if not alive:
+            found = None
+    if found is None:
+        found = _MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+    return found
 
 
 class Secondary:
     """The secondary partition of one group: its size, this rank's place in it, the rows kept.
 
     ``mesh``: the group's dp mesh (1D, or 2D (replicate, shard)); ``size``: k'. Creating it creates the
-    secondary process groups (a ``DeviceMesh`` over the mesh's ranks viewed as ``(-1, size)``): every rank
-    must create it, in the same order (``fully_shard`` does)."""
+    secondary process groups the first time (``secondary_mesh``): every rank must create it, in the same
+    order (``fully_shard`` does)."""
 
     def __init__(self, mesh: DeviceMesh, size: int) -> None:
         num_shards = mesh.size(mesh.ndim - 1)
         self.size = size
         self.rows_per_member = num_shards // size
         self.member = mesh.get_coordinate()[-1] % size
-        self.mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+        self.mesh = secondary_mesh(mesh, size)
         self.kept: torch.Tensor | None = None  # uint8 [rows_per_member, slot]
 
     @property
