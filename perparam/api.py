@@ -19,7 +19,7 @@ from mesh import MeshError, check_dp_mesh
 from .errors import ShardingError
 from .full_state import install_load_hooks
 from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes, mark_managed
-from .runtime import adopt, hooks, islands, readers, registration
+from .runtime import adopt, hooks, hpz, islands, readers, registration
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
 from .runtime.param import ShardedParam
@@ -58,8 +58,11 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             (all-gather again in backward); ``False`` keeps them until the end of backward; ``None`` (the
             default) is ``True``, the root keeping its parameters for the backward that follows anyway
             (an explicit ``True`` frees the root's too: one all-gather more per step, less memory).
-            An int is the world size to reshard to: ``1`` means ``False`` and the shard axis's size
-            means ``True``; resharding to another size is not supported (``ShardingError``).
+            An int k' is the number of ranks to reshard to (FSDP2's int; ZeRO++'s hpZ): ``1`` means
+            ``False``, the shard axis's size K means ``True``, and a divisor of K between them keeps,
+            after forward, a secondary shard of 1/k' of the group's gathered bytes on each rank, so the
+            backward all-gather runs over k' consecutive shard ranks (e.g. those of one node) instead of
+            K (``perparam.runtime.hpz``, ``docs/hpz.md``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.sharding.policy``.
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
             casts its inputs and outputs (a precision island, ``perparam.runtime.islands``); a norm with running
@@ -124,7 +127,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
-    reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    reshard_after_forward, secondary_size = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     gradient_divide_factor = check_divide_factor(gradient_divide_factor, "fully_shard(gradient_divide_factor=...)",
                                                  mesh.size())
     for m in modules:
@@ -176,6 +179,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                        auto_reshard_after_forward=auto_reshard_after_forward)
     IterationContext([group]).take(group)  # its own until a root's first forward takes it into its tree
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
+    if secondary_size is not None:  # hpZ: its process groups created now, by every rank, in call order
+        group.hpz = hpz.Secondary(mesh, secondary_size)
     _GROUPS.add(group)
     for sp in sharded_params:
         sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)
@@ -245,24 +250,24 @@ def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParal
     return compose(fqn, p.data, mesh, policy.placement)
 
 
-def _reshard_after_forward(value, num_shards: int) -> bool:
-    """FSDP2's ``reshard_after_forward`` values, as a bool."""
+def _reshard_after_forward(value, num_shards: int) -> tuple[bool, int | None]:
+    """FSDP2's ``reshard_after_forward`` values, as (free after forward?, hpZ's secondary size or None)."""
     if value is None:
-        return True
+        return True, None
     if isinstance(value, bool):
-        return value
+        return value, None
     if isinstance(value, numbers.Integral):
         value = int(value)
         if value == 1:
-            return False
+            return False, None
         if value == num_shards:
-            return True
+            return True, None
         if 1 < value < num_shards and num_shards % value == 0:
-            raise ShardingError(f"reshard_after_forward={value} asks to reshard to {value} ranks after forward; "
-                                "perparam reshards to the whole shard axis or not at all: pass True or False")
-        meaning = "1 means False" if num_shards == 1 else f"1 means False, {num_shards} means True"
-        raise ShardingError(f"reshard_after_forward={value}: an int must be 1 or the shard axis size "
-                            f"{num_shards} ({meaning}); pass True or False")
+            return True, value
+        divisors = [d for d in range(1, num_shards + 1) if num_shards % d == 0]
+        raise ShardingError(f"reshard_after_forward={value}: an int is the number of ranks to reshard to after "
+                            f"forward and must divide the shard axis size {num_shards} (one of {divisors}: 1 means "
+                            f"False, {num_shards} means True); pass one of those, or True or False")
     raise ShardingError(f"reshard_after_forward must be a bool, an int or None (as FSDP2), got {value!r}; pass "
                         "True or False")
 

@@ -177,10 +177,33 @@ class ShardedModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: keep accumulating unsharded gradients locally across micro-batches, with no
-        communication; the next backward with sync on reduce-scatters the sum. ``recurse`` applies the
-        setting to every sharded module below this one too."""
+        communication; the next backward with sync on reduce-scatters the sum. As FSDP2's, it sets
+        ``set_requires_all_reduce`` to the same value (under HSDP it governs both collectives). ``recurse``
+        applies the setting to every sharded module below this one too.
+
+        Raises ``TypeError`` for a value that is not a bool."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
         for group in _groups_below(self, recurse):
             group.requires_gradient_sync = requires_gradient_sync
+            group.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation with reduce-scatter only (FSDP2's ``set_requires_all_reduce``):
+        ``False`` reduce-scatters each backward's gradients over the shard axis as usual (the unsharded
+        gradients are freed) but holds this rank's summed piece, ``[padded local elements]`` per reduce
+        dtype, instead of all-reducing it over the replicate axis; the next backward with ``True`` adds
+        the held sum to its own reduce-scatter output and issues one all-reduce for all of them, then
+        divides and accumulates into the sharded ``.grad`` (``perparam.runtime.partial``). On a 1D mesh
+        there is no all-reduce and the setting changes nothing. Set it back to ``True`` (or
+        ``set_requires_gradient_sync(True)``) before the last micro-batch's backward: held gradients reach
+        ``.grad`` only through an all-reduce.
+
+        Raises ``TypeError`` for a value that is not a bool."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+        for group in _groups_below(self, recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
         """``True`` frees the unsharded parameters after forward and all-gathers again in backward, the
@@ -189,12 +212,16 @@ class ShardedModule:
         (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the next forward with grad,
         so several evaluation forwards all-gather once. ``None`` (not in FSDP2) restores ``fully_shard``'s
         default: ``True``, except that the root keeps its parameters for the backward that follows a
-        forward with grad (under no_grad it frees them)."""
+        forward with grad (under no_grad it frees them). Any value turns off the secondary partition
+        (hpZ) of ``fully_shard(..., reshard_after_forward=int)``, as FSDP2's setter does."""
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
         for group in _groups_below(self, recurse):
             group.reshard_after_forward = reshard_after_forward is not False
             group.auto_reshard_after_forward = reshard_after_forward is None
+            if group.hpz is not None:  # as FSDP2's setter: a bool replaces fully_shard's int (hpZ)
+                group.hpz.drop(group.pool)
+                group.hpz = None
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Issue the all-gathers of ``modules`` (sharded modules of the same model), in the order given, right

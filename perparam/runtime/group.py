@@ -20,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import adopt, config, zero
+from . import adopt, config, partial, zero
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
@@ -63,12 +63,17 @@ class ParamGroup:
         self.forward_prefetch: list[ParamGroup] | None = None
         self.backward_prefetch: list[ParamGroup] | None = None
         self.requires_gradient_sync = True
+        # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
+        self.requires_all_reduce = True
+        self.partial_reduce: dict[tuple, torch.Tensor] = {}
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None
         self.registered_unsharded = False
         self._alive = False  # the unsharded storage holds the gathered parameters
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
         self._pending_gather = None  # (send buffer, collectives.GatheredRows) of an all-gather in flight
+        self.hpz = None  # hpz.Secondary: the secondary partition kept after forward (reshard_after_forward=int)
+        self._hpz_layout: GroupLayout | None = None  # the layout of the all-gather the hpZ rows came from
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
@@ -198,6 +203,7 @@ class ParamGroup:
         """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
         if not self.params or self._pending_gather is not None:
             return
+        fresh = self._versions() == self._gathered_versions  # hpZ: the shards unchanged since gathered
         members = self._gather_members()
         if members is None:
             return
@@ -205,6 +211,12 @@ class ParamGroup:
             self._alive = True
             return
         layout = self._layout_for(members)
+        # hpZ: the rows kept after forward serve only an all-gather of the same members (same layout)
+        secondary = self.hpz is not None and self.hpz.usable(fresh and layout is self._hpz_layout, self.pool)
+        if secondary:  # hpZ: the rows kept after forward, all-gathered over the secondary group
+            rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather, self.all_gather_comm)
+            self._pending_gather = (None, rows, members, layout)
+            return
         device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)
@@ -233,13 +245,16 @@ class ParamGroup:
         send, rows, members, layout = self._pending_gather
         self._pending_gather = None
         rows.wait()
+        if self.hpz is not None and self.state is TrainingState.FORWARD:
+            self.hpz.keep(rows.segments, self.pool)  # the secondary shard, for the backward all-gather
+            self._hpz_layout = layout
         k = self.num_shards
         targets: list[list[torch.Tensor]] = []
         for p in members:
             if p.plain:
                 targets.append([p.alloc()])
             else:
-                targets.append([send.new_empty(k, piece.nbytes) for piece in p.pieces])
+                targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
         sizes = [layout.pieces[i][j].nbytes for i, j in order]
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
@@ -249,7 +264,8 @@ class ParamGroup:
             if not p.plain:
                 p.unpack(pieces)
         for buffer in (send, *rows.buffers):
-            self.pool.give_back(buffer)
+            if buffer is not None:
+                self.pool.give_back(buffer)
         self._alive = True
 
     # -- which parameters an all-gather carries (ZeRO stages, perparam/runtime/zero.py) ----------------------
@@ -284,10 +300,13 @@ class ParamGroup:
             layout = self._layouts[key] = GroupLayout(tuple(p.pieces for p in members), self.num_shards)
         return layout
 
-    def free(self) -> None:
-        """Release the unsharded storage (no communication; an all-gather in flight is finished first)."""
+    def free(self, keep_secondary: bool = False) -> None:
+        """Release the unsharded storage (no communication; an all-gather in flight is finished first).
+        ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
         if self._pending_gather is not None:
             self.wait_unshard()
+        if self.hpz is not None and not keep_secondary:
+            self.hpz.drop(self.pool)
         for p in self.params:
             if not p.kept:  # stage 1/2 keep theirs across steps
                 p.free()
@@ -319,6 +338,7 @@ class ParamGroup:
                 p.unsharded.grad = None
             p.grad_acc = None
         self.unsynced = False
+        self.partial_reduce.clear()
 
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
@@ -403,6 +423,10 @@ class ParamGroup:
                 self.pool.give_back(item.send)
             item.work = None
             if self.replicate_pg is not None:
+                if partial.hold(self, item):  # set_requires_all_reduce(False): all-reduced by a later reduction
+                    item.stage = 2
+                    return True
+                partial.merge(self, item)
                 item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
                                                        what=f"{self._what} [{item.recv.dtype}]")
             item.stage = 1

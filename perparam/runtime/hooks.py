@@ -199,7 +199,7 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
             # after its last module's forward (as listed): one all-gather for all
             keep_as_root = group is ctx.active_root and grad_enabled and group.auto_reshard_after_forward
             if group.reshard_after_forward and not keep_as_root and module is group.modules[-1]:
-                group.free()
+                group.free(keep_secondary=grad_enabled)  # hpZ: a backward may follow
             group.transition(IDLE)
         if grad_enabled:
             _register_pre_backward(group, output)
