@@ -326,7 +326,8 @@ def sharded_class(cls: type) -> type:
     sharded_cls = _CLASS_CACHE.get(cls)
     if sharded_cls is None:
         sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__, BASE_ATTR: cls})
-        _CLASS_CACHE[cls] = sharded_cls
+        # setdefault: ranks that are threads of one process get one class per class, as processes do
+        sharded_cls = _CLASS_CACHE.setdefault(cls, sharded_cls)
     return sharded_cls
 
 

@@ -9,7 +9,6 @@ above it. Beside that state: the padded unsharded storage is *alive* or *freed*;
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 
 import torch
@@ -18,14 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import collectives
 from ..comm.buffers import BufferPool
-from ..comm.process_groups import reduce_group
+from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import adopt, config
+from . import config
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
 
-_COUNTER = itertools.count()
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
 GROUP_ATTR = "_perparam_group"
 
@@ -76,7 +74,7 @@ class ParamGroup:
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
         self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
         self.reduced = False  # this backward's reduction of the group has been issued
-        self.index = next(_COUNTER)  # creation order: the same on every rank that builds the same model
+        self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
 
     # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
@@ -137,9 +135,10 @@ class ParamGroup:
         return self._pending_gather
 
     def _versions(self) -> tuple[int, ...]:
-        versions = [adopt.optimizer_steps()]
-        for p in self.params:  # the wrapper (DTensor in-place ops) and the local shard (to_local().sub_())
-            versions += (p.sharded._version, p.local_shard()._version)
+        versions = []
+        for p in self.params:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_()) and
+            # the steps of the optimizers holding it (foreach updates bump neither version)
+            versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
         return tuple(versions)
 
     def stale(self) -> bool:

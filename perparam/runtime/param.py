@@ -88,6 +88,9 @@ class ShardedParam:
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
         self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
+        #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
+        #: storage gathered before one is stale (``ParamGroup.stale``)
+        self.optimizer_steps = 0
 
     @property
     def plain(self) -> bool:
