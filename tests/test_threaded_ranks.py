@@ -44,7 +44,7 @@ def run_threaded(fn, world_size: int, *args, timeout: float = 60.0) -> list:
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             results[rank] = fn(rank, world_size, *args)
-        except BaseException as exc:  # noqa: BLE001: reported to the test below
+        except BaseException as exc:  # reported to the test below
             errors[rank] = traceback.format_exc()
             ProcessLocalGroup.exception_handle(exc)  # wake the peers blocked in a collective
         finally:
