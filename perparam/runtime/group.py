@@ -204,12 +204,11 @@ class ParamGroup:
         send = pool.take(layout.slot_bytes, device)
         dsts, srcs = [], []
         for p, offsets in zip(self.gathered, layout.offsets):
-            if p.plain:
-                src = p.wire_source()
-                if src.numel():
-                    dsts.append(send.narrow(0, offsets[0], src.numel() * p.pieces[0].dtype.itemsize)
-                                .view(p.pieces[0].dtype))
-                    srcs.append(src)
+            if p.plain:  # the local shard in the parameter's own dim order (padding left as it is)
+                pair = p.send_pair(send.narrow(0, offsets[0], p.pieces[0].nbytes).view(p.pieces[0].dtype))
+                if pair is not None:
+                    dsts.append(pair[0])
+                    srcs.append(pair[1])
             else:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
@@ -236,9 +235,28 @@ class ParamGroup:
                 targets.append([send.new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
         sizes = [layout.pieces[i][j].nbytes for i, j in order]
+        scattered = [p.plain and not p.layout.wire_is_layout for p in self.gathered]
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
-            torch.split_with_sizes_copy(seg, sizes, dim=1,
-                                        out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
+            if not any(scattered):  # every piece lands as bytes: one split copy
+                torch.split_with_sizes_copy(seg, sizes, dim=1,
+                                            out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
+                continue
+            # Shard(d > 0) pieces are copied into their slices of the contiguous unsharded tensor: as many
+            # bytes as the split copy, strided; all pieces in one foreach copy
+            dsts, srcs = [], []
+            for i, j in order:
+                src = seg.narrow(1, layout.offsets[i][j], layout.pieces[i][j].nbytes)
+                if scattered[i]:
+                    dtype = layout.pieces[i][j].dtype
+                    if src.stride(0) % dtype.itemsize:  # a slot of quantized bytes left the rows unaligned
+                        src = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
+                    pairs = self.gathered[i].copy_out_pairs(src.view(dtype), first)
+                else:
+                    pairs = [(targets[i][j].narrow(0, first, seg.shape[0]), src)]
+                dsts += [d for d, _ in pairs]
+                srcs += [s for _, s in pairs]
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
         for p, pieces in zip(self.gathered, targets):
             if not p.plain:
                 p.unpack(pieces)

@@ -334,7 +334,7 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
             sp.sharded.grad = grad
     if group.registered_unsharded or group.storage_alive:
         group.reshard()
-    sp._padded = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage
+    sp._padded = sp._padded_data = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage
     sp.slots = [(module, name)]
     path = _path(group, module)
     sp.fqn = f"{path}.{name}" if path else name
