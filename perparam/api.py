@@ -18,7 +18,14 @@ from mesh import MeshError, check_dp_mesh
 
 from .errors import ShardingError
 from .full_state import install_load_hooks
-from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes
+from .module import (
+    ShardedModule,
+    attach,
+    check_divide_factor,
+    group_of,
+    guard_stored_dtypes,
+    mark_fully_sharded,
+)
 from .runtime import adopt, hooks, islands, readers, registration
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
@@ -178,6 +185,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)
     for m in modules:
         attach(m, group)
+        mark_fully_sharded(m)
         m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),
                                     prepend=True, with_kwargs=True)
         # always_call: a forward that raises still reshards and releases the root
