@@ -18,7 +18,15 @@ from mesh import MeshError, check_dp_mesh
 
 from .errors import ShardingError
 from .full_state import install_load_hooks
-from .module import ShardedModule, attach, check_divide_factor, group_of, guard_stored_dtypes, mark_managed
+from .module import (
+    ShardedModule,
+    attach,
+    check_divide_factor,
+    group_of,
+    guard_stored_dtypes,
+    mark_fully_sharded,
+    mark_managed,
+)
 from .runtime import adopt, hooks, hpz, islands, readers, registration
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
@@ -67,8 +75,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
             casts its inputs and outputs (a precision island, ``perparam.runtime.islands``); a norm with running
             statistics (BatchNorm, InstanceNorm with ``track_running_stats``) computes in their dtype.
-        ignored_params: parameters (of ``module``'s tree) left as they are: plain tensors, neither
-            sharded nor all-gathered nor reduced (FSDP2's argument), for parameters managed elsewhere.
+        ignored_params: parameters left as they are: plain tensors, neither sharded nor all-gathered nor
+            reduced (FSDP2's argument), for parameters managed elsewhere. As in FSDP2, those outside
+            ``module``'s tree (or sharded by an earlier call) are not this call's concern: one set can be
+            passed to every call.
         gradient_divide_factor: what this call's reduced gradients are divided by. A reduction sums a
             gradient over the ranks of ``mesh`` (both axes on a 2D mesh, and for ``Replicate()``
             parameters too); ``None`` (the default) divides by the mesh's size, the mean over its ranks.
@@ -83,7 +93,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
             tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
-            compute in two dtypes, an ignored parameter that is not in ``module``, a
+            compute in two dtypes, ``ignored_params`` that is not a collection of tensors, a
             ``gradient_divide_factor`` that is not a positive finite number, a parameter with a hook from
             ``register_hook`` (it could never fire), an uninitialised (Lazy)
             parameter, a ``param_dtype`` given to a norm that computes with running statistics of another
@@ -145,7 +155,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     if refusal is not None:
         raise ShardingError(f"fully_shard: {refusal}")
     found, aliases = _collect(modules)
-    ignored = _ignored(ignored_params, found, owner)
+    ignored = _ignored(ignored_params, found)
     found = [entry for entry in found if id(entry[1]) not in ignored]
     for fqn, original, _ in found:
         _check_param(fqn, original, owner, modules)
@@ -186,6 +196,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)
     for m in modules:
         attach(m, group)
+        mark_fully_sharded(m)
         m.register_forward_pre_hook(lambda mod, a, kw, g=group: hooks.pre_forward(g, mod, a, kw),
                                     prepend=True, with_kwargs=True)
         # always_call: a forward that raises still reshards and releases the root
@@ -227,20 +238,17 @@ def _warn_low_precision_training(found, policies) -> None:
                       f"{dtype}) (this warning is shown once per process)", UserWarning, stacklevel=3)
 
 
-def _ignored(ignored_params, found, owner: str) -> set[int]:
-    """Ids of the ``ignored_params`` (each must be a parameter this call would otherwise manage)."""
+def _ignored(ignored_params, found) -> set[int]:
+    """Ids of the ``ignored_params`` this call would otherwise manage."""
     if ignored_params is None:
         return set()
     if isinstance(ignored_params, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in ignored_params):
         raise ShardingError("ignored_params must be a set of parameters (e.g. {model.lm_head.weight}), got "
                             f"{type(ignored_params).__name__}")
+    # as FSDP2: parameters outside the module's tree (or managed by an earlier call) are simply not
+    # concerned, so one set of ignored parameters can be passed to every call of a model
     known = {id(p) for _, p, _ in found}
-    for p in ignored_params:
-        if id(p) not in known:
-            raise ShardingError(f"ignored_params holds a parameter of shape {tuple(p.shape)} that is not a parameter "
-                                f"of {owner} managed by this call (not in its module tree, or already sharded by "
-                                "an earlier call); pass only parameters of the module given")
-    return {id(p) for p in ignored_params}
+    return {id(p) for p in ignored_params if id(p) in known}
 
 
 def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import types
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -407,8 +408,22 @@ def sharded_class(cls: type) -> type:
     sharded_cls = _CLASS_CACHE.get(cls)
     if sharded_cls is None:
         sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__, BASE_ATTR: cls})
-        _CLASS_CACHE[cls] = sharded_cls
+        # setdefault: ranks that are threads of one process get one class per class, as processes do
+        sharded_cls = _CLASS_CACHE.setdefault(cls, sharded_cls)
     return sharded_cls
+
+
+def mark_fully_sharded(module: nn.Module) -> None:
+    """Record ``fully_shard`` in torch's composable-API registry of ``module``, as FSDP2's ``fully_shard``
+    does, so that torch's composable APIs which leave fully-sharded modules to their owner leave it to
+    perparam: ``torch.distributed._composable.replicate`` (DDP) on a model whose blocks perparam shards
+    then replicates only the other parameters, and refuses a module perparam shards itself."""
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+    except ImportError:  # a torch without composable APIs: nothing to tell
+        return
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def attach(module: nn.Module, group: ParamGroup) -> None:

@@ -52,7 +52,6 @@ def test_every_rank_holds_its_torch_chunk_and_the_gathered_buffer_reassembles(ca
         d = lay.placement.dim
         chunks = full.chunk(k, dim=d) if shape[d] else ()
     buffer = torch.full(lay.buffer_shape, float("nan"))
-    rows = buffer.view(lay.buffer_rows, buffer.numel() // lay.buffer_rows)
     for rank in range(k):
         piece = lay.local_piece(full, rank)
         if gathered:
@@ -73,13 +72,17 @@ def test_every_rank_holds_its_torch_chunk_and_the_gathered_buffer_reassembles(ca
         assert ours[0] == tuple(theirs[0]) == lay.local_shape(rank)
         if piece.numel():
             assert ours[1] == tuple(theirs[1])
-        # the all-gather: each rank sends its padded piece with the split dim first
-        wire = torch.zeros(lay.wire_shape)
-        local_wire = lay.to_wire(piece)
-        wire.narrow(0, 0, local_wire.shape[0]).copy_(local_wire) if wire.dim() else wire.copy_(local_wire)
-        if gathered or rank == 0:  # a replicated parameter fills the buffer from the local tensor
-            rows[rank if gathered else 0].copy_(wire.reshape(-1))
+        # the all-gather: each rank sends its padded piece in the parameter's dim order
+        if gathered:
+            wire = torch.zeros(lay.padded_local_numel)
+            lay.send_view(wire, rank).copy_(piece)
+        else:  # a replicated parameter fills the buffer from the local tensor
+            wire = piece.reshape(-1)
+        if gathered or rank == 0:
+            for dst, src in lay.copy_out_pairs(buffer, wire.reshape(1, -1), rank if gathered else 0):
+                dst.copy_(src)
     assert torch.equal(lay.unpad(buffer), full)
+    assert lay.unpad(buffer).is_contiguous()  # what the module computes with, whatever the placement
     assert math.prod(lay.padded_global_shape) == lay.padded_local_numel * (k if gathered else 1)
 
 

@@ -14,11 +14,13 @@ So that the replacement is invisible where it can be:
   global (an optimizer built before sharding is nowhere else to be found), installed by the first
   ``fully_shard`` of the process, never at import; cost: one dict lookup per step once an optimizer has
   been checked (again when ``fully_shard`` ran since, or its ``param_groups`` grew);
-* the steps of every optimizer holding perparam parameters are counted (a post-hook registered on that
-  optimizer alone, when the pre-hook first sees it holding one), so parameters kept gathered across steps
+* the steps of every optimizer holding perparam parameters are counted on the parameters it holds
+  (``ShardedParam.optimizer_steps``, bumped by a post-hook registered on that optimizer alone, when the
+  pre-hook first sees it holding one), so parameters kept gathered across steps
   (``set_reshard_after_backward(False)``) are all-gathered afresh after one, whatever the optimizer's
   update path (foreach updates do not bump a DTensor's version counter). Optimizers of other models in
-  the process are never counted;
+  the process, and other ranks' optimizers when ranks are threads of one process, never make this
+  rank's parameters stale;
 * a parameter assigned after ``fully_shard`` (``module.weight = nn.Parameter(...)``) is refused with a
   clear error at the next forward or unshard (``ShardedParam.register``), instead of being silently put
   back.
@@ -44,7 +46,8 @@ _generation = 0
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (generation, groups) checked
 _counted: weakref.WeakSet = weakref.WeakSet()  # optimizers whose steps are counted
-_steps = 0
+#: optimizer -> the ``ShardedParam``s whose sharded parameters it holds (as of its last check)
+_held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _pre_hook = None  # the global step pre-hook's handle, once the first fully_shard installed it
 
 #: attributes nn.Parameter / DTensor keep in ``__dict__`` themselves: never copied
@@ -80,15 +83,10 @@ def _install() -> None:
         _pre_hook = register_optimizer_step_pre_hook(_retarget)
 
 
-def optimizer_steps() -> int:
-    """How many steps the ``torch.optim`` optimizers holding perparam parameters have taken: parameters
-    gathered before such a step are stale after it (``ParamGroup.stale``)."""
-    return _steps
-
-
 def _count_step(optimizer, args, kwargs) -> None:
-    global _steps
-    _steps += 1
+    """A step of ``optimizer`` changed the parameters it holds: storage gathered before is stale."""
+    for sp in _held.get(optimizer, ()):
+        sp.optimizer_steps += 1
 
 
 def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -110,8 +108,10 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "load it into the new optimizer with set_optimizer_state_dict(model, new_optimizer, state, "
                     "options=StateDictOptions(full_state_dict=True))")
             params[i] = sharded
-    ours = {id(sp.sharded) for sp in _OWNERS}
-    if optimizer not in _counted and any(id(p) in ours for g in optimizer.param_groups for p in g["params"]):
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    mine = weakref.WeakSet(sp for sp in list(_OWNERS) if id(sp.sharded) in held)
+    _held[optimizer] = mine
+    if optimizer not in _counted and mine:
         optimizer.register_step_post_hook(_count_step)
         _counted.add(optimizer)
     _checked[optimizer] = key

@@ -9,7 +9,6 @@ above it. Beside that state: the padded unsharded storage is *alive* or *freed*;
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 
 import torch
@@ -18,14 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import collectives
 from ..comm.buffers import BufferPool
-from ..comm.process_groups import reduce_group
+from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import adopt, config, partial, zero
+from . import config, partial, zero
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
 
-_COUNTER = itertools.count()
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
 GROUP_ATTR = "_perparam_group"
 
@@ -86,7 +84,7 @@ class ParamGroup:
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
         self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
         self.reduced = False  # this backward's reduction of the group has been issued
-        self.index = next(_COUNTER)  # creation order: the same on every rank that builds the same model
+        self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
 
     # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
@@ -147,10 +145,12 @@ class ParamGroup:
         return self._pending_gather
 
     def _versions(self) -> tuple[int, ...]:
-        versions = [adopt.optimizer_steps()]
-        for p in self.params:  # the wrapper (DTensor in-place ops) and the local shard (to_local().sub_())
-            if not p.kept:  # kept copies are refreshed by step and load counts only (runtime/zero.py)
-                versions += (p.sharded._version, p.local_shard()._version)
+        versions = []
+        for p in self.params:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_()) and
+            # the steps of the optimizers holding it (foreach updates bump neither version); kept copies
+            # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
+            if not p.kept:
+                versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
         return tuple(versions)
 
     def stale(self) -> bool:
@@ -222,12 +222,11 @@ class ParamGroup:
         send = pool.take(layout.slot_bytes, device)
         dsts, srcs = [], []
         for p, offsets in zip(members, layout.offsets):
-            if p.plain:
-                src = p.wire_source()
-                if src.numel():
-                    dsts.append(send.narrow(0, offsets[0], src.numel() * p.pieces[0].dtype.itemsize)
-                                .view(p.pieces[0].dtype))
-                    srcs.append(src)
+            if p.plain:  # the local shard in the parameter's own dim order (padding left as it is)
+                pair = p.send_pair(send.narrow(0, offsets[0], p.pieces[0].nbytes).view(p.pieces[0].dtype))
+                if pair is not None:
+                    dsts.append(pair[0])
+                    srcs.append(pair[1])
             else:
                 p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
         if dsts:
@@ -257,9 +256,28 @@ class ParamGroup:
                 targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
         sizes = [layout.pieces[i][j].nbytes for i, j in order]
+        scattered = [p.plain and not p.layout.wire_is_layout for p in members]
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
-            torch.split_with_sizes_copy(seg, sizes, dim=1,
-                                        out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
+            if not any(scattered):  # every piece lands as bytes: one split copy
+                torch.split_with_sizes_copy(seg, sizes, dim=1,
+                                            out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
+                continue
+            # Shard(d > 0) pieces are copied into their slices of the contiguous unsharded tensor: as many
+            # bytes as the split copy, strided; all pieces in one foreach copy
+            dsts, srcs = [], []
+            for i, j in order:
+                src = seg.narrow(1, layout.offsets[i][j], layout.pieces[i][j].nbytes)
+                if scattered[i]:
+                    dtype = layout.pieces[i][j].dtype
+                    if src.stride(0) % dtype.itemsize:  # a slot of quantized bytes left the rows unaligned
+                        src = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
+                    pairs = members[i].copy_out_pairs(src.view(dtype), first)
+                else:
+                    pairs = [(targets[i][j].narrow(0, first, seg.shape[0]), src)]
+                dsts += [d for d, _ in pairs]
+                srcs += [s for _, s in pairs]
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
         for p, pieces in zip(members, targets):
             if not p.plain:
                 p.unpack(pieces)

@@ -81,8 +81,11 @@ class ShardedParam:
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)
-        self._padded: torch.Tensor | None = None  # (K * chunk, *other dims), compute dtype
-        self._padded_write: torch.Tensor | None = None  # uint8 [K, bytes] alias: the copy target
+        #: ``layout.buffer_shape`` in the compute dtype: (K * chunk, *other dims) for Shard(0), the global
+        #: shape for Shard(d > 0) and Replicate(); ``_padded_data`` is its ``.data`` (see ``_ensure_buffers``)
+        self._padded: torch.Tensor | None = None
+        self._padded_data: torch.Tensor | None = None
+        self._padded_write: torch.Tensor | None = None  # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
@@ -92,6 +95,9 @@ class ShardedParam:
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable) when the kept copy was gathered (``runtime.zero``)
         self.kept_key: tuple[int, int, bool] | None = None
+        #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
+        #: storage gathered before one is stale (``ParamGroup.stale``)
+        self.optimizer_steps = 0
 
     @property
     def plain(self) -> bool:
@@ -164,9 +170,11 @@ class ShardedParam:
         ``load_state_dict`` may replace it)."""
         return self.sharded._local_tensor
 
-    def wire_source(self) -> torch.Tensor:
-        """The local shard with the shard dim first, flattened: what a plain piece starts with."""
-        return self.layout.to_wire(self.local_shard()).reshape(-1)
+    def send_pair(self, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(destination, source)``: where the local shard goes in this rank's all-gather piece ``piece``
+        (``padded_local_numel`` elements, ``layout.send_view``), and the local shard; ``None`` when empty."""
+        src = self.local_shard()
+        return (self.layout.send_view(piece, self.shard_rank), src) if src.numel() else None
 
     def _ensure_buffers(self) -> None:
         device = self.local_shard().device
@@ -180,6 +188,7 @@ class ShardedParam:
             # change of the tensors autograd saved from the unsharded parameter.
             rows = lay.buffer_rows  # (reshape first: a 0-dim buffer cannot change its element size)
             nbytes = padded.numel() * padded.element_size()
+            self._padded_data = padded.data
             self._padded_write = padded.data.reshape(-1).view(torch.uint8).view(rows, nbytes // rows)
             view = lay.unpad(padded)
             if self.tp:  # the module computes with DTensors on the tp mesh
@@ -228,8 +237,9 @@ class ShardedParam:
                 out.view(torch.uint8).zero_()
         else:
             flat = torch.zeros(self.layout.padded_local_numel, dtype=torch.float32, device=views[0].device)
-            src = self.wire_source()
-            flat[:src.numel()] = src
+            pair = self.send_pair(flat)
+            if pair is not None:
+                pair[0].copy_(pair[1])
             pieces = [t.reshape(-1) for t in q.quantizer.pack(flat.view(1, -1), q.block_size)]
         for out, piece in zip(outs, pieces):
             out[:piece.numel()].copy_(piece)
@@ -238,10 +248,25 @@ class ShardedParam:
         """Dequantize the gathered pieces (uint8 ``[K, piece bytes]`` each) into the padded buffer."""
         q = self.policy.quant
         k = self.layout.num_shards
-        target = self.alloc().view(self._padded.dtype)  # [K, padded_local_numel]
+        target = self.alloc().view(self._padded.dtype)  # [K, padded_local_numel] for Shard(0)
+        scattered = not self.layout.wire_is_layout  # Shard(d > 0): through a scratch tensor, then scattered
+        if scattered:
+            target = torch.empty(k, self.layout.padded_local_numel, dtype=self._padded.dtype, device=target.device)
         rows = k * self.layout.chunk if self.stored_quantized else k  # the quantizer's rows (see quant.py)
         pieces = [g.view(piece.dtype) for g, piece in zip(gathered, self.pieces)]
         q.quantizer.unpack(pieces, q.block_size, out=target.reshape(rows, -1))
+        if scattered:
+            self.copy_out(target, 0)
+
+    def copy_out_pairs(self, rows: torch.Tensor, first: int) -> list:
+        """``(destination, source)`` views putting gathered pieces ``rows`` (``[m, padded_local_numel]`` in
+        the compute dtype, ranks ``first ..``) into the unsharded buffer (allocated: ``alloc()`` first)."""
+        return self.layout.copy_out_pairs(self._padded_data, rows, first)
+
+    def copy_out(self, rows: torch.Tensor, first: int) -> None:
+        pairs = self.copy_out_pairs(rows, first)
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
     # -- registration -----------------------------------------------------------------------------------
     def check_slots(self) -> None:

@@ -100,7 +100,8 @@ def bump() -> None:
 def _table() -> dict:
     """id -> weak (group, ShardedParam) of every sharded and unsharded parameter object perparam holds, and
     id -> weak mesh of their meshes; rebuilt only after ``bump()``."""
-    if _TABLE["generation"] != _GENERATION[0]:
+    generation = _GENERATION[0]  # read first: a bump while the table is built (another rank's thread)
+    if _TABLE["generation"] != generation:  # leaves it marked stale, never a stale table marked current
         ids, meshes = {}, {}
         for g in list(_GROUPS):
             for sp in g.params:
@@ -109,7 +110,7 @@ def _table() -> dict:
                 if sp.unsharded is not None:
                     ids[id(sp.unsharded)] = entry
                 meshes.update({id(m): weakref.ref(m) for m in (sp.mesh, sp.dp_mesh)})
-        _TABLE.update(generation=_GENERATION[0], ids=ids, meshes=meshes)
+        _TABLE.update(generation=generation, ids=ids, meshes=meshes)
     return _TABLE
 
 
@@ -333,7 +334,7 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
             sp.sharded.grad = grad
     if group.registered_unsharded or group.storage_alive:
         group.reshard()
-    sp._padded = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage
+    sp._padded = sp._padded_data = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage
     sp.slots = [(module, name)]
     path = _path(group, module)
     sp.fqn = f"{path}.{name}" if path else name

@@ -6,8 +6,8 @@ After the shards change it is refreshed, in the group's next all-gather (lazily:
 prefetch or ``unshard()``), together with whatever stage-3 parameters that all-gather carries. The shards
 change at:
 
-* an optimizer step: ``perparam.runtime.adopt.optimizer_steps()`` counts the steps of the ``torch.optim``
-  optimizers holding perparam parameters (one post-hook each), a count every rank shares. A parameter
+* an optimizer step: ``ShardedParam.optimizer_steps`` counts the steps of the ``torch.optim`` optimizers
+  holding the parameter (``perparam.runtime.adopt``: one post-hook each), a count every rank shares. A parameter
   frozen when gathered and frozen now is not refreshed after a step (the optimizer skips it);
 * a load (``perparam.checkpoint.load``, ``load_full_state_dict``, ``load_state_dict``) or a device change
   (``to_empty``, ``.to(device)``): these call ``invalidate()``, which every rank calls alike.
@@ -21,8 +21,6 @@ of a sharded parameter outside these routes (``p.mul_(0)`` under ``no_grad``) is
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-from . import adopt
 
 if TYPE_CHECKING:
     from .param import ShardedParam
@@ -43,11 +41,10 @@ def needs_refresh(p: ShardedParam) -> bool:
     key = p.kept_key
     if key is None or not p.storage_alive or key[1] != _generation:
         return True
-    return key[0] != adopt.optimizer_steps() and (key[2] or p.sharded.requires_grad)
+    return key[0] != p.optimizer_steps and (key[2] or p.sharded.requires_grad)
 
 
 def mark_gathered(params: list[ShardedParam]) -> None:
     """``params``' kept copies are being filled from the shards as they are now."""
-    key_steps = adopt.optimizer_steps()
     for p in params:
-        p.kept_key = (key_steps, _generation, p.sharded.requires_grad)
+        p.kept_key = (p.optimizer_steps, _generation, p.sharded.requires_grad)

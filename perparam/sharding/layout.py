@@ -101,8 +101,9 @@ class ShardLayout:
 
     @property
     def wire_shape(self) -> tuple[int, ...]:
-        """The padded local shard with the split dim moved to the front: how it travels, so that the K
-        gathered pieces stack along dim 0 into ``(K * chunk, *other dims)``."""
+        """The padded local shard with the split dim moved to the front: a rank's piece of a reduce-scatter
+        (``to_wire`` of the gradient), so that the K pieces stack along dim 0. An all-gather piece keeps the
+        parameter's own dim order instead (``send_view``, ``copy_out_pairs``)."""
         return self.rule.wire_shape(self.padded_local_shape)
 
     @property
@@ -111,15 +112,45 @@ class ShardLayout:
         return self.rule.padded_global_shape(self.global_shape, self.num_shards)
 
     @property
+    def wire_is_layout(self) -> bool:
+        """The gathered pieces, stacked in rank order, are the unsharded buffer's memory (``Shard(0)``,
+        ``Replicate()``): they are copied in as bytes. Otherwise (``Shard(d > 0)``) each piece is copied
+        into its slices of the contiguous unsharded tensor (``copy_out_pairs``): the same bytes, in
+        contiguous blocks of ``chunk * prod(shape[d + 1:])`` elements, and the tensor stays contiguous."""
+        return self.rule.wire_is_layout
+
+    @property
     def buffer_shape(self) -> tuple[int, ...]:
-        """The unsharded buffer as gathered pieces arrive: ``padded_global_shape`` with the split dim first
-        (replicated: ``global_shape``)."""
-        return self.rule.wire_shape(self.padded_global_shape)
+        """The unsharded buffer: ``padded_global_shape`` (dim 0 padded to K chunks) for ``Shard(0)``, the
+        gathered pieces as they arrive; ``global_shape`` (no padding) for ``Shard(d > 0)`` and
+        ``Replicate()``. ``unpad`` of it is the contiguous unsharded tensor."""
+        if self.gathered and self.wire_is_layout:
+            return self.rule.wire_shape(self.padded_global_shape)
+        return self.global_shape
 
     @property
     def buffer_rows(self) -> int:
-        """Ranks whose pieces fill the buffer: K for a gathered parameter, 1 for a replicated one."""
-        return self.num_shards if self.gathered else 1
+        """Ranks whose pieces fill the buffer as rows of bytes: K for ``Shard(0)``, 1 otherwise."""
+        return self.num_shards if self.gathered and self.wire_is_layout else 1
+
+    def send_view(self, piece: torch.Tensor, rank: int) -> torch.Tensor:
+        """Where shard ``rank``'s local tensor goes in its all-gather piece ``piece`` (``padded_local_numel``
+        elements): the padded local shard in the parameter's own dim order (``padded_local_shape``,
+        padding at the end of the split dim), narrowed to ``local_shape(rank)``. A view."""
+        view = piece.view(self.padded_local_shape)
+        for i, (n, padded) in enumerate(zip(self.local_shape(rank), self.padded_local_shape)):
+            if n != padded:
+                view = view.narrow(i, 0, n)
+        return view
+
+    def copy_out_pairs(self, buffer: torch.Tensor, rows: torch.Tensor, first: int) -> list:
+        """``(destination, source)`` views that put gathered pieces into ``buffer`` (``buffer_shape``):
+        ``rows`` ``[m, padded_local_numel]`` holds the pieces (``send_view``) of ranks ``first .. first + m - 1`` (replicated:
+        ``[1, numel]``, the local tensor). Padding and empty ranks' pieces are skipped. Views only."""
+        if self.gathered and self.wire_is_layout:
+            rows_view = buffer.reshape(-1).view(self.buffer_rows, buffer.numel() // self.buffer_rows)
+            return [(rows_view.narrow(0, first, rows.shape[0]), rows)]
+        return self.rule.copy_out_pairs(buffer, rows, first, self.num_shards)
 
     # -- per rank --------------------------------------------------------------------------------------
     def extent(self, rank: int) -> tuple[int, int]:
@@ -153,10 +184,10 @@ class ShardLayout:
         return self.rule.from_wire(t, contiguous)
 
     def unpad(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The unsharded tensor (``global_shape``) viewed in a ``buffer_shape`` buffer."""
-        if self.gathered:
-            buffer = buffer.narrow(0, 0, self.rule.wire_shape(self.global_shape)[0])
-        return self.from_wire(buffer)
+        """The unsharded tensor (``global_shape``, contiguous) viewed in a ``buffer_shape`` buffer."""
+        if not (self.gathered and self.wire_is_layout):
+            return buffer  # already global_shape, contiguous
+        return buffer.narrow(0, 0, self.global_shape[0])
 
 
 @dataclass(frozen=True)

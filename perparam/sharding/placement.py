@@ -100,6 +100,37 @@ class ShardRule:
         t = t.movedim(0, self.dim)
         return t.contiguous() if contiguous else t
 
+    @property
+    def wire_is_layout(self) -> bool:
+        """The gathered pieces, stacked rank after rank, are the unsharded tensor's memory layout (dim 0);
+        otherwise each piece is copied into its slices of it (``copy_out_pairs``)."""
+        return self.dim == 0
+
+    def copy_out_pairs(self, buffer: torch.Tensor, rows: torch.Tensor, first: int, k: int) -> list:
+        """``(destination, source)`` views copying the all-gathered pieces ``rows`` (``[m, padded local
+        numel]``, ranks ``first .. first + m - 1``, each its padded local shard in the parameter's own dim
+        order, padding at the end of ``dim``) into ``buffer`` (the contiguous unsharded tensor): one pair
+        for the ranks holding a full chunk, one for a rank holding less, none for empty ranks and padding.
+        Each copies blocks of ``chunk * prod(shape[dim + 1:])`` contiguous elements. Views only."""
+        shape, d = tuple(buffer.shape), self.dim
+        chunk = self.chunk(shape, k)
+        if chunk == 0 or buffer.numel() == 0:
+            return []
+        padded = self._with(shape, chunk)
+        full_ranks = shape[d] // chunk  # ranks 0 .. full_ranks - 1 hold a whole chunk
+        pairs = []
+        lo, hi = first, min(first + rows.shape[0], full_ranks)
+        if hi > lo:  # (pre, n, chunk, post) <- rows [n, pre, chunk, post]
+            n = hi - lo
+            dst = buffer.narrow(d, lo * chunk, n * chunk).unflatten(d, (n, chunk))
+            pairs.append((dst, rows.narrow(0, lo - first, n).view(n, *padded).movedim(0, d)))
+        if first <= full_ranks < first + rows.shape[0]:  # the one rank holding part of a chunk (if any)
+            start, length = self.extent(shape, k, full_ranks)
+            if length:
+                src = rows[full_ranks - first].view(padded).narrow(d, 0, length)
+                pairs.append((buffer.narrow(d, start, length), src))
+        return pairs
+
     def nest(self, shape: Sequence[int], offset: Sequence[int], global_shape: Sequence[int], k: int,
              coord: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One mesh axis of ``layout.local_shape_and_offset``: chunk what the earlier axes left of ``dim``;
@@ -155,6 +186,11 @@ class ReplicateRule:
 
     def from_wire(self, t: torch.Tensor, contiguous: bool = False) -> torch.Tensor:
         return t
+
+    wire_is_layout = True
+
+    def copy_out_pairs(self, buffer: torch.Tensor, rows: torch.Tensor, first: int, k: int) -> list:
+        return [(buffer.reshape(-1), rows[0].reshape(-1))] if first == 0 and buffer.numel() else []
 
     def nest(self, shape: Sequence[int], offset: Sequence[int], global_shape: Sequence[int], k: int,
              coord: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

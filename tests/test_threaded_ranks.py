@@ -1,0 +1,105 @@
+"""Ranks as threads of one process (torch's ``threaded`` process group, as its multi-thread test harness
+and some simulators run them): nothing perparam caches per process may be shared between ranks.
+
+Before the caches were keyed by process group, rank 1 found the reduction group rank 0 had just created
+under the same group name and moved on while rank 0 waited in ``new_group`` for it (a hang at
+``fully_shard``); with that fixed, one rank's optimizer step made another rank's gathered root look stale
+(a counter of optimizer steps per process), so the ranks issued different backward all-gathers.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing._internal.distributed.multi_threaded_pg import (
+    ProcessLocalGroup,
+    _install_threaded_pg,
+    _uninstall_threaded_pg,
+)
+
+import perparam
+from tests.distributed import one_process
+from tests.models import TinyNet, local_slice, make_batches
+
+STEPS, GLOBAL_BATCH, TOL = 3, 6, 1e-5
+_SEEDED = threading.Lock()  # torch's default generator is one per process: the ranks' threads share it
+
+
+def run_threaded(fn, world_size: int, *args, timeout: float = 60.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks that are threads of this process, over
+    torch's ``threaded`` process group; return each rank's result. A rank that raises or hangs fails."""
+    results: list = [None] * world_size
+    errors: dict[int, str] = {}
+    world = _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    ProcessLocalGroup.reset()
+    store = dist.HashStore()
+
+    def worker(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            results[rank] = fn(rank, world_size, *args)
+        except BaseException as exc:  # reported to the test below
+            errors[rank] = traceback.format_exc()
+            ProcessLocalGroup.exception_handle(exc)  # wake the peers blocked in a collective
+        finally:
+            if dist.distributed_c10d._world is world and dist.is_initialized():
+                dist.destroy_process_group()
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        if not any(t.is_alive() for t in threads):
+            _uninstall_threaded_pg()
+        ProcessLocalGroup.reset()
+    assert not stuck, f"ranks {stuck} still running after {timeout} s (threaded process group)"
+    assert not errors, "\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+    return results
+
+
+def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """TinyNet (uneven and empty shards on 3 ranks), blocks then root sharded, AdamW; ``world_size == 0``:
+    one process, unsharded. Returns the full parameters."""
+    with _SEEDED:
+        torch.manual_seed(0)
+        model = TinyNet()
+    if world_size:
+        for block in model.blocks:
+            perparam.fully_shard(block)
+        perparam.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in make_batches(STEPS, GLOBAL_BATCH):
+        if world_size:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_as_threads_of_one_process_train_like_one_process_in_debug_mode(world_size):
+    """2 and 3 thread ranks (on 3, Linear(6, 2) and Embedding(5, 6) leave empty shards), debug mode on: every rank's
+    collectives carry the same descriptor (the groups' creation index is counted per rank) and the
+    result matches one process."""
+    want = one_process(train)
+    perparam.set_debug(True)
+    try:
+        results = run_threaded(train, world_size)
+    finally:
+        perparam.set_debug(False)
+    for got in results:
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
