@@ -190,7 +190,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     IterationContext([group]).take(group)  # its own until a root's first forward takes it into its tree
     group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
     if secondary_size is not None:  # hpZ: its process groups created now, by every rank, in call order
-        group.hpz = hpz.Secondary(mesh, secondary_size)
+        group.hpz = group.hpz_given = hpz.Secondary(mesh, secondary_size)
     _GROUPS.add(group)
     for sp in sharded_params:
         sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)

@@ -213,16 +213,17 @@ class ShardedModule:
         (``torch.no_grad()``, evaluation or generation) until ``reshard()`` or the next forward with grad,
         so several evaluation forwards all-gather once. ``None`` (not in FSDP2) restores ``fully_shard``'s
         default: ``True``, except that the root keeps its parameters for the backward that follows a
-        forward with grad (under no_grad it frees them). Any value turns off the secondary partition
-        (hpZ) of ``fully_shard(..., reshard_after_forward=int)``, as FSDP2's setter does."""
+        forward with grad (under no_grad it frees them). ``True``/``False`` turn off the secondary
+        partition (hpZ) of ``fully_shard(..., reshard_after_forward=int)``, as FSDP2's setter does; ``None``
+        restores the int given to ``fully_shard``."""
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
         for group in _groups_below(self, recurse):
             group.reshard_after_forward = reshard_after_forward is not False
-            group.auto_reshard_after_forward = reshard_after_forward is None
-            if group.hpz is not None:  # as FSDP2's setter: a bool replaces fully_shard's int (hpZ)
+            group.auto_reshard_after_forward = reshard_after_forward is None and group.hpz_given is None
+            if group.hpz is not None:  # as FSDP2's setter: a bool replaces fully_shard's int (hpZ) ...
                 group.hpz.drop(group.pool)
-                group.hpz = None
+            group.hpz = group.hpz_given if reshard_after_forward is None else None  # ... None restores it
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Issue the all-gathers of ``modules`` (sharded modules of the same model), in the order given, right

@@ -58,6 +58,17 @@ def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECO
         opt.step()
         opt.zero_grad()
     out["params"] = {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
+    if world_size and optimizer == "adamw" and reshard_after_forward == SECONDARY and not hsdp:
+        # set_reshard_after_forward: True turns hpZ off (FSDP2's setter), None restores fully_shard's int
+        out["setter"] = []
+        for value in (True, None):
+            for b in model.blocks:
+                b.set_reshard_after_forward(value)
+            loss = F.mse_loss(model(x), y)
+            with CommCounter() as bwd:
+                loss.backward()
+            out["setter"].append([r.group_size for r in bwd.records if r.kind == "all_gather"])
+        opt.zero_grad()
     if world_size:  # nothing kept once backward is done
         out["kept_after_backward"] = [group_of(b).hpz.kept_bytes() if group_of(b).hpz else 0 for b in model.blocks]
     return out
@@ -101,6 +112,7 @@ def test_hpz_backward_all_gathers_stay_on_the_secondary_group_with_zeropp_bytes_
             assert run["kept"][step] == [m.secondary_bytes for m in models]
         assert sum(m.backward_sent for m in models) < sum(m.zero3_backward_sent for m in models)
         assert run["kept_after_backward"] == [0, 0]
+        assert run["setter"] == [[WORLD, WORLD], [SECONDARY, SECONDARY]]
 
 
 def refused(rank: int, world_size: int, value) -> str:

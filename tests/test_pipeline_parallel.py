@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import perparam
@@ -44,7 +45,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def train(rank: int, world_size: int, schedule: str, optimizer: str, reshard_after_forward: bool = True) -> dict:
+def train(rank: int, world_size: int, schedule: str, optimizer: str, reshard_after_forward: bool = True,
+          stage_class=PipelineStage) -> dict:
     """``STEPS`` optimizer steps; ``world_size == 0``: one process, the whole model on the global batch."""
     layers = _layers()
     if world_size == 0:
@@ -67,7 +69,7 @@ def train(rank: int, world_size: int, schedule: str, optimizer: str, reshard_aft
         for layer in module:
             perparam.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         perparam.fully_shard(module, mesh=mesh["dp"])
-        stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+        stages.append(stage_class(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
         mine += range(s * per_stage, (s + 1) * per_stage)
     kind = SCHEDULES[schedule]
     sched = kind(stages if schedule == "interleaved" else stages[0], n_microbatches=MICRO_BATCHES, loss_fn=_loss)
@@ -84,9 +86,11 @@ def train(rank: int, world_size: int, schedule: str, optimizer: str, reshard_aft
         counts.append(comm.by_kind())
         opt.step()
         opt.zero_grad()
+    refusal = None
     try:  # a zero-bubble schedule's split backward (local: refused before anything runs)
-        stages[0].backward_maybe_with_nosync("input", {})
-        refusal = "accepted"
+        if stage_class is PipelineStage:
+            stages[0].backward_maybe_with_nosync("input", {})
+            refusal = "accepted"
     except NotImplementedError as e:
         refusal = str(e)
     return {"params": {f"{i}.{n}": p.full_tensor() for i in mine for n, p in layers[i].named_parameters()},
@@ -102,8 +106,10 @@ OPTIMIZERS = ("adamw", "sgd")
 
 
 def train_all(rank: int, world_size: int) -> dict:
-    return {(schedule, opt): train(rank, world_size, schedule, opt, raf)
+    runs = {(schedule, opt): train(rank, world_size, schedule, opt, raf)
             for schedule, raf, _ in CASES for opt in OPTIMIZERS}
+    runs["torch stage"] = train(rank, world_size, "gpipe", "sgd", False, TorchPipelineStage)
+    return runs
 
 
 @functools.cache
@@ -135,3 +141,12 @@ def test_a_split_backward_of_a_zero_bubble_schedule_is_refused_naming_the_schedu
     for r in _runs():
         message = r["1f1b", "sgd"]["split_backward"]
         assert "split backward ('input'" in message and "Schedule1F1B" in message, message
+
+
+def test_torchs_own_stage_treats_a_perparam_stage_as_a_plain_module_correct_but_reducing_every_micro_batch():
+    want = one_process(train, "gpipe", "sgd")["params"]
+    for r in _runs():
+        run = r["torch stage"]
+        for name, got in run["params"].items():
+            torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=name)
+        assert [c["reduce_scatter"] for c in run["counts"][1:]] == [2 * MICRO_BATCHES] * (STEPS - 1)

@@ -72,6 +72,7 @@ class ParamGroup:
         self._pending_gather = None  # (send buffer, collectives.GatheredRows) of an all-gather in flight
         self.hpz = None  # hpz.Secondary: the secondary partition kept after forward (reshard_after_forward=int)
         self._hpz_layout: GroupLayout | None = None  # the layout of the all-gather the hpZ rows came from
+        self.hpz_given = None  # the one fully_shard made (set_reshard_after_forward(None) restores it)
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
