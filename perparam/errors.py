@@ -1,6 +1,6 @@
-"""The face's error type: what ``fully_shard`` and the sharded module's methods raise for bad input."""
+"""The face's error type: what ``fully_shard`` and the sharded module's methods raise for bad input
+(defined on the sharding floor, ``perparam.sharding.errors``, so the runtime's refusals derive from it)."""
 
+from .sharding.errors import ShardingError
 
-class ShardingError(ValueError):
-    """Raised by ``fully_shard`` (and ``ShardedModule`` setters) for input it cannot shard or apply; the
-    message names the parameter, module or value and says what to do instead."""
+__all__ = ["ShardingError"]

@@ -22,8 +22,10 @@ from .runtime.untraced import untraced
 _CLASS_CACHE: dict[type, type] = {}
 
 
-class StoredDtypeChangeError(TypeError):
-    """``module.to(dtype)`` / ``.half()`` / ``.double()`` ... on a sharded module: refused."""
+class StoredDtypeChangeError(ShardingError, TypeError):
+    """``module.to(dtype)`` / ``.half()`` / ``.double()`` ... on a sharded module: refused (FSDP2 casts
+    the shards). A ``ShardingError`` and a ``TypeError``, the type ``nn.Module.to`` raises for a dtype it
+    does not take."""
 
 
 class UnshardedApplyError(RuntimeError):
@@ -35,7 +37,7 @@ class ShardedModule:
 
     The methods act on the module's group (all modules of one ``fully_shard`` call share one group).
     FSDP2's ``FSDPModule`` names that have a meaning in perparam are here with that meaning
-    (``set_reduce_scatter_max_input_buffers`` raises ``NotImplementedError``, saying why).
+    (``set_reduce_scatter_max_input_buffers`` is accepted and changes nothing, saying why).
     """
 
     def _apply(self, fn, recurse=True):
@@ -151,17 +153,20 @@ class ShardedModule:
         group_of(self).all_reduce_hook = hook
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Not supported: FSDP2 caps the reduce-scatter input buffers in flight, waiting for an earlier
-        reduce-scatter when the cap is reached. perparam never waits for a reduction during backward (a
-        peer may issue it only at its final callback, ``perparam.runtime.hooks``), so it cannot honour a cap;
-        its buffers come from the root's ``BufferPool``.
+        """FSDP2's tuning knob, accepted and without effect. FSDP2 keeps at most ``max_input_buffers``
+        reduce-scatter inputs in flight (default 1) and makes the next copy-in wait for an earlier
+        reduce-scatter to free one: memory against overlap. perparam never waits for a reduction during
+        backward (a peer may issue it only at its final callback, ``perparam.runtime.hooks``): its
+        reduce-scatter inputs come from the root's ``BufferPool`` (``perparam.comm.buffers``, at most
+        ``IN_FLIGHT_GROUPS`` times the largest group's ``pool_bytes()`` kept idle), the queue is polled past
+        ``MAX_REDUCES_IN_FLIGHT`` (``perparam.runtime.context``) and every reduction finishes before
+        ``backward()`` returns, so there is no stall for the knob to remove and no bound to set.
 
-        Raises ``NotImplementedError`` always."""
-        raise NotImplementedError(
-            "set_reduce_scatter_max_input_buffers is not supported by perparam: capping the reduce-scatter "
-            "input buffers in flight means waiting for an earlier reduction during backward, which perparam "
-            "never does (a peer may issue it only at its final callback: a deadlock). Every reduction "
-            "finishes before backward() returns; remove the call")
+        Raises ``TypeError`` for a non-int (or a bool) and ``ValueError`` below 1, as FSDP2 does."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters gathered after backward until ``reshard()`` (or until a

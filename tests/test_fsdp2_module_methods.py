@@ -1,6 +1,6 @@
 """FSDP2 ``FSDPModule`` methods on ``ShardedModule``: ``set_all_reduce_hook`` (a user all-reduce over the
 replicate ranks makes HSDP by hand), ``set_is_last_backward`` (changes nothing: perparam finishes every
-reduction in backward), ``set_reduce_scatter_max_input_buffers`` (refused, saying why).
+reduction in backward), ``set_reduce_scatter_max_input_buffers`` (accepted without effect, with FSDP2's checks).
 ``reset_iter_state`` is tested with ``reset()`` in ``test_runtime_routes.py``."""
 
 from __future__ import annotations
@@ -71,11 +71,13 @@ def refusals(rank: int, world_size: int) -> dict:
     for name, call in {"stream": lambda: model.set_all_reduce_hook(lambda t: None, stream=object()),
                        "not_callable": lambda: model.set_all_reduce_hook(3),
                        "last_backward": lambda: model.set_is_last_backward(1),
-                       "max_buffers": lambda: model.set_reduce_scatter_max_input_buffers(2)}.items():
+                       "max_buffers": lambda: model.set_reduce_scatter_max_input_buffers(2),
+                       "max_buffers_bool": lambda: model.set_reduce_scatter_max_input_buffers(True),
+                       "max_buffers_zero": lambda: model.set_reduce_scatter_max_input_buffers(0)}.items():
         try:
             call()
             out[name] = "no error"
-        except (NotImplementedError, TypeError) as e:
+        except (NotImplementedError, TypeError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
 
@@ -85,9 +87,11 @@ def test_what_perparam_cannot_honour_is_refused_with_the_reason():
     assert got["stream"].startswith("NotImplementedError") and "stream=None" in got["stream"]
     assert got["not_callable"].startswith("TypeError") and "callable" in got["not_callable"]
     assert got["last_backward"].startswith("TypeError") and "bool" in got["last_backward"]
-    message = got["max_buffers"]
-    assert message.startswith("NotImplementedError") and "set_reduce_scatter_max_input_buffers" in message
-    assert "never" in message and "remove the call" in message
+    # FSDP2's tuning knob: accepted without effect (perparam never waits for a reduction in backward),
+    # with FSDP2's checks
+    assert got["max_buffers"] == "no error"
+    assert got["max_buffers_bool"].startswith("TypeError") and "int" in got["max_buffers_bool"]
+    assert got["max_buffers_zero"].startswith("ValueError") and "positive" in got["max_buffers_zero"]
 
 
 def accumulate(rank: int, world_size: int, mark_last: bool) -> dict:

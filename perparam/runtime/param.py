@@ -21,14 +21,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..sharding.errors import ShardingError
 from ..sharding.policy import ResolvedPolicy
 from ..sharding.resolution import shard_layout
 from . import registration
 from .tp import TensorParallel
 
 
-class ReplacedAfterShardingError(RuntimeError):
-    """A managed parameter slot holds an object perparam did not register (assigned after sharding)."""
+class ReplacedAfterShardingError(ShardingError, RuntimeError):
+    """A managed parameter slot holds an object perparam did not register (assigned after sharding).
+    A ``ShardingError`` and a ``RuntimeError`` (the type FSDP2 raises for a model it cannot run as
+    changed, e.g. parameters left on the meta device)."""
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
+from ..sharding.errors import ShardingError
 from .state import TrainingState
 
 #: ``module.__dict__`` key: a weak reference to the group whose ``fully_shard`` call took the module's tree
@@ -57,8 +58,10 @@ _FIX = ("Apply it before fully_shard (fully_shard then shards what it registered
         "an unsharded copy of the model and change that")
 
 
-class ShardedTreeChangeError(RuntimeError):
-    """A parameter registration into a sharded module tree that perparam cannot follow."""
+class ShardedTreeChangeError(ShardingError, RuntimeError):
+    """A parameter registration into a sharded module tree that perparam cannot follow. A
+    ``ShardingError`` and a ``RuntimeError`` (the type FSDP2 raises for a model it cannot run as
+    changed)."""
 
 
 def watch(group, ignored_ids: set[int], on_move) -> None:
