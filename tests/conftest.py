@@ -69,6 +69,15 @@ FAST = (
     "test_norm_buffers_precision.py::test_norms_with_running_statistics_run_under_bf16_param_dtype_in_fp32",
     "test_finetune_evaluation.py::test_unequal_no_grad_batches_finish_with_the_results_of_one_process",
     "test_finetune_peers.py",
+    "test_zero_stages.py::test_collectives_per_step_of_each_stage",
+    "test_hpz.py::test_hpz_backward_all_gathers_stay_on_the_secondary_group_with_zeropp_bytes_and_memory",
+    "test_requires_all_reduce.py",
+    "test_explicit_prefetch.py::test_a_prefetch_list_with_an_unsharded_or_foreign_module_is_refused_naming_it",
+    "test_async_checkpoint.py::test_async_save_snapshots_the_state_while_training_continues_and_loads_bit_exact",
+    "test_compute_dtype_choice.py",
+    "test_fsdp_managed_marks.py",
+    "test_threaded_ranks.py",
+    "test_unsharded_contiguous.py",
 )
 
 
