@@ -246,3 +246,40 @@ def test_a_process_removes_its_scratch_folder_when_it_exits(tmp_path):
     assert made.startswith(str(tmp_path)) and list(tmp_path.iterdir()) == []
 
 
+
+
+def _rss_anon() -> int:
+    """This process's resident anonymous memory, bytes (``/proc/self/status``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def rss_in_training(rank: int, world_size: int, root: str, state: str | None) -> list[int]:
+    """[RssAnon after two steps (evictions done, glibc's free blocks given back in every variant), bytes
+    the tier was to take off]: 8 x Linear(1024, 1024), fp32, AdamW (67 MB of state; 34 MB of shards)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
+    offload = OffloadPolicy("disk", state, path=root) if state else None
+    for layer in model:
+        fully_shard(layer, offload_policy=offload)
+    fully_shard(model, offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 1024)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    perparam.offload.flush()
+    perparam.offload.trim_heap()
+    local = [p.to_local() for p in model.parameters()]
+    planned = sum(2 * t.numel() * 4 for t in local) + (sum(t.numel() * 4 for t in local) if state == "all" else 0)
+    return [_rss_anon(), planned]
+
+
+def test_rss_anon_falls_by_the_offloaded_bytes_within_5_percent(tmp_path):
+    [(device, _)] = run_distributed(rss_in_training, 1, str(tmp_path), None)
+    for state in ("optimizer", "all"):
+        [(offloaded, planned)] = run_distributed(rss_in_training, 1, str(tmp_path), state)
+        assert abs((device - offloaded) - planned) <= 0.05 * planned, (state, device - offloaded, planned)

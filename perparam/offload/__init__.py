@@ -6,7 +6,7 @@
 
 from ..sharding.policy import OffloadPolicy
 from .mapped import STATS, OffloadError
-from .tier import flush
+from .tier import flush, trim_heap
 
 
 def stats() -> dict:
@@ -21,4 +21,4 @@ def reset_stats() -> None:
     STATS.reset()
 
 
-__all__ = ["OffloadError", "OffloadPolicy", "flush", "reset_stats", "stats"]
+__all__ = ["OffloadError", "OffloadPolicy", "flush", "reset_stats", "stats", "trim_heap"]

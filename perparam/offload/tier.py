@@ -21,6 +21,7 @@ made (before any is made, when the free space says so).
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import weakref
 
@@ -229,9 +230,20 @@ def _post_step(optimizer, args, kwargs) -> None:
                                "OffloadPolicy('disk', path=...). The state is kept in memory")
     for p, po in found:
         po.adopt(optimizer.state.get(p, {}))
+    if need:
+        trim_heap()  # the state's first home was anonymous memory, now free: give it back to the system
     for _, po in found:
         for slot in po.slots():
             slot.evict(write=True)
+
+
+def trim_heap() -> None:
+    """``malloc_trim(0)``: glibc keeps freed blocks under its mmap threshold in its heaps; this returns
+    their pages to the system (no-op where the C library has no ``malloc_trim``)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def flush() -> None:
