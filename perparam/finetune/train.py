@@ -72,14 +72,15 @@ def tp_plan() -> dict:
 
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
-                quant: str | torch.dtype | None = None, layer_policy: dict | None = None) -> Llama:
+                quant: str | torch.dtype | None = None, layer_policy: dict | None = None, offload=None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
     ``param_dtype`` other than fp32: ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`` on every
     call. ``quant``: int8/fp8/nf4 all-gather of the layers' Linear weights (:data:`LAYER_LINEAR_WEIGHTS`).
     ``layer_policy``: more ``param_policy`` entries for the layers' calls (QLoRA's NF4 base weights,
-    :func:`perparam.finetune.lora.layer_policy`).
+    :func:`perparam.finetune.lora.layer_policy`). ``offload``: an
+    :class:`~perparam.finetune.offload_flags.OffloadChoice` (``--offload``, ``--memory-budget``).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
@@ -88,6 +89,9 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else {}),
                     **(layer_policy or {})} or None
+    root_policy = None
+    if offload is not None and offload.active:  # planned on the unsharded model, before any call
+        layer_policy, root_policy = offload.policy(model, layer_policy), offload.policy(model, None)
     tp = meshes.tp_mesh.size()
     for layer in model.layers:
         if tp > 1:
@@ -95,7 +99,7 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
 
             parallelize_module(layer, meshes.tp_mesh, tp_plan())
         fully_shard(layer, mesh=meshes.dp_mesh, mp_policy=mp, param_policy=layer_policy)
-    fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp, param_policy=root_policy)
     return model
 
 
@@ -130,14 +134,15 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[Llama, LlamaConfi
 
 
 def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtype: torch.dtype | None = None,
-                        quant: str | None = None) -> tuple[Llama, LlamaConfig, str]:
+                        quant: str | None = None, offload=None) -> tuple[Llama, LlamaConfig, str]:
     """``(model, model_cfg, name)``: the model, sharded by :func:`shard_model`; collective.
 
     ``tiny``: the seeded random init on every rank, then sharded. GGUF: only rank 0 reads the file. Its
     :class:`LlamaConfig` is broadcast, every rank builds the model on the meta device and shards it, then
     rank 0 dequantises the weights and ``perparam.checkpoint.load_full_state_dict`` broadcasts them one tensor at a
     time, each rank keeping its shard (the model has no buffers to recompute: the rotary angles are made
-    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``.
+    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``; ``offload``: see
+    :func:`shard_model`.
     """
     from perparam.checkpoint import load_full_state_dict
 
@@ -145,7 +150,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     quant = QUANT_DTYPES[cfg.quant] if quant is None else quant
     if cfg.config == "tiny":
         model, model_cfg, name = build_model(cfg, device)
-        return shard_model(model, meshes, param_dtype, quant), model_cfg, name
+        return shard_model(model, meshes, param_dtype, quant, offload=offload), model_cfg, name
     from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
 
     reader, box = None, [None]
@@ -154,7 +159,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
         box = [read_config(reader, cfg.gguf_path)]
     dist.broadcast_object_list(box, src=0)
     model_cfg = box[0]
-    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant)
+    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, offload=offload)
     load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
     return model, model_cfg, Path(cfg.gguf_path).name
 

@@ -6,7 +6,7 @@
 
 from ..sharding.policy import OffloadPolicy
 from .mapped import STATS, OffloadError
-from .tier import flush, trim_heap
+from .tier import flush, offloaded_bytes, trim_heap
 
 
 def stats() -> dict:
@@ -21,4 +21,4 @@ def reset_stats() -> None:
     STATS.reset()
 
 
-__all__ = ["OffloadError", "OffloadPolicy", "flush", "reset_stats", "stats", "trim_heap"]
+__all__ = ["OffloadError", "OffloadPolicy", "flush", "offloaded_bytes", "reset_stats", "stats", "trim_heap"]

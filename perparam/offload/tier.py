@@ -246,6 +246,12 @@ def trim_heap() -> None:
         pass
 
 
+def offloaded_bytes() -> dict[str, int]:
+    """Bytes this process holds in each tier's files now (``{"disk": n}``; ``{}`` when nothing is)."""
+    total = sum(slot.nbytes for sp in list(_OWNERS) for slot in sp.offload.slots())
+    return {"disk": total} if total else {}
+
+
 def flush() -> None:
     """Wait for every queued fetch and write-back of this process (e.g. before measuring memory)."""
     for sp in list(_OWNERS):
