@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
+from .offload import tier as offload_tier
 from .runtime import adopt
 
 MANIFEST = "perparam_checkpoint.json"
@@ -169,6 +170,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
                       else 1, "model": {k.removeprefix("model."): _info(v) for k, v in state.items()}}
     if optimizer is not None:
+        offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
         groups, opt_state = [], {}
         for group, named in zip(optimizer.param_groups, _optimizer_params(model, optimizer)):
             options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}

@@ -223,6 +223,23 @@ def test_bad_offload_input_is_refused_at_fully_shard_naming_parameter_and_path(t
     assert all(unchanged for _, unchanged in (unwritable, no_folder, frozen))
 
 
+def cpu_tier_on_a_cpu_mesh(rank: int, world_size: int) -> list:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    out = []
+    for policy in (CPUOffloadPolicy(pin_memory=False), OffloadPolicy("cpu")):
+        model = TinyNet()
+        fully_shard(model, offload_policy=policy)
+        out.append({sp.policy.offload for sp in perparam.module.group_of(model).params})
+    return [out, perparam.offload.offloaded_bytes()]
+
+
+def test_cpu_tier_and_fsdp2_cpu_offload_policy_are_accepted_on_a_cpu_mesh_as_the_same_memory():
+    [(tiers, offloaded)] = run_distributed(cpu_tier_on_a_cpu_mesh, 1)
+    assert tiers == [{OffloadPolicy("cpu", "all", pin_memory=False)}, {OffloadPolicy("cpu")}]
+    assert offloaded == {}  # nothing moved: on a CPU run host memory is the device memory
+
+
 def test_stale_scratch_folders_are_removed_at_start_and_live_ones_kept(tmp_path):
     stale = tmp_path / f"{PREFIX}999999-dead"
     stale.mkdir()

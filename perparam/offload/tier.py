@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .host import HostSlot
 from .mapped import OffloadError, Slot
 from .scratch import Scratch, ScratchError, scratch_for
 
@@ -75,8 +76,8 @@ class ParamOffload:
             local = value._local_tensor if isinstance(value, DTensor) else value
             if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.numel() == 0:
                 continue
-            if local.device.type != "cpu":
-                continue
+            if (local.device.type == "cpu") != (self.policy.tier == "disk"):
+                continue  # the disk tier holds CPU tensors; the cpu tier holds device tensors
             slot = self.state_slots.get(key)
             if slot is None or not slot.holds(local):
                 out.append((key, local))
@@ -87,7 +88,11 @@ class ParamOffload:
         if local is not None:
             self.shard_slot = Slot(self.scratch, f"{self.label} stored shard", local)
         for key, tensor in self.state_to_adopt(state):
-            self.state_slots[key] = Slot(self.scratch, f"{self.label} optimizer state '{key}'", tensor)
+            label = f"{self.label} optimizer state '{key}'"
+            if self.policy.tier == "cpu":
+                self.state_slots[key] = HostSlot(label, tensor, self.policy.pin_memory)
+            else:
+                self.state_slots[key] = Slot(self.scratch, label, tensor)
 
 
 def check(entries: list[tuple[str, object, int]], device_type: str, owner: str) -> dict[str, Scratch]:
@@ -103,9 +108,10 @@ def check(entries: list[tuple[str, object, int]], device_type: str, owner: str) 
         if device_type != "cpu" and tier.tier == "disk":
             raise OffloadError(f"parameter '{name}' of {owner}: the disk tier is implemented for CPU meshes only "
                                f"(this mesh is on {device_type}); use OffloadPolicy('cpu', ...) or 'device'")
-        if device_type != "cpu" and tier.tier == "cpu":
-            raise OffloadError(f"parameter '{name}' of {owner}: the cpu tier on a {device_type} mesh (pinned host "
-                               "memory, host optimizer step) is not implemented yet; use 'device' for it")
+        if device_type != "cpu" and tier.tier == "cpu" and tier.state == "all":
+            raise OffloadError(f"parameter '{name}' of {owner}: the cpu tier of the stored shard on a {device_type} "
+                               "mesh (host optimizer step) is not implemented yet; use OffloadPolicy('cpu', "
+                               "'optimizer') (optimizer state in pinned host memory) or 'device' for it")
         if tier.tier == "disk" and tier.path not in scratches:
             try:
                 scratches[tier.path] = scratch_for(tier.path)
@@ -132,13 +138,14 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
     """File the offloaded parameters of one group (``params``: its ``ShardedParam``s) and install the
     hooks; the disk tier's stored shards move into their files now (``check`` made sure they fit).
     Raises ``OffloadError`` when a file cannot be made all the same."""
-    offloaded = [sp for sp in params if sp.policy.offload.tier == "disk"]
+    offloaded = [sp for sp in params if sp.policy.offload.tier == "disk"
+                 or (sp.policy.offload.tier == "cpu" and sp.mesh_device.type != "cpu")]
     if not offloaded:
         return
     _install()
     group = []
     for sp in offloaded:
-        po = ParamOffload(sp, owner, scratches[sp.policy.offload.path])
+        po = ParamOffload(sp, owner, scratches.get(sp.policy.offload.path))
         sp.offload = po
         _OWNERS.add(sp)
         if sp.sharded.requires_grad:
@@ -211,6 +218,12 @@ def _pre_step(optimizer, args, kwargs) -> None:
         raise OffloadError(f"{errors[0]}{more}; the optimizer step did not run")
 
 
+def bring_in(optimizer) -> None:
+    """Fetch every offloaded tensor of ``optimizer``'s parameters and wait for it (before a checkpoint
+    reads them; they stay resident until the next step's write-back). Raises ``OffloadError``."""
+    _pre_step(optimizer, (), {})
+
+
 def _post_step(optimizer, args, kwargs) -> None:
     global _order, _current
     if _current:
@@ -219,7 +232,7 @@ def _post_step(optimizer, args, kwargs) -> None:
     need: dict[Scratch, int] = {}
     for p, po in found:
         state = optimizer.state.get(p, {})
-        for _, tensor in po.state_to_adopt(state):
+        for _, tensor in po.state_to_adopt(state) if po.scratch is not None else ():
             need[po.scratch] = need.get(po.scratch, 0) + tensor.numel() * tensor.element_size()
     for scratch, nbytes in need.items():
         free = shutil.disk_usage(scratch.dir).free
@@ -248,8 +261,12 @@ def trim_heap() -> None:
 
 def offloaded_bytes() -> dict[str, int]:
     """Bytes this process holds in each tier's files now (``{"disk": n}``; ``{}`` when nothing is)."""
-    total = sum(slot.nbytes for sp in list(_OWNERS) for slot in sp.offload.slots())
-    return {"disk": total} if total else {}
+    out: dict[str, int] = {}
+    for sp in list(_OWNERS):
+        for slot in sp.offload.slots():
+            tier = "cpu" if isinstance(slot, HostSlot) else "disk"
+            out[tier] = out.get(tier, 0) + slot.nbytes
+    return out
 
 
 def flush() -> None:
