@@ -275,9 +275,9 @@ def _rss_anon() -> int:
 
 def rss_in_training(rank: int, world_size: int, root: str, state: str | None) -> list[int]:
     """[RssAnon after two steps (evictions done, glibc's free blocks given back in every variant), bytes
-    the tier was to take off]: 8 x Linear(1024, 1024), fp32, AdamW (67 MB of state; 34 MB of shards)."""
+    the tier was to take off]: 4 x Linear(1024, 1024), fp32, AdamW (34 MB of state; 17 MB of shards)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))
     offload = OffloadPolicy("disk", state, path=root) if state else None
     for layer in model:
         fully_shard(layer, offload_policy=offload)

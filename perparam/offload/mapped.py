@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -94,6 +95,13 @@ def _write_back(fd: int, mm: mmap.mmap) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
 class Slot:
     """One tensor's bytes in one file of the disk tier. ``label``: what it is, for messages
     (``"'blocks.0.fc1.weight' optimizer state 'exp_avg'"``). Raises ``OffloadError`` (naming the label
@@ -123,6 +131,7 @@ class Slot:
         self.ptr = mapped.data_ptr()
         self.pending: list[Future] = []
         self.resident = True
+        weakref.finalize(self, _unlink, self.path)  # a model dropped mid-run leaves no file behind
 
     def error(self, what: str, e: OSError) -> OffloadError:
         hint = ("free space on that disk or name another directory in OffloadPolicy('disk', path=...)"

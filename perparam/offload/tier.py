@@ -36,9 +36,15 @@ from .scratch import Scratch, ScratchError, scratch_for
 #: live ``ShardedParam``s with an offloaded tier (each carries ``.offload``: its ``ParamOffload``)
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
-_order: list[int] = []  # the groups (ids of their ParamOffload lists) in the last forward's order
+_order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
-_groups: dict[int, list] = {}
+
+
+class _Group(list):
+    """The ``ParamOffload``s with stored shards of one ``fully_shard`` call (its forward hooks hold it)."""
+
+
+_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> _Group, while its model lives
 
 
 class ParamOffload:
@@ -143,7 +149,7 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
     if not offloaded:
         return
     _install()
-    group = []
+    group = _Group()
     for sp in offloaded:
         po = ParamOffload(sp, owner, scratches.get(sp.policy.offload.path))
         sp.offload = po
@@ -156,11 +162,10 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
                 slot.evict(write=True)
             group.append(po)
     if group:
-        key = id(group)
-        _groups[key] = group
+        _groups[id(group)] = group
         for m in modules:
-            m.register_forward_pre_hook(lambda *_, k=key: _before_forward(k), prepend=True)
-            m.register_forward_hook(lambda *_, k=key: _after_forward(k), always_call=True)
+            m.register_forward_pre_hook(lambda *_, g=group: _before_forward(g), prepend=True)
+            m.register_forward_hook(lambda *_, g=group: _after_forward(g), always_call=True)
 
 
 def _read_ahead(po: ParamOffload) -> None:
@@ -168,10 +173,11 @@ def _read_ahead(po: ParamOffload) -> None:
         slot.fetch()
 
 
-def _before_forward(key: int) -> None:
+def _before_forward(group: _Group) -> None:
+    key = id(group)
     if key not in _current:
         _current.append(key)
-    for po in _groups[key]:
+    for po in group:
         if po.shard_to_adopt() is not None:
             po.adopt({})
         if po.shard_slot is not None:
@@ -180,13 +186,13 @@ def _before_forward(key: int) -> None:
         for po in _groups.get(_order[_order.index(key) + 1], ()):
             if po.shard_slot is not None:
                 po.shard_slot.fetch()
-    for po in _groups[key]:
+    for po in group:
         if po.shard_slot is not None:
             po.shard_slot.wait()
 
 
-def _after_forward(key: int) -> None:
-    for po in _groups[key]:
+def _after_forward(group: _Group) -> None:
+    for po in group:
         if po.shard_slot is not None:
             po.shard_slot.evict(write=False)
 
