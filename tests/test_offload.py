@@ -105,13 +105,14 @@ def checkpoint_through_the_tier(rank: int, world_size: int, root: str, save_offl
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = _train(rank, world_size, model, opt, steps=2)
     ckpt.save(os.path.join(root, "ckpt"), model, opt)
+    saved = _full(model)
     model = _build(world_size, None if save_offloaded else disk)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt.load(os.path.join(root, "ckpt"), model, opt)
     resumed = first + _train(rank, world_size, model, opt, steps=2, start=2)
     ref = _build(world_size, None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    return [resumed, _full(model), _train(rank, world_size, ref, ref_opt, steps=4), _full(ref)]
+    return [resumed, _full(model), _train(rank, world_size, ref, ref_opt, steps=4), _full(ref), saved]
 
 
 def checkpoint_both_ways(rank: int, world_size: int, root: str) -> list:
@@ -119,12 +120,26 @@ def checkpoint_both_ways(rank: int, world_size: int, root: str) -> list:
             for saved in (True, False)]
 
 
+def load_on_another_world_size(rank: int, world_size: int, path: str, offloaded: bool) -> dict:
+    import perparam.checkpoint as ckpt
+
+    model = _build(world_size, OffloadPolicy("disk", "all", path=os.path.dirname(path)) if offloaded else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(rank, world_size, model, opt, steps=1)  # the optimizer has state (in files) to be replaced
+    ckpt.load(path, model, opt)
+    return _full(model)
+
+
 def test_checkpoint_saved_with_disk_tier_loads_bit_exact_without_and_back(tmp_path):
     for per_rank in run_distributed(checkpoint_both_ways, 3, str(tmp_path)):
-        for losses, params, want_losses, want_params in per_rank:
+        for losses, params, want_losses, want_params, _ in per_rank:
             assert losses == want_losses
             for name, want in want_params.items():
                 assert torch.equal(params[name], want), name
+    saved = per_rank[0][4]  # saved with everything on disk on 3 ranks: loaded on 2 ranks, on disk there too
+    for params in run_distributed(load_on_another_world_size, 2, str(tmp_path / "True" / "ckpt"), True):
+        for name, want in saved.items():
+            assert torch.equal(params[name], want), name
 
 
 def _step(rank: int, world_size: int, model, opt, index: int) -> tuple[float, str]:
