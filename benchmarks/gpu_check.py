@@ -18,6 +18,12 @@ the layout's prediction, and step time of perparam vs torch FSDP2 in bf16 over N
    of one step ran on are listed (torch.profiler): NCCL kernels on a stream of their own show
    communication overlapping compute. At world size 1 perparam issues no collective (a copy), so that
    column shows FSDP2's streams only; on a multi-GPU machine run with ``torchrun`` for the stream check.
+3. The ``"cpu"`` offload tier (``docs/offload.md``), NCCL, world size 1, CUDA: the same perparam model with
+   its AdamW state in pinned host memory (``OffloadPolicy("cpu", "optimizer")``) against no offload,
+   interleaved steps. Reported: median step times and their ratio, CUDA memory allocated between steps
+   (falls by the state's bytes), the parameters after the steps (bitwise equal: the copies are exact),
+   and per step the seconds the host waited for the host-to-device copies started at each gradient's
+   reduction (the part backward did not hide) and spent copying the state back after the step.
 """
 
 from __future__ import annotations
@@ -220,6 +226,69 @@ def nccl_step_times(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict
         dist.destroy_process_group()
 
 
+def cpu_tier_offload(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict:
+    """perparam with AdamW state in pinned host memory vs on the GPU, NCCL, world size 1 (section 3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import perparam
+    from perparam import OffloadPolicy
+    from perparam.full_state import load_full_state_dict
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        mesh = init_device_mesh("cuda", (1,))
+        full = seeded_full_init(cfg, 0).state_dict()
+        x, y = (t.cuda() for t in make_batches(cfg, 1, batch)[0])
+        runs = {}
+        for name, offload in (("device", None), ("cpu_optimizer", OffloadPolicy("cpu", "optimizer"))):
+            with torch.device("meta"):
+                model = GPT(cfg)
+            for modules, raf in wrap_units(model):
+                perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf,
+                                     mp_policy=_bf16_policy(), offload_policy=offload)
+            load_full_state_dict(model, full)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                model(x, y).backward()
+                opt.step()
+
+            runs[name] = {"model": model, "step": step, "times": [], "allocated": 0}
+        perparam.offload.reset_stats()
+        for r in range(warmup + steps):
+            for run in (list(runs.values()) if r % 2 == 0 else list(runs.values())[::-1]):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run["step"]()
+                torch.cuda.synchronize()
+                if r >= warmup:
+                    run["times"].append(time.perf_counter() - t0)
+                run["allocated"] = torch.cuda.memory_allocated()
+            if r == warmup - 1:
+                perparam.offload.reset_stats()
+        io = perparam.offload.stats()
+        params = {name: {n: p.full_tensor() for n, p in run["model"].named_parameters()} for name, run in runs.items()}
+        out = {name: {"step_time_s": statistics.median(run["times"]), "allocated_bytes_between_steps": run["allocated"]}
+               for name, run in runs.items()}
+        out["ratio_cpu_vs_device"] = out["cpu_optimizer"]["step_time_s"] / out["device"]["step_time_s"]
+        out["offloaded_bytes"] = perparam.offload.offloaded_bytes().get("cpu", 0)
+        out["allocated_fall_bytes"] = (out["device"]["allocated_bytes_between_steps"]
+                                       - out["cpu_optimizer"]["allocated_bytes_between_steps"])
+        out["params_bitwise_equal"] = all(torch.equal(params["device"][n], t) for n, t in params["cpu_optimizer"].items())
+        out["copy_wait_s_per_step"] = io["wait_s"] / steps
+        out["copy_back_s_per_step"] = io["evict_s"] / steps
+        return out
+    finally:
+        import gc
+
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
@@ -229,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
               "simulated": simulated_memory(cfg, args.sim_world, args.sim_rank, args.device, args.sim_steps)}
     if args.device == "cuda":
         result["nccl_world_1"] = nccl_step_times(cfg, args.steps, args.warmup, args.batch)
+        result["cpu_tier"] = cpu_tier_offload(cfg, args.steps, args.warmup, args.batch)
     result["wall_s"] = time.perf_counter() - t0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +328,14 @@ def _render(result: dict) -> None:
         for name in ("perparam_bf16", "fsdp2_bf16"):
             table.add_row(f"{name} step ms (NCCL, world 1)", f"{n[name]['step_time_s'] * 1e3:.2f}")
         table.add_row("perparam / FSDP2 step time", f"{n['ratio_perparam_vs_fsdp2']:.2f}")
+    if "cpu_tier" in result:
+        c = result["cpu_tier"]
+        table.add_row("cpu tier (AdamW state pinned on host) / device step time", f"{c['ratio_cpu_vs_device']:.2f}")
+        table.add_row("cpu tier: CUDA allocated fall / state offloaded",
+                      f"{c['allocated_fall_bytes'] / mib:.1f} / {c['offloaded_bytes'] / mib:.1f}")
+        table.add_row("cpu tier: ms per step waiting for H2D / copying back",
+                      f"{c['copy_wait_s_per_step'] * 1e3:.2f} / {c['copy_back_s_per_step'] * 1e3:.2f}")
+        table.add_row("cpu tier: parameters bitwise equal to device", str(c["params_bitwise_equal"]))
     Console().print(table)
     if "nccl_world_1" in result:
         for name in ("perparam_bf16", "fsdp2_bf16"):

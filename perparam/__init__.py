@@ -17,6 +17,7 @@ from .module import (
     UnshardHandle,
     register_forward_method,
 )
+from .offload import OffloadError
 from .runtime.adopt import ReplacedParameterError
 from .runtime.config import RuntimeConfig, configure
 from .runtime.hooks import TransformError
@@ -26,13 +27,15 @@ from .runtime.readers import UsedWhileShardedError
 from .runtime.registration import ShardedTreeChangeError
 from .runtime.state import StateError
 from .session import distributed_session
-from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, PolicyError, QuantPolicy
+from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, QuantPolicy
 
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
     "CommCounter",
     "MixedPrecisionPolicy",
+    "OffloadError",
+    "OffloadPolicy",
     "ParamPolicy",
     "PolicyError",
     "PrefetchError",

@@ -27,12 +27,14 @@ from .module import (
     mark_fully_sharded,
     mark_managed,
 )
+from .offload import tier as offload_tier
+from .offload.mapped import OffloadError
 from .runtime import adopt, hooks, hpz, islands, readers, registration
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
 from .runtime.param import ShardedParam
 from .runtime.tp import CompositionError, TensorParallel, compose
-from .sharding.policy import MixedPrecisionPolicy, ParamPolicy, PolicyError
+from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, as_offload
 from .sharding.resolution import ParamError, buffer_dtypes, resolve_params
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
@@ -49,7 +51,7 @@ ParamPolicyArg = ParamPolicy | Mapping[str, ParamPolicy] | Callable[[str, nn.Par
 def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                 param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None,
-                gradient_divide_factor: float | None = None):
+                gradient_divide_factor: float | None = None, offload_policy: OffloadPolicy | str | None = None):
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
 
     Every parameter not already managed by a ``fully_shard`` call on a submodule is replaced by an
@@ -87,6 +89,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             data-parallel degree of the dense part). Same meaning as FSDP2's
             ``set_gradient_divide_factor``, which changes it later
             (``ShardedModule.set_gradient_divide_factor``).
+        offload_policy: where the parameters' persistent state lives (``perparam.OffloadPolicy``: tier
+            ``"device"``, ``"cpu"`` or ``"disk"``; optimizer state only or also the stored shard), for
+            every parameter whose ``ParamPolicy.offload`` is ``None``; FSDP2's ``CPUOffloadPolicy`` is
+            accepted too. See ``docs/offload.md``.
 
     Raises:
         ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
@@ -99,7 +105,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             parameter, a ``param_dtype`` given to a norm that computes with running statistics of another
             dtype, a stock module whose forward reads a child's parameters directly
             (``MultiheadAttention.out_proj``) when that child was sharded by an earlier call
-            (``perparam.runtime.readers``). Nothing is changed then.
+            (``perparam.runtime.readers``), an offload tier a parameter cannot have or a disk-tier
+            directory that cannot be written or lacks room for the stored shards (named with the
+            parameter). Nothing is changed then.
 
     Every module of ``module``'s tree gets FSDP2's marks ``_is_fsdp_managed_module = True`` and
     ``_fsdp_use_orig_params = True`` (``perparam.module.FSDP_MANAGED_ATTRS``): Hugging Face's ``generate``
@@ -134,6 +142,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         if dtype is not None and dtype.itemsize == 1:  # refused now: it would fail at the first forward
             raise ShardingError(f"MixedPrecisionPolicy.{field} is {dtype}, which torch cannot compute, reduce or "
                                 "optimize in; use ParamPolicy(quant=QuantPolicy('fp8')) for an fp8 all-gather")
+    try:
+        offload_policy = as_offload(offload_policy, "fully_shard(offload_policy=...)")
+    except PolicyError as e:
+        raise ShardingError(str(e)) from None
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
@@ -164,14 +176,16 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     try:
         resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner,
                                   aliases=aliases, compute_dtypes=buffer_dtypes(
-                                      prefixes, lambda m: group_of(m) is not None))
+                                      prefixes, lambda m: group_of(m) is not None), offload=offload_policy)
         policies = [r.policy for r in resolved]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],
             mp_policy.param_dtype, lambda m: group_of(m) is not None)
-    except (PolicyError, ParamError, CompositionError, islands.IslandError) as e:
+        scratches = offload_tier.check([(r.name, r.policy, r.stored_bytes(shard_rank)) for r in resolved],
+                                       mesh.device_type, owner)
+    except (PolicyError, ParamError, CompositionError, islands.IslandError, OffloadError) as e:
         raise ShardingError(str(e)) from None
     _warn_low_precision_training(found, policies)
     sharded_params = []
@@ -208,6 +222,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         islands.install(island)
     group.islands = island_list
     registration.watch(group, ignored, on_move=_set_up_places)
+    offload_tier.attach(sharded_params, modules, owner, scratches)
     return module
 
 

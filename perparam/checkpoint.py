@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from . import checkpoint_async as background
 from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
+from .offload import tier as offload_tier
 from .runtime import adopt, zero
 
 PendingSave = background.PendingSave  # re-exported (__all__)
@@ -241,6 +242,7 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
     manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
                       else 1, "model": {k.removeprefix("model."): _info(v) for k, v in state.items()}}
     if optimizer is not None:
+        offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
         groups, opt_state = [], {}
         for group, named in zip(optimizer.param_groups, _optimizer_params(model, optimizer)):
             options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}

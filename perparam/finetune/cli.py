@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from perparam.finetune import lifecycle, loop_flags, lora
+from perparam.finetune import lifecycle, loop_flags, lora, offload_flags
 from perparam.finetune.errors import FinetuneInputError, check_output_path
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
@@ -101,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-dtype", choices=("f32", "f16", "bf16"), default="f32",
                         help="tensor dtype of --export (default f32; GGUF norm weights stay f32)")
     loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
+    offload_flags.add_arguments(parser)  # --offload, --memory-budget, --offload-dir
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -162,6 +163,7 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = 
         raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
     lora.config_from_args(args)  # --lora/--qlora values and conflicts (fills in --param-dtype)
     loop_flags.check(args)  # samples, the training loop's options, the plot
+    offload_flags.check(args)
     check_checkpoint_args(args)
     from perparam.finetune.export import check_export_args  # (gguf, torch: not needed for --help)
 
@@ -282,6 +284,7 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
     argv += loop_flags.worker_argv(args)
     if not getattr(args, "param_dtype_by_default", False):  # a default is the worker's to settle (job.py)
         argv += ["--param-dtype", args.param_dtype]
+    argv += offload_flags.worker_argv(args)
     if args.gguf_path:
         argv += ["--gguf", args.gguf_path]
     if args.summary_json:

@@ -50,6 +50,10 @@ class JobConfig:
     min_lr: float | None = None
     eval_every: int = 0
     plot: str | None = None
+    # where parameters' state lives (offload_flags.py)
+    offload: list[str] | None = None
+    memory_budget: int | str | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, lora, peers, schedule, steps, throughput, train
+from perparam.finetune import lifecycle, lora, offload_flags, peers, schedule, steps, throughput, train
 from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
 from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
@@ -49,6 +49,7 @@ class Run:
     first_step: int
     scheduler: object = None  # the learning-rate LambdaLR (schedule.py)
     model_cfg: object = None  # the model's LlamaConfig
+    offload: object = None  # offload_flags.OffloadChoice: --offload / --memory-budget
 
 
 def setup(cfg: JobConfig, data: PreparedData) -> Run:
@@ -59,14 +60,16 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
     dims = meshes.dims
     lora_cfg = cfg.lora_config()
+    offload = offload_flags.OffloadChoice(cfg.offload, cfg.memory_budget, cfg.offload_dir, dims.dp_shard,
+                                          meshes.dp_mesh.get_coordinate()[-1])
     if lora_cfg is None:  # only rank 0 reads the GGUF; the others build on the meta device
-        model, llama_cfg, name = train.build_sharded_model(cfg, device, meshes)
+        model, llama_cfg, name = train.build_sharded_model(cfg, device, meshes, offload=offload)
     else:  # adapters in and everything else frozen before sharding (one group per layer). Every rank
         # reads the GGUF here: QLoRA's NF4-stored base would need load_full_state_dict to quantize on load.
         model, llama_cfg, name = train.build_model(cfg, device)
         lora.apply_lora(model, lora_cfg, cfg.seed)
         train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
-                          lora.layer_policy(lora_cfg), zero_stage=cfg.zero_stage)
+                          lora.layer_policy(lora_cfg), zero_stage=cfg.zero_stage, offload=offload)
     params_total = sum(p.numel() for p in model.parameters())  # global sizes (DTensor.numel)
     optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = schedule.build_scheduler(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
@@ -83,6 +86,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
               f"rows of {data.seq_len} tokens", flush=True)
         if lora_cfg is not None:
             print(lora.describe(model, lora_cfg, params_total, cfg.param_dtype), flush=True)
+        if offload.plan_line:
+            print(offload.plan_line, flush=True)
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
@@ -93,7 +98,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
         at = f" (step {first_step}, resumed)" if first_step else ""
         print(f"held-out loss before{at}: {loss_before:.4f}", flush=True)
     return Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, loss_before,
-               first_step, scheduler, llama_cfg)
+               first_step, scheduler, llama_cfg, offload)
 
 
 @dataclass(frozen=True)
@@ -215,11 +220,22 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "lora": lora.record(cfg.lora_config()),
         "model_state_bytes_by_mode": by_mode,
     }
+    if run.offload is not None and run.offload.active:  # every rank: a collective
+        import perparam.offload
+
+        perparam.offload.flush()
+        by_rank: list = [None] * run.world
+        dist.all_gather_object(by_rank, run.offload.summary())
+        summary["offload"] = {"by_rank": by_rank, **perparam.offload.stats()}
     if run.rank == 0:
         print(f"held-out loss after:  {loss_after:.4f} (before {run.loss_before:.4f})", flush=True)
         train.print_memory_table(per_rank, unsharded, zero3, label, run.params_total)
         if by_mode is not None:
             lora_memory.print_mode_table(by_mode)
+        for r, entry in enumerate(summary.get("offload", {}).get("by_rank", [])):
+            tiers = sorted(set(entry["planned_bytes"]) | set(entry["measured_bytes"]))
+            print(f"offload rank {r}: " + ", ".join(f"{t} planned {entry['planned_bytes'].get(t, 0):,} bytes, measured "
+                                                    f"{entry['measured_bytes'].get(t, 0):,}" for t in tiers), flush=True)
         print("perparam collectives per step and rank: "
               + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in loop.comm_per_step.items()), flush=True)
     summary.update(extra or {})

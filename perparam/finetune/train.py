@@ -73,7 +73,7 @@ def tp_plan() -> dict:
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
                 quant: str | torch.dtype | None = None, layer_policy: dict | None = None,
-                zero_stage: int = 3) -> Llama:
+                zero_stage: int = 3, offload=None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
@@ -82,6 +82,7 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     ``layer_policy``: more ``param_policy`` entries for the layers' calls (QLoRA's NF4 base weights,
     :func:`perparam.finetune.lora.layer_policy`). ``zero_stage``: ``ParamPolicy.zero_stage`` of every
     parameter (``--zero-stage``).
+    ``offload``: an :class:`~perparam.finetune.offload_flags.OffloadChoice` (``--offload``, ``--memory-budget``).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
@@ -96,7 +97,9 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
 
         layer_policy = {**{k: dataclasses.replace(v, zero_stage=zero_stage) for k, v in (layer_policy or {}).items()},
                         "*": ParamPolicy(zero_stage=zero_stage)}
-        root_policy = ParamPolicy(zero_stage=zero_stage)
+        root_policy = {"*": ParamPolicy(zero_stage=zero_stage)}
+    if offload is not None and offload.active:  # planned on the unsharded model, before any call
+        layer_policy, root_policy = offload.policy(model, layer_policy), offload.policy(model, root_policy)
     tp = meshes.tp_mesh.size()
     for layer in model.layers:
         if tp > 1:
@@ -141,14 +144,15 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[Llama, LlamaConfi
 
 
 def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtype: torch.dtype | None = None,
-                        quant: str | None = None) -> tuple[Llama, LlamaConfig, str]:
+                        quant: str | None = None, offload=None) -> tuple[Llama, LlamaConfig, str]:
     """``(model, model_cfg, name)``: the model, sharded by :func:`shard_model`; collective.
 
     ``tiny``: the seeded random init on every rank, then sharded. GGUF: only rank 0 reads the file. Its
     :class:`LlamaConfig` is broadcast, every rank builds the model on the meta device and shards it, then
     rank 0 dequantises the weights and ``perparam.checkpoint.load_full_state_dict`` broadcasts them one tensor at a
     time, each rank keeping its shard (the model has no buffers to recompute: the rotary angles are made
-    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``.
+    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``; ``offload``: see
+    :func:`shard_model`.
     """
     from perparam.checkpoint import load_full_state_dict
 
@@ -156,7 +160,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     quant = QUANT_DTYPES[cfg.quant] if quant is None else quant
     if cfg.config == "tiny":
         model, model_cfg, name = build_model(cfg, device)
-        return shard_model(model, meshes, param_dtype, quant, zero_stage=cfg.zero_stage), model_cfg, name
+        return shard_model(model, meshes, param_dtype, quant, zero_stage=cfg.zero_stage, offload=offload), model_cfg, name
     from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
 
     reader, box = None, [None]
@@ -165,7 +169,8 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
         box = [read_config(reader, cfg.gguf_path)]
     dist.broadcast_object_list(box, src=0)
     model_cfg = box[0]
-    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, zero_stage=cfg.zero_stage)
+    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, zero_stage=cfg.zero_stage,
+                        offload=offload)
     load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
     return model, model_cfg, Path(cfg.gguf_path).name
 

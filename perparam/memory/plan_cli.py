@@ -7,7 +7,7 @@ import json
 import sys
 from fractions import Fraction
 
-from perparam.memory import formulas
+from perparam.memory import budget_cli, formulas
 from perparam.memory.formulas import GB
 from perparam.memory.plan import DTYPES, PRESETS, plan_model, plan_to_json, resolve_factory
 from perparam.memory.policy_args import policy_from_args
@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=0, help="rank shown in the tables (default 0)")
     parser.add_argument("--params-table", action="store_true", help="print a per-parameter table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    budget_cli.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,4 +99,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"imbalance: the largest rank (rank {plan.max_rank.rank}) holds {plan.max_rank.total / GB:.6f} GB, "
                   f"{float(plan.max_rank.total / mean - 1) * 100 if mean else 0:.2f}% above the mean "
                   f"{float(mean) / GB:.6f} GB")
+    if args.budget is not None:
+        return budget_cli.run(args, plan, console)
     return 0

@@ -60,6 +60,66 @@ class QuantPolicy:
     dtype: torch.dtype | None = None
 
 
+#: where a parameter's persistent state can live (``OffloadPolicy.tier``)
+TIERS = ("device", "cpu", "disk")
+#: which of its persistent state goes there (``OffloadPolicy.state``)
+STATES = ("optimizer", "all")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where one parameter's persistent state lives between uses (ZeRO-Offload, ZeRO-Infinity).
+
+    ``tier``: ``"device"`` (the mesh's device: no offload), ``"cpu"`` (host memory: on a CPU mesh the same
+    memory as ``"device"``, accepted so a policy runs on both; on a CUDA mesh pinned host memory when
+    ``pin_memory``), ``"disk"`` (files in a folder of ``path``, read ahead on a background thread before
+    use and written back after the optimizer step). ``state``: ``"optimizer"`` (the optimizer's state
+    tensors only: two fp32 tensors per parameter under Adam, most of the bytes) or ``"all"`` (also the
+    stored shard and its gradient). ``path``: the folder (needed by ``"disk"``; ``perparam`` makes a
+    scratch folder inside it per process, removed at exit; stale ones of a killed run are removed at the
+    next start). FSDP2's ``CPUOffloadPolicy(pin_memory=...)`` is ``OffloadPolicy("cpu", "all",
+    pin_memory=...)``; ``fully_shard(offload_policy=...)`` accepts either.
+    """
+
+    tier: str = "device"
+    state: str = "optimizer"
+    path: str | None = None
+    pin_memory: bool = True
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether anything leaves the device memory (``tier`` other than ``"device"``)."""
+        return self.tier != "device"
+
+
+def as_offload(value, what: str) -> OffloadPolicy | None:
+    """``value`` as an ``OffloadPolicy``: one itself, ``None``, a tier name (``"device"``, ``"cpu"``;
+    ``"disk"`` needs ``OffloadPolicy("disk", path=...)``), or torch's FSDP2 ``OffloadPolicy`` /
+    ``CPUOffloadPolicy``. Raises ``PolicyError`` naming ``what`` otherwise."""
+    if value is None or isinstance(value, OffloadPolicy):
+        policy = value
+    elif isinstance(value, str):
+        policy = OffloadPolicy(value)
+    elif type(value).__name__ == "CPUOffloadPolicy":  # torch's FSDP2 spelling, without importing FSDP
+        policy = OffloadPolicy("cpu", "all", pin_memory=bool(getattr(value, "pin_memory", True)))
+    elif type(value).__name__ == "OffloadPolicy":
+        policy = OffloadPolicy()
+    else:
+        raise PolicyError(f"{what} must be a perparam OffloadPolicy, a tier name {TIERS} or torch's "
+                          f"CPUOffloadPolicy, got {value!r}")
+    if policy is None:
+        return None
+    if policy.tier not in TIERS:
+        raise PolicyError(f"{what} has tier {policy.tier!r}; use one of {TIERS}")
+    if policy.state not in STATES:
+        raise PolicyError(f"{what} has state {policy.state!r}; use 'optimizer' (optimizer state only) or 'all' "
+                          "(stored shard, gradient and optimizer state)")
+    if policy.tier == "disk" and not policy.path:
+        raise PolicyError(f"{what} puts state on disk but names no folder: pass "
+                          "OffloadPolicy('disk', path='/a/fast/local/disk')")
+    return policy
+
+
 @dataclass(frozen=True)
 class ParamPolicy:
     """Per-parameter overrides; ``None`` inherits from the call's ``MixedPrecisionPolicy`` and state.
@@ -90,6 +150,9 @@ class ParamPolicy:
     placement: Placement | str | None = None
     master_dtype: torch.dtype | None = None
     zero_stage: int | None = None
+    #: where its persistent state lives: an ``OffloadPolicy`` or a tier name (``None``: the call's
+    #: ``offload_policy``, else ``"device"``)
+    offload: OffloadPolicy | str | None = None
 
 
 #: the ZeRO stages a ``ParamPolicy.zero_stage`` may name
@@ -114,6 +177,8 @@ class ResolvedPolicy:
     placement: Placement
     stored_dtype: torch.dtype
     zero_stage: int = 3
+    #: where its persistent state lives (``OffloadPolicy()``: on the device)
+    offload: OffloadPolicy = OffloadPolicy()
 
     @property
     def keeps_unsharded(self) -> bool:
@@ -214,8 +279,10 @@ def check_zero_stage(name: str, pp: ParamPolicy) -> int:
     return stage
 
 
-def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int) -> ResolvedPolicy:
-    """Combine the call's ``MixedPrecisionPolicy`` with ``param``'s ``ParamPolicy`` override.
+def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
+            offload: OffloadPolicy | None = None) -> ResolvedPolicy:
+    """Combine the call's ``MixedPrecisionPolicy`` (and ``offload``, the call's ``offload_policy``) with
+    ``param``'s ``ParamPolicy`` override.
 
     Raises ``PolicyError`` naming ``name`` for a policy that cannot apply.
     """
@@ -268,4 +335,14 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int)
                               f"{zero_stage} keeps the unsharded parameter in {param_dtype} on every rank, which "
                               "undoes what the stored codes save; use zero_stage=3 for it, or "
                               "store_quantized=False (a quantized all-gather refreshes the kept copy)")
-    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage)
+    own = as_offload(pp.offload, f"offload of '{name}'")
+    tier = own or as_offload(offload, "offload_policy") or OffloadPolicy()
+    if tier.offloaded and tier.state == "optimizer" and not requires_grad:
+        if own is None:  # the call's policy: a frozen parameter has nothing it applies to
+            tier = OffloadPolicy()
+    if tier.offloaded and tier.state == "optimizer" and not requires_grad:
+        raise PolicyError(f"parameter '{name}' is frozen, so it has no optimizer state to offload to "
+                          f"{tier.tier!r}; drop offload for it, or offload its stored shard with "
+                          f"OffloadPolicy({tier.tier!r}, 'all', ...)")
+    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage,
+                          tier)

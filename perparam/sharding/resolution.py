@@ -28,6 +28,7 @@ from .layout import ShardLayout, WirePiece, ceil_div, wire_pieces
 from .placement import AUTO_REPLICATE_BYTES, auto_placement
 from .policy import (
     MixedPrecisionPolicy,
+    OffloadPolicy,
     ParamPolicy,
     PolicyError,
     ResolvedPolicy,
@@ -80,7 +81,8 @@ def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicat
 
 def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_policy, num_shards: int, *,
                   replicate_below: int = AUTO_REPLICATE_BYTES, names: Sequence[str] = (),
-                  tensor_parallel: bool = False, compute_dtype: torch.dtype | None = None) -> ResolvedPolicy:
+                  tensor_parallel: bool = False, compute_dtype: torch.dtype | None = None,
+                  offload: OffloadPolicy | None = None) -> ResolvedPolicy:
     """``policy.resolve`` for one parameter, with ``placement="auto"`` made concrete for K = ``num_shards``.
 
     ``names``: all of the parameter's names (tied aliases; default ``(name,)``), any of which a pattern may
@@ -89,7 +91,7 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
     dtype the parameter must compute in whatever the call's ``param_dtype`` (``buffer_dtypes``: a
     norm's running statistics); a different ``param_dtype`` given for it raises ``PolicyError``. Raises
     ``PolicyError`` (naming ``name``) for a policy that cannot apply, including a string placement other
-    than ``"auto"``.
+    than ``"auto"``. ``offload``: the call's ``offload_policy`` (a ``ParamPolicy.offload`` overrides it).
     """
     pp = _pick(name, p, param_policy, names)
     if pp is not None and not isinstance(pp, ParamPolicy):
@@ -103,14 +105,14 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
                               f"module, buffers included, with .to({pp.param_dtype}) before fully_shard")
         pp = dataclasses.replace(pp, param_dtype=compute_dtype)
     if pp is None:
-        return resolve(name, p, mp, None, p.dim())
+        return resolve(name, p, mp, None, p.dim(), offload)
     check_zero_stage(name, pp)  # before "auto" is made concrete
     if isinstance(pp.placement, str):
         if pp.placement != AUTO:
             raise PolicyError(f"placement {pp.placement!r} for '{name}' is not supported; use Shard(d), "
                               "Replicate() or 'auto'")
         pp = _auto(name, pp, p, num_shards, replicate_below, tensor_parallel)
-    return resolve(name, p, mp, pp, p.dim())
+    return resolve(name, p, mp, pp, p.dim(), offload)
 
 
 def shard_layout(shape: Sequence[int], policy: ResolvedPolicy,
@@ -183,7 +185,8 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
                    num_shards: int, owner: str = "the module", *,
                    replicate_below: int = AUTO_REPLICATE_BYTES, aliases: Mapping[str, Sequence[str]] | None = None,
                    tensor_parallel: Collection[str] = (),
-                   compute_dtypes: Mapping[str, torch.dtype] | None = None) -> list[ParamResolution]:
+                   compute_dtypes: Mapping[str, torch.dtype] | None = None,
+                   offload: OffloadPolicy | None = None) -> list[ParamResolution]:
     """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks.
 
     ``named``: ``(name, parameter)`` pairs, names relative to the module given (as ``fully_shard`` names
@@ -192,8 +195,8 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
     pattern matching any of them applies. Raises ``ParamError`` or ``PolicyError`` (both ``ValueError``)
     naming the parameter; a mapping pattern that matches no name raises ``PolicyError``, and so do two
     patterns giving different policies to names of one tied parameter. ``compute_dtypes``: name -> the
-    dtype that parameter must compute in (``buffer_dtypes``), see ``resolve_param``. Nothing is
-    allocated.
+    dtype that parameter must compute in (``buffer_dtypes``), see ``resolve_param``. ``offload``: the
+    call's ``offload_policy``. Nothing is allocated.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -207,7 +210,7 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
         on_tp = isinstance(p, DTensor) or name in tensor_parallel
         policy = resolve_param(name, p, mp, param_policy, num_shards, replicate_below=replicate_below,
                                names=aliases.get(name, (name,)), tensor_parallel=on_tp,
-                               compute_dtype=(compute_dtypes or {}).get(name))
+                               compute_dtype=(compute_dtypes or {}).get(name), offload=offload)
         if on_tp and policy.quant is not None and policy.quant.store_quantized:
             raise PolicyError(f"parameter '{name}' is tensor-parallel; store_quantized is not supported for "
                               "tensor-parallel parameters: quantize its communication only")

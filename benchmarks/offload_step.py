@@ -1,0 +1,96 @@
+"""Step time with the disk tier, paired against no offload, and how much of the disk I/O is hidden.
+
+One process (K = 1, gloo), a stack of ``--layers`` x ``Linear(--width, --width)`` in fp32 with AdamW: for
+each of ``--pairs`` rounds, ``--steps`` timed steps without offload, then with optimizer state on disk,
+then with everything on disk (each after one untimed step that makes the files). Prints the median step
+time of each and, for the disk runs, the I/O thread's read and write-back seconds per step and the
+seconds per step the training thread waited for them (hidden = 1 - waited / (read + write-back)).
+
+    PYTHONPATH=. python benchmarks/offload_step.py --dir /tmp --layers 8 --width 1024 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def run(offload, args) -> tuple[list[float], dict]:
+    import perparam
+    from perparam import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))
+    for layer in model:
+        fully_shard(layer, offload_policy=offload)
+    fully_shard(model, offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.width)
+    times = []
+    for step in range(args.steps + 1):
+        if step == 1:
+            perparam.offload.flush()
+            perparam.offload.reset_stats()
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            times.append(time.perf_counter() - t0)
+    perparam.offload.flush()
+    return times, perparam.offload.stats()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="folder of the disk tier")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    from perparam import OffloadPolicy
+
+    variants = {"device": None, "disk optimizer": OffloadPolicy("disk", "optimizer", path=args.dir),
+                "disk all": OffloadPolicy("disk", "all", path=args.dir)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    io: dict[str, list[dict]] = {k: [] for k in variants}
+    for _ in range(args.pairs):
+        for name, offload in variants.items():
+            t, s = run(offload, args)
+            times[name] += t
+            io[name].append(s)
+    params = args.layers * (args.width * args.width + args.width)
+    print(f"{args.layers} x Linear({args.width}, {args.width}): {params:,} fp32 parameters, AdamW state "
+          f"{params * 8 / 1e6:.1f} MB; batch {args.batch}; {args.pairs} x {args.steps} steps per variant")
+    base = statistics.median(times["device"])
+    for name in variants:
+        med = statistics.median(times[name])
+        line = f"{name:>15}: median step {med * 1e3:8.1f} ms ({med / base:.3f} x device)"
+        if name != "device":
+            steps = args.steps * args.pairs
+            read = sum(s["fetch_s"] for s in io[name]) / steps
+            write = sum(s["evict_s"] for s in io[name]) / steps
+            wait = sum(s["wait_s"] for s in io[name]) / steps
+            moved = sum(s["bytes_fetched"] + s["bytes_written"] for s in io[name]) / steps
+            hidden = 1 - wait / (read + write) if read + write else 1.0
+            line += (f"; per step {moved / 1e6:.1f} MB moved, read {read * 1e3:.1f} ms + write-back "
+                     f"{write * 1e3:.1f} ms on the I/O thread, waited {wait * 1e3:.1f} ms: {hidden:.0%} hidden")
+        print(line)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""``perparam finetune --offload PATTERN=TIER`` and ``--memory-budget BYTES``: where each parameter's state
+lives (``perparam.OffloadPolicy``, ``docs/offload.md``), given per pattern or planned under a budget.
+
+- ``--offload PATTERN=TIER`` (repeatable; first match wins; patterns are fnmatch globs on the model's
+  parameter names, e.g. ``'layers.*.mlp.*'``): TIER is ``disk`` (optimizer state on disk), ``disk:all``
+  (also the stored shard), ``cpu``, ``cpu:all`` (on a CPU run the same memory: accepted, no-op) or
+  ``device``.
+- ``--memory-budget BYTES`` (``20e9``, ``16GiB``): ``perparam.memory.budget.plan_budget`` of the model on the
+  shard axis's K, fp32 AdamW state (8 bytes per trainable element), then applied: the least traffic that
+  keeps each rank's model state (stored shards, gradients, AdamW state; not activations) within BYTES.
+- ``--offload-dir DIR``: the disk tier's folder (default: the system's temporary folder).
+
+The summary's ``offload`` entry gives, per tier, the bytes planned (by the plan, or by the layouts for
+``--offload``) and measured (the files this rank's tier holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import tempfile
+
+from perparam.finetune.errors import FinetuneInputError
+
+TIERS = ("device", "cpu", "cpu:all", "cpu:optimizer", "disk", "disk:all", "disk:optimizer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload", action="append", default=None, metavar="PATTERN=TIER",
+                        help="keep matching parameters' optimizer state (TIER disk) or everything (disk:all) in "
+                             "files under --offload-dir; repeatable, first match wins (docs/offload.md)")
+    parser.add_argument("--memory-budget", default=None, metavar="BYTES",
+                        help="plan which parameters' state goes to disk so each rank's model state fits BYTES "
+                             "(e.g. 2e9, 1.5GiB) with the least traffic, then apply it")
+    parser.add_argument("--offload-dir", default=None, metavar="DIR",
+                        help="folder of the disk tier (default: the system's temporary folder)")
+
+
+def parse(specs: list[str] | None) -> list[tuple[str, str, str]]:
+    """``PATTERN=TIER`` flags as ``(pattern, tier, state)``. Raises ``FinetuneInputError``."""
+    out = []
+    for spec in specs or ():
+        pattern, sep, tier = spec.partition("=")
+        if not sep or not pattern or tier not in TIERS:
+            raise FinetuneInputError(f"--offload {spec!r}: expected PATTERN=TIER with TIER one of {', '.join(TIERS)}, "
+                                     "e.g. --offload 'layers.*=disk'")
+        name, _, state = tier.partition(":")
+        out.append((pattern, name, state or "optimizer"))
+    return out
+
+
+def check(args: argparse.Namespace) -> None:
+    """The launcher's one-line checks of these flags."""
+    parse(args.offload)
+    if (args.offload or args.memory_budget is not None) and getattr(args, "tp", 1) > 1:
+        raise FinetuneInputError("--offload and --memory-budget plan per data-parallel shard and do not support "
+                                 "--tp above 1 yet; drop one of them")
+    if args.memory_budget is not None:
+        from perparam.memory.budget import parse_bytes
+
+        try:
+            args.memory_budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            raise FinetuneInputError(f"--memory-budget: {e}") from None
+        if args.offload:
+            raise FinetuneInputError("--memory-budget plans every parameter's tier itself: drop --offload, or drop "
+                                     "--memory-budget and place them by pattern")
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    argv = [f"--offload={spec}" for spec in args.offload or ()]
+    if args.memory_budget is not None:
+        argv += ["--memory-budget", str(args.memory_budget)]
+    if args.offload_dir:
+        argv += ["--offload-dir", args.offload_dir]
+    return argv
+
+
+class OffloadChoice:
+    """What one worker offloads: ``policy(model)`` gives the ``param_policy`` wrapper for ``fully_shard``
+    (called on the unsharded model, before sharding), ``planned`` the bytes per tier the choice should move
+    off this rank's device memory (filled by ``policy``)."""
+
+    def __init__(self, specs: list[str] | None, budget: int | None, folder: str | None, shards: int,
+                 shard_rank: int) -> None:
+        self.rules = parse(specs)
+        self.budget = None if budget is None else int(budget)
+        self.folder = folder or tempfile.gettempdir()
+        self.shards, self.shard_rank = shards, shard_rank
+        self.planned: dict[str, int] = {}
+        self.plan_line = ""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rules) or self.budget is not None
+
+    def _places(self, model) -> dict[str, tuple[str, str]]:
+        """Parameter name -> (tier, state), for the offloaded ones."""
+        from perparam.memory.budget import plan_budget
+        from perparam.memory.plan import plan_module
+
+        if self.budget is None:
+            places = {}
+            for name, _ in model.named_parameters():
+                hit = next(((tier, state) for pattern, tier, state in self.rules if fnmatch.fnmatchcase(name, pattern)),
+                           None)
+                if hit is not None and hit[0] != "device":
+                    places[name] = hit
+            plan = plan_module(model, self.shards, dtype=None, optim_bytes=8)
+            for pp in plan.params:
+                if pp.name in places:
+                    tier, state = places[pp.name]
+                    numel = pp.layout.local_numel(self.shard_rank) if pp.requires_grad else 0
+                    nbytes = numel * 8 + (pp.stored_bytes(self.shard_rank) if state == "all" else 0)
+                    self.planned[tier] = self.planned.get(tier, 0) + nbytes
+            return places
+        plan = plan_module(model, self.shards, dtype=None, optim_bytes=8)
+        result = plan_budget(plan, self.budget)
+        if not result.fits:
+            raise FinetuneInputError(f"--memory-budget {self.budget}: {result.message}")
+        self.planned = {"disk": result.offloaded[self.shard_rank]}
+        self.plan_line = (f"--memory-budget {self.budget / 1e9:.4f} GB: model state per rank "
+                          f"{plan.max_rank.total / 1e9:.4f} GB -> {result.max_kept / 1e9:.4f} GB kept; "
+                          f"{result.by_place['optimizer']} parameters' AdamW state and {result.by_place['all']} "
+                          f"whole parameters on disk, {result.max_moved / 1e9:.4f} GB moved per step")
+        return {n: ("disk", place) for n, place in result.places.items() if place != "device"}
+
+    def policy(self, model, base):
+        """``fully_shard``'s ``param_policy`` for ``model``'s calls: ``base`` (a mapping of patterns
+        relative to the call, or ``None``) plus the offload by parameter identity."""
+        import dataclasses
+
+        from perparam import OffloadPolicy, ParamPolicy
+
+        if not self.active:
+            return base
+        if getattr(self, "_model_id", None) != id(model):  # planned once per model, shared by its calls
+            params = dict(model.named_parameters())
+            self._model_id = id(model)
+            self._by_id = {id(params[n]): OffloadPolicy(tier, state, path=self.folder if tier == "disk" else None)
+                           for n, (tier, state) in self._places(model).items()}
+        by_id = self._by_id
+
+        def policy(name, param):
+            own = None
+            for pattern, pp in (base or {}).items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    own = pp
+                    break
+            offload = by_id.get(id(param))
+            return own if offload is None else dataclasses.replace(own or ParamPolicy(), offload=offload)
+
+        return policy
+
+    def summary(self) -> dict:
+        """Planned and measured bytes per tier on this rank (``perparam.offload.offloaded_bytes``)."""
+        import perparam.offload
+
+        return {"planned_bytes": self.planned, "measured_bytes": perparam.offload.offloaded_bytes(),
+                "budget_bytes": self.budget, "folder": self.folder}

@@ -1,0 +1,57 @@
+"""``perparam plan --budget BYTES``: the offload plan of ``perparam.memory.budget`` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from perparam.memory.budget import BudgetPlan, largest_first, parse_bytes, plan_budget, write_policy
+from perparam.memory.plan import ModelPlan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
+                        help="device bytes of model state per rank (e.g. 20e9, 20GB, 16GiB): plan which parameters' "
+                             "optimizer state / shards to offload with the least traffic (docs/offload.md)")
+    parser.add_argument("--tier", choices=["disk", "cpu"], default="disk",
+                        help="with --budget: where offloaded state goes (default disk)")
+    parser.add_argument("--offload-dir", default=None, metavar="DIR",
+                        help="with --budget and --tier disk: the folder written into the policy (default: the "
+                             "system's temporary folder)")
+    parser.add_argument("--write-policy", default=None, metavar="FILE.json",
+                        help="with --budget: write the plan; perparam.memory.budget.load_policy(FILE, model) "
+                             "gives fully_shard's param_policy, perparam finetune --memory-budget plans the same")
+
+
+def _line(b: BudgetPlan) -> str:
+    return (f"{b.rule:>26}: keeps {b.max_kept / 1e9:9.4f} GB per rank, moves {b.max_moved / 1e9:9.4f} GB per step "
+            f"(device {b.by_place['device']}, optimizer state {b.by_place['optimizer']}, all {b.by_place['all']} "
+            "parameters)")
+
+
+def run(args: argparse.Namespace, plan: ModelPlan, console) -> int:
+    ours, baseline = plan_budget(plan, args.budget), largest_first(plan, args.budget)
+    console.print(f"\noffload plan for a budget of {args.budget / 1e9:.4f} GB per rank (K = {plan.world_size}; "
+                  f"without offload the largest rank keeps {plan.max_rank.total / 1e9:.4f} GB; tier {args.tier}):")
+    console.print(_line(ours))
+    console.print(_line(baseline))
+    console.print(f"{'collectives':>26}: {ours.collective_bytes / 1e9:9.4f} GB of all-gathers (forward and backward) "
+                  "sent per rank per step either way: offload changes no collective")
+    if baseline.max_moved and ours.fits:
+        console.print(f"{'':>26}  least traffic moves {ours.max_moved / baseline.max_moved:.3f} x the bytes of "
+                      "largest parameters first")
+    rows = [(name, place) for name, place in ours.places.items() if place != "device"]
+    if args.params_table and rows:
+        console.print("\nparameter, place:")
+        for name, place in rows:
+            console.print(f"  {name}  {place}")
+    if not ours.fits:
+        print(f"perparam plan: {ours.message}", file=sys.stderr)
+        return 1
+    if args.write_policy:
+        offload_dir = args.offload_dir or (tempfile.gettempdir() if args.tier == "disk" else None)
+        write_policy(args.write_policy, ours, args.tier, offload_dir)
+        console.print(f"\nwrote {args.write_policy}: fully_shard(..., param_policy=perparam.memory.budget."
+                      f"load_policy({args.write_policy!r}, model)) applies it (offload folder {offload_dir})")
+    return 0
