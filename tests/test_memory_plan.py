@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from fractions import Fraction
 
 import pytest
@@ -73,10 +72,9 @@ def test_components_use_table_bytes(xl64):
     assert xl64.sum_over_ranks() == xl64.unsharded
 
 
-def test_k1024_runs_in_seconds():
-    start = time.perf_counter()
+def test_plan_at_k1024_covers_every_rank_and_shows_the_lopsided_chunk_layout():
+    # no timing asserted here (a loaded CI machine is not a benchmark): benchmarks/ measures speed
     plan = plan_model("gpt2-xl", 1024)
-    assert time.perf_counter() - start < 10
     assert len(plan.per_rank) == 1024
     assert plan.max_rank.rank == 0
     assert plan.sum_over_ranks() == plan.unsharded
