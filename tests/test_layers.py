@@ -2,7 +2,8 @@
 
 Floors, lowest first: ``perparam/sharding/`` (pure: what each rank holds) < ``perparam/comm/`` (collectives)
 < ``perparam/runtime/`` (groups, hooks) < the face (``perparam/*.py``: ``fully_shard``, ``ShardedModule``,
-checkpoints). ``perparam/memory/`` stands beside them on ``sharding/`` alone; ``perparam/finetune/`` is a
+checkpoints). ``perparam/memory/`` (the planner) and ``perparam/offload/`` (the tiers' files and hooks)
+stand beside them on ``sharding/`` alone; ``perparam/finetune/`` is a
 user of the face (and of ``memory/``). Every import counts: top-level, inside functions and under
 ``TYPE_CHECKING``, so no circle can hide in a function-local import.
 """
@@ -22,8 +23,9 @@ ALLOWED = {
     "comm": {"sharding", "comm"},
     "runtime": {"sharding", "comm", "runtime"},
     "memory": {"sharding", "memory"},
-    "face": {"sharding", "comm", "runtime", "memory", "face"},
-    "finetune": {"face", "memory", "finetune"},
+    "offload": {"sharding", "offload"},
+    "face": {"sharding", "comm", "runtime", "memory", "offload", "face"},
+    "finetune": {"face", "memory", "offload", "finetune"},
 }
 
 #: tensor factories: called at a sharding module's import they would allocate
@@ -40,7 +42,7 @@ def module_name(path: Path) -> str:
 
 
 def part_of(module: str) -> str:
-    """``sharding``, ``comm``, ``runtime``, ``memory``, ``finetune`` or ``face`` (``perparam`` itself and
+    """``sharding``, ``comm``, ``runtime``, ``memory``, ``offload``, ``finetune`` or ``face`` (``perparam`` itself and
     ``perparam/*.py``)."""
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in ALLOWED and parts[1] != "face":
@@ -141,8 +143,8 @@ def test_no_floor_imports_a_floor_above_it():
             if part_of(target) not in ALLOWED[part_of(module)]:
                 wrong.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line}: {module} ({part_of(module)}) "
                              f"imports {target} ({part_of(target)})")
-    assert not wrong, ("imports against the layers sharding < comm < runtime < face (memory: sharding only; "
-                       "finetune: the face and memory):\n" + "\n".join(wrong))
+    assert not wrong, ("imports against the layers sharding < comm < runtime < face (memory, offload: sharding only; "
+                       "finetune: the face, memory and offload):\n" + "\n".join(wrong))
 
 
 def test_memory_never_imports_the_runtime():
