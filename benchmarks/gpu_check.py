@@ -29,6 +29,7 @@ the layout's prediction, and step time of perparam vs torch FSDP2 in bf16 over N
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -168,20 +169,51 @@ def _streams_of_one_step(step) -> dict:
     return streams
 
 
+@contextlib.contextmanager
+def nccl_world_of_one(port: str):
+    """A 1-rank NCCL process group on GPU 0 (``MASTER_PORT`` ``port`` unless set); yields its 1D mesh and
+    destroys the group (after ``gc.collect()``) on the way out."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", port)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        yield init_device_mesh("cuda", (1,))
+    finally:
+        import gc
+
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def interleaved_steps(runs: dict, warmup: int, steps: int, after_step=None, after_warmup=None) -> None:
+    """``warmup + steps`` rounds of each run's ``step()``, the order reversed every other round (pairing);
+    appends the seconds of each step after the warm-up to ``run["times"]`` (synchronised: device time).
+    ``after_step(run)`` runs after every step, ``after_warmup()`` once the warm-up rounds are done."""
+    for r in range(warmup + steps):
+        for run in (list(runs.values()) if r % 2 == 0 else list(runs.values())[::-1]):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run["step"]()
+            torch.cuda.synchronize()
+            if r >= warmup:
+                run["times"].append(time.perf_counter() - t0)
+            if after_step is not None:
+                after_step(run)
+        if r == warmup - 1 and after_warmup is not None:
+            after_warmup()
+
+
 def nccl_step_times(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict:
     """perparam vs FSDP2 over NCCL, world size 1, bf16, interleaved steps: median seconds and streams."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from perparam.full_state import load_full_state_dict
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        torch.cuda.set_device(0)
-        mesh = init_device_mesh("cuda", (1,))
+    with nccl_world_of_one("29533") as mesh:
         full = seeded_full_init(cfg, 0).state_dict()
         runs = {}
         with torch.device("meta"):
@@ -207,39 +239,20 @@ def nccl_step_times(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict
                 return loss
 
             runs[name] = {"step": step, "times": []}
-        for r in range(warmup + steps):
-            for run in (list(runs.values()) if r % 2 == 0 else list(runs.values())[::-1]):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run["step"]()
-                torch.cuda.synchronize()
-                if r >= warmup:
-                    run["times"].append(time.perf_counter() - t0)
+        interleaved_steps(runs, warmup, steps)
         out = {name: {"step_time_s": statistics.median(run["times"]), "streams": _streams_of_one_step(run["step"]),
                       "final_loss": float(run["step"]())} for name, run in runs.items()}
         out["ratio_perparam_vs_fsdp2"] = out["perparam_bf16"]["step_time_s"] / out["fsdp2_bf16"]["step_time_s"]
         return out
-    finally:
-        import gc
-
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def cpu_tier_offload(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict:
     """perparam with AdamW state in pinned host memory vs on the GPU, NCCL, world size 1 (section 3)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     import perparam
     from perparam import OffloadPolicy
     from perparam.full_state import load_full_state_dict
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        torch.cuda.set_device(0)
-        mesh = init_device_mesh("cuda", (1,))
+    with nccl_world_of_one("29534") as mesh:
         full = seeded_full_init(cfg, 0).state_dict()
         x, y = (t.cuda() for t in make_batches(cfg, 1, batch)[0])
         runs = {}
@@ -259,17 +272,11 @@ def cpu_tier_offload(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dic
 
             runs[name] = {"model": model, "step": step, "times": [], "allocated": 0}
         perparam.offload.reset_stats()
-        for r in range(warmup + steps):
-            for run in (list(runs.values()) if r % 2 == 0 else list(runs.values())[::-1]):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run["step"]()
-                torch.cuda.synchronize()
-                if r >= warmup:
-                    run["times"].append(time.perf_counter() - t0)
-                run["allocated"] = torch.cuda.memory_allocated()
-            if r == warmup - 1:
-                perparam.offload.reset_stats()
+
+        def after(run):
+            run["allocated"] = torch.cuda.memory_allocated()
+
+        interleaved_steps(runs, warmup, steps, after_step=after, after_warmup=perparam.offload.reset_stats)
         io = perparam.offload.stats()
         params = {name: {n: p.full_tensor() for n, p in run["model"].named_parameters()} for name, run in runs.items()}
         out = {name: {"step_time_s": statistics.median(run["times"]), "allocated_bytes_between_steps": run["allocated"]}
@@ -282,11 +289,6 @@ def cpu_tier_offload(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dic
         out["copy_wait_s_per_step"] = io["wait_s"] / steps
         out["copy_back_s_per_step"] = io["evict_s"] / steps
         return out
-    finally:
-        import gc
-
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> dict:
