@@ -132,15 +132,21 @@ def _steps_comm(model, opt, rank: int, world_size: int, steps: int = 3) -> list[
     return out
 
 
-def step_collectives(rank: int, world_size: int, stage) -> dict:
-    """TinyNet with its blocks in groups of their own (resharded after forward) and the root."""
+def _build(world_size: int, stage):
+    """TinyNet, its blocks in groups of their own (resharded after forward) and the root, all under ``stage``;
+    AdamW over it."""
     torch.manual_seed(0)
     model = TinyNet()
     mesh = _mesh((world_size,))
     for block in model.blocks:
         perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage))
     perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step_collectives(rank: int, world_size: int, stage) -> dict:
+    """TinyNet with its blocks in groups of their own (resharded after forward) and the root."""
+    model, opt = _build(world_size, stage)
     steps = _steps_comm(model, opt, rank, world_size)
     forwards = []
     for _ in range(2):  # the first refreshes after the last step; the second finds nothing to refresh
@@ -385,16 +391,6 @@ def _assert_tp_matches(got: dict, want: dict, rank: int) -> None:
 
 
 # -- checkpoints across mixes and world sizes -------------------------------------------------------------------
-
-def _build(world_size: int, stage):
-    torch.manual_seed(0)
-    model = TinyNet()
-    mesh = _mesh((world_size,))
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage))
-    perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
 
 def _state(model, opt) -> dict:
     out = {f"param {n}": _full(p) for n, p in model.named_parameters()}
