@@ -91,7 +91,7 @@ def _load_on_ranks(rank: int, world: int, path: str, tp: int) -> tuple[int, dict
 
     opened, real_open = [], gguf_loader.open_gguf
     gguf_loader.open_gguf = lambda *a, **k: opened.append(a) or real_open(*a, **k)
-    args = SimpleNamespace(config="gguf", gguf_path=path, param_dtype="fp32", quant="none")
+    args = SimpleNamespace(config="gguf", gguf_path=path, param_dtype="fp32", quant="none", zero_stage=3)
     model, _, _ = build_sharded_model(args, torch.device("cpu"), build_meshes(world, 1, tp, "cpu"))
     return len(opened), full_state_dict(model)
 
