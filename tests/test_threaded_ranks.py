@@ -68,18 +68,23 @@ def run_threaded(fn, world_size: int, *args, timeout: float = 60.0) -> list:
     return results
 
 
-def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """TinyNet (uneven and empty shards on 3 ranks), blocks then root sharded, AdamW; ``world_size == 0``:
-    one process, unsharded. Returns the full parameters."""
+def train(rank: int, world_size: int, reshard_after_forward: bool | int | None = None,
+          opt_name: str = "adamw", global_batch: int = GLOBAL_BATCH) -> dict[str, torch.Tensor]:
+    """TinyNet (uneven and empty shards on 3 ranks), blocks then root sharded (the blocks with
+    ``reshard_after_forward``), AdamW or SGD, ``global_batch`` rows per step; ``world_size == 0``: one
+    process, unsharded. Returns the full parameters."""
     with _SEEDED:
         torch.manual_seed(0)
         model = TinyNet()
     if world_size:
         for block in model.blocks:
-            perparam.fully_shard(block)
+            perparam.fully_shard(block, reshard_after_forward=reshard_after_forward)
         perparam.fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in make_batches(STEPS, GLOBAL_BATCH):
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in make_batches(STEPS, global_batch):
         if world_size:
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         F.mse_loss(model(x), y).backward()
@@ -103,3 +108,15 @@ def test_ranks_as_threads_of_one_process_train_like_one_process_in_debug_mode(wo
         assert got.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
+
+
+def test_hpz_on_thread_ranks_trains_like_one_process_in_two_runs_of_one_process():
+    """hpZ (k' = 2 of 4 thread ranks), two trainings in a row in this process: each thread rank creates its
+    own secondary groups (the secondary mesh was cached per process: in the second run a thread found the
+    mesh a peer thread had just created, skipped its own ``new_group`` and the peers waited in theirs:
+    a hang). 3 SGD steps, within 1e-5 of one process both times."""
+    want = one_process(train, None, "sgd", 8)
+    for run in range(2):
+        for got in run_threaded(train, 4, 2, "sgd", 8, timeout=40):
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=0, msg=f"run {run}: {name}")

@@ -15,6 +15,9 @@ when the shards changed since (an optimizer step): the backward all-gather then 
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,17 +25,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm import collectives
 from ..comm.collectives import GatheredRows
 
-#: (device type, the mesh's ranks, k') -> the secondary DeviceMesh, shared by the groups of one layout (one
-#: set of process groups for all the blocks of a model, not one per ``fully_shard`` call)
-_MESHES: dict[tuple, DeviceMesh] = {}
+#: default process group (one per rank, also for ranks that are threads of one process) -> {(device type,
+#: the mesh's ranks, k') -> the secondary DeviceMesh}, shared by the groups of one layout (one set of
+#: process groups for all the blocks of a model, not one per ``fully_shard`` call). Keyed per rank, never
+#: per process: a thread rank that found a peer thread's mesh would skip its own ``new_group`` and leave
+#: the others waiting in theirs.
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 
 def secondary_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
     """The ``DeviceMesh`` over ``mesh``'s ranks viewed as ``(-1, size)``; its dim 1 groups are the secondary
     groups. Created by the first call (every rank, in the same order), looked up afterwards; created again
     once its process groups were destroyed."""
+    with _lock:
+        meshes = _MESHES.setdefault(dist.distributed_c10d._world.default_pg, {})
     key = (mesh.device_type, tuple(mesh.mesh.reshape(-1).tolist()), size)
-    found = _MESHES.get(key)
+    found = meshes.get(key)
     if found is not None:
         try:
             alive = found.get_group(1) in dist.distributed_c10d._world.pg_map
@@ -41,7 +50,7 @@ def secondary_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
         if not alive:
             found = None
     if found is None:
-        found = _MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+        found = meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
     return found
 
 
