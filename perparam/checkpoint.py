@@ -197,8 +197,14 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     waited for first (one write at a time); ``save``, ``distributed_session()``'s end and interpreter exit
     wait too. Raises ``CheckpointError`` at once for the inputs ``save`` refuses; a failure of the write
     itself is raised by ``wait()`` (or the next save, or ``perparam.checkpoint.wait_pending()``), on every
-    rank.
+    rank. Ranks running as threads of one process (torch's ``threaded`` process group) are refused with
+    ``CheckpointError`` before anything is written: the background write's own process group and DCP's
+    collectives from a writer thread do not work there; use ``save``.
     """
+    if dist.is_initialized() and dist.get_backend() == "threaded":
+        raise CheckpointError("async_save cannot run with ranks as threads of one process (the 'threaded' process "
+                              "group): its background writer needs a process group of its own per process; use "
+                              "perparam.checkpoint.save (blocking) there")
     background.wait_pending()
     path = Path(path)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)

@@ -120,3 +120,21 @@ def test_hpz_on_thread_ranks_trains_like_one_process_in_two_runs_of_one_process(
         for got in run_threaded(train, 4, 2, "sgd", 8, timeout=40):
             for name in want:
                 torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=0, msg=f"run {run}: {name}")
+
+
+def _async_save_refused(rank: int, world_size: int, path: str) -> str:
+    model = torch.nn.Linear(4, 2)
+    perparam.fully_shard(model)
+    try:
+        perparam.checkpoint.async_save(path, model)
+    except perparam.checkpoint.CheckpointError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_async_save_on_thread_ranks_is_refused_naming_the_blocking_save(tmp_path):
+    """The background writer's process group is one per process (and DCP's collectives from a writer thread
+    do not run on the threaded group): refused on every rank before anything is written, naming ``save``."""
+    for message in run_threaded(_async_save_refused, 2, str(tmp_path / "ckpt")):
+        assert "threads of one process" in message and "perparam.checkpoint.save" in message, message
+    assert not (tmp_path / "ckpt").exists()
