@@ -49,8 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     ap.add_argument("--rss-steps", type=int, default=3, help="steps of each memory job (default 3)")
     ap.add_argument("--no-rss", action="store_true", help="skip the memory jobs")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown or not args.configs:
+        ap.error(f"--configs: unknown configurations {unknown}; choose from {','.join(CONFIGS)}")
     try:
         args.worlds = [int(w) for w in args.worlds.split(",") if w]
     except ValueError:
@@ -62,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _paired(c: dict, base: dict) -> float | None:
-    if base.get("status") != "ok":
+def _paired(c: dict, base: dict | None) -> float | None:
+    if base is None or base.get("status") != "ok":
         return None
     return statistics.median(a / b for a, b in zip(c["step_times_s"], base["step_times_s"]))
 
@@ -76,22 +81,22 @@ def run_world(world: int, cfg, args: argparse.Namespace) -> dict:
     from benchmarks.report import add_ratios, summarise
     from benchmarks.zero_formulas import formulas
 
-    opts = {"model": cfg.as_dict(), "configs": list(CONFIGS), "steps": args.steps, "warmup": args.warmup,
+    opts = {"model": cfg.as_dict(), "configs": args.configs, "steps": args.steps, "warmup": args.warmup,
             "seed": 0, "batch_per_rank": 2, "rss_steps": args.rss_steps, "timeout": 900}
     load_start = os.getloadavg()
     per_rank = launch("timing", opts, world)
     rss = {}
     if not args.no_rss:
-        for name in CONFIGS:
+        for name in args.configs:
             if per_rank[0]["configs"][name]["status"] == "ok":
                 rss[name] = launch("rss", {**opts, "config": name, "mmap_threshold": None}, world)
     model = seeded_full_init(cfg, 0)
-    configs = {name: summarise(name, per_rank, rss.get(name), world) for name in CONFIGS}
+    configs = {name: summarise(name, per_rank, rss.get(name), world) for name in args.configs}
     add_ratios(configs, 4 * num_params(model), world)
     for name, c in configs.items():
         if c["status"] == "ok":
             c["formula"] = formulas(name, model, world)
-            c.update({f"paired_vs_{b}": _paired(c, configs[b]) for b in PAIRED})
+            c.update({f"paired_vs_{b}": _paired(c, configs.get(b)) for b in PAIRED})
     loads = [la[0] for la in per_rank[0]["loadavg"]]
     return {"world": world, "configs": configs, "loadavg": {"start": list(load_start), "end": list(os.getloadavg()),
                                                              "mean_during_timing": statistics.mean(loads)}}

@@ -47,7 +47,8 @@ def test_mix_lies_between_stage_3_and_stage_1():
 
 def test_zero_stages_flags_are_checked(capsys):
     assert parse_args(["--worlds", "2,4"]).worlds == [2, 4]
-    for bad in (["--worlds", "1"], ["--worlds", "two"], ["--steps", "0"]):
+    assert parse_args(["--configs", "ddp,perparam_stage2"]).configs == ["ddp", "perparam_stage2"]
+    for bad in (["--worlds", "1"], ["--worlds", "two"], ["--steps", "0"], ["--configs", "zero9"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert "--worlds" in capsys.readouterr().err
