@@ -29,7 +29,15 @@ DESCRIPTIONS = {
     "perparam_bf16": "perparam, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
     "perparam_int8": "perparam, int8-quantized all-gather of the Linear weights",
 }
-SHARDED = ("fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8")
+#: ``benchmarks/zero_stages.py``'s configurations beyond ``ddp``, ``fsdp2`` and ``perparam`` (all stage 3)
+ZERO_CONFIGS = ("fsdp2_keep", "perparam_stage1", "perparam_stage2", "perparam_mix")
+DESCRIPTIONS.update({
+    "fsdp2_keep": "torch fully_shard, reshard_after_forward=False on every call (FSDP2's nearest to ZeRO-2)",
+    "perparam_stage1": "perparam, ParamPolicy(zero_stage=1) on every parameter",
+    "perparam_stage2": "perparam, ParamPolicy(zero_stage=2) on every parameter",
+    "perparam_mix": "perparam, embeddings and norms stage 1, attention (qkv, proj) stage 2, MLP and head stage 3",
+})
+SHARDED = ("fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8", *ZERO_CONFIGS)
 LR = 1e-3
 
 
@@ -49,9 +57,23 @@ def wrap_units(model: GPT) -> list[tuple[list[nn.Module], bool]]:
             + [([model.ln_f, model.head], False), ([model], True)])
 
 
+def mix_stage(module_name: str, module: nn.Module) -> int:
+    """``perparam_mix``'s ZeRO stage of a module's direct parameters: embeddings and norms 1 (touched by every
+    micro-batch), attention's ``qkv``/``proj`` 2, the rest (MLP, head) 3."""
+    if isinstance(module, (nn.Embedding, nn.LayerNorm)):
+        return 1
+    return 2 if module_name.rsplit(".", 1)[-1] in ("qkv", "proj") else 3
+
+
 def _perparam_kwargs(name: str, modules: list[nn.Module]) -> dict:
     if name == "perparam":
         return {}
+    if name in ("perparam_stage1", "perparam_stage2"):
+        return {"param_policy": perparam.ParamPolicy(zero_stage=int(name[-1]))}
+    if name == "perparam_mix":
+        stage = {id(p): mix_stage(n, m) for module in modules for n, m in module.named_modules()
+                 for p in m.parameters(recurse=False)}
+        return {"param_policy": lambda _name, p: perparam.ParamPolicy(zero_stage=stage.get(id(p), 3))}
     if name == "perparam_bf16":
         return {"mp_policy": perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     if name == "perparam_int8":  # every nn.Linear weight this call manages
@@ -101,7 +123,7 @@ def build(name: str, cfg: GPTConfig, mesh, seed: int) -> tuple[nn.Module, torch.
             load_full_state_dict(model, full)
         del full
     else:
-        raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")
+        raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS + ZERO_CONFIGS}")
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
@@ -112,6 +134,7 @@ def _fsdp2(name: str, model: GPT, mesh) -> None:
     if name == "fsdp2_bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for modules, raf in wrap_units(model):
+        raf = raf and name != "fsdp2_keep"
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf, **kwargs)
 
 

@@ -184,11 +184,4 @@ def _perparam_buffers(model: nn.Module) -> dict:
             "group_unsharded_bytes": [g.num_shards * g.layout.slot_bytes for g in groups]}
 
 
-def zero_stages_job(rank: int, world: int, opts: dict) -> dict:
-    """``benchmarks/zero_stages.py``'s measurement on this rank."""
-    from benchmarks.zero_stages import measure_rank
-
-    return measure_rank(rank, world, opts)
-
-
-JOBS = {"timing": timing_job, "rss": rss_job, "zero_stages": zero_stages_job}
+JOBS = {"timing": timing_job, "rss": rss_job}

@@ -1,109 +1,158 @@
-"""Per-rank model state and bytes sent per step of each ZeRO stage (``ParamPolicy(zero_stage=...)``),
-measured on gloo ranks, side by side with the formulas of ``perparam.memory.formulas`` (Table 7-2).
+"""ZeRO stages per parameter measured against the chapter's formulas and timed against DDP and FSDP2.
 
-    python -m benchmarks.zero_stages [--world 2] [--quick]
+    python -m benchmarks.zero_stages --quick [--worlds 2,4] [--json runs/bench/zero_stages.json]
 
-Configurations: all-stage-1, all-stage-2, all-stage-3 and a mix (embeddings and norms stage 1, attention
-stage 2, MLP and head stage 3), wrapped as ``benchmarks/configs.py`` wraps perparam, AdamW, fp32. Per
-rank after a step's backward: live bytes of parameters (shards plus stage-1/2 kept copies), gradients and
-AdamW state (``perparam.memory.measure.model_state_bytes``). Per step (the second): bytes this rank sends,
-from ``perparam.CommCounter``'s records: an all-gather or reduce-scatter of ``n`` bytes (its gathered
-output, its input) sends ``(K - 1) / K * n``, a ring all-reduce of ``n`` bytes ``2 (K - 1) / K * n``.
-Formulas (ZeRO paper, Section 7): DDP, ZeRO-1/2 ``2 (K - 1) / K * G``; ZeRO-3 ``(K - 1) / K * (G + 2P)``.
+Configurations (``benchmarks/configs.py``), all trained from the same seeded weights on the same batches,
+AdamW, fp32, wrapped as torchtitan wraps (embeddings, each block, ``[ln_f, head]`` kept from forward to
+backward, root): ``ddp``; ``perparam_stage1``, ``perparam_stage2``, ``perparam`` (all stage 3) and
+``perparam_mix`` (embeddings and norms stage 1, attention stage 2, MLP and head stage 3); ``fsdp2`` and
+``fsdp2_keep`` (FSDP2 with ``reshard_after_forward=False``, its nearest to ZeRO-2).
+
+Per K: the timing job of ``benchmarks/runner.py`` (every configuration built in each rank, rounds of one
+step of each, the order rotating; step time is the slower rank's; ``paired`` ratios are the median over
+rounds of the ratio within a round), then one memory job per configuration in fresh processes (the
+training-phase peak RSS over the pre-build baseline, the larger rank). Model state: rank 0's live bytes
+after the last step (``perparam.memory.measure.model_state_bytes``; rank 0 holds ``torch.chunk``'s remainder
+rows). Bytes sent per rank and step: ``CommCounter`` (perparam), the ``torch.distributed`` wrappers
+(FSDP2), the gradient bytes (DDP, whose all-reduce runs in C++), converted as ``benchmarks/report.py`` does.
+Formulas: ``benchmarks/zero_formulas.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
-from fractions import Fraction
+import os
+import statistics
+import sys
+from pathlib import Path
 
-import torch
-from torch import nn
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-CONFIGS = ("stage1", "stage2", "stage3", "mix")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-
-def _policy(name: str, model: nn.Module):
-    """A call-wide ``ParamPolicy`` for ``stageN``; ``mix``: by the parameter's module (embeddings and norms
-    stage 1, attention's ``qkv``/``proj`` stage 2, the rest stage 3)."""
-    from perparam import ParamPolicy
-
-    if name != "mix":
-        return ParamPolicy(zero_stage=int(name[-1]))
-    stage = {}
-    for module_name, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            if isinstance(module, (nn.Embedding, nn.LayerNorm)):
-                stage[id(p)] = 1
-            elif module_name.rsplit(".", 1)[-1] in ("qkv", "proj"):
-                stage[id(p)] = 2
-    return lambda _name, p: ParamPolicy(zero_stage=stage.get(id(p), 3))
+CONFIGS = ("ddp", "perparam_stage1", "perparam_stage2", "perparam", "perparam_mix", "fsdp2", "fsdp2_keep")
+LABELS = {"ddp": "DDP", "perparam_stage1": "stage 1", "perparam_stage2": "stage 2", "perparam": "stage 3",
+          "perparam_mix": "mix 1/2/3", "fsdp2": "FSDP2", "fsdp2_keep": "FSDP2 raf=False"}
+PAIRED = ("ddp", "fsdp2", "fsdp2_keep")
 
 
-def measure_rank(rank: int, world: int, opts: dict) -> dict:
-    """One configuration on this rank: state bytes after the second step's backward, bytes sent in it."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import perparam
-    from benchmarks.configs import seeded_full_init, wrap_units
-    from benchmarks.model import GPTConfig, make_batches
-    from benchmarks.runner import local_batch
-    from perparam.memory.measure import model_state_bytes
-
-    cfg = GPTConfig(**opts["model"])
-    mesh = init_device_mesh("cpu", (world,))
-    model = seeded_full_init(cfg, opts["seed"])
-    policy = _policy(opts["config"], model)
-    for modules, raf in wrap_units(model):
-        perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf,
-                             param_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = make_batches(cfg, 2, opts["batch_per_rank"] * world, seed=opts["seed"])
-    sent, state = Fraction(0), None
-    for i, batch in enumerate(batches):
-        x, y = local_batch(batch, rank, world)
-        with perparam.CommCounter() as comm:
-            model(x, y).backward()  # the mean next-token cross-entropy
-            state = model_state_bytes(model, opt).as_dict()  # gradients alive, AdamW state from step 1
-            opt.step()
-            opt.zero_grad()
-        if i == len(batches) - 1:
-            k = Fraction(world - 1, world)
-            sent = sum(r.nbytes * k * (2 if r.kind == "all_reduce" else 1) for r in comm.records)
-            kinds = comm.by_kind()
-    return {"state": state, "sent": float(sent), "kinds": kinds}
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", default="2,4", help="comma-separated K (default 2,4)")
+    ap.add_argument("--quick", action="store_true", help="the quick model (seconds per K)")
+    ap.add_argument("--steps", type=int, default=20, help="timed rounds (default 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    ap.add_argument("--rss-steps", type=int, default=3, help="steps of each memory job (default 3)")
+    ap.add_argument("--no-rss", action="store_true", help="skip the memory jobs")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown or not args.configs:
+        ap.error(f"--configs: unknown configurations {unknown}; choose from {','.join(CONFIGS)}")
+    try:
+        args.worlds = [int(w) for w in args.worlds.split(",") if w]
+    except ValueError:
+        ap.error(f"--worlds: expected comma-separated integers such as 2,4, got {args.worlds!r}")
+    if not args.worlds or min(args.worlds) < 2:
+        ap.error(f"--worlds: each K must be at least 2, got {args.worlds}")
+    if args.steps < 1 or args.warmup < 0 or args.rss_steps < 1:
+        ap.error("--steps and --rss-steps must be at least 1, --warmup at least 0")
+    return args
 
 
-def _formulas(model: nn.Module, world: int) -> dict:
-    from perparam.memory.formulas import BytesPerParam, stage_memory
+def _paired(c: dict, base: dict | None) -> float | None:
+    if base is None or base.get("status") != "ok":
+        return None
+    return statistics.median(a / b for a, b in zip(c["step_times_s"], base["step_times_s"]))
 
-    n = sum(p.numel() for p in model.parameters())
-    bpp = BytesPerParam(params=4, grads=4, optimizer=8)  # fp32, AdamW's two moments
-    k = Fraction(world - 1, world)
-    p = g = 4 * n
-    out = {f"stage{s}": stage_memory(f"ZeRO-{s}", n, world, bpp).as_dict() for s in (1, 2, 3)}
-    out["sent"] = {"DDP/ZeRO-1/2": float(2 * k * g), "ZeRO-3": float(k * (g + 2 * p))}
-    return out
+
+def run_world(world: int, cfg, args: argparse.Namespace) -> dict:
+    """Every configuration on ``world`` ranks: the summary of ``benchmarks/report.py`` plus the formulas."""
+    from benchmarks.configs import seeded_full_init
+    from benchmarks.launch import launch
+    from benchmarks.model import num_params
+    from benchmarks.report import add_ratios, summarise
+    from benchmarks.zero_formulas import formulas
+
+    opts = {"model": cfg.as_dict(), "configs": args.configs, "steps": args.steps, "warmup": args.warmup,
+            "seed": 0, "batch_per_rank": 2, "rss_steps": args.rss_steps, "timeout": 900}
+    load_start = os.getloadavg()
+    per_rank = launch("timing", opts, world)
+    rss = {}
+    if not args.no_rss:
+        for name in args.configs:
+            if per_rank[0]["configs"][name]["status"] == "ok":
+                rss[name] = launch("rss", {**opts, "config": name, "mmap_threshold": None}, world)
+    model = seeded_full_init(cfg, 0)
+    configs = {name: summarise(name, per_rank, rss.get(name), world) for name in args.configs}
+    add_ratios(configs, 4 * num_params(model), world)
+    for name, c in configs.items():
+        if c["status"] == "ok":
+            c["formula"] = formulas(name, model, world)
+            c.update({f"paired_vs_{b}": _paired(c, configs.get(b)) for b in PAIRED})
+    loads = [la[0] for la in per_rank[0]["loadavg"]]
+    return {"world": world, "configs": configs, "loadavg": {"start": list(load_start), "end": list(os.getloadavg()),
+                                                             "mean_during_timing": statistics.mean(loads)}}
+
+
+def render(result: dict) -> None:
+    """One table per K: state, bytes sent, training-phase peak RSS, step time and the paired ratios."""
+    from rich.console import Console
+    from rich.table import Table
+
+    kib = 1024
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    cols = ("config", "state KiB", "Table 7-2 KiB", "x", "x (+P/K)", "sent KiB", "paper KiB", "as run KiB", "x as run",
+            "train peak MiB", "step ms", "paired vs DDP", "vs FSDP2", "vs FSDP2 raf=False")
+    for w in result["worlds"]:
+        la = w["loadavg"]
+        table = Table(title=f"K = {w['world']} (load average {la['start'][0]:.1f} at start, "
+                            f"{la['mean_during_timing']:.1f} mean during the timing run, {la['end'][0]:.1f} at end)")
+        for col in cols:
+            table.add_column(col, justify="left" if col == "config" else "right")
+        for name, c in w["configs"].items():
+            if c["status"] != "ok":
+                table.add_row(LABELS[name], c["status"], *[""] * (len(cols) - 2))
+                continue
+            f, state, sent = c["formula"], c["model_state_bytes"]["total"], c["comm_sent_bytes_per_rank"]
+            peak = c.get("training_peak_over_baseline_bytes")
+            table.add_row(
+                LABELS[name], f"{state / kib:,.1f}", f"{f['state'] / kib:,.1f}", f"{state / f['state']:.3f}",
+                f"{state / f['state_with_shard']:.3f}",
+                f"{sent / kib:,.1f}", f"{f['sent_paper'] / kib:,.1f}", f"{f['sent_as_run'] / kib:,.1f}",
+                f"{sent / f['sent_as_run']:.4f}", "-" if peak is None else f"{peak / 2 ** 20:.1f}",
+                f"{c['step_time_s']['median'] * 1e3:.1f}",
+                *("-" if c[f"paired_vs_{b}"] is None else f"{c[f'paired_vs_{b}']:.3f}" for b in PAIRED))
+        console.print(table)
+    for w in result["worlds"]:
+        for name, c in w["configs"].items():
+            if c["status"] != "ok":
+                console.print(f"K = {w['world']} {name}: {c['status']}: {str(c.get('reason', '')).strip()[-400:]}")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from benchmarks.configs import seeded_full_init
-    from benchmarks.launch import launch
-    from benchmarks.model import GPTConfig
+    from benchmarks.model import GPT, GPTConfig, num_params
+    from benchmarks.report import machine_info
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="the quick model (seconds)")
-    args = parser.parse_args(argv)
-    cfg = GPTConfig.quick() if args.quick else GPTConfig(vocab=2048, seq=64, width=256, layers=4, heads=4)
-    result = {"world": args.world, "model": cfg.as_dict(),
-              "formulas": _formulas(seeded_full_init(cfg, 0), args.world), "measured": {}}
-    for name in CONFIGS:
-        opts = {"model": cfg.as_dict(), "config": name, "seed": 0, "batch_per_rank": 2, "timeout": 600}
-        per_rank = launch("zero_stages", opts, args.world)
-        result["measured"][name] = per_rank[0]  # rank 0 holds the most (torch.chunk's remainder rows)
-    print(json.dumps(result, indent=1, default=str))
+    args = parse_args(argv)
+    cfg = GPTConfig.quick() if args.quick else GPTConfig()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    result = {"meta": {"date": started.isoformat(timespec="seconds"),
+                       "command": " ".join(["python -m benchmarks.zero_stages", *(argv or sys.argv[1:])]),
+                       "machine": machine_info(), "model": cfg.as_dict(), "model_params": num_params(GPT(cfg)),
+                       "steps": args.steps, "warmup": args.warmup, "rss_steps": args.rss_steps},
+              "worlds": [run_world(w, cfg, args) for w in args.worlds]}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    render(result)
     return result
 
 

@@ -184,7 +184,8 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     if dims.tp == 1:  # full / LoRA / QLoRA side by side (planned per parameter: 1D or HSDP only)
         from perparam.finetune import lora_memory
 
-        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, cfg.lora_config())
+        by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, cfg.lora_config(),
+                                              cfg.zero_stage, train.PARAM_DTYPES[cfg.param_dtype])
     loss_after = heldout_loss(run.model, run.eval_rows, run.device, run.micro)
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)

@@ -5,7 +5,8 @@ optimizer state), the per-rank bytes of each stage with how many times less than
 each rank sends per step. Formulas and sources: ``perparam.memory.formulas``. Units: GB = 10**9 bytes.
 
 ``perparam memory --params 1.5e9 --world 64`` reproduces the textbook's 24.000000 / 6.281250 / 3.328125 /
-0.375000 GB per rank.
+0.375000 GB per rank. ``--budget 8GB`` adds which stage fits 8 GB per rank with the fewest bytes sent
+(``perparam.memory.stage_budget``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per parameter of the gradients (default 2: fp16)")
     parser.add_argument("--optim-bytes", type=_bytes_arg, default=12,
                         help="bytes per parameter of the optimizer state (default 12: fp32 master + Adam m, v)")
+    parser.add_argument("--budget", type=_budget_arg, default=None, metavar="BYTES",
+                        help="bytes of model state per rank (8GB, 8e9, 7.5GiB): which stages fit, and the one "
+                             "that fits with the fewest bytes sent per step")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _budget_arg(text: str) -> int:
+    from perparam.memory.budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def positive_count(text: str) -> int:
@@ -52,10 +65,23 @@ def positive_count(text: str) -> int:
     return value
 
 
-def report(num_params: int, world_size: int, bpp: BytesPerParam) -> dict:
-    """Everything ``perparam memory`` shows, as JSON-ready data (bytes, GB = 1e9 bytes, ratios)."""
+def budget_report(num_params: int, world_size: int, bpp: BytesPerParam, budget: int) -> dict:
+    """``--budget``'s part of the JSON: per stage bytes, traffic and fit; the stage chosen (``None``: none
+    fits) and the smallest K at which ZeRO-3 fits."""
+    from perparam.memory import stage_budget
+
+    fits = stage_budget.stage_fits(num_params, world_size, budget, bpp)
+    chosen = stage_budget.choose(fits)
+    return {"budget_bytes": budget, "stages": [f.as_dict() for f in fits],
+            "chosen": chosen.stage if chosen else None,
+            "min_world_for_zero3": stage_budget.min_world_for_zero3(num_params, budget, bpp)}
+
+
+def report(num_params: int, world_size: int, bpp: BytesPerParam, budget: int | None = None) -> dict:
+    """Everything ``perparam memory`` shows, as JSON-ready data (bytes, GB = 1e9 bytes, ratios); with
+    ``budget`` (bytes per rank) a ``"budget"`` entry (``budget_report``)."""
     state = formulas.model_state(num_params, bpp)
-    return {
+    out = {
         "num_params": num_params,
         "world_size": world_size,
         "gb": formulas.GB,
@@ -69,6 +95,9 @@ def report(num_params: int, world_size: int, bpp: BytesPerParam) -> dict:
         "stages": [s.as_dict() for s in formulas.memory_table(num_params, world_size, bpp)],
         "communication": [c.as_dict() for c in formulas.communication_table(num_params, world_size, bpp)],
     }
+    if budget is not None:
+        out["budget"] = budget_report(num_params, world_size, bpp, budget)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     bpp = BytesPerParam(args.param_bytes, args.grad_bytes, args.optim_bytes)
     if args.json:
-        sys.stdout.write(json.dumps(report(args.params, args.world, bpp), indent=2) + "\n")
+        sys.stdout.write(json.dumps(report(args.params, args.world, bpp, args.budget), indent=2) + "\n")
         return 0
     from perparam.memory import render
 
@@ -88,4 +117,10 @@ def run(args: argparse.Namespace) -> int:
         formulas.memory_table(args.params, args.world, bpp),
         formulas.communication_table(args.params, args.world, bpp),
     )
+    if args.budget is not None:
+        from perparam.memory import stage_budget
+
+        fits = stage_budget.stage_fits(args.params, args.world, args.budget, bpp)
+        render.show(render.console(), *render.budget_table(
+            fits, stage_budget.choose(fits), stage_budget.min_world_for_zero3(args.params, args.budget, bpp)))
     return 0

@@ -23,6 +23,7 @@ from perparam.memory.formulas import (
 
 if TYPE_CHECKING:
     from perparam.memory.plan import ModelPlan
+    from perparam.memory.stage_budget import StageFit
 
 #: Width used when stdout is not a terminal (pipes, files, tests), so no column is cut.
 PIPE_WIDTH = 132
@@ -128,6 +129,30 @@ def communication_table(rows: list[StageCommunication]) -> tuple[Table, str]:
     return t, note
 
 
+def budget_table(fits: list[StageFit], chosen: StageFit | None, min_world: int | None) -> tuple[Table, str]:
+    """``perparam memory --budget``: per stage, Table 7-2's bytes per rank, whether they fit the budget, and
+    the bytes sent per step as perparam runs the stage; the note names the stage chosen."""
+    budget = fits[0].budget
+    t = _table(f"Which stage fits a budget of {format_gb(budget)} GB of model state per rank")
+    t.add_column("stage")
+    for col in ("per rank GB", "fits", "headroom GB", "sent per step GB", "x DDP"):
+        t.add_column(col, justify="right")
+    for f in fits:
+        t.add_row(f.stage, format_gb(f.bytes_per_rank), "yes" if f.fits else "no",
+                  format_gb(f.budget - f.bytes_per_rank), format_gb(f.sent_per_step), format_fixed(f.traffic_vs_ddp, 2))
+    note = ("Sent per step as perparam runs each stage (docs/zero-stages.md): DDP 2(K-1)/K*G; stage 1 all-reduces "
+            "G and all-gathers P, 2(K-1)/K*G + (K-1)/K*P;\nstage 2 (K-1)/K*(G + P); stage 3 (K-1)/K*(G + 2P). "
+            "Stages 1 and 2 also hold the shard the optimizer updates (P/K) unless it is the fp32 master in O.\n")
+    if chosen is not None:
+        how = "placement=Replicate()" if chosen.stage == "DDP" else f"ParamPolicy(zero_stage={chosen.stage[-1]})"
+        note += (f"Fits with the fewest bytes sent: {chosen.stage} ({how}: {format_gb(chosen.bytes_per_rank)} GB per "
+                 f"rank, {format_fixed(chosen.traffic_vs_ddp, 2)}x DDP's traffic).")
+    else:
+        note += ("No stage fits: ZeRO-3 fits this budget from K = " + f"{min_world:,} ranks on, or raise the budget."
+                 if min_world is not None else "No stage fits a budget of 0 bytes.")
+    return t, note
+
+
 def print_memory(con: Console, state: ModelState, bpp: BytesPerParam, stages: list[StageMemory],
                  comm: list[StageCommunication]) -> None:
     for table, note in (components_table(state, bpp), stages_table(stages), communication_table(comm)):
@@ -215,5 +240,5 @@ def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0, p
         show(con, pt)
 
 
-__all__ = ["GB", "console", "components_table", "stages_table", "communication_table", "print_memory",
-           "print_plan"]
+__all__ = ["GB", "console", "components_table", "stages_table", "communication_table", "budget_table",
+           "print_memory", "print_plan"]
