@@ -204,8 +204,9 @@ class ParamGroup:
         """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
         if not self.params or self._pending_gather is not None:
             return
-        fresh = self._versions() == self._gathered_versions  # hpZ: the shards unchanged since gathered
-        members = self._gather_members()
+        versions = self._versions()  # one pass over the parameters per unshard
+        fresh = versions == self._gathered_versions  # the shards unchanged since last gathered
+        members = self._gather_members(versions, fresh)
         if members is None:
             return
         if not members:
@@ -288,25 +289,26 @@ class ParamGroup:
         self._alive = True
 
     # -- which parameters an all-gather carries (ZeRO stages, perparam/runtime/zero.py) ----------------------
-    def _gather_members(self) -> list[ShardedParam] | None:
+    def _gather_members(self, versions: tuple[int, ...], fresh: bool) -> list[ShardedParam] | None:
         """The parameters the next all-gather carries, in group order: the stage-3 ones unless their
-        storage is alive and current (then the replicated ones are copied again too), plus the stage-1/2
+        storage is alive and ``fresh`` (``versions``, the parameters' versions now, equal those when last
+        gathered; else the replicated ones are copied again too), plus the stage-1/2
         ones whose kept copy needs a refresh (``zero.needs_refresh``: decided by counts every rank shares,
         so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed."""
         refresh = [p for p in self.kept if zero.needs_refresh(p)]
-        current = self._alive and not self.stale()
+        current = self._alive and fresh
         if current and not refresh:
             return None
         if not current:
             self._alive = False
-            self._gathered_versions = self._versions()
+            self._gathered_versions = versions
             for p in self.replicated:
                 p.fill_replicated()
         zero.mark_gathered(refresh)
-        fresh = {id(p) for p in refresh}
+        refreshed = {id(p) for p in refresh}
         if current:
             return refresh
-        return [p for p in self.gathered if not p.kept or id(p) in fresh]
+        return [p for p in self.gathered if not p.kept or id(p) in refreshed]
 
     def _layout_for(self, members: list[ShardedParam]) -> GroupLayout:
         """The packed all-gather layout of ``members`` (a sub-list of ``gathered``), built once per set."""
