@@ -178,19 +178,22 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                   aliases=aliases, compute_dtypes=buffer_dtypes(
                                       prefixes, lambda m: group_of(m) is not None), offload=offload_policy)
         policies = [r.policy for r in resolved]
+        meshes = [_param_mesh(fqn, p, policy.mesh, mesh, owner, secondary_size)
+                  for (fqn, p, _), policy in zip(found, policies)]
+        ranks = [shard_rank if m is mesh else m.get_coordinate()[-1] for m in meshes]
         tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],
             mp_policy.param_dtype, lambda m: group_of(m) is not None)
-        scratches = offload_tier.check([(r.name, r.policy, r.stored_bytes(shard_rank)) for r in resolved],
+        scratches = offload_tier.check([(r.name, r.policy, r.stored_bytes(k)) for r, k in zip(resolved, ranks)],
                                        mesh.device_type, owner)
     except (PolicyError, ParamError, CompositionError, islands.IslandError, OffloadError) as e:
         raise ShardingError(str(e)) from None
     _warn_low_precision_training(found, policies)
     sharded_params = []
-    for (fqn, original, slots), policy, tp in zip(found, policies, tps):
-        sp = ShardedParam(fqn, slots, original, mesh, shard_rank, num_shards, policy, tp)
+    for (fqn, original, slots), policy, tp, pmesh, prank in zip(found, policies, tps, meshes, ranks):
+        sp = ShardedParam(fqn, slots, original, pmesh, prank, pmesh.size(pmesh.ndim - 1), policy, tp)
         adopt.record(original, sp)
         sp.register_sharded()
         if sp.stored_quantized:
@@ -202,7 +205,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                        gradient_divide_factor=gradient_divide_factor,
                        auto_reshard_after_forward=auto_reshard_after_forward)
     IterationContext([group]).take(group)  # its own until a root's first forward takes it into its tree
-    group.reduce_shard_pg, group.reduce_replicate_pg  # noqa: B018 (created now, by every rank, in call order)
+    for part in group.parts:  # created now, by every rank, in call order (per mesh in the fixed order)
+        part.reduce_shard_pg, part.reduce_replicate_pg  # noqa: B018
     if secondary_size is not None:  # hpZ: its process groups created now, by every rank, in call order
         group.hpz = group.hpz_given = hpz.Secondary(mesh, secondary_size)
     _GROUPS.add(group)
@@ -264,6 +268,37 @@ def _ignored(ignored_params, found) -> set[int]:
     # concerned, so one set of ignored parameters can be passed to every call of a model
     known = {id(p) for _, p, _ in found}
     return {id(p) for p in ignored_params if id(p) in known}
+
+
+def _param_mesh(fqn: str, p: nn.Parameter, own: DeviceMesh | None, mesh: DeviceMesh, owner: str,
+                secondary_size: int | None) -> DeviceMesh:
+    """The data-parallel mesh parameter ``fqn`` is sharded on: its ``ParamPolicy.mesh`` (checked here, as
+    the call's mesh is), else the call's ``mesh``. Raises ``ShardingError`` naming the parameter."""
+    if own is None or own is mesh or own == mesh:
+        return mesh
+    where = f"ParamPolicy(mesh=...) of parameter '{fqn}' of {owner}"
+    if own.device_type != mesh.device_type:
+        raise ShardingError(f"{where} is a {own.device_type!r} mesh but the call's mesh is {mesh.device_type!r}: "
+                            f"one fully_shard call computes on one device type; build the parameter's mesh with "
+                            f"init_device_mesh({mesh.device_type!r}, ...)")
+    try:
+        check_dp_mesh(own)
+    except MeshError as e:
+        raise ShardingError(f"{where}: {e}") from None
+    if own.get_coordinate() is None:
+        raise ShardingError(f"{where} does not hold this rank ({dist.get_rank()}); give each rank the mesh it "
+                            "belongs to (e.g. init_device_mesh(..., (ep, edp), mesh_dim_names=('ep', 'edp'))"
+                            "['edp'])")
+    if isinstance(p.data, DTensor):
+        raise ShardingError(f"{where}: the parameter is tensor-parallel ({p.data.device_mesh}), and a "
+                            "tensor-parallel parameter on another data-parallel mesh than the call's is not "
+                            "supported; drop mesh for it (it composes with the call's mesh) or shard it in a "
+                            "fully_shard call of its own on that mesh")
+    if secondary_size is not None:
+        raise ShardingError(f"{where}: reshard_after_forward={secondary_size} (hpZ) is not supported with "
+                            "parameters on another mesh than the call's; pass True or False, or shard the "
+                            "parameter in a fully_shard call of its own")
+    return own
 
 
 def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:

@@ -11,83 +11,25 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate
 
 import perparam
 from perparam import CommCounter, MixedPrecisionPolicy, ParamPolicy
 from tests.distributed import run_distributed
-
-D, EXPERTS, TOKENS, STEPS, TOL = 4, 2, 6, 3, 1e-5  # TOKENS per rank
-
-
-def _build() -> tuple[nn.Linear, list[nn.Linear], nn.Linear]:
-    torch.manual_seed(0)
-    return nn.Linear(D, D), [nn.Linear(D, D) for _ in range(EXPERTS)], nn.Linear(D, 2)
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per step: tokens ``[2 * TOKENS, D]``, targets ``[2 * TOKENS, 2]``, expert ids ``[2 * TOKENS]``
-    (rank r's tokens are rows ``r * TOKENS ..``; some go to the expert on the other rank)."""
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(2 * TOKENS, D, generator=g), torch.randn(2 * TOKENS, 2, generator=g),
-             torch.randint(0, EXPERTS, (2 * TOKENS,), generator=g)) for _ in range(STEPS)]
-
-
-class ExpertParallelMoE(nn.Module):
-    """``pre`` -> each token to the expert of its id (expert e lives on rank e) and back -> ``post``."""
-
-    def __init__(self, pre: nn.Linear, expert: nn.Linear, post: nn.Linear) -> None:
-        super().__init__()
-        self.pre, self.expert, self.post = pre, expert, post
-
-    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:  # [T, D], [T] -> [T, 2]
-        h = self.pre(x)
-        order = torch.argsort(route, stable=True)
-        send = torch.bincount(route, minlength=EXPERTS)  # tokens to each rank's expert
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)
-        send, recv = send.tolist(), recv.tolist()
-        tokens = all_to_all_single(h.new_empty(sum(recv), D), h[order], recv, send)
-        back = all_to_all_single(h.new_empty(len(route), D), self.expert(tokens), send, recv)
-        return self.post(torch.relu(back[torch.argsort(order)]))
-
-
-class ReferenceMoE(nn.Module):
-    """Both experts in one process: token i goes through ``experts[route[i]]``."""
-
-    def __init__(self, pre: nn.Linear, experts: list[nn.Linear], post: nn.Linear) -> None:
-        super().__init__()
-        self.pre, self.experts, self.post = pre, nn.ModuleList(experts), post
-
-    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-        h = self.pre(x)
-        out = torch.where(route[:, None] == 0, self.experts[0](h), self.experts[1](h))
-        return self.post(torch.relu(out))
-
-
-def _optimizer(params, name: str) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.1)
-
-
-def reference(optimizer: str) -> dict:
-    """One process, global batch; the loss is the mean of the 2 ranks' losses."""
-    pre, experts, post = _build()
-    model = ReferenceMoE(pre, experts, post)
-    opt = _optimizer(model.parameters(), optimizer)
-    grads = None
-    for x, y, route in _batches():
-        losses = [F.mse_loss(model(x[r * TOKENS:(r + 1) * TOKENS], route[r * TOKENS:(r + 1) * TOKENS]),
-                             y[r * TOKENS:(r + 1) * TOKENS]) for r in range(2)]
-        (sum(losses) / 2).backward()
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+from tests.moe_helpers import (
+    TOKENS,
+    TOL,
+    D,
+    ExpertParallelMoE,
+    assert_matches,
+    batches,
+    build,
+    make_optimizer,
+    reference,
+)
 
 
 def expert_parallel(rank: int, world_size: int, optimizer: str, factor: float | None) -> dict:
@@ -95,14 +37,14 @@ def expert_parallel(rank: int, world_size: int, optimizer: str, factor: float | 
     expert-data-parallel mesh with ``gradient_divide_factor=factor``. Returns the first step's gradients,
     the parameters after ``STEPS`` steps (the expert under its reference name ``experts.<rank>``) and the
     collectives (kind, group size) of the second step."""
-    pre, experts, post = _build()
+    pre, experts, post = build()
     model = ExpertParallelMoE(pre, experts[rank], post)
     edp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))["edp"]
     perparam.fully_shard(model.expert, mesh=edp, gradient_divide_factor=factor)
     perparam.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    opt = _optimizer(model.parameters(), optimizer)
+    opt = make_optimizer(model.parameters(), optimizer)
     grads, counts = None, []
-    for x, y, route in _batches():
+    for x, y, route in batches():
         mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
         with CommCounter() as comm:
             F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
@@ -114,17 +56,12 @@ def expert_parallel(rank: int, world_size: int, optimizer: str, factor: float | 
     return {"grads": grads, "params": {n: p.full_tensor() for n, p in named.items()}, "counts": counts[1]}
 
 
-def _assert_matches(got: dict, want: dict) -> None:
-    for name, value in got.items():
-        torch.testing.assert_close(value, want[name], atol=TOL, rtol=0, msg=name)
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_expert_gradients_match_one_process_with_divide_factor(optimizer):
     want = reference(optimizer)
     for got in run_distributed(expert_parallel, 2, optimizer, 2):
-        _assert_matches(got["grads"], want["grads"])
-        _assert_matches(got["params"], want["params"])
+        assert_matches(got["grads"], want["grads"])
+        assert_matches(got["params"], want["params"])
 
 
 def test_without_a_factor_expert_gradients_are_ep_times_the_mean():
@@ -185,9 +122,9 @@ def test_hsdp_and_replicated_gradients_are_divided_by_the_factor_and_the_default
     want = {n: p.grad for n, p in model.named_parameters()}
     for got in run_distributed(hsdp_grads, 4):
         assert got["fp32"]["placements"]["0.bias"] == Replicate() and got["fp32"]["placements"]["0.weight"] != Replicate()
-        _assert_matches(got["fp32"]["grads"], want)
+        assert_matches(got["fp32"]["grads"], want)
         # the sum over 4 ranks divided by 2: twice the mean, sharded and replicated parameters alike
-        _assert_matches(got["fp32_factor_2"]["grads"], {n: 2 * g for n, g in want.items()})
+        assert_matches(got["fp32_factor_2"]["grads"], {n: 2 * g for n, g in want.items()})
         # a factor equal to the mesh's size is the default, bitwise, in a bf16 reduction too
         for name, value in got["bf16"]["grads"].items():
             assert torch.equal(got["bf16_factor_4"]["grads"][name], value), name

@@ -64,7 +64,7 @@ def _params(plan: ModelPlan) -> list[_Param]:
     k = plan.world_size
     out = []
     for pp in plan.params:
-        numel = [pp.layout.local_numel(r) for r in range(k)]
+        numel = [pp.layout.local_numel(pp.shard_of(r)) for r in range(k)]
         g = plan.grad_bytes if plan.grad_bytes is not None else pp.layout.itemsize
         trainable = pp.requires_grad
         out.append(_Param(pp.name, trainable, tuple(pp.stored_bytes(r) for r in range(k)),

@@ -68,9 +68,15 @@ class ParamPlan:
     def placements(self) -> tuple[Placement, ...]:
         return (self.layout.placement,)
 
+    def shard_of(self, rank: int) -> int:
+        """The shard rank ``rank`` holds of this parameter: ``rank`` itself, or on a parameter's own mesh
+        (``ParamPolicy.mesh``) of K' shards ``rank % K'`` (its shard axis is the mesh's innermost, as
+        ``init_device_mesh(..., (ep, edp))['edp']`` lays it out over consecutive ranks)."""
+        return rank % self.layout.num_shards
+
     def stored_bytes(self, rank: int) -> int:
         """Bytes rank ``rank`` stores for this parameter (quantized codes and scales included)."""
-        return self.resolution.stored_bytes(rank)
+        return self.resolution.stored_bytes(self.shard_of(rank))
 
     @property
     def wire_bytes(self) -> int:
@@ -232,7 +238,7 @@ def plan_module(
         g = layout.itemsize if grad_bytes is None else grad_bytes
         kept = count * kept_bytes(layout, policy)  # stage 1/2: the unsharded copy every rank keeps
         for r in range(world_size):
-            numel = count * layout.local_numel(r)
+            numel = count * layout.local_numel(sample[key].shard_of(r))
             params[r] += count * sample[key].stored_bytes(r) + kept
             if trainable:
                 states[r] += (count * layout.numel if policy.whole_grad else numel) * g  # stage 1: whole
@@ -245,7 +251,7 @@ def plan_module(
     )
     trainable = sum(p.layout.numel for p in plans if p.requires_grad)
     unsharded = RankBytes(
-        -1, sum(sum(p.stored_bytes(r) for r in range(world_size)) if p.layout.gathered
+        -1, sum(sum(p.stored_bytes(r) for r in range(p.layout.num_shards)) if p.layout.gathered
                 else p.stored_bytes(0) for p in plans), _whole(unsharded_grads),
         _whole(trainable * optim_bytes),
     )

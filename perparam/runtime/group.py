@@ -1,5 +1,5 @@
-"""One ``fully_shard`` call's parameters: one all-gather per unshard whatever the mix of dtypes,
-quantizations and placements; one reduce-scatter per distinct reduce dtype.
+"""One ``fully_shard`` call's parameters: one all-gather per mesh per unshard whatever the mix of dtypes,
+quantizations and placements; one reduce-scatter per (mesh, reduce dtype).
 
 The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` is in
 ``perparam.runtime.state``; its iteration context (``perparam.runtime.context``, which hands the group its buffer pool) is
@@ -20,6 +20,7 @@ from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
 from . import config, partial, zero
+from .meshes import split_by_mesh
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
@@ -32,22 +33,32 @@ class ParamGroup:
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
     ``modules``: the module(s) given to the call. ``params``: their managed parameters in registration
-    order. The all-gather runs over the shard axis; on a 2D mesh gradients are reduce-scattered over the
-    shard axis and then all-reduced over the replicate axis (HSDP). Replicated parameters are never
-    gathered; their gradients are all-reduced over every data-parallel rank.
+    order, whatever their mesh. The all-gather runs over the shard axis; on a 2D mesh gradients are
+    reduce-scattered over the shard axis and then all-reduced over the replicate axis (HSDP). Replicated
+    parameters are never gathered; their gradients are all-reduced over every data-parallel rank.
+
+    Parameters on another mesh (``ParamPolicy.mesh``) belong to a *companion* group per mesh
+    (``companions``, in ``perparam.runtime.meshes``' fixed order), which this group drives from each entry
+    point (``start_unshard``, ``wait_unshard``, ``free``, ``reduce_grads``, ``advance_reduce``, ``stale``,
+    ``pool_bytes``, ...): one all-gather per mesh, one reduce-scatter per (mesh, reduce dtype). A
+    companion's ``driver`` is this group, whose settings (divide factor, hooks, custom collectives,
+    ``requires_all_reduce``), pool and context it uses. ``members``: the parameters on ``mesh``.
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
                  reshard_after_forward: bool, mp_policy, gradient_divide_factor: float | None = None,
-                 auto_reshard_after_forward: bool = False) -> None:
+                 auto_reshard_after_forward: bool = False, driver: ParamGroup | None = None) -> None:
         self.modules = modules
         self.params = params
         self.mesh = mesh
         self.mp_policy = mp_policy
+        self.driver = driver or self
+        own, others = split_by_mesh(params, mesh)
+        self.members = own  # the parameters on ``mesh``: the ones this group's own collectives carry
         self.num_shards = mesh.size(mesh.ndim - 1)
         self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
-        self.gathered = [p for p in params if p.layout.gathered]
-        self.replicated = [p for p in params if not p.layout.gathered]
+        self.gathered = [p for p in own if p.layout.gathered]
+        self.replicated = [p for p in own if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
         self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
@@ -76,8 +87,8 @@ class ParamGroup:
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
-        self.ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
-        self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
+        self._ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
+        self._pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
         self.islands: list = []  # perparam.runtime.islands.Island: modules computing in their own dtype
@@ -87,6 +98,26 @@ class ParamGroup:
         self.reduced = False  # this backward's reduction of the group has been issued
         self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
+        self.companions = [ParamGroup(modules, members, other, reshard_after_forward, mp_policy, driver=self)
+                           for other, members in others]
+        self.parts = [self, *self.companions]  # every mesh's group, in the fixed order
+
+    # A companion uses its driver's context and pool (``IterationContext.take`` hands them to the driver).
+    @property
+    def ctx(self):
+        return self.driver._ctx
+
+    @ctx.setter
+    def ctx(self, value) -> None:
+        self._ctx = value
+
+    @property
+    def pool(self) -> BufferPool:
+        return self.driver._pool
+
+    @pool.setter
+    def pool(self, value: BufferPool) -> None:
+        self._pool = value
 
     # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
     # destroy_process_group() (the module tree holds groups until interpreter exit) was seen to abort the
@@ -114,7 +145,8 @@ class ParamGroup:
         """How collectives and errors name the group: creation index, path below the root, classes,
         parameters (the index tells apart groups of equal classes and shapes in debug mode)."""
         where = f" '{self.path}'" if self.path else ""
-        return f"group #{self.index}{where} [{self.name}] ({', '.join(p.fqn for p in self.params)})"
+        on = "" if self.driver is self else f" on mesh {self.mesh.mesh.tolist()} of group #{self.driver.index}"
+        return f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.members)})"
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
@@ -138,16 +170,16 @@ class ParamGroup:
     # -- unshard / reshard ------------------------------------------------------------------------------
     @property
     def storage_alive(self) -> bool:
-        """The unsharded storage is filled (or being filled by an all-gather in flight)."""
-        return self._alive or self._pending_gather is not None
+        """The unsharded storage is filled (or being filled by an all-gather in flight), on any mesh."""
+        return any(part._alive or part._pending_gather is not None for part in self.parts)
 
     def pending_gather(self):
-        """The all-gather in flight (an opaque token), or ``None``."""
-        return self._pending_gather
+        """The all-gather in flight (an opaque token: the first mesh's in flight), or ``None``."""
+        return next((part._pending_gather for part in self.parts if part._pending_gather is not None), None)
 
     def _versions(self) -> tuple[int, ...]:
         versions = []
-        for p in self.params:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_()) and
+        for p in self.members:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_()) and
             # the steps of the optimizers holding it (foreach updates bump neither version); kept copies
             # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
             if not p.kept:
@@ -159,7 +191,7 @@ class ParamGroup:
         parameters stepped (foreach updates do not bump a DTensor's version) or an in-place update
         bumped a sharded parameter's or its local shard's version since the all-gather. Not detected:
         ``torch._foreach_*`` called by hand on DTensors and writes through ``.data``."""
-        return self._alive and self._versions() != self._gathered_versions
+        return any(part._alive and part._versions() != part._gathered_versions for part in self.parts)
 
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
@@ -167,7 +199,10 @@ class ParamGroup:
         of the send row for K > 2), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
         K > 2, its ``[K, n]`` receive buffer (``n``: padded local elements plus used flags; for K = 2 the
         peer's piece arrives in the output, ``perparam.comm.collectives``). Counts every sharded parameter,
-        trainable or not (an upper bound)."""
+        trainable or not (an upper bound). With parameters on several meshes: the sum over the meshes."""
+        return sum(part._pool_bytes() for part in self.parts)
+
+    def _pool_bytes(self) -> int:
         k = self.num_shards
         if k == 1:
             return 0
@@ -185,9 +220,11 @@ class ParamGroup:
     @property
     def divisor(self) -> float | int:
         """What a reduced gradient (the sum over the mesh's ranks) is divided by: the gradient divide factor,
-        by default the mesh's size (``num_shards * num_replicas``)."""
-        factor = self.gradient_divide_factor
-        return self.num_shards * self.num_replicas if factor is None else factor
+        by default the call's mesh size (``num_shards * num_replicas`` of the driver), also for the
+        parameters on another mesh: the number of ranks whose losses are averaged."""
+        driver = self.driver
+        factor = driver.gradient_divide_factor
+        return driver.num_shards * driver.num_replicas if factor is None else factor
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -201,8 +238,13 @@ class ParamGroup:
 
     @torch.no_grad()
     def start_unshard(self) -> None:
-        """Issue the group's all-gather without waiting for it (a prefetch); ``wait_unshard`` finishes it."""
-        if not self.params or self._pending_gather is not None:
+        """Issue the group's all-gathers (one per mesh, in the fixed order) without waiting for them (a
+        prefetch); ``wait_unshard`` finishes them."""
+        for part in self.parts:
+            part._start_unshard()
+
+    def _start_unshard(self) -> None:
+        if not self.members or self._pending_gather is not None:
             return
         versions = self._versions()  # one pass over the parameters per unshard
         fresh = versions == self._gathered_versions  # the shards unchanged since last gathered
@@ -216,7 +258,8 @@ class ParamGroup:
         # hpZ: the rows kept after forward serve only an all-gather of the same members (same layout)
         secondary = self.hpz is not None and self.hpz.usable(fresh and layout is self._hpz_layout, self.pool)
         if secondary:  # hpZ: the rows kept after forward, all-gathered over the secondary group
-            rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather, self.all_gather_comm)
+            rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather,
+                                   self.driver.all_gather_comm)
             self._pending_gather = (None, rows, members, layout)
             return
         device = members[0].local_shard().device
@@ -234,13 +277,17 @@ class ParamGroup:
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
         rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
-                                           gloo=config.current().gloo_all_gather, comm=self.all_gather_comm)
+                                           gloo=config.current().gloo_all_gather, comm=self.driver.all_gather_comm)
         self._pending_gather = (send, rows, members, layout)
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
-        """Wait for the all-gather in flight and copy its rows out, rank by rank: straight into the padded
+        """Wait for the all-gathers in flight and copy their rows out, rank by rank: straight into the padded
         buffers of plain parameters, through scratch pieces (dequantized) for quantized ones."""
+        for part in self.parts:
+            part._wait_unshard()
+
+    def _wait_unshard(self) -> None:
         if self._pending_gather is None:
             return
         send, rows, members, layout = self._pending_gather
@@ -324,14 +371,15 @@ class ParamGroup:
     def free(self, keep_secondary: bool = False) -> None:
         """Release the unsharded storage (no communication; an all-gather in flight is finished first).
         ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
-        if self._pending_gather is not None:
-            self.wait_unshard()
-        if self.hpz is not None and not keep_secondary:
-            self.hpz.drop(self.pool)
-        for p in self.params:
-            if not p.kept:  # stage 1/2 keep theirs across steps
-                p.free()
-        self._alive = False
+        for part in self.parts:
+            if part._pending_gather is not None:
+                part._wait_unshard()
+            if part.hpz is not None and not keep_secondary:
+                part.hpz.drop(part.pool)
+            for p in part.members:
+                if not p.kept:  # stage 1/2 keep theirs across steps
+                    p.free()
+            part._alive = False
 
     def check_slots(self) -> None:
         for p in self.params:
@@ -359,7 +407,8 @@ class ParamGroup:
                 p.unsharded.grad = None
             p.grad_acc = None
         self.unsynced = False
-        self.partial_reduce.clear()
+        for part in self.parts:
+            part.partial_reduce.clear()
 
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
@@ -378,7 +427,8 @@ class ParamGroup:
         the replicate-axis all-reduce follows from the queue, in issue order). ``sync=False`` only moves
         the gradients into the reduce-dtype accumulators (gradient accumulation without communication).
         ``defer=True`` returns the reductions still in flight, for ``finish_reduce``; otherwise they are
-        finished here.
+        finished here. Parameters on other meshes: the same per mesh, mesh after mesh in the fixed order,
+        each reduction knowing its mesh's group (``PendingReduce.part``).
         """
         trainable = self.trainable()
         if not sync:
@@ -387,6 +437,18 @@ class ParamGroup:
             self.unsynced = bool(trainable)
             return []
         self.unsynced = False
+        pending = [item for part in self.parts for item in part._reduce(part.trainable_members())]
+        if not defer:
+            for item in pending:
+                self.finish_reduce(item)
+            return []
+        return pending
+
+    def trainable_members(self) -> list[ShardedParam]:
+        return [p for p in self.members if p.sharded.requires_grad]
+
+    def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
+        """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""
         sharded: dict[torch.dtype, list] = defaultdict(list)
         replicated: dict[torch.dtype, list] = defaultdict(list)
         for p in trainable:
@@ -403,13 +465,13 @@ class ParamGroup:
             # [K, sum(padded_local_numel) + len(params)]
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
-            comm = self.reduce_scatter_comm
+            comm = self.driver.reduce_scatter_comm
             recv = (comm.allocate((total,), dtype=dtype, device=send.device) if comm is not None
                     else send.new_empty(total))
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
                                                   what=f"{self._what} [{dtype}]", pool=self.pool,
                                                   gloo=config.current().gloo_reduce_scatter, comm=comm)
-            pending.append(PendingReduce(work, send, recv, params, offsets))
+            pending.append(PendingReduce(work, send, recv, params, offsets, part=self))
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
@@ -419,11 +481,7 @@ class ParamGroup:
             # from the queue in issue order, as the sharded reductions' are (same order on every rank)
             work = collectives.all_reduce_sum(flat, self.reduce_shard_pg, async_op=True,
                                               what=f"{self._what} replicated [{dtype}]")
-            pending.append(PendingReduce(work, None, flat, params, (), replicated=True))
-        if not defer:
-            for item in pending:
-                self.finish_reduce(item)
-            return []
+            pending.append(PendingReduce(work, None, flat, params, (), replicated=True, part=self))
         return pending
 
     @torch.no_grad()
@@ -434,7 +492,12 @@ class ParamGroup:
         rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
         stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
         returns whether the reduction is complete. Callers advance reductions in the order they were
-        issued, so the all-reduces are issued in the same order on every rank."""
+        issued, so the all-reduces are issued in the same order on every rank. A reduction of another mesh
+        is advanced by that mesh's group (``item.part``)."""
+        part = item.part if item.part is not None else self
+        return part._advance(item, block)
+
+    def _advance(self, item: PendingReduce, block: bool) -> bool:
         if item.stage == 0:
             if item.work is not None and not (block or item.work.is_completed()):
                 return False
@@ -457,7 +520,7 @@ class ParamGroup:
             item.work.wait()
             item.work = None
         if item.stage == 1 and not item.discard:
-            if self.all_reduce_hook is not None and not block:
+            if self.driver.all_reduce_hook is not None and not block:
                 return False  # a user hook may issue collectives: it runs in the final callback, in issue order
             self._accumulate(item)
         item.stage = 2
@@ -470,8 +533,8 @@ class ParamGroup:
         recv, n = item.recv, len(item.params)
         flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before any hook or division
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(grads)
+        if self.driver.all_reduce_hook is not None:
+            self.driver.all_reduce_hook(grads)
         grads.div_(self.divisor)
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
             pieces = grads.split([p.layout.numel for p in item.params])

@@ -28,7 +28,7 @@ def hold(group, item: PendingReduce) -> bool:
     """After ``item``'s shard-axis reduction finished on an HSDP group: when the group does not all-reduce
     now, add its output to the held sum and return ``True`` (the reduction is complete: nothing is
     accumulated into ``.grad``); otherwise return ``False``."""
-    if group.requires_all_reduce or item.discard:
+    if group.driver.requires_all_reduce or item.discard:
         return False
     held = group.partial_reduce.get(_key(item))
     if held is None:

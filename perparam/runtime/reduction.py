@@ -31,6 +31,7 @@ class PendingReduce:
     stage: int = 0  # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
+    part: object = None  # the ParamGroup of the mesh it runs on (a companion, for a parameter's own mesh)
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import DeviceMesh, Placement, Shard  # (DeviceMesh: the type only)
 
 from . import quant as registry
 from .placement import normalize, placement_str, rule
@@ -141,6 +141,16 @@ class ParamPolicy:
     A parameter whose placement resolves to ``Replicate()`` is whole everywhere whatever its stage; an
     explicit ``Replicate()`` with stage 1 or 2 is refused, and so is stage 1 or 2 with
     ``QuantPolicy(store_quantized=True)`` (the kept copy would hold what the stored codes save).
+
+    ``mesh``: the parameter's own data-parallel ``DeviceMesh`` (1D shard, or 2D (replicate, shard) HSDP),
+    e.g. experts on an expert-data-parallel mesh while the rest of the call's module is on the call's mesh
+    (FSDP2's per-parameter meshes); ``None``: the call's mesh. One ``fully_shard`` call then issues one
+    all-gather per mesh per unshard and one reduce-scatter per (mesh, reduce dtype) per reduction. Its
+    reduced gradient (summed over its own mesh's ranks) is divided by the call's divisor: by default the
+    call's mesh size, the number of ranks whose losses are averaged, not its own mesh's size
+    (``docs/mixture-of-experts.md``). ``fully_shard`` refuses (naming the parameter) a mesh of another
+    device type than the call's, of more than 2 dims, without this rank, on a tensor-parallel parameter,
+    or with ``reshard_after_forward=int`` (hpZ).
     """
 
     param_dtype: torch.dtype | None = None
@@ -153,6 +163,7 @@ class ParamPolicy:
     #: where its persistent state lives: an ``OffloadPolicy`` or a tier name (``None``: the call's
     #: ``offload_policy``, else ``"device"``)
     offload: OffloadPolicy | str | None = None
+    mesh: DeviceMesh | None = None
 
 
 #: the ZeRO stages a ``ParamPolicy.zero_stage`` may name
@@ -167,7 +178,8 @@ class ResolvedPolicy:
     ``placement``: the dp placement, concrete (``Shard(d)`` with ``0 <= d < ndim``, or ``Replicate()``;
     ``perparam.sharding.placement.rule`` says what it means). ``stored_dtype``: the
     dtype of the sharded parameter (its ``master_dtype``, else the original dtype), before any stored
-    quantization. ``zero_stage``: 1, 2 or 3 (``ParamPolicy.zero_stage``).
+    quantization. ``zero_stage``: 1, 2 or 3 (``ParamPolicy.zero_stage``). ``mesh``: the parameter's own
+    data-parallel mesh (``ParamPolicy.mesh``), ``None`` for the call's.
     """
 
     param_dtype: torch.dtype
@@ -179,6 +191,7 @@ class ResolvedPolicy:
     zero_stage: int = 3
     #: where its persistent state lives (``OffloadPolicy()``: on the device)
     offload: OffloadPolicy = OffloadPolicy()
+    mesh: DeviceMesh | None = None
 
     @property
     def keeps_unsharded(self) -> bool:
@@ -344,5 +357,8 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
         raise PolicyError(f"parameter '{name}' is frozen, so it has no optimizer state to offload to "
                           f"{tier.tier!r}; drop offload for it, or offload its stored shard with "
                           f"OffloadPolicy({tier.tier!r}, 'all', ...)")
+    if pp.mesh is not None and not isinstance(pp.mesh, DeviceMesh):
+        raise PolicyError(f"ParamPolicy.mesh of '{name}' must be a torch.distributed.device_mesh.DeviceMesh "
+                          f"(1D, or 2D (replicate, shard)) or None for the call's mesh, got {type(pp.mesh).__name__}")
     return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage,
-                          tier)
+                          tier, pp.mesh)

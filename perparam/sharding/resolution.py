@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Shard  # (DeviceMesh: the type only)
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
@@ -96,6 +96,9 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
     pp = _pick(name, p, param_policy, names)
     if pp is not None and not isinstance(pp, ParamPolicy):
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+    if pp is not None and isinstance(pp.mesh, DeviceMesh):  # "auto" picks for its own shard axis (another
+        # type is refused by ``policy.resolve``)
+        num_shards = shard_count(pp.mesh, num_shards)
     if compute_dtype is not None and p.is_floating_point():
         pp = pp or ParamPolicy()
         if pp.param_dtype is not None and pp.param_dtype != compute_dtype:
@@ -113,6 +116,12 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
                               "Replicate() or 'auto'")
         pp = _auto(name, pp, p, num_shards, replicate_below, tensor_parallel)
     return resolve(name, p, mp, pp, p.dim(), offload)
+
+
+def shard_count(mesh, default: int) -> int:
+    """K of a parameter: the size of ``mesh``'s shard axis (its last), or ``default`` (the call's K) when
+    ``mesh`` is ``None``. Reads the mesh's shape only (no process group)."""
+    return default if mesh is None else mesh.size(mesh.ndim - 1)
 
 
 def shard_layout(shape: Sequence[int], policy: ResolvedPolicy,
@@ -187,7 +196,8 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
                    tensor_parallel: Collection[str] = (),
                    compute_dtypes: Mapping[str, torch.dtype] | None = None,
                    offload: OffloadPolicy | None = None) -> list[ParamResolution]:
-    """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks.
+    """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks
+    (``num_shards``; a parameter whose ``ParamPolicy.mesh`` is set is laid out for that mesh's shard axis).
 
     ``named``: ``(name, parameter)`` pairs, names relative to the module given (as ``fully_shard`` names
     them); under TP a parameter is its tp DTensor, or (``perparam plan``) a tensor of its tp-local shape
@@ -214,7 +224,7 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
         if on_tp and policy.quant is not None and policy.quant.store_quantized:
             raise PolicyError(f"parameter '{name}' is tensor-parallel; store_quantized is not supported for "
                               "tensor-parallel parameters: quantize its communication only")
-        layout, pieces = shard_layout(dp_shape(p), policy, num_shards)
+        layout, pieces = shard_layout(dp_shape(p), policy, shard_count(policy.mesh, num_shards))
         out.append(ParamResolution(name, policy, layout, pieces))
     return out
 

@@ -1,0 +1,113 @@
+"""A parameter's mesh as part of its policy (``ParamPolicy(mesh=...)``): one ``fully_shard`` call over a
+MoE block whose dense parameters are on the 2-rank mesh and whose expert is on a 1-rank expert-data-parallel
+mesh (EP = 2 on 2 ranks) trains as one process with the default divisor (the call's mesh size), issues
+one all-gather per mesh and one reduce-scatter per (mesh, reduce dtype), clips by the true global norm
+and is planned to the byte; bad meshes are refused naming the parameter."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import perparam
+from perparam import CommCounter, ParamPolicy
+from perparam.memory.measure import model_state_bytes
+from perparam.memory.plan import plan_module
+from tests.distributed import run_distributed
+from tests.moe_helpers import (
+    TOKENS,
+    ExpertParallelMoE,
+    assert_matches,
+    batches,
+    build,
+    make_optimizer,
+    reference,
+)
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _moe(rank: int, ep_group=None) -> nn.Module:
+    pre, experts, post = build()
+    return ExpertParallelMoE(pre, experts[rank], post, group=ep_group)
+
+
+def moe_one_call(rank: int, world_size: int) -> dict:
+    """EP = 2 on 2 ranks: ``pre``/``post`` on the 2-rank mesh, this rank's expert on its 1-rank edp mesh,
+    one ``fully_shard`` call, no divide factor. Per optimizer: gradients, parameters, collectives per step;
+    the clipped norm; planned against live bytes."""
+    dp = init_device_mesh("cpu", (2,))
+    edp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))["edp"]
+    policy = {"expert.*": ParamPolicy(mesh=edp)}
+    out = {}
+    for name in OPTIMIZERS:
+        model = _moe(rank)
+        perparam.fully_shard(model, mesh=dp, param_policy=policy)
+        opt = make_optimizer(model.parameters(), name)
+        named = {n.replace("expert.", f"experts.{rank}."): p for n, p in model.named_parameters()}
+        grads, counts, norm = None, [], None
+        for x, y, route in batches(2):
+            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            with CommCounter() as comm:
+                F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
+            counts.append(Counter((r.kind, r.group_size) for r in comm.records))
+            if grads is None:
+                grads = {n: p.grad.full_tensor() for n, p in named.items()}
+                norm = float(perparam.clip_grad_norm_(model.parameters(), 1e6))
+            opt.step()
+            if name == "adamw":  # live bytes: shards, their .grads (padded, plus used flags) and AdamW state
+                out["live"] = model_state_bytes(model, opt).as_dict()
+                out["live"]["steps"] = sum(1 for s in opt.state.values() if "step" in s)
+            opt.zero_grad()
+        out[name] = {"grads": grads, "params": {n: p.full_tensor().clone() for n, p in named.items()},
+                     "counts": counts, "norm": norm}
+    # the planner: the same bytes as the live shards
+    with torch.device("meta"):
+        meta = _moe(rank)
+    plan = plan_module(meta, 2, dtype=None, optim_bytes=8, param_policy=policy)
+    want = plan.rank(rank)
+    out["planned"] = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
+    return out
+
+
+@functools.cache
+def _one_call_results() -> tuple[dict, ...]:
+    return tuple(run_distributed(moe_one_call, 2))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_experts_on_their_own_mesh_in_one_call_match_one_process_with_the_default_divisor(optimizer):
+    want = reference(optimizer)
+    for got in _one_call_results():
+        assert_matches(got[optimizer]["grads"], want["grads"])
+        assert_matches(got[optimizer]["params"], want["params"])
+
+
+def test_one_call_issues_one_all_gather_per_mesh_and_one_reduce_scatter_per_mesh_and_dtype():
+    # the root keeps its gathered parameters into backward: per step one all-gather of the dense
+    # parameters over 2 ranks and one of the expert over 1, one reduce-scatter each
+    want = Counter({("all_gather", 2): 1, ("all_gather", 1): 1, ("reduce_scatter", 2): 1, ("reduce_scatter", 1): 1})
+    for got in _one_call_results():
+        assert all(step == want for step in got["sgd"]["counts"]), got["sgd"]["counts"]
+
+
+def test_clip_grad_norm_of_the_one_call_model_is_the_true_norm_on_every_rank():
+    grads = reference("sgd")["grads"]
+    true = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    norms = [got["sgd"]["norm"] for got in _one_call_results()]
+    assert norms[0] == norms[1]
+    assert abs(norms[0] - true) < 1e-5, (norms, true)
+
+
+def test_the_plan_of_a_per_parameter_mesh_equals_the_live_bytes():
+    for got in _one_call_results():  # the expert whole on each rank, the dense parameters halved
+        want, live = got["planned"], got["live"]
+        assert live["params"] == want["params"], (live, want)
+        assert live["optimizer"] == want["optimizer"] + 4 * live["steps"], (live, want)  # + a 4-byte step each
+        assert live["grads"] >= want["grads"], (live, want)  # + padding and used flags
