@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import perparam
 from perparam import CommCounter, ParamPolicy
@@ -73,6 +74,61 @@ def moe_one_call(rank: int, world_size: int) -> dict:
     plan = plan_module(meta, 2, dtype=None, optim_bytes=8, param_policy=policy)
     want = plan.rank(rank)
     out["planned"] = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
+    out["errors"] = bad_meshes(rank)
+    return out
+
+
+def moe_ep2_edp2(rank: int, world_size: int) -> dict:
+    """4 ranks, (ep, edp) = (2, 2): ``pre``/``post`` on the 4-rank mesh, expert e sharded over the 2 edp
+    ranks of ep coordinate e, tokens routed over the ep group; one call, no divide factor, SGD. Also the
+    hpZ refusal (K = 4 is the smallest shard axis with an hpZ size)."""
+    dp = init_device_mesh("cpu", (4,))
+    ep_edp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
+    expert = ep_edp.get_coordinate()[0]
+    pre, experts, post = build()
+    model = ExpertParallelMoE(pre, experts[expert], post, group=ep_edp.get_group("ep"))
+    perparam.fully_shard(model, mesh=dp, param_policy={"expert.*": ParamPolicy(mesh=ep_edp["edp"])})
+    opt = make_optimizer(model.parameters(), "sgd")
+    named = {n.replace("expert.", f"experts.{expert}."): p for n, p in model.named_parameters()}
+    counts = []
+    for x, y, route in batches(4):
+        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        with CommCounter() as comm:
+            F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
+        counts.append(Counter((r.kind, r.group_size) for r in comm.records))
+        opt.step()
+        opt.zero_grad()
+    try:
+        perparam.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), mesh=dp, reshard_after_forward=2,
+                             param_policy={"1.weight": ParamPolicy(mesh=ep_edp["edp"])})
+        hpz = "no error"
+    except perparam.ShardingError as e:
+        hpz = str(e)
+    return {"params": {n: p.full_tensor().clone() for n, p in named.items()}, "counts": counts, "hpz": hpz}
+
+
+def bad_meshes(rank: int) -> dict[str, str]:
+    """Each bad ``ParamPolicy.mesh`` given to ``1.weight``: the ``ShardingError`` message, or "no error"."""
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    cases = {
+        "device_type": DeviceMesh("meta", torch.tensor([rank]), _init_backend=False),
+        "3d": DeviceMesh("cpu", torch.tensor([[[rank]]]), _init_backend=False),
+        "not_this_rank": DeviceMesh("cpu", torch.tensor([1 - rank]), _init_backend=False),
+        "tensor_parallel": DeviceMesh("cpu", torch.tensor([rank]), _init_backend=False),
+        "not_a_mesh": "edp",
+    }
+    out = {}
+    for case, bad in cases.items():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        if case == "tensor_parallel":
+            model[1].weight = nn.Parameter(distribute_tensor(model[1].weight.detach(), tp, [Shard(0)]))
+        try:
+            perparam.fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
+                                 param_policy={"1.weight": ParamPolicy(mesh=bad)})
+            out[case] = "no error"
+        except perparam.ShardingError as e:
+            out[case] = str(e)
+        out[case + "_unchanged"] = not isinstance(model, perparam.ShardedModule)
     return out
 
 
@@ -111,3 +167,27 @@ def test_the_plan_of_a_per_parameter_mesh_equals_the_live_bytes():
         assert live["params"] == want["params"], (live, want)
         assert live["optimizer"] == want["optimizer"] + 4 * live["steps"], (live, want)  # + a 4-byte step each
         assert live["grads"] >= want["grads"], (live, want)  # + padding and used flags
+
+
+def test_four_ranks_with_experts_sharded_over_a_two_rank_edp_mesh_match_one_process():
+    want = reference("sgd", ranks=4)["params"]
+    # per step: one all-gather and one reduce-scatter over the 4-rank mesh and over the 2-rank edp mesh
+    counts = Counter({("all_gather", 4): 1, ("all_gather", 2): 1, ("reduce_scatter", 4): 1, ("reduce_scatter", 2): 1})
+    for got in run_distributed(moe_ep2_edp2, 4):
+        assert_matches(got["params"], want)
+        assert all(step == counts for step in got["counts"]), got["counts"]
+        assert "'1.weight'" in got["hpz"] and "reshard_after_forward=2 (hpZ) is not supported" in got["hpz"], got["hpz"]
+
+
+@pytest.mark.parametrize("case,says", [
+    ("device_type", "'meta' mesh but the call's mesh is 'cpu'"),
+    ("3d", "1 axis (shard) or 2 (replicate, shard)"),
+    ("not_this_rank", "does not hold this rank"),
+    ("tensor_parallel", "tensor-parallel parameter on another data-parallel mesh"),
+    ("not_a_mesh", "must be a torch.distributed.device_mesh.DeviceMesh"),
+])
+def test_a_bad_param_mesh_is_refused_at_fully_shard_naming_the_parameter(case, says):
+    for got in _one_call_results():
+        message = got["errors"][case]
+        assert "'1.weight'" in message and says in message, message
+        assert got["errors"][case + "_unchanged"]
