@@ -74,6 +74,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             backward all-gather runs over k' consecutive shard ranks (e.g. those of one node) instead of
             K (``perparam.runtime.hpz``, ``docs/hpz.md``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.sharding.policy``.
+            ``ParamPolicy(mesh=...)`` shards a parameter on its own data-parallel mesh (e.g. experts on an
+            expert-data-parallel mesh): one all-gather per mesh per unshard and one reduce-scatter per
+            (mesh, reduce dtype) per reduction (``perparam.runtime.meshes``, ``docs/mixture-of-experts.md``).
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
             casts its inputs and outputs (a precision island, ``perparam.runtime.islands``); a norm with running
             statistics (BatchNorm, InstanceNorm with ``track_running_stats``) computes in their dtype.
@@ -83,7 +86,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             passed to every call.
         gradient_divide_factor: what this call's reduced gradients are divided by. A reduction sums a
             gradient over the ranks of ``mesh`` (both axes on a 2D mesh, and for ``Replicate()``
-            parameters too); ``None`` (the default) divides by the mesh's size, the mean over its ranks.
+            parameters too; over its own mesh for a parameter with ``ParamPolicy(mesh=...)``); ``None``
+            (the default) divides by ``mesh``'s size, the mean over its ranks, for every parameter of the
+            call, those on another mesh included (the number of ranks whose losses are averaged: experts
+            on an expert mesh in the call's policy need no factor).
             When the loss is the mean over more ranks than ``mesh`` has (experts on their own mesh,
             ``docs/mixture-of-experts.md``), pass the number of ranks whose losses are averaged (the
             data-parallel degree of the dense part). Same meaning as FSDP2's
@@ -98,7 +104,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         ShardingError: a 0-dim parameter, a parameter tied to another call's group, a module already
             sharded, a mesh of more than 2 dims or a 2D mesh without axis names, a non-floating-point
             parameter that requires grad, a policy that cannot apply (named in the message), a
-            tensor-parallel parameter that cannot compose with ``mesh``, a module whose own parameters
+            tensor-parallel parameter that cannot compose with ``mesh``, a ``ParamPolicy.mesh`` of another
+            device type than ``mesh``'s, of more than 2 dims, without this rank, on a tensor-parallel
+            parameter or with ``reshard_after_forward=int`` (named with the parameter), a module whose own
+            parameters
             compute in two dtypes, ``ignored_params`` that is not a collection of tensors, a
             ``gradient_divide_factor`` that is not a positive finite number, a parameter with a hook from
             ``register_hook`` (it could never fire), an uninitialised (Lazy)

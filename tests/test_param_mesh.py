@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 import perparam
 from perparam import CommCounter, ParamPolicy
@@ -74,7 +74,18 @@ def moe_one_call(rank: int, world_size: int) -> dict:
     plan = plan_module(meta, 2, dtype=None, optim_bytes=8, param_policy=policy)
     want = plan.rank(rank)
     out["planned"] = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
-    out["errors"] = bad_meshes(rank)
+    out["errors"] = bad_meshes(rank, dp)
+    # two reduce dtypes on each mesh: one reduce-scatter per (mesh, reduce dtype)
+    bf16 = torch.bfloat16
+    model = _moe(rank)
+    perparam.fully_shard(model, mesh=dp, param_policy={"expert.bias": ParamPolicy(mesh=edp, reduce_dtype=bf16),
+                                                       "expert.weight": ParamPolicy(mesh=edp),
+                                                       "pre.bias": ParamPolicy(reduce_dtype=bf16)})
+    x, y, route = batches(2)[0]
+    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    with CommCounter() as comm:
+        F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
+    out["dtype_counts"] = Counter((r.kind, r.group_size, r.dtype) for r in comm.records)
     return out
 
 
@@ -107,9 +118,10 @@ def moe_ep2_edp2(rank: int, world_size: int) -> dict:
     return {"params": {n: p.full_tensor().clone() for n, p in named.items()}, "counts": counts, "hpz": hpz}
 
 
-def bad_meshes(rank: int) -> dict[str, str]:
-    """Each bad ``ParamPolicy.mesh`` given to ``1.weight``: the ``ShardingError`` message, or "no error"."""
-    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+def bad_meshes(rank: int, dp: DeviceMesh) -> dict[str, str]:
+    """Each bad ``ParamPolicy.mesh`` given to ``1.weight`` of a call on ``dp``: the ``ShardingError``
+    message, or "no error"."""
+    tp = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("tp",), _init_backend=False)  # only a DTensor's mesh
     cases = {
         "device_type": DeviceMesh("meta", torch.tensor([rank]), _init_backend=False),
         "3d": DeviceMesh("cpu", torch.tensor([[[rank]]]), _init_backend=False),
@@ -121,10 +133,10 @@ def bad_meshes(rank: int) -> dict[str, str]:
     for case, bad in cases.items():
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         if case == "tensor_parallel":
-            model[1].weight = nn.Parameter(distribute_tensor(model[1].weight.detach(), tp, [Shard(0)]))
+            local = model[1].weight.detach()[rank:rank + 1]
+            model[1].weight = nn.Parameter(DTensor.from_local(local, tp, [Shard(0)], run_check=False))
         try:
-            perparam.fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
-                                 param_policy={"1.weight": ParamPolicy(mesh=bad)})
+            perparam.fully_shard(model, mesh=dp, param_policy={"1.weight": ParamPolicy(mesh=bad)})
             out[case] = "no error"
         except perparam.ShardingError as e:
             out[case] = str(e)
@@ -151,6 +163,16 @@ def test_one_call_issues_one_all_gather_per_mesh_and_one_reduce_scatter_per_mesh
     want = Counter({("all_gather", 2): 1, ("all_gather", 1): 1, ("reduce_scatter", 2): 1, ("reduce_scatter", 1): 1})
     for got in _one_call_results():
         assert all(step == want for step in got["sgd"]["counts"]), got["sgd"]["counts"]
+
+
+def test_one_reduce_scatter_per_mesh_and_reduce_dtype():
+    f32, bf16 = torch.float32, torch.bfloat16
+    want = Counter({("reduce_scatter", 2, f32): 1, ("reduce_scatter", 2, bf16): 1, ("reduce_scatter", 1, f32): 1,
+                    ("reduce_scatter", 1, bf16): 1})
+    for got in _one_call_results():
+        reductions = Counter({k: n for k, n in got["dtype_counts"].items() if k[0] == "reduce_scatter"})
+        assert reductions == want, got["dtype_counts"]
+        assert sum(n for k, n in got["dtype_counts"].items() if k[0] == "all_gather") == 2  # one per mesh
 
 
 def test_clip_grad_norm_of_the_one_call_model_is_the_true_norm_on_every_rank():
