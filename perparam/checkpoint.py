@@ -265,6 +265,7 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
                     opt_state[name] = entries
         manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
     _check_same_on_every_rank(state, extra)
+    state = _per_mesh_keys(state)
     manifest = json.loads(json.dumps(manifest))  # a copy: later changes to extra or the options stay out
     token = _from_rank0(uuid.uuid4().hex[:12])
     tmp = path.parent / f".{path.name}.tmp-{token}"
@@ -295,6 +296,28 @@ def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None)
         for stale in _series(path)[:-keep]:
             if stale != path:
                 shutil.rmtree(stale, ignore_errors=True)
+
+
+def _mesh_renames(state: dict) -> dict[str, str]:
+    """Key -> the key DCP stores it under, for each DTensor that is a different tensor on different ranks: the
+    same name on meshes of other ranks (experts of expert parallelism, each rank's on its own mesh,
+    ``ParamPolicy(mesh=...)``). DCP would take them for one tensor and keep one rank's copy; each is stored
+    as ``<key>@ranks=<its mesh's ranks>`` instead, so a load with the same layout reads each back (another
+    layout finds no such key: an error, never another rank's values). A collective on every rank (one
+    ``all_gather_object``); ``{}`` on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    mine = {k: tuple(v.device_mesh.mesh.flatten().tolist()) for k, v in state.items() if isinstance(v, DTensor)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: f"{k}@ranks={'-'.join(map(str, ranks))}" for k, ranks in mine.items()
+            if len({o[k] for o in everyone if k in o}) > 1}
+
+
+def _per_mesh_keys(state: dict) -> dict:
+    """``state`` with the keys of per-rank-mesh DTensors renamed (``_mesh_renames``): the same tensors."""
+    renames = _mesh_renames(state)
+    return {renames.get(k, k): v for k, v in state.items()}
 
 
 def _check_same_on_every_rank(state: dict, extra: dict) -> None:
@@ -437,6 +460,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                             state[key] = targets[f"optim.{name}.{key}"] = torch.zeros(
                                 info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
                     restore.append((p, state))
+    per_mesh = _per_mesh_keys(targets)  # the same tensors as ``targets``, under the keys ``save`` wrote
     try:  # DCP's own metadata, read safely, before anything is touched
         _SafeReader(path).read_metadata()
     except CheckpointError as e:
@@ -448,7 +472,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise CheckpointError(f"checkpoint {path} does not match: {shown}. Nothing was loaded")
     try:
         with _single_process_quiet():
-            dcp.load(targets, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
+            dcp.load(per_mesh, storage_reader=_SafeReader(path), no_dist=not dist.is_initialized())
     except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
