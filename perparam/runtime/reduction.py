@@ -31,6 +31,7 @@ class PendingReduce:
     stage: int = 0  # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
+    kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,
