@@ -17,6 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import perparam
 from perparam import CommCounter, ParamPolicy, QuantPolicy
+from perparam.memory.plan import plan_module
 from perparam.sharding.grad_quant import grad_wire, wire_bytes
 from perparam.sharding.policy import resolve_grad_quant
 from tests.distributed import c10d_calls, run_distributed
@@ -115,6 +116,10 @@ def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds(worl
                                                                              (3, 5), (3, 1), (3, 3), (3, 1))]
     assert results[0]["bytes"] == world_size * grad_wire(layouts, resolve_grad_quant("w",
         "int8")).row_bytes
+    # the planner counts the bytes the runtime sent, and the fp32 reduce-scatter's
+    plan = plan_module(Net(), world_size, dtype=None, param_policy=ParamPolicy(grad_quant="int8"))
+    assert plan.reduce_scatter_bytes_per_rank == results[0]["bytes"]
+    assert plan.reduce_scatter_bytes_unquantized == results[0]["bytes_fp32"]
 
 
 def test_int8_wire_is_about_a_quarter_of_fp32_for_256_blocks():
