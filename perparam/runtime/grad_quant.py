@@ -54,36 +54,42 @@ def _spread(packed: torch.Tensor, wire: GradWire) -> torch.Tensor:
     return out
 
 
-def encode(packed: torch.Tensor, wire: GradWire, gq: GradQuant, rows: torch.Tensor) -> None:
+def encode(packed: torch.Tensor, wire: GradWire, gq: GradQuant, rows: torch.Tensor) -> torch.Tensor | None:
     """Write the codes and scales of ``packed`` (``[K, sum(numels)]``, the reduce dtype; overwritten when
-    fp32 and unpadded: scratch) into ``rows`` (uint8 ``[K, wire.row_bytes]``)."""
+    fp32 and unpadded: scratch) into ``rows`` (uint8 ``[K, wire.row_bytes]``). Returns the fp32
+    ``[K, wire.total]`` tensor it quantized (``packed`` itself or a new one; its contents are garbage now:
+    ``decode_sum``'s scratch), ``None`` for bf16."""
     k = packed.shape[0]
     q = gq.quantizer
     if q is None:
         _section(rows, 0, 2 * wire.total, torch.bfloat16).copy_(packed)
-        return
+        return None
     x = _spread(packed, wire)
     nblocks = wire.total // gq.block_size
     blocks = x.view(k, nblocks, gq.block_size)
     scales_out = _section(rows, wire.scales_at, wire.scales_bytes, torch.float32)
     if type(q) is Int8Quantizer:  # in place, no temporaries of the gradients' size: the same codes as encode
-        lo, hi = torch.aminmax(blocks, dim=2)
-        amax = torch.maximum(hi, lo.neg_())
+        # amax and amin apart: 2.2 ms on 12.6 MB against 9.3 ms for torch.aminmax (one core)
+        amax = torch.maximum(blocks.amax(dim=2), blocks.amin(dim=2).neg_())
         scales = torch.div(amax, q.qmax, out=scales_out)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
-        blocks.div_(safe).round_().clamp_(-q.qmax, q.qmax)
+        # |x| / (amax / 127) <= 127 up to one rounding, so round() lands in [-127, 127]: no clamp needed
+        blocks.div_(safe).round_()
         _section(rows, 0, wire.total, torch.int8).copy_(x)
-        return
+        return x
     codes, scales = q.encode(blocks, blocks.abs().amax(dim=2))
     stored = q.pack_codes(codes.reshape(k, wire.total))
     _section(rows, 0, stored.shape[1] * stored.element_size(), stored.dtype).copy_(stored)
     scales_out.copy_(scales)
+    return x
 
 
-def decode_sum(rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Tensor) -> None:
+def decode_sum(rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Tensor,
+               scratch: torch.Tensor | None = None) -> None:
     """Decode the K received rows (uint8 ``[K, wire.row_bytes]``, row r from rank r) and write their sum, in
     rank order, into ``out`` (``[sum(numels) + len(numels)]``, the reduce dtype): the pieces, then the
-    summed used flags."""
+    summed used flags. ``scratch``: an fp32 ``[K, wire.total]`` tensor int8 codes are decoded into (saves
+    a fresh allocation: 5.2 against 1.2 ms for 12.6 MB, its page faults)."""
     k, n = rows.shape[0], sum(wire.numels)
     q = gq.quantizer
     if q is None:
@@ -91,7 +97,10 @@ def decode_sum(rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Ten
     else:
         stored = q.codes_per_row(wire.total) * q.codes_dtype.itemsize
         codes = _section(rows, 0, stored, torch.uint8).view(q.codes_dtype)
-        values = q.decode(codes, wire.total)  # a new fp32 [K, total] tensor
+        if type(q) is Int8Quantizer and scratch is not None:  # Int8Quantizer.decode, into the scratch
+            values = scratch.copy_(codes)
+        else:
+            values = q.decode(codes, wire.total)  # a new fp32 [K, total] tensor
         scales = _section(rows, wire.scales_at, wire.scales_bytes, torch.float32)
         values.view(k, -1, gq.block_size).mul_(scales.unsqueeze(2))
     pieces = out.narrow(0, 0, n)
@@ -115,10 +124,12 @@ def decode_sum(rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Ten
 
 class _DecodeAfterExchange:
     """A work handle: once the all-to-all has delivered the K rows, decode and sum them into ``out`` and
-    give the receive buffer back to the pool."""
+    give the receive buffer (unless ``rows`` is the send buffer: K = 1) and the scratch back to ``pool``."""
 
-    def __init__(self, work, rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Tensor, pool) -> None:
+    def __init__(self, work, rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Tensor, pool,
+                 scratch: torch.Tensor | None, give_rows: bool) -> None:
         self.work, self.rows, self.wire, self.gq, self.out, self.pool = work, rows, wire, gq, out, pool
+        self.scratch, self.give_rows = scratch, give_rows
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
@@ -129,10 +140,12 @@ class _DecodeAfterExchange:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        decode_sum(self.rows, self.wire, self.gq, self.out)
-        if self.pool is not None:
+        decode_sum(self.rows, self.wire, self.gq, self.out, self.scratch)
+        if self.give_rows:
             self.pool.give_back(self.rows)
-        self.rows = None
+        if self.scratch is not None:
+            self.pool.give_back(self.scratch)
+        self.rows = self.scratch = None
         return True
 
 
@@ -149,15 +162,16 @@ def issue(group, params: tuple[ShardedParam, ...], grads: tuple[torch.Tensor, ..
     wire = grad_wire([lay.padded_local_numel for lay in layouts], gq)
     packed = pack_reduce_scatter_input(list(grads), k, pool)  # [K, n] in the reduce dtype
     rows = pool.take(k * wire.row_bytes, packed.device).view(k, wire.row_bytes)
-    encode(packed, wire, gq, rows)
+    scratch = encode(packed, wire, gq, rows)
     _section(rows, wire.flags_at, wire.flags_bytes, torch.float32).copy_(
         torch.tensor(used, dtype=torch.float32, device=packed.device))
-    pool.give_back(packed)
+    if scratch is not packed:  # else kept as the decode's scratch, given back after it
+        pool.give_back(packed)
     offsets, total = reduce_scatter_offsets(layouts)
     recv = torch.empty(total, dtype=dtype, device=packed.device)
     codes = torch.bfloat16 if gq.quantizer is None else gq.quantizer.codes_dtype
     work, received = collectives.exchange_rows(rows, group.reduce_shard_pg, pool,
                                                what=f"{group._what} [{dtype} as {gq}]", dtype=codes)
     # K = 1: ``received`` is ``rows`` itself, given back with the reduction's ``send``
-    handle = _DecodeAfterExchange(work, received, wire, gq, recv, None if received is rows else pool)
+    handle = _DecodeAfterExchange(work, received, wire, gq, recv, pool, scratch, received is not rows)
     return PendingReduce(handle, rows, recv, tuple(params), offsets, kind=gq)
