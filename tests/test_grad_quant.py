@@ -18,9 +18,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import perparam
 from perparam import CommCounter, ParamPolicy, QuantPolicy
 from perparam.memory.plan import plan_module
+from perparam.memory.policy_args import parse_param_policy
 from perparam.sharding.grad_quant import grad_wire, wire_bytes
 from perparam.sharding.policy import resolve_grad_quant
 from tests.distributed import c10d_calls, run_distributed
+from tests.finetune_helpers import TINY, assert_one_line_error
 from tests.models import TinyNet, local_slice, make_batches
 
 
@@ -237,3 +239,17 @@ def test_a_custom_reduce_scatter_is_refused_for_a_group_with_grad_quant(mesh):
 
     with pytest.raises(perparam.ShardingError, match=r"\['weight'\] have grad_quant"):
         model.set_custom_reduce_scatter(Comm())
+
+
+def test_plan_and_finetune_flags_name_the_wire_format():
+    assert parse_param_policy("*.weight=grad=int8") == ("*.weight", ParamPolicy(grad_quant="int8"))
+    assert parse_param_policy("mlp.*=bf16,grad=bf16")[1].grad_quant == "bf16"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--grad-quant", "int4"], "--grad-quant int4: expected one of none, int8, bf16"),
+    (["--grad-quant", "int8", "--lora", "8"], "the base weights are frozen"),
+    (["--grad-quant", "int8", "--zero-stage", "1"], "use --zero-stage 2 or 3"),
+])
+def test_finetune_grad_quant_flag_errors_are_one_line(capsys, flags, message):
+    assert_one_line_error(capsys, [*TINY, "--nproc", "1", *flags], message)
