@@ -86,6 +86,8 @@ def bounds_on_ranks(rank: int, world_size: int) -> dict:
     fp32, fp32_comm, _ = _sharded(rank, None, x)
     int8, int8_comm, raw = _sharded(rank, ParamPolicy(grad_quant="int8"), x)
     bf16, _, _ = _sharded(rank, ParamPolicy(grad_quant="bf16"), x)
+    mixed = {"a.*": ParamPolicy(grad_quant="int8"), "b.*": ParamPolicy(grad_quant="bf16")}
+    _, mixed_comm, mixed_raw = _sharded(rank, mixed, x)  # z and u: fp32
     worst = {"int8": 0.0, "bf16": 0.0}
     assert int8.u.weight.grad is None and bf16.u.bias.grad is None  # the used flags travel exact
     for name, g in grads.items():
@@ -104,15 +106,17 @@ def bounds_on_ranks(rank: int, world_size: int) -> dict:
                                .view(dict(int8.named_parameters())[name].grad.to_local().shape))
     return {"rs": int8_comm.count("reduce_scatter"), "rs_fp32": fp32_comm.count("reduce_scatter"),
             "bytes": int8_comm.bytes("reduce_scatter"), "bytes_fp32": fp32_comm.bytes("reduce_scatter"),
-            "raw": raw, "worst": worst}
+            "raw": raw, "worst": worst, "rs_mixed": mixed_comm.count("reduce_scatter"),
+            "a2a_mixed": mixed_raw["all_to_all_single"]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds(world_size):
+def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds_one_collective_per_format(world_size):
     results = run_distributed(bounds_on_ranks, world_size)
     for r in results:  # one reduce-scatter for the group as in fp32; all-to-alls: the all-gather and it
         assert r["rs"] == r["rs_fp32"] == 1
         assert r["raw"]["all_to_all_single"] == 2 and r["raw"]["reduce_scatter_single"] == 0
+        assert r["rs_mixed"] == 3 and r["a2a_mixed"] == 4  # one per wire format: int8, bf16, fp32
     assert len({r["bytes"] for r in results}) == 1  # every rank sends the same bytes
     layouts = [math.ceil(n_rows / world_size) * rest for n_rows, rest in ((30, 40), (30, 1), (2, 4), (2, 1),
                                                                              (3, 5), (3, 1), (3, 3), (3, 1))]
