@@ -82,7 +82,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     if rank == 0:
         print(f"model {name}: {params_total:,} parameters, {llama_cfg.n_layers} layers sharded over {world} "
               f"ranks ({device.type}; {layout}; compute {cfg.param_dtype}, all-gather of the layers' "
-              f"Linear weights {'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}); text "
+              f"Linear weights {'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}"
+              f"{'' if not cfg.grad_quant else f', gradient reduce-scatter {cfg.grad_quant}'}); text "
               f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
               f"rows of {data.seq_len} tokens", flush=True)
         if lora_cfg is not None:
