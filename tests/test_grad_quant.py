@@ -159,7 +159,10 @@ def train_on_ranks(rank: int, world_size: int, policy, steps: int, hsdp: bool, a
     for x, y in make_batches(steps, 8 * accumulate, seed=3):
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         for i, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
-            model.set_requires_gradient_sync(i == accumulate - 1)
+            # micro-batches: without sync, then (HSDP) reduce-scattered but held, then the full reduction
+            model.set_requires_gradient_sync(i == accumulate - 1 or (hsdp and i == accumulate - 2))
+            if hsdp:
+                model.set_requires_all_reduce(i == accumulate - 1)
             loss = F.mse_loss(model(xm), ym)
             loss.backward()
         losses.append(loss.item())
@@ -199,8 +202,8 @@ def _hsdp_policy(name, param):
     return None
 
 
-def test_hsdp_no_sync_accumulation_and_stage_2_with_int8_gradients_keep_sgd_updates_within_1_percent():
-    both = run_distributed(train_both, 4, _hsdp_policy, 3, True, 2, "sgd")
+def test_hsdp_no_sync_held_all_reduce_and_stage_2_with_int8_gradients_keep_sgd_updates_within_1_percent():
+    both = run_distributed(train_both, 4, _hsdp_policy, 3, True, 3, "sgd")
     fp32, int8 = [r["fp32"] for r in both], [r["quantized"] for r in both]
     error = _update_error(int8[0]["params"], fp32[0]["params"])
     print(f"hsdp int8 vs fp32: update error {error:.4f}")
