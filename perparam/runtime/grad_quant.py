@@ -108,7 +108,7 @@ def decode_sum(rows: torch.Tensor, wire: GradWire, gq: GradQuant, out: torch.Ten
     if k > 1 and values.dtype == target.dtype:
         torch.add(values[0], values[1], out=target)
         first = 2
-    else:  # bf16 pieces: each added in the reduce dtype (an add of two bf16 pieces would round to bf16)
+    else:  # pieces of another dtype (bf16): each added in the reduce dtype (bf16 + bf16 would round to bf16)
         target.copy_(values[0])
         first = 1
     for r in range(first, k):
