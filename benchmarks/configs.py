@@ -19,7 +19,8 @@ from torch import nn
 import perparam
 from benchmarks.model import GPT, GPTConfig
 
-CONFIGS = ("bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8")
+CONFIGS = ("bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8",
+           "perparam_int8_grad", "perparam_int8_both")
 DESCRIPTIONS = {
     "bound": "each rank trains its own unsharded replica, no collectives (what compute alone costs)",
     "ddp": "torch DistributedDataParallel",
@@ -28,6 +29,8 @@ DESCRIPTIONS = {
     "perparam": "perparam.fully_shard, wrapped as fsdp2",
     "perparam_bf16": "perparam, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
     "perparam_int8": "perparam, int8-quantized all-gather of the Linear weights",
+    "perparam_int8_grad": "perparam, int8-quantized gradient reduce-scatter of the Linear weights (ZeRO++ qgZ)",
+    "perparam_int8_both": "perparam, int8 all-gather and int8 gradient reduce-scatter of the Linear weights",
 }
 #: ``benchmarks/zero_stages.py``'s configurations beyond ``ddp``, ``fsdp2`` and ``perparam`` (all stage 3)
 ZERO_CONFIGS = ("fsdp2_keep", "perparam_stage1", "perparam_stage2", "perparam_mix")
@@ -37,7 +40,8 @@ DESCRIPTIONS.update({
     "perparam_stage2": "perparam, ParamPolicy(zero_stage=2) on every parameter",
     "perparam_mix": "perparam, embeddings and norms stage 1, attention (qkv, proj) stage 2, MLP and head stage 3",
 })
-SHARDED = ("fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8", *ZERO_CONFIGS)
+SHARDED = ("fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8", "perparam_int8_grad",
+           "perparam_int8_both", *ZERO_CONFIGS)
 LR = 1e-3
 
 
@@ -76,8 +80,9 @@ def _perparam_kwargs(name: str, modules: list[nn.Module]) -> dict:
         return {"param_policy": lambda _name, p: perparam.ParamPolicy(zero_stage=stage.get(id(p), 3))}
     if name == "perparam_bf16":
         return {"mp_policy": perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    if name == "perparam_int8":  # every nn.Linear weight this call manages
-        quant = perparam.ParamPolicy(quant=perparam.QuantPolicy(torch.int8))
+    if name.startswith("perparam_int8"):  # every nn.Linear weight this call manages
+        quant = perparam.ParamPolicy(quant=None if name == "perparam_int8_grad" else perparam.QuantPolicy(torch.int8),
+                                     grad_quant=None if name == "perparam_int8" else "int8")
         linear = {id(m.weight) for module in modules for m in module.modules() if isinstance(m, nn.Linear)}
         return {"param_policy": lambda _name, p: quant if id(p) in linear else None}
     raise ValueError(name)

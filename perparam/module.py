@@ -274,8 +274,15 @@ class ShardedModule:
         ``[K * n]`` input over ``group`` (``op`` is ``ReduceOp.SUM``; perparam divides afterwards). The HSDP
         all-reduce and replicated parameters' all-reduces are unchanged. ``None`` restores perparam's own.
 
-        Raises ``TypeError`` for an object without ``allocate`` or not callable."""
-        group_of(self).reduce_scatter_comm = _check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
+        Raises ``TypeError`` for an object without ``allocate`` or not callable, ``ShardingError`` when the
+        group has ``grad_quant`` parameters (their reduce-scatter is perparam's encoded all-to-all)."""
+        group = group_of(self)
+        quantized = [p.fqn for p in group.params if p.policy.grad_quant is not None]
+        if comm is not None and quantized:
+            raise ShardingError(f"{class_name(self)}.set_custom_reduce_scatter: parameters {quantized} have "
+                                "grad_quant, whose reduce-scatter is perparam's own; drop grad_quant for them or "
+                                "keep perparam's reduce-scatter")
+        group.reduce_scatter_comm = _check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
 
 
 def _prefetch_groups(module: nn.Module, modules, kind: str) -> list[ParamGroup] | None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8"]
+CONFIGS = ["bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8",
+           "perparam_int8_grad", "perparam_int8_both"]
 OK_KEYS = {"description", "status", "step_time_s", "phase_time_s", "cpu_time_s", "final_loss",
            "model_state_bytes", "model_state_bytes_per_rank", "comm_bytes_per_step", "comm_source",
            "comm_sent_bytes_per_rank", "comm_sent_vs_zero3_model", "peak_rss_bytes", "training_peak_rss_bytes",

@@ -231,6 +231,24 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
 
 
+def exchange_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, what: str = "",
+                  dtype: torch.dtype = torch.uint8):
+    """The wire of a low-precision reduce-scatter (``perparam.runtime.grad_quant``): row r of ``send``
+    (uint8 ``[K, row]``, encoded gradient pieces) goes to rank r; returns ``(work, recv)``, ``recv`` a uint8
+    ``[K, row]`` buffer (from ``pool`` when given: give it back after decoding) whose row r came from rank r
+    once ``work`` (``None`` for K = 1) has finished. The caller decodes and sums. One all-to-all, recorded
+    as a reduce-scatter of ``K * row`` bytes whose ``dtype`` is the codes' (e.g. ``torch.int8``)."""
+    k, row = send.shape
+    if debug.debug_enabled():
+        debug.check("reduce_scatter", send, row, group, what)
+    _record("reduce_scatter", k * row, group, dtype)
+    if group.size() == 1:
+        return None, send
+    recv = _take(pool, k * row, send.device).view(k, row)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, recv
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False, what: str = ""):
     """Sum ``tensor`` in place over ``group``."""
     if debug.debug_enabled():

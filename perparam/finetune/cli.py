@@ -70,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "matmuls: then fp32, said in one line)")
     parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
+    parser.add_argument("--grad-quant", default=None, metavar="[PATTERN=]KIND", help="send the gradient "
+                        "reduce-scatter of the decoder layers' Linear weights (or the layer parameters PATTERN "
+                        "names) as int8 blocks of 256 with fp32 scales or as bf16, summed in fp32 (ZeRO++ qgZ, "
+                        "ParamPolicy.grad_quant, docs/grad-quant.md); KIND: none, int8, bf16 (default none)")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage of every "
                         "parameter (ParamPolicy.zero_stage, docs/zero-stages.md): 3 shards parameters, gradients and "
                         "AdamW state; 2 keeps the parameters whole on every rank (no all-gather in forward or "
@@ -134,6 +138,18 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = 
         raise FinetuneInputError(f"--zero-stage {args.zero_stage} cannot go with --qlora: QLoRA keeps the frozen base "
                                  "weights NF4-quantized in their shards, which a stage-1/2 whole copy would undo; "
                                  "drop --zero-stage (or use --lora)")
+    if getattr(args, "grad_quant", None):
+        from perparam.finetune.train import parse_grad_quant
+
+        wire = parse_grad_quant(args.grad_quant)  # raises for a bad kind
+        lora_on = getattr(args, "lora", None) or getattr(args, "qlora", False)
+        if wire is not None and lora_on and "=" not in args.grad_quant:
+            raise FinetuneInputError(f"--grad-quant {args.grad_quant} with --lora/--qlora: the base weights are "
+                                     "frozen (no gradient to reduce-scatter); pass a PATTERN naming the adapters, "
+                                     "e.g. --grad-quant '*lora_*=int8', or drop --grad-quant")
+        if wire is not None and getattr(args, "zero_stage", 3) == 1:
+            raise FinetuneInputError(f"--grad-quant {args.grad_quant} with --zero-stage 1: stage 1 all-reduces whole "
+                                     "gradients; grad_quant quantizes reduce-scatters: use --zero-stage 2 or 3")
     replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
     for flag, value in (("--dp-replicate", replicate), ("--tp", tp)):
         if value < 1:
@@ -282,6 +298,8 @@ def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
             "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--quant", args.quant,
             "--zero-stage", str(args.zero_stage), "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
     argv += loop_flags.worker_argv(args)
+    if getattr(args, "grad_quant", None):
+        argv += ["--grad-quant", args.grad_quant]
     if not getattr(args, "param_dtype_by_default", False):  # a default is the worker's to settle (job.py)
         argv += ["--param-dtype", args.param_dtype]
     argv += offload_flags.worker_argv(args)

@@ -24,6 +24,7 @@ class JobConfig:
     param_dtype: str | None = "fp32"  # None: bf16 under --qlora, else fp32
     param_dtype_by_default: bool = False  # not given on the command line: bf16 may become fp32 (job.py)
     quant: str = "none"
+    grad_quant: str | None = None  # --grad-quant: KIND or PATTERN=KIND (train.parse_grad_quant)
     zero_stage: int = 3
     dp_replicate: int = 1
     tp: int = 1

@@ -69,7 +69,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
         model, llama_cfg, name = train.build_model(cfg, device)
         lora.apply_lora(model, lora_cfg, cfg.seed)
         train.shard_model(model, meshes, train.PARAM_DTYPES[cfg.param_dtype], train.QUANT_DTYPES[cfg.quant],
-                          lora.layer_policy(lora_cfg), zero_stage=cfg.zero_stage, offload=offload)
+                          lora.layer_policy(lora_cfg), zero_stage=cfg.zero_stage, offload=offload,
+                          grad_quant=cfg.grad_quant)
     params_total = sum(p.numel() for p in model.parameters())  # global sizes (DTensor.numel)
     optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = schedule.build_scheduler(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
@@ -81,7 +82,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     if rank == 0:
         print(f"model {name}: {params_total:,} parameters, {llama_cfg.n_layers} layers sharded over {world} "
               f"ranks ({device.type}; {layout}; compute {cfg.param_dtype}, all-gather of the layers' "
-              f"Linear weights {'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}); text "
+              f"Linear weights {'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}"
+              f"{'' if not cfg.grad_quant else f', gradient reduce-scatter {cfg.grad_quant}'}); text "
               f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
               f"rows of {data.seq_len} tokens", flush=True)
         if lora_cfg is not None:
@@ -193,6 +195,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
     summary = {
         "world_size": run.world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
         "param_dtype": cfg.param_dtype, "quant": "nf4 (stored)" if cfg.qlora else cfg.quant,
+        "grad_quant": cfg.grad_quant or "none",
         "zero_stage": cfg.zero_stage,
         "steps": cfg.steps, "model": run.name, "params_total": run.params_total,
         "param_tensors": len(list(run.model.parameters())),

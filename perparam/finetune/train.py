@@ -42,6 +42,23 @@ QUANT_DTYPES = {"none": None, "int8": "int8", "fp8": "fp8", "nf4": "nf4"}
 #: ``fully_shard`` call): ``attn.{q,k,v,o}_proj.weight`` and ``mlp.{gate,up,down}_proj.weight``. Used only
 #: on the layers' calls (the root's call holds the embedding and final norm, which it would not match).
 LAYER_LINEAR_WEIGHTS = "*_proj.weight"
+#: ``--grad-quant``'s kinds: the gradient reduce-scatter's wire format (``ParamPolicy.grad_quant``, ZeRO++ qgZ)
+GRAD_QUANT_KINDS = ("none", "int8", "bf16")
+
+
+def parse_grad_quant(spec: str | None) -> tuple[str, str] | None:
+    """``--grad-quant``: ``KIND`` (the decoder layers' Linear weights, as ``--quant``) or ``PATTERN=KIND``
+    (fnmatch on the names inside a decoder layer, e.g. ``mlp.*=int8``) -> ``(pattern, kind)``; ``None`` for
+    ``none``. Raises ``FinetuneInputError`` for another kind or an empty pattern."""
+    if spec is None:
+        return None
+    pattern, sep, kind = spec.rpartition("=")
+    if not sep:
+        pattern = LAYER_LINEAR_WEIGHTS
+    if kind not in GRAD_QUANT_KINDS or not pattern:
+        raise FinetuneInputError(f"--grad-quant {spec}: expected one of {', '.join(GRAD_QUANT_KINDS)}, or "
+                                 f"PATTERN=KIND (e.g. '{LAYER_LINEAR_WEIGHTS}=int8')")
+    return None if kind == "none" else (pattern, kind)
 #: Tensor-parallel plan of one decoder layer: q/k/v and gate/up split their output features (heads,
 #: MLP width) over the tp axis, o/down their input features; each layer's output is whole again.
 TP_COLWISE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -73,7 +90,7 @@ def tp_plan() -> dict:
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
                 quant: str | torch.dtype | None = None, layer_policy: dict | None = None,
-                zero_stage: int = 3, offload=None) -> Llama:
+                zero_stage: int = 3, offload=None, grad_quant: str | None = None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
@@ -83,6 +100,8 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     :func:`perparam.finetune.lora.layer_policy`). ``zero_stage``: ``ParamPolicy.zero_stage`` of every
     parameter (``--zero-stage``).
     ``offload``: an :class:`~perparam.finetune.offload_flags.OffloadChoice` (``--offload``, ``--memory-budget``).
+    ``grad_quant``: ``--grad-quant`` (:func:`parse_grad_quant`): the layers' parameters it names reduce-scatter
+    their gradients as int8 blocks or bf16 (``ParamPolicy.grad_quant``, ``docs/grad-quant.md``).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
@@ -91,6 +110,14 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else {}),
                     **(layer_policy or {})} or None
+    wire = parse_grad_quant(grad_quant)
+    if wire is not None:  # merged into the pattern's policy, or a pattern of its own ahead of the others
+        import dataclasses
+
+        pattern, kind = wire
+        own = (layer_policy or {}).get(pattern)
+        layer_policy = {pattern: dataclasses.replace(own or ParamPolicy(), grad_quant=kind),
+                        **{k: v for k, v in (layer_policy or {}).items() if k != pattern}}
     root_policy = None
     if zero_stage != 3:  # every parameter: the patterns' policies, then a catch-all, all with the stage
         import dataclasses
@@ -160,7 +187,8 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     quant = QUANT_DTYPES[cfg.quant] if quant is None else quant
     if cfg.config == "tiny":
         model, model_cfg, name = build_model(cfg, device)
-        return shard_model(model, meshes, param_dtype, quant, zero_stage=cfg.zero_stage, offload=offload), model_cfg, name
+        return (shard_model(model, meshes, param_dtype, quant, zero_stage=cfg.zero_stage, offload=offload,
+                            grad_quant=cfg.grad_quant), model_cfg, name)
     from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
 
     reader, box = None, [None]
@@ -170,7 +198,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     dist.broadcast_object_list(box, src=0)
     model_cfg = box[0]
     model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, zero_stage=cfg.zero_stage,
-                        offload=offload)
+                        offload=offload, grad_quant=cfg.grad_quant)
     load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
     return model, model_cfg, Path(cfg.gguf_path).name
 

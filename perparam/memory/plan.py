@@ -33,6 +33,7 @@ from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
 from perparam.memory.presets import PRESETS
 from perparam.memory.tp_plan import tp_local_shape, tp_placements
+from perparam.sharding.grad_quant import wire_bytes
 from perparam.sharding.layout import ShardLayout
 from perparam.sharding.placement import placement_str as one_placement_str
 from perparam.sharding.resolution import ParamResolution, aliases_of, buffer_dtypes, resolve_params
@@ -82,6 +83,19 @@ class ParamPlan:
     def wire_bytes(self) -> int:
         """Bytes one rank sends for it in its group's all-gather (0 for a replicated parameter)."""
         return sum(piece.nbytes for piece in self.resolution.pieces)
+
+    def grad_wire_bytes(self, world_size: int, quantized: bool = True) -> int:
+        """Bytes one rank sends for its gradient in its group's reduce-scatter per step: ``world_size`` pieces
+        of its padded local gradient plus its used flag, in ``reduce_dtype`` or, with ``quantized`` and a
+        ``ParamPolicy.grad_quant``, as that wire format's codes, scales and flag
+        (``perparam.sharding.grad_quant.wire_bytes``; per parameter, so a group's row can differ by the
+        alignment of its sections, under 4 bytes). 0 for a frozen parameter and for gradients that are
+        all-reduced instead (replicated and stage-1 parameters)."""
+        policy = self.resolution.policy
+        if not self.requires_grad or not self.layout.gathered or policy.whole_grad:
+            return 0
+        gq = policy.grad_quant if quantized and world_size > 1 else None
+        return world_size * wire_bytes([self.layout.padded_local_numel], gq, policy.reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,17 @@ class ModelPlan:
         the wire pieces of ``perparam.sharding.layout.wire_pieces``: ``param_dtype``, or quantized codes and scales;
         replicated parameters send nothing)."""
         return sum(p.wire_bytes for p in self.params)
+
+    @property
+    def reduce_scatter_bytes_per_rank(self) -> int:
+        """Bytes each rank sends in the gradient reduce-scatters of one step (``ParamPlan.grad_wire_bytes``:
+        the ``grad_quant`` wire formats where the policy sets one)."""
+        return sum(p.grad_wire_bytes(self.world_size) for p in self.params)
+
+    @property
+    def reduce_scatter_bytes_unquantized(self) -> int:
+        """``reduce_scatter_bytes_per_rank`` with every gradient sent in its ``reduce_dtype``."""
+        return sum(p.grad_wire_bytes(self.world_size, quantized=False) for p in self.params)
 
     def rank(self, r: int) -> RankBytes:
         return self.per_rank[r]
@@ -370,6 +395,8 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
         "sum_over_ranks": plan.sum_over_ranks().as_dict(),
         "unsharded": plan.unsharded.as_dict(),
         "padded_param_bytes_per_rank": plan.padded_param_bytes_per_rank,
+        "reduce_scatter_bytes_per_rank": plan.reduce_scatter_bytes_per_rank,
+        "reduce_scatter_bytes_unquantized": plan.reduce_scatter_bytes_unquantized,
         "zero3_formula": formula.as_dict(),
         "max_rank_vs_formula": float(Fraction(max_rank.total) / formula.total - 1) if formula.total else 0.0,
     }

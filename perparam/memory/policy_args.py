@@ -14,6 +14,7 @@ One flag per pattern (fnmatch on the names ``named_parameters`` gives, first mat
 ``shardD``           ``placement=Shard(D)``, e.g. ``shard1``
 ``auto``             ``placement="auto"`` (``perparam.sharding.placement``)
 ``stageN``           ``zero_stage=N`` (1, 2 or 3; ``ParamPolicy.zero_stage``), e.g. ``stage2``
+``grad=int8|bf16``   ``grad_quant``: the gradient reduce-scatter's wire format (ZeRO++ qgZ)
 ===================  ===================================================================
 
 ``--zero-stage N`` gives every parameter whose pattern names no stage (and every parameter no pattern
@@ -44,6 +45,8 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
         key, _, value = token.partition("=")
         if token in DTYPES:
             fields["param_dtype"] = DTYPES[token]
+        elif key == "grad" and value in ("int8", "bf16"):
+            fields["grad_quant"] = value
         elif key in ("reduce", "master") and value in DTYPES:
             fields[f"{key}_dtype"] = DTYPES[value]
         elif token == "frozen":
@@ -62,7 +65,7 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
             fields["zero_stage"] = int(token[5:])  # 1, 2, 3: checked where fully_shard checks it
         else:
             raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, reduce=DTYPE, "
-                             "master=DTYPE, frozen, int8/fp8/nf4, stored, replicate, shardD, auto, stageN")
+                             "master=DTYPE, frozen, int8/fp8/nf4, stored, replicate, shardD, auto, stageN, grad=int8/bf16")
     if stored and quantizer is None:
         raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token (int8, fp8 or nf4)")
     if quantizer is not None:

@@ -186,6 +186,9 @@ def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0, p
     summary.add_row("bytes per element", f"params {'/'.join(map(str, itemsizes))} ({', '.join(dtypes)}), "
                     f"grads {grad}, optimizer {_num(plan.optim_bytes)}")
     summary.add_row("all-gather slot", f"{plan.padded_param_bytes_per_rank:,} bytes per rank, padding included")
+    sent, plain = plan.reduce_scatter_bytes_per_rank, plan.reduce_scatter_bytes_unquantized
+    ratio = f" ({format_fixed(Fraction(sent, plain), 3)} x the reduce dtype's: grad_quant)" if sent != plain else ""
+    summary.add_row("reduce-scatter", f"{sent:,} bytes sent per rank per step, flags included{ratio}")
     show(con, summary)
 
     formula = plan.formula("ZeRO-3")

@@ -19,7 +19,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, partial, zero
+from . import config, grad_quant, partial, zero
 from .meshes import split_by_mesh
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
@@ -449,7 +449,7 @@ class ParamGroup:
 
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
         """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""
-        sharded: dict[torch.dtype, list] = defaultdict(list)
+        sharded: dict[tuple, list] = defaultdict(list)  # (reduce dtype, grad_quant): one reduce-scatter each
         replicated: dict[torch.dtype, list] = defaultdict(list)
         for p in trainable:
             grad = p.take_unsharded_grad(keep=False)
@@ -457,10 +457,19 @@ class ParamGroup:
             if not used:
                 grad = p.zero_grad_for_reduce()
             whole = not p.layout.gathered or p.policy.whole_grad  # replicated, or stage 1: all-reduced
-            (replicated if whole else sharded)[p.policy.reduce_dtype].append((p, grad, used))
+            if whole:
+                replicated[p.policy.reduce_dtype].append((p, grad, used))
+            else:  # one rank: nothing on the wire to quantize
+                sharded[p.policy.reduce_dtype, p.policy.grad_quant if self.num_shards > 1 else None].append(
+                    (p, grad, used))
         pending = []
-        for dtype, items in sharded.items():
+        for (dtype, wire), items in sharded.items():
             params, grads, used = zip(*items)
+            if wire is not None:  # low-precision reduce-scatter (ZeRO++ qgZ): perparam/runtime/grad_quant.py
+                item = grad_quant.issue(self, params, grads, used, dtype, wire)
+                item.part = self
+                pending.append(item)
+                continue
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
             # [K, sum(padded_local_numel) + len(params)]
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)

@@ -8,7 +8,8 @@ here and summed over the micro-batches; the first reduction with ``requires_all_
 sum to its own output before its all-reduce, so one all-reduce per reduction key covers every micro-batch.
 The division by the group's divisor and the accumulation into the sharded ``.grad`` happen once, then.
 
-A held sum is keyed by (replicated?, reduce dtype): the same reductions a group issues in every backward.
+A held sum is keyed by (replicated?, reduce dtype, wire format of a low-precision reduce-scatter,
+``perparam.runtime.grad_quant``): the same reductions a group issues in every backward.
 The *used* flags at the end of each piece are summed too, so a parameter some rank used in some
 micro-batch gets its gradient. On a 1D mesh there is no all-reduce and nothing is held.
 """
@@ -21,7 +22,7 @@ from .reduction import PendingReduce
 
 
 def _key(item: PendingReduce) -> tuple:
-    return (item.replicated, item.recv.dtype)
+    return (item.replicated, item.recv.dtype, item.kind)
 
 
 def hold(group, item: PendingReduce) -> bool:

@@ -32,6 +32,7 @@ class PendingReduce:
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
     part: object = None  # the ParamGroup of the mesh it runs on (a companion, for a parameter's own mesh)
+    kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,

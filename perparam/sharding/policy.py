@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DeviceMesh, Placement, Shard  # (DeviceMesh: the type only)
 
 from . import quant as registry
+from .grad_quant import BF16, GradQuant
 from .placement import normalize, placement_str, rule
 from .quant import BlockQuantizer
 
@@ -164,6 +165,12 @@ class ParamPolicy:
     #: ``offload_policy``, else ``"device"``)
     offload: OffloadPolicy | str | None = None
     mesh: DeviceMesh | None = None
+    #: ZeRO++'s qgZ (DeepSpeed's ``zero_quantized_gradients``) for this parameter: its gradient's
+    #: reduce-scatter pieces go on the wire as ``"int8"`` blocks (256 elements per fp32 scale; another
+    #: registered quantizer name, or ``QuantPolicy(name, block_size=...)``) or as ``"bf16"``, and are summed
+    #: in ``reduce_dtype`` on the receiving rank (``perparam.runtime.grad_quant``; ``docs/grad-quant.md``).
+    #: ``None``: the reduce dtype on the wire. Refused for frozen, replicated and stage-1 parameters.
+    grad_quant: str | torch.dtype | QuantPolicy | BlockQuantizer | None = None
 
 
 #: the ZeRO stages a ``ParamPolicy.zero_stage`` may name
@@ -192,6 +199,8 @@ class ResolvedPolicy:
     #: where its persistent state lives (``OffloadPolicy()``: on the device)
     offload: OffloadPolicy = OffloadPolicy()
     mesh: DeviceMesh | None = None
+    #: its gradient's reduce-scatter wire format (``ParamPolicy.grad_quant``); ``None``: ``reduce_dtype``
+    grad_quant: GradQuant | None = None
 
     @property
     def keeps_unsharded(self) -> bool:
@@ -268,6 +277,46 @@ def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
     if not isinstance(block_size, int):
         raise PolicyError(f"QuantPolicy block_size for '{name}' must be an int, got {block_size!r}")
     return QuantPolicy(quantizer, block_size, quant.store_quantized, quantizer.codes_dtype)
+
+
+def resolve_grad_quant(name: str, value) -> GradQuant | None:
+    """``ParamPolicy.grad_quant`` as a ``GradQuant``: ``"bf16"``/``torch.bfloat16``, a quantizer name, dtype
+    or object, or a ``QuantPolicy`` (its quantizer and block size; ``store_quantized`` refused)."""
+    if value is None:
+        return None
+    if value in ("bf16", torch.bfloat16):
+        return BF16
+    quant = value if isinstance(value, QuantPolicy) else QuantPolicy(value)
+    if quant.store_quantized:
+        raise PolicyError(f"grad_quant of '{name}' has store_quantized=True, which applies to stored weights, "
+                          "not gradients; pass QuantPolicy(name, block_size=...) without it")
+    try:
+        quant = _resolve_quant(name, quant)
+    except PolicyError as e:
+        raise PolicyError(f"grad_quant: {e} (or 'bf16')") from None
+    if quant.block_size < 1:
+        raise PolicyError(f"grad_quant block_size for '{name}' must be >= 1, got {quant.block_size}")
+    return GradQuant(quant.quantizer.name, quant.quantizer, quant.block_size)
+
+
+def _check_grad_quant(name: str, gq: GradQuant | None, requires_grad: bool, gathered: bool, zero_stage: int,
+                      reduce_dtype: torch.dtype) -> None:
+    """Refuse a ``grad_quant`` that cannot apply to parameter ``name`` (``PolicyError``)."""
+    if gq is None:
+        return
+    if not requires_grad:
+        raise PolicyError(f"parameter '{name}' is frozen, so it has no gradient to reduce-scatter: drop grad_quant "
+                          "for it (e.g. narrow the pattern to the trainable parameters)")
+    if not gathered:
+        raise PolicyError(f"parameter '{name}' is replicated: its gradient is all-reduced, not reduce-scattered, "
+                          "and grad_quant quantizes reduce-scatters only; shard it (Shard(d)) or drop grad_quant")
+    if zero_stage == 1:
+        raise PolicyError(f"parameter '{name}' has zero_stage=1, whose gradient is all-reduced whole; grad_quant "
+                          "quantizes reduce-scatters only: use zero_stage=2 (same kept parameter, sharded "
+                          "gradient) or drop grad_quant")
+    if gq.quantizer is None and reduce_dtype.itemsize <= 2:
+        raise PolicyError(f"parameter '{name}' already reduces in {reduce_dtype}: grad_quant='bf16' would send the "
+                          "same bytes; drop it, or use grad_quant='int8'")
 
 
 def _replicated(placement) -> bool:
@@ -348,6 +397,8 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
                               f"{zero_stage} keeps the unsharded parameter in {param_dtype} on every rank, which "
                               "undoes what the stored codes save; use zero_stage=3 for it, or "
                               "store_quantized=False (a quantized all-gather refreshes the kept copy)")
+    grad_quant = resolve_grad_quant(name, pp.grad_quant)
+    _check_grad_quant(name, grad_quant, requires_grad, gathered, zero_stage, reduce_dtype)
     own = as_offload(pp.offload, f"offload of '{name}'")
     tier = own or as_offload(offload, "offload_policy") or OffloadPolicy()
     if tier.offloaded and tier.state == "optimizer" and not requires_grad:
@@ -361,4 +412,4 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
         raise PolicyError(f"ParamPolicy.mesh of '{name}' must be a torch.distributed.device_mesh.DeviceMesh "
                           f"(1D, or 2D (replicate, shard)) or None for the call's mesh, got {type(pp.mesh).__name__}")
     return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage,
-                          tier, pp.mesh)
+                          tier, pp.mesh, grad_quant)

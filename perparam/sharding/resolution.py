@@ -74,7 +74,7 @@ def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicat
     store_quantized = q is not None and q.store_quantized
     placement = auto_placement(
         dp_shape(p), p.dtype.itemsize, num_shards, replicate_below=replicate_below,
-        dims=[0] if store_quantized else None, allow_replicate=q is None,
+        dims=[0] if store_quantized else None, allow_replicate=q is None and pp.grad_quant is None,
     )
     return dataclasses.replace(pp, placement=placement)
 
