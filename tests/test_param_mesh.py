@@ -35,6 +35,17 @@ from tests.moe_helpers import (
 OPTIMIZERS = ("adamw", "sgd")
 
 
+class Outer(nn.Module):
+    """A root without parameters of its own around a block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return self.block(x, route)
+
+
 def _moe(rank: int, ep_group=None) -> nn.Module:
     pre, experts, post = build()
     return ExpertParallelMoE(pre, experts[rank], post, group=ep_group)
@@ -88,6 +99,14 @@ def moe_one_call(rank: int, world_size: int, folder: str) -> dict:
     with CommCounter() as comm:
         F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
     out["dtype_counts"] = Counter((r.kind, r.group_size, r.dtype) for r in comm.records)
+    # the block below a root without parameters: it reshards after forward and gathers again in backward
+    root = Outer(_moe(rank))
+    perparam.fully_shard(root.block, mesh=dp, param_policy=policy)
+    perparam.fully_shard(root, mesh=dp)
+    for _ in range(2):
+        with CommCounter() as comm:
+            F.mse_loss(root(x[mine], route[mine]), y[mine]).backward()
+    out["nested_counts"] = Counter((r.kind, r.group_size) for r in comm.records)
     return out
 
 
@@ -204,6 +223,12 @@ def test_one_reduce_scatter_per_mesh_and_reduce_dtype():
         reductions = Counter({k: n for k, n in got["dtype_counts"].items() if k[0] == "reduce_scatter"})
         assert reductions == want, got["dtype_counts"]
         assert sum(n for k, n in got["dtype_counts"].items() if k[0] == "all_gather") == 2  # one per mesh
+
+
+def test_a_block_resharded_after_forward_gathers_once_per_mesh_in_forward_and_in_backward():
+    want = Counter({("all_gather", 2): 2, ("all_gather", 1): 2, ("reduce_scatter", 2): 1, ("reduce_scatter", 1): 1})
+    for got in _one_call_results():
+        assert got["nested_counts"] == want, got["nested_counts"]
 
 
 def test_clip_grad_norm_of_the_one_call_model_is_the_true_norm_on_every_rank():
