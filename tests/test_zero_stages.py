@@ -363,10 +363,27 @@ def held(rank: int, world_size: int) -> dict:
     full = model[1].weight.full_tensor()
     out["kept_error"] = (kept.unsharded.detach().float() - full).abs().max().item()
     out["kept_dtype"] = str(kept.unsharded.dtype)
+    # the same batch after zero_grad(set_to_none=True), then after the optimizer's and the module's
+    # zero_grad(set_to_none=False), which zero .grad (this rank's rows): the whole gradient the same each time
+    x, y = make_batches(1, 4, seed=3)[0]
+
+    def whole_and_full() -> tuple[torch.Tensor, torch.Tensor]:
+        F.mse_loss(model(x[:, :1].float().expand(-1, 4)), y[:, :1].expand(-1, 3)).backward()
+        grad = model[0].weight.grad
+        return grad.to_local()._base.clone(), grad.full_tensor()
+
+    opt.zero_grad(set_to_none=True)
+    fresh = whole_and_full()
+    opt.zero_grad(set_to_none=False)
+    after_optimizer = whole_and_full()
+    model.zero_grad(set_to_none=False)
+    after_module = whole_and_full()
+    out["zeroed"] = [torch.equal(a, b) for again in (after_optimizer, after_module) for a, b in zip(fresh, again)]
+    out["whole_is_full"] = torch.equal(fresh[0], fresh[1])
     return out
 
 
-def test_stage_1_keeps_a_whole_gradient_and_frozen_stage_2_is_never_refreshed():
+def test_stage_1_keeps_a_whole_gradient_zeroed_whole_by_zero_grad_and_frozen_stage_2_is_never_refreshed():
     for got in run_distributed(held, 2):
         assert got["alive"] == {"0.weight": True, "0.bias": True, "1.weight": True, "1.bias": True}
         assert got["grad_whole"] and got["grad_is_view"]
@@ -375,6 +392,8 @@ def test_stage_1_keeps_a_whole_gradient_and_frozen_stage_2_is_never_refreshed():
         assert got["ag"][1] == got["ag"][2] == got["ag"][0] - 2 * 2 * 2
         assert got["kept_dtype"] == "torch.bfloat16"
         assert got["kept_error"] < 0.05
+        # after zero_grad(set_to_none=False) the whole gradient holds the new backward's sum, no earlier step's
+        assert got["zeroed"] == [True] * 4 and got["whole_is_full"], got["zeroed"]
 
 
 # -- tensor parallelism ----------------------------------------------------------------------------------------
