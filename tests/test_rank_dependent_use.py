@@ -368,13 +368,13 @@ class SkippedBranch(nn.Module):
 
 
 def skipped_branch_in_debug_mode(rank: int, world_size: int) -> str:
-    """Rank 1 skips ``b``; the blocks keep their parameters after forward, so rank 1's next collective is a
-    gradient reduction on the reduction group while rank 0 checks ``b``'s all-gather: no check can pair up
-    (it hung). The error, then this rank's process groups torn down (unusable after it)."""
+    """Rank 1 skips ``b`` (its own group); the root keeps its parameters for backward, so rank 1's next
+    collective is the root's gradient reduction, on the reduction group, while rank 0 checks ``b``'s
+    all-gather: no check can pair up (it hung). The error, then this rank's process groups torn down
+    (unusable after it)."""
     torch.manual_seed(0)
     model = SkippedBranch()
-    for m in (model.a, model.b, model.c):
-        perparam.fully_shard(m, reshard_after_forward=False)
+    perparam.fully_shard(model.b)
     perparam.fully_shard(model)
     perparam.set_debug(True, timeout_s=2)
     try:
