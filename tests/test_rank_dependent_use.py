@@ -395,6 +395,6 @@ def skipped_branch_in_debug_mode(rank: int, world_size: int) -> str:
 def test_debug_mode_names_the_rank_that_skipped_a_branch_instead_of_hanging():
     rank0, rank1 = run_distributed(skipped_branch_in_debug_mode, 2, timeout=60)
     assert "rank 0 waited 2 s" in rank0 and "all_gather" in rank0 and "'b'" in rank0, rank0
-    assert "ranks [1] did not reach this check" in rank0 and "rank 1: last checked reduce_scatter" in rank0, rank0
+    assert "ranks [1] did not reach this check" in rank0 and "rank 1: last posted reduce_scatter" in rank0, rank0
     assert "rank 1 waited 2 s" in rank1 and "ranks [0] did not reach" in rank1, rank1
-    assert "rank 0: last checked all_gather" in rank1 and "'b'" in rank1, rank1
+    assert "rank 0: last posted all_gather" in rank1 and "'b'" in rank1, rank1

@@ -9,12 +9,12 @@ raises ``CollectiveMismatchError`` naming, per rank, the group, its parameters, 
 nothing hangs and nothing is silently reduced with the wrong partner.
 
 When the ranks diverge across process groups (one rank checks an all-gather while a peer, which skipped a
-branch, checks a reduction on the reduction group, or issues nothing), no check can pair up. So each rank
-also posts the collective it is about to check in the default process group's store (one small write per
-collective), and a check that has not finished within the debug timeout (``set_debug(True,
+branch, checks a reduction on the reduction group, or issues nothing), no check can pair up. So a rank whose
+check has waited for more than 10 ms posts the collective it checks in the default process group's store
+(one small write; a run whose ranks agree rarely waits that long), and a check that has not finished within the debug timeout (``set_debug(True,
 timeout_s=...)``, ``PERPARAM_DEBUG_TIMEOUT`` in seconds; 60 s by default, below c10d's own timeouts)
 raises ``CollectiveMismatchError`` on each rank waiting in one: it names the process group and its
-ranks, the ranks that did not reach the check and the collective each of them posted last (or that
+ranks, the ranks that did not reach the check and the collective each of them last posted (or that
 it posted none). The check's own all-gather is left unfinished: the process groups are unusable after the
 error (as after a c10d timeout); fix the model and start again.
 
@@ -80,9 +80,8 @@ def check(kind: str, send: torch.Tensor, recv_bytes: int, group: dist.ProcessGro
     local = torch.tensor(mine, dtype=torch.int64, device=send.device)
     gathered = torch.empty(group.size() * len(mine), dtype=torch.int64, device=send.device)
     described = f"{kind} of {send_bytes} bytes sent / {recv_bytes} received, {send.dtype}, for {what}"
-    store = _post(f"{described} on process group {_group_name(group)}")
     work = dist.all_gather_single(gathered, local, group=group, async_op=True)
-    _wait(work, group, described, store)
+    _wait(work, group, described)
     rows = gathered.view(group.size(), len(mine)).tolist()
     if all(row == rows[0] for row in rows):
         return
@@ -100,8 +99,8 @@ def _group_name(group: dist.ProcessGroup) -> str:
 
 
 def _post(described: str):
-    """Write the collective this rank is about to check to the default store; the store, or ``None`` when
-    there is none (no default process group, or one without a store)."""
+    """Write the collective this rank is checking to the default store; the store, or ``None`` when there is
+    none (no default process group, or one without a store)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(_KEY.format(dist.get_rank()), described)
@@ -118,14 +117,23 @@ def _posted(store, rank: int) -> str | None:
         return None
 
 
-def _wait(work, group: dist.ProcessGroup, described: str, store) -> None:
-    """Wait for the check's all-gather, at most the debug timeout; then raise ``CollectiveMismatchError``
-    naming the ranks of ``group`` that did not reach this check and what each of them posted last."""
-    deadline = time.monotonic() + _timeout_s
+_POST_AFTER_S = 0.01
+
+
+def _wait(work, group: dist.ProcessGroup, described: str) -> None:
+    """Wait for the check's all-gather, at most the debug timeout (posting what it checks once it has waited
+    ``_POST_AFTER_S``); then raise ``CollectiveMismatchError`` naming the ranks of ``group`` that did not
+    reach this check and what each of them last posted."""
+    start = time.monotonic()
+    here = f"{described} on process group {_group_name(group)}"
+    store, posted = None, False
     pause = 1e-4
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > _timeout_s:
             break
+        if not posted and waited > _POST_AFTER_S:
+            store, posted = _post(here), True
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     else:
@@ -137,9 +145,9 @@ def _wait(work, group: dist.ProcessGroup, described: str, store) -> None:
         if rank == me:
             continue
         other = _posted(store, rank) if store is not None else None
-        if other != f"{described} on process group {_group_name(group)}":
+        if other != here:
             behind.append(rank)
-            lines.append(f"  rank {rank}: last checked {other}" if other else f"  rank {rank}: checked no collective yet")
+            lines.append(f"  rank {rank}: last posted {other}" if other else f"  rank {rank}: posted no collective")
     detail = "\n".join(lines) if lines else "  (every peer posted this same collective: one is slow or stopped)"
     raise CollectiveMismatchError(
         f"perparam debug: rank {me} waited {_timeout_s:g} s for its peers to check {described} on process "
