@@ -135,7 +135,7 @@ def _wait(work, group: dist.ProcessGroup, described: str) -> None:
         if not posted and waited > _POST_AFTER_S:
             store, posted = _post(here), True
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        pause = min(pause * 2, 0.002)
     else:
         work.wait()
         return
