@@ -18,7 +18,7 @@ from .module import (
     register_forward_method,
 )
 from .offload import OffloadError
-from .runtime.adopt import ReplacedParameterError
+from .runtime.adopt import ReplacedParameterError, UnflattenableShardError
 from .runtime.config import RuntimeConfig, configure
 from .runtime.hooks import TransformError
 from .runtime.param import ReplacedAfterShardingError
@@ -50,6 +50,7 @@ __all__ = [
     "StoredDtypeChangeError",
     "TransformError",
     "UnshardHandle",
+    "UnflattenableShardError",
     "UnshardedApplyError",
     "UsedWhileShardedError",
     "clip_grad_norm_",

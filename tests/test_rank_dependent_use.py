@@ -350,3 +350,51 @@ def test_a_branch_of_replicated_parameters_used_by_one_rank_never_deadlocks(mesh
     # reductions' (on one process group the two orders once differed between ranks: gloo aborted on 3 x 1)
     world = math.prod(mesh_shape)
     _check_deep_branch(world, run_distributed(deep_branch_replicated, world, mesh_shape, timeout=60))
+
+
+class SkippedBranch(nn.Module):
+    """``a -> c -> [b] -> head``: only rank 0 calls ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, call_b: bool):
+        h = self.c(torch.relu(self.a(x)))
+        if call_b:
+            h = h + self.b(h)
+        return self.head(h)
+
+
+def skipped_branch_in_debug_mode(rank: int, world_size: int) -> str:
+    """Rank 1 skips ``b`` (its own group); the root keeps its parameters for backward, so rank 1's next
+    collective is the root's gradient reduction, on the reduction group, while rank 0 checks ``b``'s
+    all-gather: no check can pair up (it hung). The error, then this rank's process groups torn down
+    (unusable after it)."""
+    torch.manual_seed(0)
+    model = SkippedBranch()
+    perparam.fully_shard(model.b)
+    perparam.fully_shard(model)
+    perparam.set_debug(True, timeout_s=2)
+    try:
+        model(torch.ones(2, 4), call_b=rank == 0).sum().backward()
+        message = "no error"
+    except perparam.CollectiveMismatchError as e:
+        message = str(e)
+    finally:
+        perparam.set_debug(False, timeout_s=60)
+    del model
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()  # its check's all-gather is left unfinished: no barrier after it
+    return message
+
+
+def test_debug_mode_names_the_rank_that_skipped_a_branch_instead_of_hanging():
+    rank0, rank1 = run_distributed(skipped_branch_in_debug_mode, 2, timeout=60)
+    assert "rank 0 waited 2 s" in rank0 and "all_gather" in rank0 and "'b'" in rank0, rank0
+    assert "ranks [1] did not reach this check" in rank0 and "rank 1: last posted reduce_scatter" in rank0, rank0
+    assert "rank 1 waited 2 s" in rank1 and "ranks [0] did not reach" in rank1, rank1
+    assert "rank 0: last posted all_gather" in rank1 and "'b'" in rank1, rank1

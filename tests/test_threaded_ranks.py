@@ -10,6 +10,7 @@ under the same group name and moved on while rank 0 waited in ``new_group`` for 
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 
 import pytest
@@ -138,3 +139,70 @@ def test_async_save_on_thread_ranks_is_refused_naming_the_blocking_save(tmp_path
     for message in run_threaded(_async_save_refused, 2, str(tmp_path / "ckpt")):
         assert "threads of one process" in message and "perparam.checkpoint.save" in message, message
     assert not (tmp_path / "ckpt").exists()
+
+
+def _stage2_tiny(world_size: int):
+    with _SEEDED:
+        torch.manual_seed(0)
+        model = TinyNet()
+    if world_size:
+        policy = perparam.ParamPolicy(zero_stage=2)
+        for block in model.blocks:
+            perparam.fully_shard(block, param_policy=policy)
+        perparam.fully_shard(model, param_policy=policy)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def load_then_accumulate(rank: int, world_size: int, path: str = "", models: dict | None = None) -> dict:
+    """Stage 2 everywhere, SGD: a step; ``perparam.checkpoint.save``; a step; ``perparam.checkpoint.load``
+    (back to after the first step); every rank loads the same full state again with ``load_state_dict``,
+    rank 1 only once rank 0 has already refreshed its kept copies for its next forward; two micro-batches
+    accumulated, one step. ``world_size == 0``: one process, the same arithmetic (step, two micro-batches,
+    step). Returns the full parameters."""
+    model, opt = _stage2_tiny(world_size)
+    batches = make_batches(4, GLOBAL_BATCH)
+
+    def micro_batch(i: int) -> None:
+        x, y = batches[i]
+        if world_size:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        F.mse_loss(model(x), y).backward()
+
+    micro_batch(0)
+    opt.step()
+    opt.zero_grad()
+    if world_size:
+        perparam.checkpoint.save(path, model, opt)
+        micro_batch(1)
+        opt.step()
+        opt.zero_grad()
+        models[rank] = model  # published before the collectives below
+        perparam.checkpoint.load(path, model, opt)
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if rank == 1:  # rank 0's next forward has marked its kept copies refreshed (it waits for rank 1 there)
+            first = perparam.runtime.group.group_of(models[0]).kept[0]
+            before = first.kept_key
+            deadline = time.monotonic() + 30
+            while first.kept_key == before and time.monotonic() < deadline:
+                time.sleep(0.001)
+        model.load_state_dict(full)
+    micro_batch(2)
+    micro_batch(3)  # a stale generation on one rank only would refresh there: a larger all-gather than its peer's
+    opt.step()
+    return {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_load_on_each_thread_rank_leaves_the_peers_kept_copies_alone_and_trains_like_one_process(tmp_path):
+    """2 thread ranks, stage 2: rank 1 loads after rank 0 has already refreshed its kept copies. With one load
+    generation per process, rank 1's load made rank 0's fresh copies stale again: rank 0 alone refreshed at
+    the next forward (debug mode: a collective mismatch). Per rank, the ranks issue the same collectives and
+    match one process within 1e-5 (3 SGD steps' worth: the loaded step, then two micro-batches)."""
+    want = one_process(load_then_accumulate)
+    perparam.set_debug(True)
+    try:
+        results = run_threaded(load_then_accumulate, 2, str(tmp_path / "ckpt"), {}, timeout=60)
+    finally:
+        perparam.set_debug(False)
+    for got in results:
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=0, msg=name)

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize, prune
 
 import perparam
 from perparam.module import ShardedModule
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
 from tests.models import local_slice
 
 
@@ -164,3 +164,52 @@ def removed_then_forward(rank: int, world: int) -> str:
 def test_a_parameter_deleted_after_sharding_is_refused_at_the_next_forward():
     message = run_distributed(removed_then_forward, 2)[0]
     assert "'2.weight'" in message and "removed after fully_shard" in message, message
+
+
+def lbfgs_steps(rank: int, world: int, policy) -> dict:
+    """Two LBFGS steps (3 iterations each) of ``Linear(4, 3) -> Linear(3, 2)`` on a global batch of 6:
+    the parameters at the end in full, or the error the first step raised (the parameters then as built)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    built = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if world:
+        perparam.fully_shard(model, param_policy=policy)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+    if world:
+        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    try:
+        for _ in range(2):
+            opt.step(closure)
+        error = None
+    except perparam.UnflattenableShardError as e:
+        error = str(e)
+    params = {n: (p.full_tensor() if world else p).detach().clone() for n, p in model.named_parameters()}
+    return {"error": error, "params": params, "built": built}
+
+
+def lbfgs_default_then_auto(rank: int, world: int) -> list[dict]:
+    return [lbfgs_steps(rank, world, None), lbfgs_steps(rank, world, perparam.ParamPolicy(placement="auto"))]
+
+
+def test_lbfgs_on_an_unevenly_sharded_parameter_is_refused_at_its_first_step_and_trains_like_one_process_when_even():
+    """2 ranks: ``0.weight`` (3 rows) cannot be flattened; ``placement="auto"`` shards it on its 4 columns
+    (and replicates the tiny biases), and LBFGS then matches one process."""
+    ref = one_process(lbfgs_steps, None)
+    for refused, auto in run_distributed(lbfgs_default_then_auto, 2):
+        # every rank refuses, before the step changed anything
+        assert "LBFGS" in refused["error"] and "'0.weight'" in refused["error"], refused["error"]
+        assert "placement='auto'" in refused["error"] and "Replicate()" in refused["error"], refused["error"]
+        for name, value in refused["built"].items():
+            torch.testing.assert_close(refused["params"][name], value, rtol=0, atol=0, msg=name)
+        assert auto["error"] is None
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(auto["params"][name], value, rtol=0, atol=1e-5, msg=name)

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import perparam
 from perparam import CommCounter, ParamPolicy
+from perparam.runtime.group import group_of
 from tests.distributed import one_process, run_distributed
 from tests.models import MLPNet, TinyNet, local_slice, make_batches
 
@@ -49,22 +50,29 @@ def _optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def train(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None, stage, opt_name: str) -> dict:
+def train(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None, stage, opt_name: str,
+          options: dict | None = None) -> dict:
     """``STEPS`` steps of TinyNet (blocks sharded apart, then the root) under ``stage``; ``world_size == 0``:
-    one process, the whole batch."""
+    one process, the whole batch. ``options``: more ``fully_shard`` arguments for every call (e.g.
+    ``offload_policy``; ``reshard_after_forward`` for the blocks only)."""
     torch.manual_seed(0)
     model = TinyNet()
+    options = dict(options or {})
+    raf = options.pop("reshard_after_forward", None)
     if world_size:
         mesh = _mesh(mesh_shape)
         for block in model.blocks:
-            perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage))
-        perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage))
+            perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage), reshard_after_forward=raf,
+                                 **options)
+        perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage), **options)
     opt = _optimizer(opt_name, model.parameters())
     out: dict = {"losses": [], "grads": []}
     for x, y in make_batches(STEPS, GLOBAL_BATCH):
         if world_size:
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss = F.mse_loss(model(x), y)
+        if world_size and raf is not None:  # hpZ: the secondary shard each block kept for its backward
+            out.setdefault("hpz_kept", []).append([group_of(b).hpz.kept_bytes() for b in model.blocks])
         loss.backward()
         out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
@@ -75,6 +83,8 @@ def train(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None, stage,
         if world_size:
             x = local_slice(x, rank, world_size)
         out["after"] = _full(model(x))
+    if world_size:
+        out["offloaded"] = perparam.offload.offloaded_bytes()  # while the model lives
     return out
 
 
@@ -94,14 +104,15 @@ def reference() -> dict:
 
 
 def train_cases(rank: int, world_size: int, mesh_shape: tuple[int, ...], cases: list) -> list[dict]:
-    return [train(rank, world_size, mesh_shape, stage, opt) for stage, opt in cases]
+    """``cases``: ``(stage, optimizer)`` or ``(stage, optimizer, fully_shard options)``."""
+    return [train(rank, world_size, mesh_shape, *case) for case in cases]
 
 
 def _check_cases(reference: dict, world_size: int, mesh_shape: tuple[int, ...], cases: list) -> None:
     for rank, per_case in enumerate(run_distributed(train_cases, world_size, mesh_shape, cases)):
-        for (stage, opt), got in zip(cases, per_case):
-            _assert_matches(got, reference[opt], f"stage {stage} mesh {mesh_shape} {opt} rank {rank}", rank,
-                            world_size)
+        for (stage, opt, *options), got in zip(cases, per_case):
+            _assert_matches(got, reference[opt], f"stage {stage} {options} mesh {mesh_shape} {opt} rank {rank}",
+                            rank, world_size)
 
 
 BOTH = ("adamw", "sgd")
@@ -116,6 +127,27 @@ def test_each_stage_and_a_mix_match_one_process_on_uneven_and_empty_shards(refer
 
 def test_stages_on_hsdp_2x2_match_one_process(reference):
     _check_cases(reference, 4, (2, 2), [(1, "adamw"), (2, "adamw"), ("mix", "sgd")])
+
+
+def test_stages_1_and_2_with_everything_on_disk_match_one_process(reference, tmp_path):
+    """The disk tier's "all" (stored shard, optimizer state) beside a kept whole copy (stage 2) and a kept
+    whole gradient (stage 1): K = 2 (Linear(6, 13): uneven), 3 SGD steps."""
+    disk = {"offload_policy": perparam.OffloadPolicy("disk", "all", path=str(tmp_path))}
+    cases = [(1, "sgd", disk), (2, "sgd", disk)]
+    for rank, per_case in enumerate(run_distributed(train_cases, 2, (2,), cases)):
+        for (stage, *_), got in zip(cases, per_case):
+            _assert_matches(got, reference["sgd"], f"stage {stage} on disk, rank {rank}", rank, 2)
+            assert got["offloaded"].get("disk", 0) > 0, got["offloaded"]
+
+
+def test_stage_2_with_hpz_matches_one_process_keeping_no_secondary_shard(reference):
+    """hpZ (``reshard_after_forward=2`` on 4 ranks) on stage-2 blocks, 3 SGD steps: K = 4 leaves
+    Linear(6, 2)'s rank 2-3 and Embedding(5, 6)'s rank 3 empty. Stage 2's backward gathers nothing, so
+    no block keeps a secondary shard after forward (it kept 480 bytes per block per step, never read)."""
+    cases = [(2, "sgd", {"reshard_after_forward": 2})]
+    for rank, (got,) in enumerate(run_distributed(train_cases, 4, (4,), cases)):
+        _assert_matches(got, reference["sgd"], f"stage 2 hpZ rank {rank}", rank, 4)
+        assert got["hpz_kept"] == [[0, 0]] * STEPS, got["hpz_kept"]
 
 
 # -- collectives per step ------------------------------------------------------------------------------------
@@ -331,10 +363,27 @@ def held(rank: int, world_size: int) -> dict:
     full = model[1].weight.full_tensor()
     out["kept_error"] = (kept.unsharded.detach().float() - full).abs().max().item()
     out["kept_dtype"] = str(kept.unsharded.dtype)
+    # the same batch after zero_grad(set_to_none=True), then after the optimizer's and the module's
+    # zero_grad(set_to_none=False), which zero .grad (this rank's rows): the whole gradient the same each time
+    x, y = make_batches(1, 4, seed=3)[0]
+
+    def whole_and_full() -> tuple[torch.Tensor, torch.Tensor]:
+        F.mse_loss(model(x[:, :1].float().expand(-1, 4)), y[:, :1].expand(-1, 3)).backward()
+        grad = model[0].weight.grad
+        return grad.to_local()._base.clone(), grad.full_tensor()
+
+    opt.zero_grad(set_to_none=True)
+    fresh = whole_and_full()
+    opt.zero_grad(set_to_none=False)
+    after_optimizer = whole_and_full()
+    model.zero_grad(set_to_none=False)
+    after_module = whole_and_full()
+    out["zeroed"] = [torch.equal(a, b) for again in (after_optimizer, after_module) for a, b in zip(fresh, again)]
+    out["whole_is_full"] = torch.equal(fresh[0], fresh[1])
     return out
 
 
-def test_stage_1_keeps_a_whole_gradient_and_frozen_stage_2_is_never_refreshed():
+def test_stage_1_keeps_a_whole_gradient_zeroed_whole_by_zero_grad_and_frozen_stage_2_is_never_refreshed():
     for got in run_distributed(held, 2):
         assert got["alive"] == {"0.weight": True, "0.bias": True, "1.weight": True, "1.bias": True}
         assert got["grad_whole"] and got["grad_is_view"]
@@ -343,6 +392,8 @@ def test_stage_1_keeps_a_whole_gradient_and_frozen_stage_2_is_never_refreshed():
         assert got["ag"][1] == got["ag"][2] == got["ag"][0] - 2 * 2 * 2
         assert got["kept_dtype"] == "torch.bfloat16"
         assert got["kept_error"] < 0.05
+        # after zero_grad(set_to_none=False) the whole gradient holds the new backward's sum, no earlier step's
+        assert got["zeroed"] == [True] * 4 and got["whole_is_full"], got["zeroed"]
 
 
 # -- tensor parallelism ----------------------------------------------------------------------------------------

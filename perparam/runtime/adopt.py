@@ -21,6 +21,11 @@ So that the replacement is invisible where it can be:
   update path (foreach updates do not bump a DTensor's version counter). Optimizers of other models in
   the process, and other ranks' optimizers when ranks are threads of one process, never make this
   rank's parameters stale;
+* an optimizer that flattens each gradient into one vector (``torch.optim.LBFGS``: ``p.grad.view(-1)``, the
+  only one in ``torch.optim`` that does) is refused at its first step, before it computes anything, when it
+  holds a parameter whose DTensor cannot be flattened (a ``Shard(d)`` placement whose dim ``d`` does not
+  divide evenly over the shard axis): ``UnflattenableShardError`` names the parameter and the placements
+  that work;
 * a parameter assigned after ``fully_shard`` (``module.weight = nn.Parameter(...)``) is refused with a
   clear error at the next forward or unshard (``ShardedParam.register``), instead of being silently put
   back.
@@ -34,8 +39,12 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..sharding.errors import ShardingError
+from ..sharding.placement import placement_str
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -56,6 +65,16 @@ _INTERNAL = {"_is_param", "_local_tensor", "_spec"}
 
 class ReplacedParameterError(RuntimeError):
     """An optimizer holds state for a parameter that ``fully_shard`` replaced."""
+
+
+class UnflattenableShardError(ShardingError, RuntimeError):
+    """An optimizer that flattens gradients (``torch.optim.LBFGS``) holds a parameter whose sharded DTensor
+    cannot be flattened (DTensor refuses ``view(-1)`` of a dim sharded unevenly)."""
+
+
+#: optimizers that flatten every parameter and gradient into one vector (``view(-1)``): of ``torch.optim``
+#: (2.13) only LBFGS; the others update each tensor elementwise, in its placement
+FLATTENING_OPTIMIZERS: tuple[type, ...] = (torch.optim.LBFGS,)
 
 
 def record(original: torch.Tensor, owner) -> None:
@@ -110,8 +129,33 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             params[i] = sharded
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     mine = weakref.WeakSet(sp for sp in list(_OWNERS) if id(sp.sharded) in held)
+    if isinstance(optimizer, FLATTENING_OPTIMIZERS):
+        _check_flattenable(optimizer, mine)
     _held[optimizer] = mine
     if optimizer not in _counted and mine:
         optimizer.register_step_post_hook(_count_step)
         _counted.add(optimizer)
     _checked[optimizer] = key
+
+
+def _check_flattenable(optimizer: torch.optim.Optimizer, held) -> None:
+    """Raise ``UnflattenableShardError`` for the first parameter of ``held`` (``ShardedParam``s, in
+    ``fqn`` order) whose sharded DTensor DTensor cannot flatten. The trial ``view(-1)`` is local (a view
+    never communicates) and decided from global shapes and placements, so every rank decides alike."""
+    for sp in sorted(held, key=lambda s: s.fqn):
+        sharded = sp.sharded
+        if not isinstance(sharded, DTensor):
+            continue
+        try:
+            with torch.no_grad():
+                sharded.view(-1)
+        except RuntimeError as e:
+            reason = str(e).split("\n")[0].rstrip(".")
+            placements = ", ".join(placement_str(p) for p in sharded.placements)
+            raise UnflattenableShardError(
+                f"{type(optimizer).__name__} flattens every gradient (p.grad.view(-1)), and parameter '{sp.fqn}' "
+                f"(shape {tuple(sharded.shape)}, placements ({placements}) over {sharded.device_mesh.size()} "
+                f"ranks) cannot be flattened: {reason}. Shard it evenly or replicate it: fully_shard(..., "
+                f"param_policy={{'{sp.fqn}': ParamPolicy(placement='auto')}}) (the dim with the least padding; "
+                "Replicate() for a tiny parameter) or ParamPolicy(placement=Replicate()), or use an optimizer "
+                "that updates each parameter on its own (SGD, Adam, AdamW)") from None

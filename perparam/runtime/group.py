@@ -293,8 +293,10 @@ class ParamGroup:
         send, rows, members, layout = self._pending_gather
         self._pending_gather = None
         rows.wait()
-        if self.hpz is not None and self.state is TrainingState.FORWARD:
-            self.hpz.keep(rows.segments, self.pool)  # the secondary shard, for the backward all-gather
+        # hpZ: the secondary shard, for the backward all-gather; useless when the gather refreshed stage-1/2
+        # copies (the backward's members, the stage-3 ones, then have another layout)
+        if self.hpz is not None and self.state is TrainingState.FORWARD and not any(p.kept for p in members):
+            self.hpz.keep(rows.segments, self.pool)
             self._hpz_layout = layout
         k = self.num_shards
         targets: list[list[torch.Tensor]] = []

@@ -94,6 +94,9 @@ class ShardedParam:
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
         self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
+        #: stage 1: the version counter of the sharded ``.grad`` (the rows of the whole gradient) when perparam
+        #: last wrote the whole gradient (``accumulate_whole_grad``)
+        self._whole_version = -1
         #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable) when the kept copy was gathered (``runtime.zero``)
@@ -342,13 +345,22 @@ class ShardedParam:
     def accumulate_whole_grad(self, whole: torch.Tensor) -> None:
         """Stage 1: add the all-reduced whole gradient (wire order: shard dim first, e.g. a piece of the
         all-reduce buffer) into the whole gradient kept on this rank, whose rows (this rank's shard, a view)
-        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype. Only this rank's
-        rows are read (by the optimizer): after ``zero_grad(set_to_none=False)``, which zeroes those rows
-        only, the other rows hold sums of earlier steps until ``.grad`` is set to ``None``."""
+        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype.
+
+        ``zero_grad(set_to_none=False)`` (the optimizer's or the module's) zeroes ``.grad``, i.e. this rank's
+        rows only: when ``.grad`` changed in place since perparam last wrote the whole gradient (the
+        DTensor's version counter: a local decision, no collective depends on it) and this rank's rows are
+        all zero (none, for an empty shard), the whole gradient is zeroed before the sum is added, so every
+        row holds this backward's gradient, not earlier steps'. Rows changed in place to anything else
+        (scaled by the user) leave the other rows as perparam wrote them."""
         whole = self.layout.from_wire(whole.view(self.layout.rule.wire_shape(self.layout.global_shape)))
         kept = self._whole_grad()
         if kept is not None:
+            grad = self.sharded.grad  # an in-place op on it bumps its own counter (not the local tensor's)
+            if grad._version != self._whole_version and not grad._local_tensor.any():
+                kept.zero_()  # zeroed through .grad: the rows of the other ranks too
             kept.add_(whole)
+            self._whole_version = grad._version
             return
         grad = self.sharded.grad
         if grad is not None:  # a .grad of the user's: add this rank's rows to it
@@ -360,6 +372,7 @@ class ShardedParam:
             self._grad_spec = _spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
         rows = self.layout.local_piece(kept, self.shard_rank)
         self.sharded.grad = _dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
+        self._whole_version = self.sharded.grad._version
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""
