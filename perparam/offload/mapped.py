@@ -105,9 +105,10 @@ def _unlink(path: Path) -> None:
 class Slot:
     """One tensor's bytes in one file of the disk tier. ``label``: what it is, for messages
     (``"'blocks.0.fc1.weight' optimizer state 'exp_avg'"``). Raises ``OffloadError`` (naming the label
-    and the file) when the file cannot be made; ``tensor`` is then unchanged."""
+    and the file) when the file cannot be made; ``tensor`` is then unchanged. ``bind=False``: only
+    reserve the file for tensors of ``tensor``'s dtype and shape (``GradSlot``)."""
 
-    def __init__(self, scratch: Scratch, label: str, tensor: torch.Tensor) -> None:
+    def __init__(self, scratch: Scratch, label: str, tensor: torch.Tensor, bind: bool = True) -> None:
         self.label = label
         self.nbytes = tensor.numel() * tensor.element_size()
         self.path: Path = scratch.new_path(label)
@@ -123,15 +124,21 @@ class Slot:
             self.path.unlink(missing_ok=True)
             raise self.error("reserve", e) from None
         os.close(fd)
-        mapped = torch.frombuffer(self.mm, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
-        with torch.no_grad():
-            mapped.copy_(tensor)
-            tensor.set_(mapped)
-        self.tensor = tensor
-        self.ptr = mapped.data_ptr()
+        self.dtype, self.shape, self.numel = tensor.dtype, tuple(tensor.shape), tensor.numel()
         self.pending: list[Future] = []
         self.resident = True
         weakref.finalize(self, _unlink, self.path)  # a model dropped mid-run leaves no file behind
+        if bind:
+            self.tensor = tensor
+            self.ptr = self._point(tensor)
+
+    def _point(self, tensor: torch.Tensor) -> int:
+        """Copy ``tensor``'s values into the mapping and point ``tensor`` at it; returns its address."""
+        mapped = torch.frombuffer(self.mm, dtype=self.dtype, count=self.numel).view(self.shape)
+        with torch.no_grad():
+            mapped.copy_(tensor)
+            tensor.set_(mapped)
+        return mapped.data_ptr()
 
     def error(self, what: str, e: OSError) -> OffloadError:
         hint = ("free space on that disk or name another directory in OffloadPolicy('disk', path=...)"
@@ -204,3 +211,42 @@ class Slot:
         STATS.add(wait_s=time.perf_counter() - t0)
         if errors:
             raise errors[0]
+
+
+class GradSlot(Slot):
+    """The file of one parameter's gradient shard: reserved once (at ``fully_shard``, ``like``: the local
+    shard, whose dtype and shape the sharded ``.grad`` has) and given each new ``.grad`` tensor in turn
+    (``zero_grad()`` drops the old one; the reduction makes a new one). The tensor is held weakly, so a
+    dropped ``.grad`` frees nothing but its mapping."""
+
+    def __init__(self, scratch: Scratch, label: str, like: torch.Tensor) -> None:
+        super().__init__(scratch, label, like, bind=False)
+        self._ref = None
+        self.ptr = None
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The ``.grad``'s local tensor now in the file, or ``None`` (none given yet, or dropped)."""
+        return self._ref() if self._ref is not None else None
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor is self.tensor and tensor.data_ptr() == self.ptr
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """A new tensor in the file holding ``values`` (a new ``.grad``'s local tensor: this slot's dtype
+        and shape), from now on the slot's. A new tensor rather than ``values`` repointed: ``values`` may
+        be a view of the reduction's buffer, which a view keeps alive. The slot's queued I/O finishes first;
+        the previous tensor, when still referenced elsewhere (a ``.grad`` kept by the caller), gets its own
+        memory with its values, so it never changes under its holder."""
+        self.wait()
+        old = self.tensor
+        if old is not None:
+            with torch.no_grad():
+                old.set_(old.clone())
+        mapped = torch.frombuffer(self.mm, dtype=self.dtype, count=self.numel).view(self.shape)
+        with torch.no_grad():
+            mapped.copy_(values)
+        self.ptr = mapped.data_ptr()
+        self.resident = True
+        self._ref = weakref.ref(mapped)
+        return mapped
