@@ -254,6 +254,18 @@ def test_bad_offload_input_is_refused_at_fully_shard_naming_parameter_and_path(t
     assert all(unchanged for _, unchanged in (unwritable, no_folder, frozen))
 
 
+def test_tiers_a_cuda_mesh_cannot_have_are_refused_naming_what_to_use_instead():
+    from perparam.offload import tier
+    from perparam.sharding.policy import MixedPrecisionPolicy, resolve
+
+    for offload in (OffloadPolicy("disk", "optimizer", path="/tmp"), OffloadPolicy("disk", "all", path="/tmp"),
+                    OffloadPolicy("cpu", "all")):
+        policy = resolve("fc.weight", nn.Parameter(torch.zeros(2, 2)), MixedPrecisionPolicy(), None, 2, offload)
+        with pytest.raises(OffloadError) as e:
+            tier.check([("fc.weight", policy, 16)], "cuda", "Net")
+        assert "'fc.weight' of Net" in str(e.value) and "use OffloadPolicy('cpu', 'optimizer')" in str(e.value)
+
+
 def cpu_tier_on_a_cpu_mesh(rank: int, world_size: int) -> list:
     from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -157,7 +157,8 @@ def check(entries: list[tuple[str, object, int]], device_type: str, owner: str) 
             continue
         if device_type != "cpu" and tier.tier == "disk":
             raise OffloadError(f"parameter '{name}' of {owner}: the disk tier is implemented for CPU meshes only "
-                               f"(this mesh is on {device_type}); use OffloadPolicy('cpu', ...) or 'device'")
+                               f"(this mesh is on {device_type}); use OffloadPolicy('cpu', 'optimizer') instead "
+                               "(its optimizer state in pinned host memory, copied in for the step) or 'device'")
         if device_type != "cpu" and tier.tier == "cpu" and tier.state == "all":
             raise OffloadError(f"parameter '{name}' of {owner}: the cpu tier of the stored shard on a {device_type} "
                                "mesh (host optimizer step) is not implemented yet; use OffloadPolicy('cpu', "
