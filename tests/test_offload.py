@@ -201,7 +201,8 @@ def write_back_fails_then_recovers(rank: int, world_size: int, root: str, where:
         if where == "write" and index == 1:
             original, mapped._write_back = mapped._write_back, full
         loss, message = _step(rank, world_size, model, opt, index)
-        mapped.executor().submit(lambda: None).result()  # the I/O thread's queue done (one thread, in order)
+        for lane in (mapped.SHARD_LANE, mapped.STATE_LANE):  # the I/O threads' queues done (each in order)
+            mapped.executor(lane).submit(lambda: None).result()
         if where == "write" and index == 1:
             mapped._write_back = original  # the failed write-backs surface at the next step's pre-hook
         losses.append(loss)

@@ -10,8 +10,12 @@ parameter's ``ParamOffload`` and installs:
   time (``Slot``) and every slot is written back and evicted on the I/O thread;
 * a post-accumulate-grad hook on each trainable offloaded parameter: the read-ahead of its optimizer
   state (and stored shard) starts when its reduced gradient is ready, so it overlaps the rest of backward;
-* for ``state="all"``: forward hooks on the group's modules: before the group's all-gather its stored
-  shards are fetched (and the next group's, in the last forward's order), after its forward evicted;
+* for ``state="all"``: forward hooks on the group's modules: before the group's forward its stored
+  shards are fetched (and the next group's, in the last forward's order), after its forward evicted; and
+  the group's ``ParamGroup.offload_hook``, called by every all-gather of the group (forward, backward,
+  prefetch) before it packs the shards: it starts their reads and those of the next
+  ``GATHER_READ_AHEAD`` groups in the all-gathers' direction (backward: reverse forward order), so the
+  backward all-gathers find their shards read in behind the runtime's prefetch;
 * for ``state="all"`` on disk, the gradient shard of a trainable stage-2/3 parameter: a file reserved at
   ``fully_shard`` (``GradSlot``). The reduction (``ShardedParam.accumulate_sharded_grad``) makes a new
   ``.grad`` in it (``grad_new``) or reads it back before adding to it (``grad_in``), then has it written
@@ -35,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .host import HostSlot
-from .mapped import GradSlot, OffloadError, Slot
+from .mapped import SHARD_LANE, GradSlot, OffloadError, Slot
 from .scratch import Scratch, ScratchError, scratch_for
 
 #: live ``ShardedParam``s with an offloaded tier (each carries ``.offload``: its ``ParamOffload``)
@@ -43,6 +47,13 @@ _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
 _order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
+#: where ``fully_shard`` keeps a module's ``ParamGroup`` (``perparam.runtime.group.GROUP_ATTR``; read, not
+#: imported: this floor imports ``perparam.sharding`` only)
+_GROUP_ATTR = "_perparam_group"
+#: how many groups ahead (in the direction the all-gathers go) a group's all-gather starts the shard reads:
+#: the runtime prefetches one group ahead, so two keeps a read in flight behind each prefetch. 0: none
+#: (the kernel reads the pages when the all-gather packs them)
+GATHER_READ_AHEAD = 2
 
 
 class _Group(list):
@@ -136,7 +147,7 @@ class ParamOffload:
     def adopt(self, state: dict) -> None:
         local = self.shard_to_adopt()
         if local is not None:
-            self.shard_slot = Slot(self.scratch, f"{self.label} stored shard", local)
+            self.shard_slot = Slot(self.scratch, f"{self.label} stored shard", local, lane=SHARD_LANE)
         for key, tensor in self.state_to_adopt(state):
             label = f"{self.label} optimizer state '{key}'"
             if self.policy.tier == "cpu":
@@ -219,6 +230,9 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
             group.append(po)
     if group:
         _groups[id(group)] = group
+        pg = next((m.__dict__[_GROUP_ATTR] for m in modules if _GROUP_ATTR in m.__dict__), None)
+        if pg is not None:
+            pg.offload_hook = lambda g=group: _before_gather(g)
         for m in modules:
             m.register_forward_pre_hook(lambda *_, g=group: _before_forward(g), prepend=True)
             m.register_forward_hook(lambda *_, g=group: _after_forward(g), always_call=True)
@@ -245,6 +259,35 @@ def _before_forward(group: _Group) -> None:
     for po in group:
         if po.shard_slot is not None:
             po.shard_slot.wait()
+
+
+def _fetch_shards(group) -> None:
+    for po in group:
+        if po.shard_slot is not None:
+            po.shard_slot.fetch()
+
+
+def _before_gather(group: _Group) -> None:
+    """Called by the group's all-gather before it packs the shards (forward, backward, prefetches): start
+    the reads of the group's stored shards (when none is on its way) and of the next ``GATHER_READ_AHEAD``
+    groups the all-gathers will reach: in backward the ones that ran before it in this iteration's
+    forward, in forward the ones that ran after it in the last forward. Nothing waits here: a page the
+    packing touches before its read is done is read by the kernel (waiting behind the one I/O thread's
+    queue of write-backs was measured slower than that)."""
+    if GATHER_READ_AHEAD <= 0:
+        return
+    key = id(group)
+    backward = torch._C._current_graph_task_id() != -1
+    if backward and key in _current:
+        i = _current.index(key)
+        ahead = _current[max(0, i - GATHER_READ_AHEAD):i][::-1]
+    else:
+        order = _order if key in _order else _current
+        i = order.index(key) if key in order else len(order)
+        ahead = order[i + 1:i + 1 + GATHER_READ_AHEAD]
+    _fetch_shards(group)
+    for other in ahead:
+        _fetch_shards(_groups.get(other, ()))
 
 
 def _after_forward(group: _Group) -> None:
