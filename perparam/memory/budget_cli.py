@@ -13,7 +13,8 @@ from perparam.memory.plan import ModelPlan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
                         help="device bytes of model state per rank (e.g. 20e9, 20GB, 16GiB): plan which parameters' "
-                             "optimizer state / shards to offload with the least traffic (docs/offload.md)")
+                             "optimizer state / shard and gradient to offload with the least traffic, then which "
+                             "take ZeRO stage 2 in the room left (fewer all-gathers; docs/offload.md)")
     parser.add_argument("--tier", choices=["disk", "cpu"], default="disk",
                         help="with --budget: where offloaded state goes (default disk)")
     parser.add_argument("--offload-dir", default=None, metavar="DIR",
