@@ -4,7 +4,12 @@ One process (K = 1, gloo), a stack of ``--layers`` x ``Linear(--width, --width)`
 each of ``--pairs`` rounds, ``--steps`` timed steps without offload, then with optimizer state on disk,
 then with everything on disk (each after one untimed step that makes the files). Prints the median step
 time of each and, for the disk runs, the I/O thread's read and write-back seconds per step and the
-seconds per step the training thread waited for them (hidden = 1 - waited / (read + write-back)).
+seconds per step the training thread waited for them (hidden = 1 - waited / (read + write-back)), and the
+seconds per step spent issuing all-gathers (``ParamGroup.start_unshard``: packing the shards, where an
+evicted shard is read, by a page fault or by waiting for the tier's read-ahead). "disk all, no gather
+read-ahead" is "disk all" with ``perparam.offload.tier.GATHER_READ_AHEAD = 0`` (the shards read by page
+faults when the backward all-gathers pack them): the pair gives what the read-ahead behind the backward
+prefetch saves.
 
     PYTHONPATH=. python benchmarks/offload_step.py --dir /tmp --layers 8 --width 1024 --steps 5
 """
@@ -21,10 +26,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+_GATHER = {"s": 0.0}
 
-def run(offload, args) -> tuple[list[float], dict]:
+
+def _timed_start_unshard():
+    """Wrap ``ParamGroup.start_unshard`` to add its seconds to ``_GATHER`` (once per process)."""
+    from perparam.runtime.group import ParamGroup
+
+    inner = ParamGroup.start_unshard
+    if getattr(inner, "timed", False):
+        return
+
+    def start_unshard(self):
+        t0 = time.perf_counter()
+        try:
+            return inner(self)
+        finally:
+            _GATHER["s"] += time.perf_counter() - t0
+
+    start_unshard.timed = True
+    ParamGroup.start_unshard = start_unshard
+
+
+def run(offload, args, read_ahead: int = 2) -> tuple[list[float], dict]:
     import perparam
     from perparam import fully_shard
+    from perparam.offload import tier
+
+    _timed_start_unshard()
+    tier.GATHER_READ_AHEAD = read_ahead
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))
@@ -38,6 +68,7 @@ def run(offload, args) -> tuple[list[float], dict]:
         if step == 1:
             perparam.offload.flush()
             perparam.offload.reset_stats()
+            _GATHER["s"] = 0.0
         t0 = time.perf_counter()
         model(x).square().mean().backward()
         opt.step()
@@ -45,7 +76,7 @@ def run(offload, args) -> tuple[list[float], dict]:
         if step:
             times.append(time.perf_counter() - t0)
     perparam.offload.flush()
-    return times, perparam.offload.stats()
+    return times, {**perparam.offload.stats(), "gather_s": _GATHER["s"]}
 
 
 def main() -> None:
@@ -56,6 +87,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -63,24 +95,29 @@ def main() -> None:
     torch.set_num_threads(1)
     from perparam import OffloadPolicy
 
-    variants = {"device": None, "disk optimizer": OffloadPolicy("disk", "optimizer", path=args.dir),
-                "disk all": OffloadPolicy("disk", "all", path=args.dir)}
+    variants = {"device": (None, 2), "disk optimizer": (OffloadPolicy("disk", "optimizer", path=args.dir), 2),
+                "disk all without gather read-ahead": (OffloadPolicy("disk", "all", path=args.dir), 0),
+                "disk all": (OffloadPolicy("disk", "all", path=args.dir), 2)}
+    variants = {k: v for k, v in variants.items() if not args.only or k in args.only.split(",")}
     times: dict[str, list[float]] = {k: [] for k in variants}
     io: dict[str, list[dict]] = {k: [] for k in variants}
     for _ in range(args.pairs):
-        for name, offload in variants.items():
-            t, s = run(offload, args)
+        for name, (offload, read_ahead) in variants.items():
+            t, s = run(offload, args, read_ahead)
             times[name] += t
             io[name].append(s)
     params = args.layers * (args.width * args.width + args.width)
     print(f"{args.layers} x Linear({args.width}, {args.width}): {params:,} fp32 parameters, AdamW state "
           f"{params * 8 / 1e6:.1f} MB; batch {args.batch}; {args.pairs} x {args.steps} steps per variant")
-    base = statistics.median(times["device"])
+    base = statistics.median(times["device"]) if "device" in times else None
+    steps = args.steps * args.pairs
     for name in variants:
         med = statistics.median(times[name])
-        line = f"{name:>15}: median step {med * 1e3:8.1f} ms ({med / base:.3f} x device)"
+        gather = sum(s["gather_s"] for s in io[name]) / steps
+        line = f"{name:>30}: median step {med * 1e3:8.1f} ms"
+        line += f" ({med / base:.3f} x device)" if base else ""
+        line += f"; all-gather issue {gather * 1e3:.1f} ms per step"
         if name != "device":
-            steps = args.steps * args.pairs
             read = sum(s["fetch_s"] for s in io[name]) / steps
             write = sum(s["evict_s"] for s in io[name]) / steps
             wait = sum(s["wait_s"] for s in io[name]) / steps

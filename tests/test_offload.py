@@ -41,12 +41,22 @@ def _build(world_size: int, offload, mesh_shape=None) -> TinyNet:
     return model
 
 
-def _train(rank: int, world_size: int, model: TinyNet, optimizer, steps: int = STEPS, start: int = 0) -> list[float]:
+def _train(rank: int, world_size: int, model: TinyNet, optimizer, steps: int = STEPS, start: int = 0,
+           accumulate: bool = False) -> list[float]:
+    """``steps`` optimizer steps; ``accumulate``: three backwards per step on thirds of the batch, the first
+    without gradient sync (no-sync accumulation of 2 micro-batches), the last two each reduced into the
+    sharded ``.grad`` (the second adds into a gradient shard the tier evicted)."""
     losses = []
-    for x, y in make_batches(start + steps, 8)[start:]:
+    for x, y in make_batches(start + steps, 12 if accumulate else 8)[start:]:
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        if accumulate:
+            for i, (xm, ym) in enumerate(zip(x.chunk(3), y.chunk(3))):
+                model.set_requires_gradient_sync(i > 0)
+                loss = nn.functional.mse_loss(model(xm), ym)
+                loss.backward()
+        else:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -58,38 +68,44 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def same_with_and_without_disk(rank: int, world_size: int, root: str, optimizers: tuple[str, ...],
-                               mesh_shape=None) -> list:
-    """Per optimizer: (losses, parameters) of one run per tier on this rank: device, optimizer state on
-    disk, everything on disk; and how many files the disk tier held."""
+                               mesh_shape=None, accumulate: tuple[bool, ...] = (False,)) -> list:
+    """Per optimizer and accumulation (see ``_train``): (losses, parameters) of one run per tier on this
+    rank: device, optimizer state on disk, everything on disk; and how many files the disk tier held (the
+    gradient shards' among them)."""
     out = []
     for optimizer in optimizers:
-        runs = []
-        for offload in (None, OffloadPolicy("disk", "optimizer", path=root), OffloadPolicy("disk", "all", path=root)):
-            model = _build(world_size, offload, mesh_shape)
-            opt = OPTIMIZERS[optimizer](model.parameters())
-            runs.append((_train(rank, world_size, model, opt), _full(model)))
-        out.append(runs)
+        for acc in accumulate:
+            runs = []
+            for offload in (None, OffloadPolicy("disk", "optimizer", path=root),
+                            OffloadPolicy("disk", "all", path=root)):
+                model = _build(world_size, offload, mesh_shape)
+                opt = OPTIMIZERS[optimizer](model.parameters())
+                runs.append((_train(rank, world_size, model, opt, accumulate=acc), _full(model)))
+            out.append(runs)
     perparam.offload.flush()
-    return [out, len(list(Path(root).glob(f"{PREFIX}*/*.bin")))]
+    files = list(Path(root).glob(f"{PREFIX}*/*.bin"))
+    return [out, len(files), sum("gradient_shard" in f.name for f in files)]
 
 
 def _assert_bitwise(results) -> None:
-    for per_optimizer, files in results:
+    for per_optimizer, files, grad_files in results:
         for device, *disks in per_optimizer:
             for disk in disks:
                 assert device[0] == disk[0], (device[0], disk[0])
                 for name, want in device[1].items():
                     assert torch.equal(disk[1][name], want), name
-        assert files > 0
+        assert files > 0 and grad_files > 0
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_adamw_with_state_on_disk_matches_device_bitwise(tmp_path, world_size):
-    _assert_bitwise(run_distributed(same_with_and_without_disk, world_size, str(tmp_path), ("adamw_foreach",)))
+def test_adamw_with_state_shard_and_gradient_on_disk_matches_device_bitwise_with_accumulation(tmp_path, world_size):
+    _assert_bitwise(run_distributed(same_with_and_without_disk, world_size, str(tmp_path), ("adamw_foreach",),
+                                    None, (True,)))
 
 
-def test_hsdp_2x2_with_state_on_disk_matches_device_bitwise(tmp_path):
-    _assert_bitwise(run_distributed(same_with_and_without_disk, 4, str(tmp_path), ("adamw_foreach",), (2, 2)))
+def test_hsdp_2x2_with_state_shard_and_gradient_on_disk_matches_device_bitwise_with_accumulation(tmp_path):
+    _assert_bitwise(run_distributed(same_with_and_without_disk, 4, str(tmp_path), ("adamw_foreach",), (2, 2),
+                                    (True,)))
 
 
 def test_stock_optimizers_with_state_on_disk_match_device_bitwise(tmp_path):
@@ -185,7 +201,8 @@ def write_back_fails_then_recovers(rank: int, world_size: int, root: str, where:
         if where == "write" and index == 1:
             original, mapped._write_back = mapped._write_back, full
         loss, message = _step(rank, world_size, model, opt, index)
-        mapped.executor().submit(lambda: None).result()  # the I/O thread's queue done (one thread, in order)
+        for lane in (mapped.SHARD_LANE, mapped.STATE_LANE):  # the I/O threads' queues done (each in order)
+            mapped.executor(lane).submit(lambda: None).result()
         if where == "write" and index == 1:
             mapped._write_back = original  # the failed write-backs surface at the next step's pre-hook
         losses.append(loss)
@@ -236,6 +253,18 @@ def test_bad_offload_input_is_refused_at_fully_shard_naming_parameter_and_path(t
     assert "names no folder" in no_folder[0]
     assert "'head.weight'" in frozen[0] and "frozen" in frozen[0]
     assert all(unchanged for _, unchanged in (unwritable, no_folder, frozen))
+
+
+def test_tiers_a_cuda_mesh_cannot_have_are_refused_naming_what_to_use_instead():
+    from perparam.offload import tier
+    from perparam.sharding.policy import MixedPrecisionPolicy, resolve
+
+    for offload in (OffloadPolicy("disk", "optimizer", path="/tmp"), OffloadPolicy("disk", "all", path="/tmp"),
+                    OffloadPolicy("cpu", "all")):
+        policy = resolve("fc.weight", nn.Parameter(torch.zeros(2, 2)), MixedPrecisionPolicy(), None, 2, offload)
+        with pytest.raises(OffloadError) as e:
+            tier.check([("fc.weight", policy, 16)], "cuda", "Net")
+        assert "'fc.weight' of Net" in str(e.value) and "use OffloadPolicy('cpu', 'optimizer')" in str(e.value)
 
 
 def cpu_tier_on_a_cpu_mesh(rank: int, world_size: int) -> list:
@@ -289,8 +318,10 @@ def _rss_anon() -> int:
 
 
 def rss_in_training(rank: int, world_size: int, root: str, state: str | None) -> list[int]:
-    """[RssAnon after two steps (evictions done, glibc's free blocks given back in every variant), bytes
-    the tier was to take off]: 4 x Linear(1024, 1024), fp32, AdamW (34 MB of state; 17 MB of shards)."""
+    """[RssAnon after two steps, RssAnon between step 2's backward and its step (evictions done, glibc's
+    free blocks given back in every variant), bytes the tier was to take off after the step, and between
+    backward and step (the gradient shards too, with "all")]: 4 x Linear(1024, 1024), fp32, AdamW (34 MB
+    of state; 17 MB of shards; 17 MB of gradients)."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))
     offload = OffloadPolicy("disk", state, path=root) if state else None
@@ -301,17 +332,22 @@ def rss_in_training(rank: int, world_size: int, root: str, state: str | None) ->
     x = torch.randn(4, 1024)
     for _ in range(2):
         model(x).square().mean().backward()
+        perparam.offload.flush()
+        perparam.offload.trim_heap()
+        before_step = _rss_anon()
         opt.step()
         opt.zero_grad()
     perparam.offload.flush()
     perparam.offload.trim_heap()
-    local = [p.to_local() for p in model.parameters()]
-    planned = sum(2 * t.numel() * 4 for t in local) + (sum(t.numel() * 4 for t in local) if state == "all" else 0)
-    return [_rss_anon(), planned]
+    local = sum(p.to_local().numel() * 4 for p in model.parameters())
+    planned = 2 * local + (local if state == "all" else 0)
+    return [_rss_anon(), before_step, planned, planned + (local if state == "all" else 0)]
 
 
 def test_rss_anon_falls_by_the_offloaded_bytes_within_5_percent(tmp_path):
-    [(device, _)] = run_distributed(rss_in_training, 1, str(tmp_path), None)
+    [(device, device_backward, _, _)] = run_distributed(rss_in_training, 1, str(tmp_path), None)
     for state in ("optimizer", "all"):
-        [(offloaded, planned)] = run_distributed(rss_in_training, 1, str(tmp_path), state)
+        [(offloaded, backward, planned, planned_backward)] = run_distributed(rss_in_training, 1, str(tmp_path), state)
         assert abs((device - offloaded) - planned) <= 0.05 * planned, (state, device - offloaded, planned)
+        fell = device_backward - backward  # the gradient shards are in the tier too with "all"
+        assert abs(fell - planned_backward) <= 0.05 * planned_backward, (state, fell, planned_backward)

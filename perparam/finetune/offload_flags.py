@@ -111,18 +111,21 @@ class OffloadChoice:
                 if pp.name in places:
                     tier, state = places[pp.name]
                     numel = pp.layout.local_numel(self.shard_rank) if pp.requires_grad else 0
-                    nbytes = numel * 8 + (pp.stored_bytes(self.shard_rank) if state == "all" else 0)
+                    shard = pp.stored_bytes(self.shard_rank) if state == "all" else 0
+                    grad = shard if tier == "disk" and pp.requires_grad and not pp.resolution.policy.whole_grad else 0
+                    nbytes = numel * 8 + shard + grad  # AdamW state; "all": the shard and its gradient too
                     self.planned[tier] = self.planned.get(tier, 0) + nbytes
             return places
         plan = plan_module(model, self.shards, dtype=None, optim_bytes=8)
-        result = plan_budget(plan, self.budget)
+        result = plan_budget(plan, self.budget, stage2=False)  # the run's --zero-stage decides stages
         if not result.fits:
             raise FinetuneInputError(f"--memory-budget {self.budget}: {result.message}")
         self.planned = {"disk": result.offloaded[self.shard_rank]}
         self.plan_line = (f"--memory-budget {self.budget / 1e9:.4f} GB: model state per rank "
                           f"{plan.max_rank.total / 1e9:.4f} GB -> {result.max_kept / 1e9:.4f} GB kept; "
                           f"{result.by_place['optimizer']} parameters' AdamW state and {result.by_place['all']} "
-                          f"whole parameters on disk, {result.max_moved / 1e9:.4f} GB moved per step")
+                          f"whole parameters (shard, gradient, AdamW state) on disk, "
+                          f"{result.max_moved / 1e9:.4f} GB moved per step")
         return {n: ("disk", place) for n, place in result.places.items() if place != "device"}
 
     def policy(self, model, base):

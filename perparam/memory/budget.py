@@ -1,34 +1,43 @@
-"""Offload under a byte budget: which parameters' state leaves device memory, with the least traffic.
+"""Offload and ZeRO stage under a byte budget: where each parameter's state lives, with the least traffic.
 
 Per parameter and rank r of a ``ModelPlan`` (``perparam.memory.plan``): S = its stored shard's bytes, G =
-its gradient shard's, O = its optimizer state's (0 when frozen). Each parameter takes one of three
-places (``OffloadPolicy.state``):
+its gradient shard's, O = its optimizer state's (0 when frozen), U = the unsharded copy stage 2 keeps
+(``plan.kept_bytes``: padded, ``param_dtype``), W = the bytes it sends in one all-gather (its padded wire
+piece). Each parameter takes one of three places (``OffloadPolicy.state``) at ZeRO stage 3 or 2:
 
 ===============  ==============================  ==========================================================
 place            bytes it keeps in device memory  bytes moved between tiers per step (read + written)
 ===============  ==============================  ==========================================================
 ``device``       S + G + O                        0
 ``optimizer``    S + G                            2 O (read before the step, written after it)
-``all``          G                                2 O + 3 S trainable (read before the forward all-gather,
-                                                  read before the backward one, written after the step);
-                                                  2 S frozen (two reads, nothing written)
+``all``          0                                2 O + 3 S + 2 G trainable (the shard read before the
+                                                  forward all-gather and before the backward one, written
+                                                  after the step; the gradient written after the
+                                                  reduction, read before the step); 2 S frozen
 ===============  ==============================  ==========================================================
 
-The gradient shard stays in memory in every place (it lives from the reduce-scatter to the optimizer
-step). The budget counts the bytes resident between optimizer steps, i.e. during forward and backward; a
-stock optimizer's step needs its offloaded tensors resident while it runs (``docs/offload.md``).
-Collective bytes per step do not depend on the place (the same all-gathers and reduce-scatters run).
+Stage 2 (``ParamPolicy(zero_stage=2)``) adds U to what a parameter keeps and saves one all-gather per step
+(stage 3 sends r(G + 2P), stage 2 r(G + P), ``perparam.memory.stage_budget``): W bytes fewer per rank. The
+planner gives it only to trainable stage-3 parameters in place ``device`` or ``optimizer``. With several
+backwards per step (gradient accumulation), ``all`` moves 2 G more per extra backward (the gradient is
+read back before each reduction adds to it); the table counts one. The budget counts the bytes resident
+between optimizer steps, i.e. during forward and backward; a stock optimizer's step needs its offloaded
+tensors resident while it runs (``docs/offload.md``). Offload changes no collective.
 
-``plan_budget`` picks the places: every byte moved off the device costs 2 bytes of traffic when it is
-optimizer state or a frozen shard, 3 when it is a trainable shard, so it offloads in that order, within a
-kind covering what does not fit with few large parameters and then the smallest one that covers the rest
-(least overshoot). ``largest_first`` is the rule of PyTorch PR #188120 (``cpu_offload_by_budget``): whole
-parameters (``all``), largest first, until it fits. Units: bytes.
+``plan_budget`` minimises, in this order, (1) the bytes moved between tiers per step and (2) the collective
+bytes sent per step. (1): every byte moved off the device costs 2 bytes of traffic when it is optimizer
+state or a frozen shard, 2.5 (3 S + 2 G per S + G) when it is a trainable shard with its gradient, so it
+offloads in that order, within a kind covering what does not fit with few large parameters and then the
+smallest one that covers the rest (least overshoot). (2): with those places fixed, the headroom left under
+the budget goes to stage 2, parameters saving the most all-gather bytes per kept byte first, then the
+largest. ``largest_first`` is the rule of PyTorch PR #188120 (``cpu_offload_by_budget``): whole
+parameters (``all``), largest first, until it fits, at stage 3. Units: bytes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,30 +55,40 @@ class _Param:
     s: tuple[int, ...]  # per rank
     g: tuple[int, ...]
     o: tuple[int, ...]
+    u: int = 0  # the unsharded copy stage 2 would keep (0: stage 2 not offered to it)
+    w: int = 0  # bytes one all-gather sends for it
+    base: int = 0  # bytes of a copy its own policy keeps already (stage 1/2 given by the user)
 
-    def kept(self, place: str, r: int) -> int:
+    def kept(self, place: str, r: int, stage: int = 3) -> int:
+        extra = self.base + (self.u if stage == 2 else 0)
         if place == "device":
-            return self.s[r] + self.g[r] + self.o[r]
-        return self.s[r] + self.g[r] if place == "optimizer" else self.g[r]
+            return self.s[r] + self.g[r] + self.o[r] + extra
+        return self.s[r] + self.g[r] + extra if place == "optimizer" else (0 if self.trainable else self.g[r]) + extra
 
     def moved(self, place: str, r: int) -> int:
         if place == "device":
             return 0
         if place == "optimizer":
             return 2 * self.o[r]
-        return 2 * self.o[r] + (3 if self.trainable else 2) * self.s[r]
+        return 2 * self.o[r] + (3 * self.s[r] + 2 * self.g[r] if self.trainable else 2 * self.s[r])
 
 
 def _params(plan: ModelPlan) -> list[_Param]:
+    from perparam.memory.plan import kept_bytes
+
     k = plan.world_size
     out = []
     for pp in plan.params:
         numel = [pp.layout.local_numel(pp.shard_of(r)) for r in range(k)]
         g = plan.grad_bytes if plan.grad_bytes is not None else pp.layout.itemsize
         trainable = pp.requires_grad
+        policy = pp.resolution.policy
+        stage2 = trainable and pp.layout.gathered and policy.zero_stage == 3 and pp.wire_bytes > 0
+        u = math.prod(pp.layout.buffer_shape) * policy.param_dtype.itemsize if stage2 else 0
         out.append(_Param(pp.name, trainable, tuple(pp.stored_bytes(r) for r in range(k)),
                           tuple(int(n * g) if trainable else 0 for n in numel),
-                          tuple(int(n * plan.optim_bytes) if trainable else 0 for n in numel)))
+                          tuple(int(n * plan.optim_bytes) if trainable else 0 for n in numel),
+                          u, pp.wire_bytes, kept_bytes(pp.layout, policy)))
     return out
 
 
@@ -77,9 +96,11 @@ def _params(plan: ModelPlan) -> list[_Param]:
 class BudgetPlan:
     """Where each parameter's state lives, and what that costs (bytes; per rank of the shard axis).
 
-    ``places``: name -> ``"device"``, ``"optimizer"`` or ``"all"``. ``kept[r]``: bytes rank r keeps in
-    device memory; ``moved[r]``: bytes it moves between tiers per step; ``offloaded[r]``: bytes it keeps
-    in the tier. ``fits``: every rank keeps at most ``budget``; ``message`` says why not.
+    ``places``: name -> ``"device"``, ``"optimizer"`` or ``"all"``; ``stages``: name -> ZeRO stage
+    (3, or 2 where the plan keeps the unsharded copy). ``kept[r]``: bytes rank r keeps in device memory;
+    ``moved[r]``: bytes it moves between tiers per step; ``offloaded[r]``: bytes it keeps in the tier;
+    ``collective_bytes``: bytes each rank sends in all-gathers per step. ``fits``: every rank keeps at most
+    ``budget``; ``message`` says why not.
     """
 
     rule: str
@@ -93,6 +114,12 @@ class BudgetPlan:
     fits: bool
     message: str = ""
     by_place: dict[str, int] = field(default_factory=dict)
+    stages: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def stage2(self) -> int:
+        """How many parameters the plan runs at stage 2."""
+        return sum(1 for v in self.stages.values() if v == 2)
 
     @property
     def max_kept(self) -> int:
@@ -107,23 +134,28 @@ class BudgetPlan:
         return {"format": FORMAT, "rule": self.rule, "budget_bytes": self.budget, "world_size": self.world_size,
                 "tier": tier, "offload_dir": offload_dir, "fits": self.fits,
                 "kept_bytes_per_rank": self.kept, "moved_bytes_per_step_per_rank": self.moved,
-                "places": {n: p for n, p in self.places.items() if p != "device"}}
+                "collective_bytes_per_step_per_rank": self.collective_bytes,
+                "places": {n: p for n, p in self.places.items() if p != "device"},
+                "zero_stages": {n: v for n, v in self.stages.items() if v != 3}}
 
 
-def _finish(rule: str, plan: ModelPlan, params: list[_Param], places: dict[str, str], budget: int) -> BudgetPlan:
+def _finish(rule: str, plan: ModelPlan, params: list[_Param], places: dict[str, str], budget: int,
+            stages: dict[str, int] | None = None) -> BudgetPlan:
     k = plan.world_size
-    kept = [sum(p.kept(places[p.name], r) for p in params) for r in range(k)]
+    stages = stages or {p.name: 3 for p in params}
+    kept = [sum(p.kept(places[p.name], r, stages[p.name]) for p in params) for r in range(k)]
     moved = [sum(p.moved(places[p.name], r) for p in params) for r in range(k)]
-    total = [sum(p.kept("device", r) for p in params) for r in range(k)]
+    total = [sum(p.kept("device", r, stages[p.name]) for p in params) for r in range(k)]
     fits = max(kept) <= budget
     floor = max(sum(p.kept("all", r) for p in params) for r in range(k))
     message = "" if fits else (
-        f"nothing fits: with every parameter's shard and optimizer state offloaded a rank still keeps {floor} "
-        f"bytes (its gradient shards, kept from the reduce-scatter to the step); raise the budget above that or "
-        f"shard over more ranks")
+        f"nothing fits: with every parameter's shard, gradient and optimizer state offloaded a rank still keeps "
+        f"{floor} bytes (frozen parameters' gradients and the unsharded copies of stage-1/2 policies); raise the "
+        f"budget above that or shard over more ranks")
     by_place = {place: sum(1 for v in places.values() if v == place) for place in PLACES}
+    collective = 2 * plan.padded_param_bytes_per_rank - sum(p.w for p in params if stages[p.name] == 2)
     return BudgetPlan(rule, budget, k, places, kept, moved, [t - c for t, c in zip(total, kept)],
-                      2 * plan.padded_param_bytes_per_rank, fits, message, by_place)
+                      collective, fits, message, by_place, dict(stages))
 
 
 def _cover(items: list[tuple[str, tuple[int, ...], int]], need: list[int]) -> list[str]:
@@ -143,9 +175,11 @@ def _cover(items: list[tuple[str, tuple[int, ...], int]], need: list[int]) -> li
     return chosen
 
 
-def plan_budget(plan: ModelPlan, budget: int) -> BudgetPlan:
-    """The places that keep every rank's device bytes within ``budget`` with the least bytes moved per
-    step (see the module docstring); ``fits`` is false, with a ``message``, when nothing does."""
+def plan_budget(plan: ModelPlan, budget: int, stage2: bool = True) -> BudgetPlan:
+    """The places and stages that keep every rank's device bytes within ``budget`` with the least bytes
+    moved between tiers per step, then the fewest collective bytes (see the module docstring; ``stage2``:
+    offer stage 2, else every parameter stays at its policy's stage); ``fits`` is false, with a
+    ``message``, when nothing does."""
     params = _params(plan)
     k = plan.world_size
     places = {p.name: "device" for p in params}
@@ -163,10 +197,19 @@ def plan_budget(plan: ModelPlan, budget: int) -> BudgetPlan:
             elif not p.trainable and max(p.s) > 0:
                 places[p.name] = "all"
         need = [sum(p.kept(places[p.name], r) for p in params) - budget for r in range(k)]
-        kind2 = [(p.name, p.s, 3 * max(p.s)) for p in params if p.trainable and max(p.s) > 0]
+        kind2 = [(p.name, tuple(s + g for s, g in zip(p.s, p.g)), 3 * max(p.s) + 2 * max(p.g))
+                 for p in params if p.trainable and max(p.s) > 0]
         for name in _cover(kind2, need):
             places[name] = "all"
-    return _finish("least traffic", plan, params, places, budget)
+    stages = {p.name: 3 for p in params}
+    if stage2:
+        room = [budget - sum(p.kept(places[p.name], r) for p in params) for r in range(k)]
+        offered = [p for p in params if p.u > 0 and places[p.name] != "all"]
+        for p in sorted(offered, key=lambda p: (-p.w / p.u, -p.u, p.name)):
+            if all(p.u <= left for left in room):
+                stages[p.name] = 2
+                room = [left - p.u for left in room]
+    return _finish("least traffic", plan, params, places, budget, stages)
 
 
 def largest_first(plan: ModelPlan, budget: int) -> BudgetPlan:
@@ -201,9 +244,10 @@ def parse_bytes(text: str) -> int:
 
 
 def param_policy(model, places: dict[str, str], tier: str = "disk", offload_dir: str | None = None,
-                 base=None):
-    """``fully_shard``'s ``param_policy`` for ``places`` (names as ``model.named_parameters()`` gives them):
-    a callable recognising each parameter by identity, so every ``fully_shard`` call on a submodule finds
+                 base=None, stages: dict[str, int] | None = None):
+    """``fully_shard``'s ``param_policy`` for ``places`` (names as ``model.named_parameters()`` gives them)
+    and ``stages`` (name -> ZeRO stage, e.g. ``BudgetPlan.stages``; ``None``: the policies' own): a
+    callable recognising each parameter by identity, so every ``fully_shard`` call on a submodule finds
     its own (a call's names are relative to its module). ``base``: a callable or ``ParamPolicy`` giving the
     rest of each parameter's policy. Raises ``ValueError`` for a name the model does not have or a disk
     tier without ``offload_dir``."""
@@ -212,19 +256,22 @@ def param_policy(model, places: dict[str, str], tier: str = "disk", offload_dir:
     if tier == "disk" and not offload_dir:
         raise ValueError("the disk tier needs a folder: pass offload_dir (perparam plan --offload-dir)")
     by_name = dict(model.named_parameters())
-    missing = sorted(set(places) - set(by_name))
+    stages = {n: v for n, v in (stages or {}).items() if v != 3}
+    missing = sorted((set(places) | set(stages)) - set(by_name))
     if missing:
         raise ValueError(f"the offload plan names parameters this model does not have: {missing[:3]}; plan it "
                          "for this model")
-    by_id = {id(by_name[n]): OffloadPolicy(tier, place, path=offload_dir if tier == "disk" else None)
+    by_id = {id(by_name[n]): {"offload": OffloadPolicy(tier, place, path=offload_dir if tier == "disk" else None)}
              for n, place in places.items() if place != "device"}
+    for n, stage in stages.items():
+        by_id.setdefault(id(by_name[n]), {})["zero_stage"] = stage
 
     def policy(name, param):
         own = base(name, param) if callable(base) else base
-        offload = by_id.get(id(param))
-        if offload is None:
+        fields = by_id.get(id(param))
+        if fields is None:
             return own
-        return dataclasses.replace(own or ParamPolicy(), offload=offload)
+        return dataclasses.replace(own or ParamPolicy(), **fields)
 
     return policy
 
@@ -240,4 +287,5 @@ def load_policy(path: str | Path, model, offload_dir: str | None = None, base=No
     if data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an offload plan ({FORMAT}); write one with perparam plan --budget BYTES "
                          "--write-policy FILE")
-    return param_policy(model, data["places"], data["tier"], offload_dir or data.get("offload_dir"), base)
+    return param_policy(model, data["places"], data["tier"], offload_dir or data.get("offload_dir"), base,
+                        data.get("zero_stages"))

@@ -13,7 +13,8 @@ from perparam.memory.plan import ModelPlan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
                         help="device bytes of model state per rank (e.g. 20e9, 20GB, 16GiB): plan which parameters' "
-                             "optimizer state / shards to offload with the least traffic (docs/offload.md)")
+                             "optimizer state / shard and gradient to offload with the least traffic, then which "
+                             "take ZeRO stage 2 in the room left (fewer all-gathers; docs/offload.md)")
     parser.add_argument("--tier", choices=["disk", "cpu"], default="disk",
                         help="with --budget: where offloaded state goes (default disk)")
     parser.add_argument("--offload-dir", default=None, metavar="DIR",
@@ -25,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _line(b: BudgetPlan) -> str:
-    return (f"{b.rule:>26}: keeps {b.max_kept / 1e9:9.4f} GB per rank, moves {b.max_moved / 1e9:9.4f} GB per step "
-            f"(device {b.by_place['device']}, optimizer state {b.by_place['optimizer']}, all {b.by_place['all']} "
-            "parameters)")
+    return (f"{b.rule:>26}: keeps {b.max_kept / 1e9:9.4f} GB per rank, moves {b.max_moved / 1e9:9.4f} GB per step, "
+            f"sends {b.collective_bytes / 1e9:9.4f} GB in all-gathers (device {b.by_place['device']}, optimizer "
+            f"state {b.by_place['optimizer']}, all {b.by_place['all']} parameters; zero_stage 2: {b.stage2})")
 
 
 def run(args: argparse.Namespace, plan: ModelPlan, console) -> int:
@@ -36,16 +37,17 @@ def run(args: argparse.Namespace, plan: ModelPlan, console) -> int:
                   f"without offload the largest rank keeps {plan.max_rank.total / 1e9:.4f} GB; tier {args.tier}):")
     console.print(_line(ours))
     console.print(_line(baseline))
-    console.print(f"{'collectives':>26}: {ours.collective_bytes / 1e9:9.4f} GB of all-gathers (forward and backward) "
-                  "sent per rank per step either way: offload changes no collective")
+    console.print(f"{'collectives':>26}: all-gathers sent per rank per step; offload changes no collective, "
+                  "zero_stage 2 saves a parameter's backward all-gather for its unsharded copy in memory")
     if baseline.max_moved and ours.fits:
         console.print(f"{'':>26}  least traffic moves {ours.max_moved / baseline.max_moved:.3f} x the bytes of "
                       "largest parameters first")
-    rows = [(name, place) for name, place in ours.places.items() if place != "device"]
+    rows = [(name, place, ours.stages.get(name, 3)) for name, place in ours.places.items()
+            if place != "device" or ours.stages.get(name, 3) != 3]
     if args.params_table and rows:
-        console.print("\nparameter, place:")
-        for name, place in rows:
-            console.print(f"  {name}  {place}")
+        console.print("\nparameter, place, zero_stage:")
+        for name, place, stage in rows:
+            console.print(f"  {name}  {place}  {stage}")
     if not ours.fits:
         print(f"perparam plan: {ours.message}", file=sys.stderr)
         return 1

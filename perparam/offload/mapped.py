@@ -11,8 +11,10 @@ process's anonymous memory nor its file pages hold the bytes. Before use it is *
 background I/O thread (``MADV_POPULATE_WRITE``: read from disk and mapped writable). Any access at any
 other time is still correct: the kernel reads the missing pages from the file (slower, never wrong).
 
-One I/O thread per process runs fetches and evictions in submission order (a fetch after an eviction of
-the same slot sees the written bytes). ``STATS`` counts bytes and seconds (fetch time on the thread,
+Two I/O threads per process ("lanes") run fetches and evictions, each in submission order; every job of
+a slot runs on its lane, so a fetch after an eviction of the same slot sees the written bytes. Lane 0
+carries the stored shards (read ahead of all-gathers), lane 1 optimizer state and gradients (written back
+in bulk after the step and during backward), so a shard's read never queues behind those write-backs. ``STATS`` counts bytes and seconds (fetch time on the thread,
 time the training thread waited for fetches).
 """
 
@@ -61,15 +63,18 @@ class Stats:
 
 
 STATS = Stats()
-_EXECUTOR: tuple[int, ThreadPoolExecutor] | None = None
+_EXECUTORS: tuple[int, list[ThreadPoolExecutor]] | None = None
+SHARD_LANE, STATE_LANE = 0, 1
 
 
-def executor() -> ThreadPoolExecutor:
-    """The process's one I/O thread (made again in a forked child)."""
-    global _EXECUTOR
-    if _EXECUTOR is None or _EXECUTOR[0] != os.getpid():
-        _EXECUTOR = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="perparam-offload"))
-    return _EXECUTOR[1]
+def executor(lane: int = SHARD_LANE) -> ThreadPoolExecutor:
+    """The process's I/O thread of ``lane`` (``SHARD_LANE`` or ``STATE_LANE``; made again in a forked
+    child)."""
+    global _EXECUTORS
+    if _EXECUTORS is None or _EXECUTORS[0] != os.getpid():
+        _EXECUTORS = (os.getpid(), [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"perparam-offload-{i}")
+                                    for i in (SHARD_LANE, STATE_LANE)])
+    return _EXECUTORS[1][lane]
 
 
 _SYNC_FILE_RANGE = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: every dirty page written, no journal commit
@@ -105,10 +110,14 @@ def _unlink(path: Path) -> None:
 class Slot:
     """One tensor's bytes in one file of the disk tier. ``label``: what it is, for messages
     (``"'blocks.0.fc1.weight' optimizer state 'exp_avg'"``). Raises ``OffloadError`` (naming the label
-    and the file) when the file cannot be made; ``tensor`` is then unchanged."""
+    and the file) when the file cannot be made; ``tensor`` is then unchanged. ``bind=False``: only
+    reserve the file for tensors of ``tensor``'s dtype and shape (``GradSlot``). ``lane``: the I/O thread
+    of its jobs (``SHARD_LANE`` for stored shards)."""
 
-    def __init__(self, scratch: Scratch, label: str, tensor: torch.Tensor) -> None:
+    def __init__(self, scratch: Scratch, label: str, tensor: torch.Tensor, bind: bool = True,
+                 lane: int = STATE_LANE) -> None:
         self.label = label
+        self.lane = lane
         self.nbytes = tensor.numel() * tensor.element_size()
         self.path: Path = scratch.new_path(label)
         try:
@@ -123,15 +132,21 @@ class Slot:
             self.path.unlink(missing_ok=True)
             raise self.error("reserve", e) from None
         os.close(fd)
-        mapped = torch.frombuffer(self.mm, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
-        with torch.no_grad():
-            mapped.copy_(tensor)
-            tensor.set_(mapped)
-        self.tensor = tensor
-        self.ptr = mapped.data_ptr()
+        self.dtype, self.shape, self.numel = tensor.dtype, tuple(tensor.shape), tensor.numel()
         self.pending: list[Future] = []
         self.resident = True
         weakref.finalize(self, _unlink, self.path)  # a model dropped mid-run leaves no file behind
+        if bind:
+            self.tensor = tensor
+            self.ptr = self._point(tensor)
+
+    def _point(self, tensor: torch.Tensor) -> int:
+        """Copy ``tensor``'s values into the mapping and point ``tensor`` at it; returns its address."""
+        mapped = torch.frombuffer(self.mm, dtype=self.dtype, count=self.numel).view(self.shape)
+        with torch.no_grad():
+            mapped.copy_(tensor)
+            tensor.set_(mapped)
+        return mapped.data_ptr()
 
     def error(self, what: str, e: OSError) -> OffloadError:
         hint = ("free space on that disk or name another directory in OffloadPolicy('disk', path=...)"
@@ -177,8 +192,9 @@ class Slot:
 
     # -- from the training thread ------------------------------------------------------------------------
     def fetch(self) -> None:
-        """Read the bytes in ahead of use, on the I/O thread (no-op when the last queued job is a fetch)."""
-        if self.pending and self.pending[-1].kind == "fetch":
+        """Read the bytes in ahead of use, on the I/O thread (no-op when the last queued job is a fetch, or
+        when nothing is queued and the bytes are in)."""
+        if self.pending and self.pending[-1].kind == "fetch" or not self.pending and self.resident:
             return
         self._submit("fetch", self._fetch)
 
@@ -187,20 +203,69 @@ class Slot:
         self._submit("evict", self._evict, write)
 
     def _submit(self, kind: str, fn, *args) -> None:
-        future = executor().submit(fn, *args)
+        future = executor(self.lane).submit(fn, *args)
         future.kind = kind
+        future.job = (fn, args)
         self.pending = [f for f in self.pending if not f.done() or f.exception() is not None] + [future]
 
     def wait(self) -> None:
         """Wait for this slot's queued I/O; re-raises the first ``OffloadError`` (the bytes stay in
-        memory: an eviction that failed did not drop them)."""
+        memory: an eviction that failed did not drop them). A job the I/O thread has not started yet runs
+        here, in this slot's order, rather than waiting behind other slots' queued I/O (the one I/O thread
+        runs jobs first in, first out)."""
         pending, self.pending = self.pending, []
         t0 = time.perf_counter()
         errors = []
         for future in pending:
+            if future.cancel():
+                fn, args = future.job
+                try:
+                    fn(*args)
+                except OffloadError as e:
+                    errors.append(e)
+                continue
             error = future.exception()
             if error is not None:
                 errors.append(error)
         STATS.add(wait_s=time.perf_counter() - t0)
         if errors:
             raise errors[0]
+
+
+class GradSlot(Slot):
+    """The file of one parameter's gradient shard: reserved once (at ``fully_shard``, ``like``: the local
+    shard, whose dtype and shape the sharded ``.grad`` has) and given each new ``.grad`` tensor in turn
+    (``zero_grad()`` drops the old one; the reduction makes a new one). The tensor is held weakly, so a
+    dropped ``.grad`` frees nothing but its mapping."""
+
+    def __init__(self, scratch: Scratch, label: str, like: torch.Tensor) -> None:
+        super().__init__(scratch, label, like, bind=False)
+        self._ref = None
+        self.ptr = None
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The ``.grad``'s local tensor now in the file, or ``None`` (none given yet, or dropped)."""
+        return self._ref() if self._ref is not None else None
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor is self.tensor and tensor.data_ptr() == self.ptr
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """A new tensor in the file holding ``values`` (a new ``.grad``'s local tensor: this slot's dtype
+        and shape), from now on the slot's. A new tensor rather than ``values`` repointed: ``values`` may
+        be a view of the reduction's buffer, which a view keeps alive. The slot's queued I/O finishes first;
+        the previous tensor, when still referenced elsewhere (a ``.grad`` kept by the caller), gets its own
+        memory with its values, so it never changes under its holder."""
+        self.wait()
+        old = self.tensor
+        if old is not None:
+            with torch.no_grad():
+                old.set_(old.clone())
+        mapped = torch.frombuffer(self.mm, dtype=self.dtype, count=self.numel).view(self.shape)
+        with torch.no_grad():
+            mapped.copy_(values)
+        self.ptr = mapped.data_ptr()
+        self.resident = True
+        self._ref = weakref.ref(mapped)
+        return mapped

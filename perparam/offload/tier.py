@@ -10,8 +10,17 @@ parameter's ``ParamOffload`` and installs:
   time (``Slot``) and every slot is written back and evicted on the I/O thread;
 * a post-accumulate-grad hook on each trainable offloaded parameter: the read-ahead of its optimizer
   state (and stored shard) starts when its reduced gradient is ready, so it overlaps the rest of backward;
-* for ``state="all"``: forward hooks on the group's modules: before the group's all-gather its stored
-  shards are fetched (and the next group's, in the last forward's order), after its forward evicted.
+* for ``state="all"``: forward hooks on the group's modules: before the group's forward its stored
+  shards are fetched (and the next group's, in the last forward's order), after its forward evicted; and
+  the group's ``ParamGroup.offload_hook``, called by every all-gather of the group (forward, backward,
+  prefetch) before it packs the shards: it starts their reads and those of the next
+  ``GATHER_READ_AHEAD`` groups in the all-gathers' direction (backward: reverse forward order), so the
+  backward all-gathers find their shards read in behind the runtime's prefetch;
+* for ``state="all"`` on disk, the gradient shard of a trainable stage-2/3 parameter: a file reserved at
+  ``fully_shard`` (``GradSlot``). The reduction (``ShardedParam.accumulate_sharded_grad``) makes a new
+  ``.grad`` in it (``grad_new``) or reads it back before adding to it (``grad_in``), then has it written
+  out and dropped (``grad_out``); the read-ahead above reads it back for the step, and after the step it
+  is dropped without a write (the step only reads it).
 
 Nothing here changes what is computed: a slot is a file mapping, so a tensor touched while evicted is
 read back by the kernel (slower, never stale). ``OffloadError`` is raised from the step pre-hook when a
@@ -30,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .host import HostSlot
-from .mapped import OffloadError, Slot
+from .mapped import SHARD_LANE, GradSlot, OffloadError, Slot
 from .scratch import Scratch, ScratchError, scratch_for
 
 #: live ``ShardedParam``s with an offloaded tier (each carries ``.offload``: its ``ParamOffload``)
@@ -38,6 +47,13 @@ _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
 _order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
+#: where ``fully_shard`` keeps a module's ``ParamGroup`` (``perparam.runtime.group.GROUP_ATTR``; read, not
+#: imported: this floor imports ``perparam.sharding`` only)
+_GROUP_ATTR = "_perparam_group"
+#: how many groups ahead (in the direction the all-gathers go) a group's all-gather starts the shard reads:
+#: the runtime prefetches one group ahead, so two keeps a read in flight behind each prefetch. 0: none
+#: (the kernel reads the pages when the all-gather packs them)
+GATHER_READ_AHEAD = 2
 
 
 class _Group(list):
@@ -57,14 +73,53 @@ class ParamOffload:
         self.scratch = scratch
         self.state_slots: dict[str, Slot] = {}
         self.shard_slot: Slot | None = None
+        self.grad_slot: GradSlot | None = None  # state="all" on disk, trainable, sharded gradient: see grad_out
 
     @property
     def shards(self) -> bool:
         return self.policy.state == "all"
 
     def slots(self) -> list[Slot]:
+        """The slots holding a tensor now: optimizer state, stored shard, the ``.grad`` while it lives."""
         out = list(self.state_slots.values())
-        return out + [self.shard_slot] if self.shard_slot is not None else out
+        out += [self.shard_slot] if self.shard_slot is not None else []
+        return out + [self.grad_slot] if self.grad_slot is not None and self.grad_slot.tensor is not None else out
+
+    def files(self) -> list[Slot]:
+        """Every slot with a file, the gradient's reserved one included."""
+        return list(self.state_slots.values()) + [s for s in (self.shard_slot, self.grad_slot) if s is not None]
+
+    def _grad_local(self) -> torch.Tensor | None:
+        grad = self.sp.sharded.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else None
+        if local is None or self.grad_slot is None or local.dtype != self.grad_slot.dtype \
+                or tuple(local.shape) != self.grad_slot.shape or local.device.type != "cpu":
+            return None  # no .grad, or one of the user's of another kind: left alone
+        return local
+
+    def grad_in(self) -> None:
+        """Before a reduced gradient is added into the existing sharded ``.grad`` (several backwards per
+        step): read its evicted bytes back (in memory once this returns). Raises ``OffloadError``."""
+        local = self._grad_local()
+        if local is not None and self.grad_slot.holds(local):
+            self.grad_slot.fetch()
+            self.grad_slot.wait()
+
+    def grad_new(self, values: torch.Tensor) -> torch.Tensor:
+        """The tensor a new sharded ``.grad`` should have for ``values`` (the reduced gradient, this rank's
+        shard): a mapping of its reserved file holding them, or ``values`` when there is no file for it."""
+        if self.grad_slot is None or values.dtype != self.grad_slot.dtype \
+                or tuple(values.shape) != self.grad_slot.shape or values.device.type != "cpu":
+            return values
+        return self.grad_slot.take(values)
+
+    def grad_out(self) -> None:
+        """After a reduced gradient was accumulated into the sharded ``.grad`` held in the file: written
+        out and dropped on the I/O thread; the read-ahead at the end of backward (``_read_ahead``) or the
+        step's pre-hook reads it back. A ``.grad`` the user set is left alone."""
+        local = self._grad_local()
+        if local is not None and self.grad_slot.holds(local):
+            self.grad_slot.evict(write=True)
 
     def shard_to_adopt(self) -> torch.Tensor | None:
         """The stored shard's tensor when it is not (or no longer) in its file, else ``None``."""
@@ -92,7 +147,7 @@ class ParamOffload:
     def adopt(self, state: dict) -> None:
         local = self.shard_to_adopt()
         if local is not None:
-            self.shard_slot = Slot(self.scratch, f"{self.label} stored shard", local)
+            self.shard_slot = Slot(self.scratch, f"{self.label} stored shard", local, lane=SHARD_LANE)
         for key, tensor in self.state_to_adopt(state):
             label = f"{self.label} optimizer state '{key}'"
             if self.policy.tier == "cpu":
@@ -113,7 +168,8 @@ def check(entries: list[tuple[str, object, int]], device_type: str, owner: str) 
             continue
         if device_type != "cpu" and tier.tier == "disk":
             raise OffloadError(f"parameter '{name}' of {owner}: the disk tier is implemented for CPU meshes only "
-                               f"(this mesh is on {device_type}); use OffloadPolicy('cpu', ...) or 'device'")
+                               f"(this mesh is on {device_type}); use OffloadPolicy('cpu', 'optimizer') instead "
+                               "(its optimizer state in pinned host memory, copied in for the step) or 'device'")
         if device_type != "cpu" and tier.tier == "cpu" and tier.state == "all":
             raise OffloadError(f"parameter '{name}' of {owner}: the cpu tier of the stored shard on a {device_type} "
                                "mesh (host optimizer step) is not implemented yet; use OffloadPolicy('cpu', "
@@ -132,12 +188,20 @@ def _check_space(entries, scratches: dict[str, Scratch], owner: str) -> None:
     need: dict[str, int] = {}
     for _, policy, nbytes in entries:
         if policy.offload.tier == "disk" and policy.offload.state == "all":
-            need[policy.offload.path] = need.get(policy.offload.path, 0) + nbytes
+            grad = nbytes if has_grad_file(policy) else 0
+            need[policy.offload.path] = need.get(policy.offload.path, 0) + nbytes + grad
     for path, nbytes in need.items():
         free = shutil.disk_usage(scratches[path].dir).free
         if nbytes > free:
-            raise OffloadError(f"{owner}: the disk tier needs {nbytes} bytes for stored shards in {path} but "
-                               f"{free} are free; free space or name another directory")
+            raise OffloadError(f"{owner}: the disk tier needs {nbytes} bytes for stored shards and their "
+                               f"gradients in {path} but {free} are free; free space or name another directory")
+
+
+def has_grad_file(policy) -> bool:
+    """Whether a parameter of ``policy`` (a ``ResolvedPolicy``) keeps its gradient shard in the disk tier:
+    ``state="all"``, trainable, and a sharded gradient (stage 1 keeps the whole gradient in memory)."""
+    return (policy.offload.tier == "disk" and policy.offload.state == "all" and policy.requires_grad
+            and not policy.whole_grad)
 
 
 def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch]) -> None:
@@ -158,11 +222,17 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
             sp.sharded.register_post_accumulate_grad_hook(lambda _p, po=po: _read_ahead(po))
         if po.shards:
             po.adopt({})
+            local = sp.local_shard()
+            if has_grad_file(sp.policy) and not local.is_meta and local.numel() > 0:
+                po.grad_slot = GradSlot(scratches[sp.policy.offload.path], f"{po.label} gradient shard", local)
             for slot in po.slots():
                 slot.evict(write=True)
             group.append(po)
     if group:
         _groups[id(group)] = group
+        pg = next((m.__dict__[_GROUP_ATTR] for m in modules if _GROUP_ATTR in m.__dict__), None)
+        if pg is not None:
+            pg.offload_hook = lambda g=group: _before_gather(g)
         for m in modules:
             m.register_forward_pre_hook(lambda *_, g=group: _before_forward(g), prepend=True)
             m.register_forward_hook(lambda *_, g=group: _after_forward(g), always_call=True)
@@ -189,6 +259,35 @@ def _before_forward(group: _Group) -> None:
     for po in group:
         if po.shard_slot is not None:
             po.shard_slot.wait()
+
+
+def _fetch_shards(group) -> None:
+    for po in group:
+        if po.shard_slot is not None:
+            po.shard_slot.fetch()
+
+
+def _before_gather(group: _Group) -> None:
+    """Called by the group's all-gather before it packs the shards (forward, backward, prefetches): start
+    the reads of the group's stored shards (when none is on its way) and of the next ``GATHER_READ_AHEAD``
+    groups the all-gathers will reach: in backward the ones that ran before it in this iteration's
+    forward, in forward the ones that ran after it in the last forward. Nothing waits here: a page the
+    packing touches before its read is done is read by the kernel (waiting behind the one I/O thread's
+    queue of write-backs was measured slower than that)."""
+    if GATHER_READ_AHEAD <= 0:
+        return
+    key = id(group)
+    backward = torch._C._current_graph_task_id() != -1
+    if backward and key in _current:
+        i = _current.index(key)
+        ahead = _current[max(0, i - GATHER_READ_AHEAD):i][::-1]
+    else:
+        order = _order if key in _order else _current
+        i = order.index(key) if key in order else len(order)
+        ahead = order[i + 1:i + 1 + GATHER_READ_AHEAD]
+    _fetch_shards(group)
+    for other in ahead:
+        _fetch_shards(_groups.get(other, ()))
 
 
 def _after_forward(group: _Group) -> None:
@@ -253,7 +352,7 @@ def _post_step(optimizer, args, kwargs) -> None:
         trim_heap()  # the state's first home was anonymous memory, now free: give it back to the system
     for _, po in found:
         for slot in po.slots():
-            slot.evict(write=True)
+            slot.evict(write=slot is not po.grad_slot)  # the step read the gradient and wrote nothing there
 
 
 def trim_heap() -> None:
@@ -269,7 +368,7 @@ def offloaded_bytes() -> dict[str, int]:
     """Bytes this process holds in each tier's files now (``{"disk": n}``; ``{}`` when nothing is)."""
     out: dict[str, int] = {}
     for sp in list(_OWNERS):
-        for slot in sp.offload.slots():
+        for slot in sp.offload.files():
             tier = "cpu" if isinstance(slot, HostSlot) else "disk"
             out[tier] = out.get(tier, 0) + slot.nbytes
     return out
@@ -278,5 +377,5 @@ def offloaded_bytes() -> dict[str, int]:
 def flush() -> None:
     """Wait for every queued fetch and write-back of this process (e.g. before measuring memory)."""
     for sp in list(_OWNERS):
-        for slot in sp.offload.slots():
+        for slot in sp.offload.files():
             slot.wait()

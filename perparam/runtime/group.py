@@ -76,6 +76,7 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.partial_reduce: dict[tuple, torch.Tensor] = {}
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
+        self.offload_hook = None  # perparam.offload.tier: reads disk-tier shards in before an all-gather packs them
         self.reduce_scatter_comm = None
         self.registered_unsharded = False
         self._alive = False  # the unsharded storage holds the gathered parameters
@@ -262,6 +263,8 @@ class ParamGroup:
                                    self.driver.all_gather_comm)
             self._pending_gather = (None, rows, members, layout)
             return
+        if self.offload_hook is not None:
+            self.offload_hook()
         device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)

@@ -380,9 +380,16 @@ class ShardedParam:
         if local_grad.dtype != self.sharded.dtype:
             local_grad = local_grad.to(self.sharded.dtype)
         grad = self.sharded.grad
+        tier = getattr(self, "offload", None)  # the disk tier's ParamOffload (perparam.offload.tier), if any
         if grad is None:
             if self._grad_spec is None:
                 self._grad_spec = _spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+            if tier is not None:
+                local_grad = tier.grad_new(local_grad)  # in the gradient shard's file, when it has one
             self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.global_shape, self._grad_spec)
         else:
+            if tier is not None:
+                tier.grad_in()  # an evicted gradient shard read back before adding to it
             grad._local_tensor.add_(local_grad)
+        if tier is not None:
+            tier.grad_out()  # written out and dropped until the step's read-ahead
