@@ -56,12 +56,13 @@ def fitting(names: list[str], num_params: int, world: int, available: int,
     """The configurations of ``names`` (in their order) that fit side by side in ``available`` bytes, and
     a reason per one left out (``"skipped: needs X GB ..."``).
 
-    Those in ``keep`` are taken first; the others are added in order while the job still fits, so the
-    largest ones (``ddp``, ``bound``) are the ones dropped. A ``keep`` configuration that does not fit is
-    skipped like the others (the caller then has nothing to compare)."""
+    Those in ``keep`` are taken first, then the others from the smallest state up while the job still fits,
+    so the largest ones (``ddp``, ``bound``) are the ones dropped. A ``keep`` configuration that does not
+    fit is skipped like the others (the caller then has nothing to compare)."""
     chosen: list[str] = []
     skipped: dict[str, str] = {}
-    for name in [n for n in names if n in keep] + [n for n in names if n not in keep]:
+    others = sorted((n for n in names if n not in keep), key=lambda n: state_bytes_per_rank(n, num_params, world))
+    for name in [n for n in names if n in keep] + others:
         need = job_bytes(chosen + [name], num_params, world)
         if need <= available:
             chosen.append(name)

@@ -1,11 +1,15 @@
-"""CPU time per step of one configuration on 2 gloo ranks, and where rank 0 spends it (cProfile).
+"""CPU time per step of one configuration on K gloo ranks, and where rank 0 spends it (cProfile, or
+``torch.profiler`` by category).
 
     python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native]
         [--gloo-all-gather native] [--top 25]
+    python benchmarks/profile_step.py perparam --size 110m --batch-per-rank 1 --steps 3 --categories
 
 CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
 2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
-then rank 0's cProfile of the timed steps, sorted by own time (``tottime``).
+then rank 0's cProfile of the timed steps, sorted by own time (``tottime``); with ``--categories`` instead
+rank 0's CPU ms per step in compute, copies, collectives, allocation and optimizer
+(``benchmarks/step_categories.py``), the rest (Python, hooks, gloo's threads) as ``untracked``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.configs import CONFIGS  # noqa: E402
+from benchmarks.model import SIZES  # noqa: E402
 from perparam.runtime.config import GLOO_ALGORITHMS  # noqa: E402
 
 
@@ -38,16 +43,17 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
     import perparam
     from benchmarks.configs import build
-    from benchmarks.model import GPTConfig, make_batches
+    from benchmarks.model import make_batches, sized
     from benchmarks.runner import local_batch
+    from benchmarks.step_categories import categorize
 
     torch.set_num_threads(1)
     perparam.configure(gloo_reduce_scatter=args.gloo_reduce_scatter, gloo_all_gather=args.gloo_all_gather)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    cfg = GPTConfig.quick() if args.quick else GPTConfig()
+    cfg = sized("quick" if args.quick else args.size)
     model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
-    x, y = local_batch(make_batches(cfg, 1, 2 * world)[0], rank, world)
+    x, y = local_batch(make_batches(cfg, 1, args.batch_per_rank * world)[0], rank, world)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -56,18 +62,35 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
     for _ in range(2):
         step()
-    prof, cpu = cProfile.Profile(), []
+    prof, cpu, wall = cProfile.Profile(), [], []
+    tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    if rank == 0 and args.categories:  # the barriers are left out by step_categories
+        tprof.start()
     for _ in range(args.steps):
         dist.barrier()
-        c0 = time.process_time()
-        if rank == 0 and args.top:
+        c0, w0 = time.process_time(), time.perf_counter()
+        if rank == 0 and args.top and not args.categories:
             prof.enable()
         step()
-        if rank == 0 and args.top:
+        if rank == 0 and args.top and not args.categories:
             prof.disable()
         cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    if rank == 0 and args.categories:
+        tprof.stop()
     text = ""
-    if rank == 0 and args.top:
+    if rank == 0 and args.categories:
+        cats = categorize(tprof.events(), args.steps)
+        total = statistics.mean(wall) * 1e3
+        lines = [f"rank 0, per step (mean of {args.steps}, profiled): CPU {statistics.mean(cpu) * 1e3:.0f} ms, wall "
+                 f"{total:.0f} ms; by category, the operators' self time (wall ms, torch.profiler):"]
+        for name, c in cats.items():
+            top = ", ".join(f"{op} {ms:.0f}" for op, ms in c["top"])
+            lines.append(f"  {name:<12}{c['ms']:>8.0f}  ({top})")
+        lines.append(f"  {'rest':<12}{total - sum(c['ms'] for c in cats.values()):>8.0f}  "
+                     "(of the wall time: Python, hooks, autograd bookkeeping, waiting for the CPU)")
+        text = "\n".join(lines)
+    elif rank == 0 and args.top:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(args.sort).print_stats(args.top)
         text = buf.getvalue()
@@ -89,12 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gloo-all-gather", choices=GLOO_ALGORITHMS, default="all_to_all",
                     help="perparam.configure(gloo_all_gather=...)")
     ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
-    ap.add_argument("--quick", action="store_true", help="the toy model")
+    ap.add_argument("--quick", action="store_true", help="the toy model (--size quick)")
+    ap.add_argument("--size", choices=tuple(SIZES), default="27m", help="model size (default 27m)")
+    ap.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank (default 2)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--categories", action="store_true",
+                    help="torch.profiler: CPU ms per step by category instead of cProfile's functions")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
     results = sorted(queue.get() for _ in procs)
