@@ -1,5 +1,5 @@
 """CPU time per step of one configuration on K gloo ranks, and where rank 0 spends it (cProfile, or
-``torch.profiler`` by category).
+per phase and category).
 
     python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native]
         [--gloo-all-gather native] [--top 25]
@@ -8,8 +8,8 @@
 CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
 2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
 then rank 0's cProfile of the timed steps, sorted by own time (``tottime``); with ``--categories`` instead
-rank 0's CPU ms per step in compute, copies, collectives, allocation and optimizer
-(``benchmarks/step_categories.py``), the rest (Python, hooks, gloo's threads) as ``untracked``.
+rank 0's CPU ms per step and phase in compute, copies, collectives, allocation, Python by package and
+other threads (``benchmarks/step_categories.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     from benchmarks.configs import build
     from benchmarks.model import make_batches, sized
     from benchmarks.runner import local_batch
-    from benchmarks.step_categories import categorize
+    from benchmarks.step_categories import PHASES, categorize, render
 
     torch.set_num_threads(1)
     perparam.configure(gloo_reduce_scatter=args.gloo_reduce_scatter, gloo_all_gather=args.gloo_all_gather)
@@ -55,41 +55,46 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
     x, y = local_batch(make_batches(cfg, 1, args.batch_per_rank * world)[0], rank, world)
 
-    def step():
+    phase_prof = {ph: cProfile.Profile(time.thread_time) for ph in PHASES}  # --categories: CPU, per phase
+    phase_cpu = dict.fromkeys(PHASES, 0.0)
+
+    def forward():
         opt.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        opt.step()
+        return model(x, y)
+
+    def step(profiled: bool = False):
+        out = None
+        for ph in PHASES:
+            c0 = time.process_time()
+            if profiled:
+                phase_prof[ph].enable()
+            if ph == "forward":
+                out = forward()
+            elif ph == "backward":
+                out.backward()
+            else:
+                opt.step()
+            if profiled:
+                phase_prof[ph].disable()
+                phase_cpu[ph] += time.process_time() - c0
 
     for _ in range(2):
         step()
-    prof, cpu, wall = cProfile.Profile(), [], []
-    tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    if rank == 0 and args.categories:  # the barriers are left out by step_categories
-        tprof.start()
+    prof, cpu = cProfile.Profile(), []
     for _ in range(args.steps):
         dist.barrier()
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0 = time.process_time()
         if rank == 0 and args.top and not args.categories:
             prof.enable()
-        step()
+        step(profiled=rank == 0 and args.categories)
         if rank == 0 and args.top and not args.categories:
             prof.disable()
         cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    if rank == 0 and args.categories:
-        tprof.stop()
     text = ""
     if rank == 0 and args.categories:
-        cats = categorize(tprof.events(), args.steps)
-        total = statistics.mean(wall) * 1e3
-        lines = [f"rank 0, per step (mean of {args.steps}, profiled): CPU {statistics.mean(cpu) * 1e3:.0f} ms, wall "
-                 f"{total:.0f} ms; by category, the operators' self time (wall ms, torch.profiler):"]
-        for name, c in cats.items():
-            top = ", ".join(f"{op} {ms:.0f}" for op, ms in c["top"])
-            lines.append(f"  {name:<12}{c['ms']:>8.0f}  ({top})")
-        lines.append(f"  {'rest':<12}{total - sum(c['ms'] for c in cats.values()):>8.0f}  "
-                     "(of the wall time: Python, hooks, autograd bookkeeping, waiting for the CPU)")
-        text = "\n".join(lines)
+        text = (f"rank 0, CPU per step (mean of {args.steps}, cProfile(time.thread_time) per phase):\n"
+                + render({ph: categorize(phase_prof[ph], args.steps) for ph in PHASES},
+                         {ph: phase_cpu[ph] * 1e3 / args.steps for ph in PHASES}))
     elif rank == 0 and args.top:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(args.sort).print_stats(args.top)
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank (default 2)")
     ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--categories", action="store_true",
-                    help="torch.profiler: CPU ms per step by category instead of cProfile's functions")
+                    help="CPU ms per step by phase and category instead of cProfile's functions")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

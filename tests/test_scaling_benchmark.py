@@ -79,3 +79,24 @@ def test_quick_size_runs_end_to_end_with_figures_against_the_zero3_formulas(tmp_
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| quick (0.1M) | 2 | 1+0 |"))
     assert row.endswith(f"| - / - / - | {run['loadavg']['mean']:.2f} ({run['loadavg']['min']:.2f}-"
                         f"{run['loadavg']['max']:.2f}) |")
+
+
+@pytest.mark.parametrize("filename, funcname, expected", [
+    ("~", "<built-in method torch._C._nn.linear>", "compute"),
+    ("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>", "compute"),
+    ("~", "<built-in method torch.split_with_sizes_copy>", "copies"),
+    ("~", "<method 'copy_' of 'torch._C.TensorBase' objects>", "copies"),
+    ("~", "<built-in method torch._chunk_cat>", "copies"),
+    ("~", "<built-in method torch.empty>", "allocation"),
+    ("~", "<built-in method torch._C._distributed_c10d.all_to_all_single>", "collectives"),
+    ("~", "<built-in method torch._C._distributed_c10d.wait>", "collectives"),
+    ("~", "<built-in method builtins.isinstance>", "python: builtins"),
+    ("/x/perparam/runtime/group.py", "start_unshard", "python: perparam"),
+    ("/x/torch/distributed/tensor/_dispatch.py", "dispatch", "python: DTensor"),
+    ("/x/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "init", "python: FSDP2"),
+    ("/x/torch/optim/adamw.py", "step", "python: torch.optim"),
+])
+def test_profile_categories_put_each_function_where_its_cpu_time_belongs(filename, funcname, expected):
+    from benchmarks.step_categories import category
+
+    assert category(filename, funcname) == expected
