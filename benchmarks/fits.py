@@ -71,3 +71,60 @@ def fitting(names: list[str], num_params: int, world: int, available: int,
         skipped[name] = (f"skipped: needs {need / GB:.1f} GB with {', '.join(chosen) or 'nothing else'} on {world} ranks "
                          f"({alone:.1f} GB of model state itself), {available / GB:.1f} GB available")
     return [n for n in names if n in chosen], skipped
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), from ``/proc/*/stat``."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+class MemoryGuard:
+    """While active, a thread reads ``MemAvailable`` every ``interval`` seconds; when it falls below
+    ``floor`` bytes it kills this process's descendants (the job's ranks and their forkserver) with
+    SIGKILL, before the kernel's OOM killer picks a process of the machine's other users. ``tripped`` then
+    holds the reason; the job's launcher sees its ranks die and raises."""
+
+    def __init__(self, floor: int, interval: float = 0.5) -> None:
+        self.floor, self.interval = floor, interval
+        self.tripped: str | None = None
+        self.lowest: int | None = None
+
+    def __enter__(self) -> MemoryGuard:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import os
+        import signal
+
+        while not self._stop.wait(self.interval):
+            available = mem_available()
+            self.lowest = available if self.lowest is None else min(self.lowest, available)
+            if available < self.floor and self.tripped is None:
+                self.tripped = (f"killed: MemAvailable fell to {available / GB:.1f} GB, under the "
+                                f"{self.floor / GB:.1f} GB floor")
+                for pid in _descendants(os.getpid()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass

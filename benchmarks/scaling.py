@@ -10,7 +10,9 @@ configuration alone in fresh processes for the training-phase peak RSS), over ``
 ``perparam`` by default. Every size runs the same tokens per rank (``--batch-per-rank`` x the context of
 128), so compute and bytes both grow with the parameters and the ratios compare like with like; larger
 sizes run fewer rounds (``ROUNDS``). A configuration whose memory does not fit next to the others
-(``benchmarks/fits.py``: the ZeRO formulas against ``MemAvailable``) is skipped with the bytes it needs.
+(``benchmarks/fits.py``: the ZeRO formulas against ``MemAvailable``) is skipped with the bytes it needs;
+should ``MemAvailable`` still fall under ``--floor-gb`` while a job runs, its ranks are killed and the
+size is reported skipped (``fits.MemoryGuard``), not left to the kernel's OOM killer.
 
 Reported per size and K: perparam's paired step ratio against FSDP2 and DDP (and the CPU-time ratio), CPU
 per token, model state per rank against the ZeRO-3 model ``(P + G + O) / K``, bytes sent per rank against
@@ -64,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-rss", action="store_true", help="skip the memory jobs")
     ap.add_argument("--reserve-gb", type=float, default=2.0,
                     help="GB of MemAvailable left to the machine's other users (default 2)")
+    ap.add_argument("--floor-gb", type=float, default=1.0,
+                    help="kill the job's ranks when MemAvailable falls below this many GB (default 1)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before a job is killed")
     ap.add_argument("--json", type=Path, help="write the results here (after each size and K)")
     ap.add_argument("--table", type=Path, nargs="+", metavar="JSON",
@@ -121,7 +125,7 @@ def _extend(name: str, c: dict, models: dict, tokens_per_rank: int) -> None:
 
 def run_one(size: str, world: int, args: argparse.Namespace) -> dict:
     """One size on ``world`` ranks: the configurations that fit, timed side by side, then their memory jobs."""
-    from benchmarks.fits import fitting, job_bytes, mem_available
+    from benchmarks.fits import MemoryGuard, fitting, job_bytes, mem_available
     from benchmarks.launch import launch
     from benchmarks.report import add_ratios, summarise
 
@@ -142,13 +146,22 @@ def run_one(size: str, world: int, args: argparse.Namespace) -> dict:
     opts = {"model": cfg.as_dict(), "configs": names, "steps": steps, "warmup": warmup, "seed": 0,
             "batch_per_rank": args.batch_per_rank, "rss_steps": args.rss_steps, "timeout": args.timeout}
     t0, load_start = time.monotonic(), os.getloadavg()
-    per_rank = launch("timing", opts, world)
-    load_end = os.getloadavg()
-    rss = {}
-    if not args.no_rss:  # one configuration at a time: the machine's memory is the limit
-        for name in names:
-            if per_rank[0]["configs"][name]["status"] == "ok":
-                rss[name] = launch("rss", {**opts, "config": name, "mmap_threshold": None}, world)
+    guard = MemoryGuard(int(args.floor_gb * 1e9))
+    try:
+        with guard:
+            per_rank = launch("timing", opts, world)
+            load_end = os.getloadavg()
+            rss = {}
+            if not args.no_rss:  # one configuration at a time: the machine's memory is the limit
+                for name in names:
+                    if per_rank[0]["configs"][name]["status"] == "ok":
+                        rss[name] = launch("rss", {**opts, "config": name, "mmap_threshold": None}, world)
+    except RuntimeError:
+        if guard.tripped is None:
+            raise
+        out.update(status="skipped", skipped={**skipped, "job": guard.tripped})
+        return out
+    out["lowest_mem_available_bytes"] = guard.lowest
     configs = {name: summarise(name, per_rank, rss.get(name), world) for name in names}
     add_ratios(configs, 4 * params, world)
     models = _models(params, world)

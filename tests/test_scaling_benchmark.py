@@ -100,3 +100,16 @@ def test_profile_categories_put_each_function_where_its_cpu_time_belongs(filenam
     from benchmarks.step_categories import category
 
     assert category(filename, funcname) == expected
+
+
+def test_memory_guard_kills_the_jobs_processes_when_memory_runs_short():
+    import subprocess
+    import time
+
+    from benchmarks.fits import MemoryGuard, mem_available
+
+    child = subprocess.Popen(["sleep", "30"])
+    with MemoryGuard(floor=mem_available() + 10**15, interval=0.05) as guard:
+        time.sleep(0.3)
+    assert child.wait(timeout=5) == -9
+    assert guard.tripped.startswith("killed: MemAvailable fell to ")
