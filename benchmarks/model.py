@@ -1,7 +1,8 @@
 """A small GPT-style decoder for the benchmarks: plain PyTorch, no parallel code.
 
 ``GPT(GPTConfig())`` has about 27M parameters (width 512, 6 blocks, vocab 8192, context 128, untied
-head). ``GPTConfig.quick()`` is a toy of the same shape for smoke tests.
+head). ``GPTConfig.quick()`` is a toy of the same shape for smoke tests. ``SIZES`` names the sizes
+``benchmarks/scaling.py`` runs: the same vocabulary, context and head width (64), wider and deeper.
 """
 
 from __future__ import annotations
@@ -28,6 +29,25 @@ class GPTConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+#: The model sizes of ``benchmarks/scaling.py`` by name; the name is the parameter count rounded (``"quick"``:
+#: the toy). 27.4M, 111.9M (GPT-2 small's width, 14 blocks) and 344.4M (GPT-2 medium's width, 26 blocks).
+SIZES = {
+    "quick": GPTConfig.quick(),
+    "27m": GPTConfig(),
+    "110m": GPTConfig(width=768, layers=14, heads=12),
+    "350m": GPTConfig(width=1024, layers=26, heads=16),
+}
+
+
+def sized(name: str) -> GPTConfig:
+    """The ``GPTConfig`` of size ``name`` (a key of ``SIZES``, case-insensitive); ``ValueError`` naming the
+    known sizes otherwise."""
+    try:
+        return SIZES[name.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown model size {name!r}; choose from {','.join(SIZES)}") from None
 
 
 class Block(nn.Module):
@@ -77,6 +97,12 @@ class GPT(nn.Module):
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """``num_params(GPT(cfg))`` without allocating: the model is built on the meta device."""
+    with torch.device("meta"):
+        return num_params(GPT(cfg))
 
 
 def make_batches(cfg: GPTConfig, n: int, global_batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

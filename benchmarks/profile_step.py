@@ -1,11 +1,15 @@
-"""CPU time per step of one configuration on 2 gloo ranks, and where rank 0 spends it (cProfile).
+"""CPU time per step of one configuration on K gloo ranks, and where rank 0 spends it (cProfile, or
+per phase and category).
 
     python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native]
         [--gloo-all-gather native] [--top 25]
+    python benchmarks/profile_step.py perparam --size 110m --batch-per-rank 1 --steps 3 --categories
 
 CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
 2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
-then rank 0's cProfile of the timed steps, sorted by own time (``tottime``).
+then rank 0's cProfile of the timed steps, sorted by own time (``tottime``); with ``--categories`` instead
+rank 0's CPU ms per step and phase in compute, copies, collectives, allocation, Python by package and
+other threads (``benchmarks/step_categories.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.configs import CONFIGS  # noqa: E402
+from benchmarks.model import SIZES  # noqa: E402
 from perparam.runtime.config import GLOO_ALGORITHMS  # noqa: E402
 
 
@@ -38,21 +43,40 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
     import perparam
     from benchmarks.configs import build
-    from benchmarks.model import GPTConfig, make_batches
+    from benchmarks.model import make_batches, sized
     from benchmarks.runner import local_batch
+    from benchmarks.step_categories import PHASES, categorize, render
 
     torch.set_num_threads(1)
     perparam.configure(gloo_reduce_scatter=args.gloo_reduce_scatter, gloo_all_gather=args.gloo_all_gather)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    cfg = GPTConfig.quick() if args.quick else GPTConfig()
+    cfg = sized("quick" if args.quick else args.size)
     model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
-    x, y = local_batch(make_batches(cfg, 1, 2 * world)[0], rank, world)
+    x, y = local_batch(make_batches(cfg, 1, args.batch_per_rank * world)[0], rank, world)
 
-    def step():
+    phase_prof = {ph: cProfile.Profile(time.thread_time) for ph in PHASES}  # --categories: CPU, per phase
+    phase_cpu = dict.fromkeys(PHASES, 0.0)
+
+    def forward():
         opt.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        opt.step()
+        return model(x, y)
+
+    def step(profiled: bool = False):
+        out = None
+        for ph in PHASES:
+            c0 = time.process_time()
+            if profiled:
+                phase_prof[ph].enable()
+            if ph == "forward":
+                out = forward()
+            elif ph == "backward":
+                out.backward()
+            else:
+                opt.step()
+            if profiled:
+                phase_prof[ph].disable()
+                phase_cpu[ph] += time.process_time() - c0
 
     for _ in range(2):
         step()
@@ -60,14 +84,18 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     for _ in range(args.steps):
         dist.barrier()
         c0 = time.process_time()
-        if rank == 0 and args.top:
+        if rank == 0 and args.top and not args.categories:
             prof.enable()
-        step()
-        if rank == 0 and args.top:
+        step(profiled=rank == 0 and args.categories)
+        if rank == 0 and args.top and not args.categories:
             prof.disable()
         cpu.append(time.process_time() - c0)
     text = ""
-    if rank == 0 and args.top:
+    if rank == 0 and args.categories:
+        text = (f"rank 0, CPU per step (mean of {args.steps}, cProfile(time.thread_time) per phase):\n"
+                + render({ph: categorize(phase_prof[ph], args.steps) for ph in PHASES},
+                         {ph: phase_cpu[ph] * 1e3 / args.steps for ph in PHASES}))
+    elif rank == 0 and args.top:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(args.sort).print_stats(args.top)
         text = buf.getvalue()
@@ -89,12 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gloo-all-gather", choices=GLOO_ALGORITHMS, default="all_to_all",
                     help="perparam.configure(gloo_all_gather=...)")
     ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
-    ap.add_argument("--quick", action="store_true", help="the toy model")
+    ap.add_argument("--quick", action="store_true", help="the toy model (--size quick)")
+    ap.add_argument("--size", choices=tuple(SIZES), default="27m", help="model size (default 27m)")
+    ap.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank (default 2)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--categories", action="store_true",
+                    help="CPU ms per step by phase and category instead of cProfile's functions")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
     results = sorted(queue.get() for _ in procs)
