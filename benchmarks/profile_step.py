@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.configs import CONFIGS  # noqa: E402
-from perparam.runtime.config import GLOO_ALGORITHMS  # noqa: E402
+from perparam.runtime.config import GLOO_ALGORITHMS, GLOO_ALL_GATHER_ALGORITHMS  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -56,16 +56,24 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
     for _ in range(2):
         step()
-    prof, cpu = cProfile.Profile(), []
-    for _ in range(args.steps):
+    prof, cpu, versus = cProfile.Profile(), [], []
+    for i in range(args.steps):
+        b_turn = args.versus_all_gather is not None and (i % 4 in (1, 2))  # ABBA: A, B, B, A, ...
+        perparam.configure(gloo_all_gather=args.versus_all_gather if b_turn else args.gloo_all_gather)
         dist.barrier()
         c0 = time.process_time()
-        if rank == 0 and args.top:
+        if rank == 0 and args.top and not b_turn:
             prof.enable()
         step()
-        if rank == 0 and args.top:
+        if rank == 0 and args.top and not b_turn:
             prof.disable()
-        cpu.append(time.process_time() - c0)
+        (versus if b_turn else cpu).append(time.process_time() - c0)
+    if versus:  # paired: the median of B / A over the ABBA pairs
+        pairs = [versus[j] / cpu[j] for j in range(min(len(cpu), len(versus)))]
+        text_ab = (f"A/B rank {rank}: {args.gloo_all_gather} {statistics.median(cpu) * 1e3:.0f} ms, "
+                   f"{args.versus_all_gather} {statistics.median(versus) * 1e3:.0f} ms, paired B/A "
+                   f"{statistics.median(pairs):.3f} over {len(pairs)} pairs")
+        print(text_ab, flush=True)
     text = ""
     if rank == 0 and args.top:
         buf = io.StringIO()
@@ -86,8 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
     ap.add_argument("--gloo-reduce-scatter", choices=GLOO_ALGORITHMS, default="all_to_all",
                     help="perparam.configure(gloo_reduce_scatter=...)")
-    ap.add_argument("--gloo-all-gather", choices=GLOO_ALGORITHMS, default="all_to_all",
+    ap.add_argument("--gloo-all-gather", choices=GLOO_ALL_GATHER_ALGORITHMS, default="all_to_all",
                     help="perparam.configure(gloo_all_gather=...)")
+    ap.add_argument("--versus-all-gather", choices=GLOO_ALL_GATHER_ALGORITHMS, default=None,
+                    help="A/B: alternate steps between --gloo-all-gather and this one (reports both, paired)")
     ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     args = ap.parse_args(argv)

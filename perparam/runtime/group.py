@@ -19,7 +19,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, partial, zero
+from . import config, partial, zero, zero_copy
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
 from .state import ALLOWED, StateError, TrainingState
@@ -219,6 +219,11 @@ class ParamGroup:
             rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather, self.all_gather_comm)
             self._pending_gather = (None, rows, members, layout)
             return
+        algorithm = config.current().gloo_all_gather
+        if zero_copy.applies(members, self.shard_pg, algorithm, self.all_gather_comm, self.hpz):
+            rows = zero_copy.start(members, self.shard_pg, layout.slot_bytes, self._what)
+            self._pending_gather = (None, rows, members, layout)
+            return
         device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)
@@ -234,7 +239,7 @@ class ParamGroup:
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
         rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
-                                           gloo=config.current().gloo_all_gather, comm=self.all_gather_comm)
+                                           gloo=algorithm, comm=self.all_gather_comm)
         self._pending_gather = (send, rows, members, layout)
 
     @torch.no_grad()
@@ -246,6 +251,9 @@ class ParamGroup:
         send, rows, members, layout = self._pending_gather
         self._pending_gather = None
         rows.wait()
+        if rows.segments is None:  # zero-copy (runtime/zero_copy.py): the pieces arrived in the buffers
+            self._alive = True
+            return
         if self.hpz is not None and self.state is TrainingState.FORWARD:
             self.hpz.keep(rows.segments, self.pool)  # the secondary shard, for the backward all-gather
             self._hpz_layout = layout
