@@ -164,7 +164,7 @@ class ParamGroup:
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
         (``perparam.comm.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
-        of the send row for K > 2), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
+        of the send row for K > 2; none for a zero-copy all-gather, ``runtime/zero_copy.py``), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
         K > 2, its ``[K, n]`` receive buffer (``n``: padded local elements plus used flags; for K = 2 the
         peer's piece arrives in the output, ``perparam.comm.collectives``). Counts every sharded parameter,
         trainable or not (an upper bound)."""
@@ -172,6 +172,9 @@ class ParamGroup:
         if k == 1:
             return 0
         gather = self.layout.slot_bytes * (k if k == 2 else 2 * k - 1) if self.gathered else 0
+        if zero_copy.applies(self.gathered, self.shard_pg, config.current().gloo_all_gather, self.all_gather_comm,
+                             self.hpz):
+            gather = 0  # straight into the parameters' buffers (runtime/zero_copy.py)
         by_dtype: dict[torch.dtype, list] = defaultdict(list)
         for p in self.gathered:
             by_dtype[p.policy.reduce_dtype].append(p.layout)
