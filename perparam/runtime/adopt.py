@@ -37,6 +37,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import local_step
+
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _generation = 0
@@ -114,4 +116,5 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer not in _counted and mine:
         optimizer.register_step_post_hook(_count_step)
         _counted.add(optimizer)
+        local_step.install(optimizer, lambda opt: _held.get(opt, ()))  # SGD/Adam/AdamW: step on local shards
     _checked[optimizer] = key

@@ -31,16 +31,20 @@ class RuntimeConfig:
     ``"zero_copy"`` (its default: per-parameter sends and receives into the unsharded buffers, no copy-out;
     0.80-0.84x the all-to-all's CPU per all-gather, ``benchmarks/README.md``; an all-gather it cannot take,
     e.g. of quantized pieces, runs as ``"all_to_all"``). Other backends always run the native ones.
+    ``local_optimizer_step``: ``torch.optim.SGD``/``Adam``/``AdamW`` steps on perparam parameters run on
+    their local shards, without DTensor dispatch (bitwise the same update; ``perparam.runtime.local_step``).
 
     Raises ``ValueError`` naming the field for a value outside these."""
 
     prefetch: bool = True
     gloo_all_gather: str = "zero_copy"
     gloo_reduce_scatter: str = "all_to_all"
+    local_optimizer_step: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefetch, bool):
-            raise ValueError(f"perparam.configure: prefetch must be True or False, got {self.prefetch!r}")
+        for name in ("prefetch", "local_optimizer_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"perparam.configure: {name} must be True or False, got {getattr(self, name)!r}")
         for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
                               ("gloo_reduce_scatter", GLOO_ALGORITHMS)):
             value = getattr(self, name)
