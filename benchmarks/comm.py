@@ -6,6 +6,8 @@ all-gathers and its reduce-scatters as ``all_to_all_single`` calls with split si
 (``perparam.comm.collectives``); those are counted as kind ``all_to_all`` (the input's bytes). Every call also
 adds the bytes this rank sends to other ranks (``sent``): ``(K-1)/K`` of an all-gather's output or a
 reduce-scatter's input (ring), ``2 (K-1)/K`` of an all-reduce, the other ranks' splits of an all-to-all.
+perparam's zero-copy all-gather (the default on gloo) sends point to point (``ProcessGroup.send``: kind
+``send``, all of its bytes sent).
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ class DistCounter:
         for name in self._OUTPUT_BYTES + self._INPUT_BYTES + self._TENSOR_BYTES:
             fn = getattr(dist, name)
             setattr(dist, name, self._wrap(name, getattr(fn, "__wrapped_by_counter__", fn)))
+        send = dist.ProcessGroup.send
+        dist.ProcessGroup.send = self._wrap_send(getattr(send, "__wrapped_by_counter__", send))
+
+    def _wrap_send(self, fn):
+        """``ProcessGroup.send(tensors, dst, tag)``: perparam's zero-copy all-gather on gloo (a point-to-point
+        send per parameter and peer, ``perparam.comm.collectives.all_gather_in_place``); counted as kind
+        ``send``, every byte sent to another rank."""
+
+        def wrapper(pg, tensors, *args, **kwargs):
+            if self.active:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                self.calls["send"] += 1
+                self.bytes["send"] += nbytes
+                self.sent += nbytes
+            return fn(pg, tensors, *args, **kwargs)
+
+        wrapper.__wrapped_by_counter__ = fn
+        return wrapper
 
     def _wrap(self, name: str, fn):
         kind = ("all_gather" if name in self._OUTPUT_BYTES else "all_to_all" if name == "all_to_all_single" else

@@ -4,6 +4,8 @@ per phase and category).
     python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native]
         [--gloo-all-gather native] [--top 25]
     python benchmarks/profile_step.py perparam --size 110m --batch-per-rank 1 --steps 3 --categories
+    python benchmarks/profile_step.py perparam --steps 16 --top 0 \
+        --versus gloo_all_gather=all_to_all,local_optimizer_step=0     # A/B within one run, paired
 
 CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
 2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
@@ -26,11 +28,22 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.configs import CONFIGS  # noqa: E402
 from benchmarks.model import SIZES  # noqa: E402
-from perparam.runtime.config import GLOO_ALGORITHMS  # noqa: E402
+from perparam.runtime.config import GLOO_ALGORITHMS, GLOO_ALL_GATHER_ALGORITHMS  # noqa: E402
+
+
+def _fields(text: str) -> dict:
+    """``'gloo_all_gather=all_to_all,local_optimizer_step=0'`` -> configure's keyword arguments."""
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        out[key.strip()] = {"0": False, "1": True, "false": False, "true": True}.get(value.strip().lower(),
+                                                                                     value.strip())
+    return out
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     import cProfile
+    import dataclasses
     import io
     import pstats
     import statistics
@@ -80,16 +93,26 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
     for _ in range(2):
         step()
-    prof, cpu = cProfile.Profile(), []
-    for _ in range(args.steps):
+    base = perparam.configure()
+    other = dataclasses.replace(base, **_fields(args.versus)) if args.versus else base
+    prof, cpu, versus = cProfile.Profile(), [], []
+    for i in range(args.steps):
+        b_turn = args.versus is not None and (i % 4 in (1, 2))  # ABBA: A, B, B, A, ...
+        perparam.configure(**dataclasses.asdict(other if b_turn else base))
         dist.barrier()
         c0 = time.process_time()
-        if rank == 0 and args.top and not args.categories:
+        if rank == 0 and args.top and not args.categories and not b_turn:
             prof.enable()
         step(profiled=rank == 0 and args.categories)
-        if rank == 0 and args.top and not args.categories:
+        if rank == 0 and args.top and not args.categories and not b_turn:
             prof.disable()
-        cpu.append(time.process_time() - c0)
+        (versus if b_turn else cpu).append(time.process_time() - c0)
+    if versus:  # paired: the median of B / A over the ABBA pairs
+        pairs = [versus[j] / cpu[j] for j in range(min(len(cpu), len(versus)))]
+        text_ab = (f"A/B rank {rank}: A {statistics.median(cpu) * 1e3:.0f} ms, "
+                   f"B ({args.versus}) {statistics.median(versus) * 1e3:.0f} ms, paired B/A "
+                   f"{statistics.median(pairs):.3f} over {len(pairs)} pairs")
+        print(text_ab, flush=True)
     text = ""
     if rank == 0 and args.categories:
         text = (f"rank 0, CPU per step (mean of {args.steps}, cProfile(time.thread_time) per phase):\n"
@@ -114,8 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
     ap.add_argument("--gloo-reduce-scatter", choices=GLOO_ALGORITHMS, default="all_to_all",
                     help="perparam.configure(gloo_reduce_scatter=...)")
-    ap.add_argument("--gloo-all-gather", choices=GLOO_ALGORITHMS, default="all_to_all",
-                    help="perparam.configure(gloo_all_gather=...)")
+    ap.add_argument("--gloo-all-gather", choices=GLOO_ALL_GATHER_ALGORITHMS, default="zero_copy",
+                    help="perparam.configure(gloo_all_gather=...) (default zero_copy)")
+    ap.add_argument("--versus", default=None, metavar="FIELD=VALUE,...",
+                    help="A/B: alternate steps (ABBA) between the configuration above and this one, e.g. "
+                         "'gloo_all_gather=all_to_all,local_optimizer_step=0' (reports both, paired)")
     ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
     ap.add_argument("--quick", action="store_true", help="the toy model (--size quick)")
     ap.add_argument("--size", choices=tuple(SIZES), default="27m", help="model size (default 27m)")

@@ -127,26 +127,32 @@ def _errors(results: dict) -> str:
 
 # all_to_all_single: perparam's reduce-scatter on gloo (an all-to-all, then a local sum: perparam.comm.collectives)
 C10D_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce")
+# ProcessGroup.send / recv: the zero-copy all-gather on gloo (perparam.comm.collectives.all_gather_in_place)
+C10D_POINT_TO_POINT = ("send", "recv")
 
 
 class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
-    """Count calls of torch.distributed's collective functions while active, so a test can check that
-    ``perparam.CommCounter`` hides none: ``with c10d_calls() as raw: ...; raw["all_reduce"]``."""
+    """Count calls of torch.distributed's collective functions, and of ``ProcessGroup.send``/``recv``
+    (keys ``"send"``, ``"recv"``), while active, so a test can check that ``perparam.CommCounter`` hides
+    none: ``with c10d_calls() as raw: ...; raw["all_reduce"]``."""
 
     def __enter__(self) -> dict[str, int]:
         import torch.distributed as dist
 
-        self.counts = dict.fromkeys(C10D_COLLECTIVES, 0)
+        self.counts = dict.fromkeys(C10D_COLLECTIVES + C10D_POINT_TO_POINT, 0)
         self.originals = {name: getattr(dist, name) for name in C10D_COLLECTIVES}
+        self.methods = {name: getattr(dist.ProcessGroup, name) for name in C10D_POINT_TO_POINT}
 
-        def counting(name):
+        def counting(name, fn):
             def call(*args, **kwargs):
                 self.counts[name] += 1
-                return self.originals[name](*args, **kwargs)
+                return fn(*args, **kwargs)
             return call
 
         for name in C10D_COLLECTIVES:
-            setattr(dist, name, counting(name))
+            setattr(dist, name, counting(name, self.originals[name]))
+        for name in C10D_POINT_TO_POINT:
+            setattr(dist.ProcessGroup, name, counting(name, self.methods[name]))
         return self.counts
 
     def __exit__(self, *exc) -> None:
@@ -154,3 +160,5 @@ class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
 
         for name, fn in self.originals.items():
             setattr(dist, name, fn)
+        for name, fn in self.methods.items():
+            setattr(dist.ProcessGroup, name, fn)

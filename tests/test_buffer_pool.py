@@ -38,7 +38,17 @@ class _Recording(BufferPool):
         return super().take(nbytes, device)
 
 
-def _taken_in_one_step(rank: int, world: int) -> tuple[int, int]:
+def _taken_in_one_step(rank: int, world: int) -> list[tuple[int, int]]:
+    # the zero-copy all-gather (the default on gloo) takes nothing from the pool, the row all-gather its rows
+    result = []
+    for algorithm in ("zero_copy", "all_to_all"):
+        previous = perparam.configure(gloo_all_gather=algorithm)
+        result.append(_taken_with_the_configured_all_gather())
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather)
+    return result
+
+
+def _taken_with_the_configured_all_gather() -> tuple[int, int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))  # uneven rows: padding on 2 and 3 ranks
     perparam.fully_shard(model, param_policy={"2.*": ParamPolicy(reduce_dtype=torch.float64)})
@@ -54,5 +64,5 @@ def _taken_in_one_step(rank: int, world: int) -> tuple[int, int]:
 
 def test_pool_bytes_equal_the_buffers_one_unshard_and_one_reduction_take():
     for world in (2, 3):
-        for taken, predicted in run_distributed(_taken_in_one_step, world):
-            assert taken == predicted > 0
+        for (direct, direct_predicted), (rows, rows_predicted) in run_distributed(_taken_in_one_step, world):
+            assert direct == direct_predicted > 0 and rows == rows_predicted > direct

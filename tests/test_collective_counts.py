@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import perparam
 from perparam import CommCounter
+from perparam.runtime.group import group_of
 from tests.distributed import c10d_calls, run_distributed
 from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
 
@@ -28,7 +29,9 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | Non
             loss = F.mse_loss(model(x), y)
         with CommCounter() as bwd:
             loss.backward()
-    return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw}
+    # the zero-copy all-gather (K = 2, no empty shard): per parameter one send and one receive
+    sizes = {"root": len(group_of(model).gathered), "block": len(group_of(model.blocks[0]).gathered)}
+    return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw, "gathered": sizes}
 
 
 def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
@@ -37,10 +40,12 @@ def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
     for counts in run_distributed(count_one_step, 2, None):
         assert counts["fwd"] == {"all_gather": 4}
         assert counts["bwd"] == {"all_gather": 3, "reduce_scatter": 4}
-        # on gloo each all-gather is one all-to-all (this rank's row to every other rank) and each
-        # reduce-scatter an all-to-all then a local sum (perparam.comm.collectives): 7 + 4 calls, nothing else
-        assert counts["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 11,
-                                 "all_reduce": 0}
+        # on gloo each reduce-scatter is an all-to-all then a local sum, each all-gather per parameter one
+        # send to the peer and one receive into the parameter (zero-copy, perparam.comm.collectives): the
+        # root's parameters once, each block's twice; nothing else
+        p2p = counts["gathered"]["root"] + 2 * 3 * counts["gathered"]["block"]
+        assert counts["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 4,
+                                 "all_reduce": 0, "send": p2p, "recv": p2p}
 
 
 def test_an_explicit_reshard_after_forward_frees_the_root_too_one_all_gather_more_per_step():

@@ -127,7 +127,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
         recv = comm.allocate((k * slot,), dtype=torch.uint8, device=send.device)
         work = comm(recv, send, group, async_op=True)
         result = GatheredRows(work, [(0, recv.view(k, slot))], [])
-    elif gloo == "all_to_all" and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    elif gloo in ("all_to_all", "zero_copy") and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
         me = group.rank()
         others = _take(pool, (k - 1) * slot, send.device)
         buffers = [others]
@@ -146,6 +146,50 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
         recv = _take(pool, k * slot, send.device)
         work = dist.all_gather_single(recv, send, group=group, async_op=True)
         result = GatheredRows(work, [(0, recv.view(k, slot))], [recv])
+    if not async_op:
+        result.wait()
+    return result
+
+
+class _PointToPoint:
+    """A work handle over the sends and receives of one in-place all-gather (``all_gather_in_place``)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+def all_gather_in_place(regions: list[list[torch.Tensor]], group: dist.ProcessGroup, slot_bytes: int,
+                        what: str = "", async_op: bool = True) -> GatheredRows:
+    """All-gather each tensor's K rank pieces straight into their places, without staging buffers: the
+    zero-copy all-gather of ``perparam.configure(gloo_all_gather="zero_copy")`` (gloo on CPU).
+
+    ``regions[i][r]``: where rank ``r``'s piece of tensor ``i`` lives on this rank, a contiguous tensor
+    (the same numel and dtype on every rank; empty where rank ``r`` holds nothing). This rank's own pieces
+    (``regions[i][group.rank()]``) must already be filled; they are sent to every other rank and the
+    others' pieces received in place: per tensor and peer one send and one receive (point-to-point, tag
+    ``i``; gloo matches messages of one tag in the order both ranks post them, and every rank posts the
+    same gathers in the same order). Recorded as one all-gather of ``K * slot_bytes`` bytes (the group's
+    packed layout, ``GroupLayout.all_gather_bytes``; the wire carries the unpadded pieces). Returns a
+    ``GatheredRows`` with no segments (nothing to copy out) and no buffers."""
+    k, me = group.size(), group.rank()
+    if debug.debug_enabled():
+        debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes, group,
+                    what)
+    _record("all_gather", k * slot_bytes, group, torch.uint8)
+    works = []
+    for shift in range(1, k):  # peers in a rotation, so no pair of ranks waits on a third
+        dst, src = (me + shift) % k, (me - shift) % k
+        for tag, pieces in enumerate(regions):
+            if pieces[me].numel():
+                works.append(group.send([pieces[me]], dst, tag))
+            if pieces[src].numel():
+                works.append(group.recv([pieces[src]], src, tag))
+    result = GatheredRows(_PointToPoint(works), None, [])
     if not async_op:
         result.wait()
     return result

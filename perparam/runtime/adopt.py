@@ -45,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..sharding.errors import ShardingError
 from ..sharding.placement import placement_str
+from . import local_step
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -135,6 +136,7 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer not in _counted and mine:
         optimizer.register_step_post_hook(_count_step)
         _counted.add(optimizer)
+        local_step.install(optimizer, lambda opt: _held.get(opt, ()))  # SGD/Adam/AdamW: step on local shards
     _checked[optimizer] = key
 
 

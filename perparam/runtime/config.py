@@ -17,28 +17,39 @@ from dataclasses import dataclass
 #: how a gloo collective on CPU runs: "all_to_all" (perparam's: the same bytes, no flat staging buffer)
 #: or "native" (``dist.all_gather_single`` / ``dist.reduce_scatter_single``)
 GLOO_ALGORITHMS = ("all_to_all", "native")
+#: the all-gather's further choice: "zero_copy" (per parameter, point-to-point sends and receives straight
+#: into the unsharded buffers: no copy-out; ``perparam.runtime.zero_copy``)
+GLOO_ALL_GATHER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     """``prefetch``: issue the all-gather of the group expected next (forward and backward) before
     computing this one. ``gloo_all_gather`` / ``gloo_reduce_scatter``: how those collectives run on gloo
-    on CPU, ``"all_to_all"`` (default: one all-to-all of the same bytes; measured 2-3x less CPU per call
-    in ``benchmarks/README.md``) or ``"native"`` (gloo's own). Other backends always run the native ones.
+    on CPU, ``"all_to_all"`` (the reduce-scatter's default: one all-to-all of the same bytes; measured 2-3x
+    less CPU per call in ``benchmarks/README.md``) or ``"native"`` (gloo's own); the all-gather also
+    ``"zero_copy"`` (its default: per-parameter sends and receives into the unsharded buffers, no copy-out;
+    0.80-0.84x the all-to-all's CPU per all-gather, ``benchmarks/README.md``; an all-gather it cannot take,
+    e.g. of quantized pieces, runs as ``"all_to_all"``). Other backends always run the native ones.
+    ``local_optimizer_step``: ``torch.optim.SGD``/``Adam``/``AdamW`` steps on perparam parameters run on
+    their local shards, without DTensor dispatch (bitwise the same update; ``perparam.runtime.local_step``).
 
     Raises ``ValueError`` naming the field for a value outside these."""
 
     prefetch: bool = True
-    gloo_all_gather: str = "all_to_all"
+    gloo_all_gather: str = "zero_copy"
     gloo_reduce_scatter: str = "all_to_all"
+    local_optimizer_step: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefetch, bool):
-            raise ValueError(f"perparam.configure: prefetch must be True or False, got {self.prefetch!r}")
-        for name in ("gloo_all_gather", "gloo_reduce_scatter"):
+        for name in ("prefetch", "local_optimizer_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"perparam.configure: {name} must be True or False, got {getattr(self, name)!r}")
+        for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
+                              ("gloo_reduce_scatter", GLOO_ALGORITHMS)):
             value = getattr(self, name)
-            if value not in GLOO_ALGORITHMS:
-                raise ValueError(f"perparam.configure: {name} must be one of {GLOO_ALGORITHMS}, got {value!r}")
+            if value not in allowed:
+                raise ValueError(f"perparam.configure: {name} must be one of {allowed}, got {value!r}")
 
 
 _current = RuntimeConfig()

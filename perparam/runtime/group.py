@@ -19,7 +19,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, grad_quant, partial, zero
+from . import config, grad_quant, partial, zero, zero_copy
 from .meshes import split_by_mesh
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
@@ -197,7 +197,7 @@ class ParamGroup:
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
         (``perparam.comm.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
-        of the send row for K > 2), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
+        of the send row for K > 2; none for a zero-copy all-gather, ``runtime/zero_copy.py``), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
         K > 2, its ``[K, n]`` receive buffer (``n``: padded local elements plus used flags; for K = 2 the
         peer's piece arrives in the output, ``perparam.comm.collectives``). Counts every sharded parameter,
         trainable or not (an upper bound). With parameters on several meshes: the sum over the meshes."""
@@ -208,6 +208,9 @@ class ParamGroup:
         if k == 1:
             return 0
         gather = self.layout.slot_bytes * (k if k == 2 else 2 * k - 1) if self.gathered else 0
+        if zero_copy.applies(self.gathered, self.shard_pg, config.current().gloo_all_gather, self.driver.all_gather_comm,
+                             self.hpz):
+            gather = 0  # straight into the parameters' buffers (runtime/zero_copy.py)
         by_dtype: dict[torch.dtype, list] = defaultdict(list)
         for p in self.gathered:
             by_dtype[p.policy.reduce_dtype].append(p.layout)
@@ -265,6 +268,11 @@ class ParamGroup:
             return
         if self.offload_hook is not None:
             self.offload_hook()
+        algorithm = config.current().gloo_all_gather
+        if zero_copy.applies(members, self.shard_pg, algorithm, self.driver.all_gather_comm, self.hpz):
+            rows = zero_copy.start(members, self.shard_pg, layout.slot_bytes, self._what)
+            self._pending_gather = (None, rows, members, layout)
+            return
         device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)
@@ -280,7 +288,7 @@ class ParamGroup:
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
         rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
-                                           gloo=config.current().gloo_all_gather, comm=self.driver.all_gather_comm)
+                                           gloo=algorithm, comm=self.driver.all_gather_comm)
         self._pending_gather = (send, rows, members, layout)
 
     @torch.no_grad()
@@ -296,6 +304,9 @@ class ParamGroup:
         send, rows, members, layout = self._pending_gather
         self._pending_gather = None
         rows.wait()
+        if rows.segments is None:  # zero-copy (runtime/zero_copy.py): the pieces arrived in the buffers
+            self._alive = True
+            return
         # hpZ: the secondary shard, for the backward all-gather; useless when the gather refreshed stage-1/2
         # copies (the backward's members, the stage-3 ones, then have another layout)
         if self.hpz is not None and self.state is TrainingState.FORWARD and not any(p.kept for p in members):

@@ -264,6 +264,15 @@ class ShardedParam:
         if scattered:
             self.copy_out(target, 0)
 
+    def rank_regions(self) -> list[torch.Tensor]:
+        """Zero-copy all-gather (``perparam.runtime.zero_copy``): per rank, the contiguous flat region of the
+        allocated padded buffer (``alloc()`` first) holding that rank's local shard, ``local_numel(rank)``
+        elements in the compute dtype (empty for a rank without rows). Only for a gathered parameter whose
+        pieces are the buffer's rows (``layout.wire_is_layout``, i.e. ``Shard(0)``)."""
+        lay = self.layout
+        rows = self._padded_data.view(lay.num_shards, lay.padded_local_numel)
+        return [rows[r].narrow(0, 0, lay.local_numel(r)) for r in range(lay.num_shards)]
+
     def copy_out_pairs(self, rows: torch.Tensor, first: int) -> list:
         """``(destination, source)`` views putting gathered pieces ``rows`` (``[m, padded_local_numel]`` in
         the compute dtype, ranks ``first ..``) into the unsharded buffer (allocated: ``alloc()`` first)."""

@@ -1,0 +1,71 @@
+"""CPU of ``torch.optim.AdamW.step()`` on the benchmark model's half-size shards (K = 2): on DTensor
+parameters (what a perparam or FSDP2 step runs) against the same update on their local tensors, and
+whether the two are bitwise equal.
+
+    python -m benchmarks.optim_dispatch --steps 12
+
+One process, a 1-rank gloo group (the DTensors' local tensors hold the half-size shards, so the dispatch is
+a 2-rank step's and the arithmetic too). Prints the median CPU ms per step of each, in ABAB order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from benchmarks.model import GPT, GPTConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    shapes = [tuple(p.shape) for p in GPT(GPTConfig()).parameters()]
+    halves = [((s[0] + 1) // 2, *s[1:]) for s in shapes]
+    locals_ = [torch.randn(s) for s in halves]
+    grads = [torch.randn(s) for s in halves]
+    dparams = [nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False)) for t in locals_]
+    for p, g in zip(dparams, grads):
+        p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+    pparams = [nn.Parameter(t.clone()) for t in locals_]
+    for p, g in zip(pparams, grads):
+        p.grad = g.clone()
+    kw = {"lr": 1e-3, "weight_decay": 0.1, "foreach": args.foreach}
+    opts = {"dtensor": torch.optim.AdamW(dparams, **kw), "local": torch.optim.AdamW(pparams, **kw)}
+    cpu: dict[str, list[float]] = {k: [] for k in opts}
+    for i in range(args.steps + 1):
+        for name in (("dtensor", "local") if i % 2 == 0 else ("local", "dtensor")):
+            c0 = time.process_time()
+            opts[name].step()
+            if i:
+                cpu[name].append(time.process_time() - c0)
+    same = all(torch.equal(d.to_local(), p.detach()) for d, p in zip(dparams, pparams))
+    n = sum(t.numel() for t in locals_)
+    print(f"AdamW(foreach={args.foreach}) on {len(halves)} shards, {n / 1e6:.1f}M elements, load "
+          f"{os.getloadavg()[0]:.2f}: DTensor {statistics.median(cpu['dtensor']) * 1e3:.1f} ms CPU, local tensors "
+          f"{statistics.median(cpu['local']) * 1e3:.1f} ms; bitwise equal after {args.steps + 1} steps: {same}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A ``torch.optim`` step on perparam's sharded parameters without DTensor dispatch.
+
+``SGD``, ``Adam`` and ``AdamW`` update every element from the same element of the parameter, its gradient
+and its state (plus scalars): on a sharded parameter that is the same arithmetic on the local shards,
+so running it on the local tensors gives bit for bit what DTensor's dispatch gives, for about half the
+CPU (the benchmark's AdamW on 2-rank shards: ``benchmarks/optim_dispatch.py``, ``benchmarks/README.md``).
+
+Around each step of such an optimizer (a step pre-hook and post-hook on that optimizer, registered by
+``perparam.runtime.adopt`` when it first sees it holding perparam parameters), every perparam parameter
+in its ``param_groups`` is replaced by its local tensor, the local gradient attached as ``.grad``, and its
+state re-keyed to the local tensor with DTensors unwrapped; after the step the parameters are put back,
+the local ``.grad`` detached, and the state re-keyed back, tensors shaped like the local shard wrapped
+as DTensors of the parameter's mesh and placements (state the step created) or restored to the DTensor
+they were (state it updated in place). Outside the step the optimizer, its ``state_dict`` and DCP see
+exactly what they see without this.
+
+It applies only to ``torch.optim.SGD``, ``Adam`` and ``AdamW`` themselves (a subclass may change
+``step``), not ``differentiable``, when every gradient is a DTensor with its parameter's placements and
+local shape, every parameter is on the CPU and none is offloaded (``perparam.offload`` moves state around
+the step), and ``perparam.configure(local_optimizer_step=True)`` (the default); otherwise the step runs on
+DTensors as before. A step that raises leaves the swap in place until the next step of that optimizer,
+whose pre-hook undoes it first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..sharding.policy import OffloadPolicy
+from . import config
+
+#: the optimizers whose update is elementwise (plus scalars): exact on local shards
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+_ATTR = "_perparam_local_step"  # on the optimizer: the swap in progress (list of records) or None
+
+
+def install(optimizer: torch.optim.Optimizer, owners_of) -> None:
+    """Register the swap hooks on ``optimizer`` (once) when it is one of ``ELEMENTWISE``; ``owners_of``: a
+    callable giving, for an optimizer, the ``ShardedParam``s whose sharded parameters it holds."""
+    if type(optimizer) not in ELEMENTWISE or hasattr(optimizer, _ATTR):
+        return
+    setattr(optimizer, _ATTR, None)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: _swap_in(opt, list(owners_of(opt))))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: _swap_out(opt))
+
+
+def _eligible(optimizer, owners) -> bool:
+    if not config.current().local_optimizer_step or not owners:
+        return False
+    if any(group.get("differentiable", False) for group in optimizer.param_groups):
+        return False
+    for sp in owners:
+        p = sp.sharded
+        if sp.policy.offload != OffloadPolicy() or p._local_tensor.device.type != "cpu":
+            return False
+        grad = p.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
+            return False
+        local = grad._local_tensor
+        if local.shape != p._local_tensor.shape or local.dtype != p._local_tensor.dtype or local.is_sparse:
+            return False
+    return True
+
+
+def _swap_in(optimizer, owners) -> None:
+    if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
+        _swap_out(optimizer)
+    if not _eligible(optimizer, owners):
+        return
+    mine = {id(sp.sharded) for sp in owners}
+    records = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            if id(p) not in mine:
+                continue
+            local = p._local_tensor
+            local.grad = None if p.grad is None else p.grad._local_tensor
+            state = optimizer.state.pop(p, None)
+            if state is not None:
+                optimizer.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v
+                                          for k, v in state.items()}
+            params[i] = local
+            records.append((params, i, p, local, state))
+    setattr(optimizer, _ATTR, records)
+
+
+def _wrap(value, p: DTensor, local: torch.Tensor):
+    """A state tensor the step created: a DTensor of ``p``'s mesh and placements when it has the local
+    shard's shape (``zeros_like(p)`` on the DTensor path gives that), else as it is (a scalar step count)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.shape != local.shape:
+        return value
+    spec = p._spec
+    if value.dtype != p.dtype:
+        spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), value.dtype))
+    return DTensor(value, spec, requires_grad=False)
+
+
+def _swap_out(optimizer) -> None:
+    records = getattr(optimizer, _ATTR, None)
+    if records is None:
+        return
+    setattr(optimizer, _ATTR, None)
+    for params, i, p, local, before in records:
+        params[i] = p
+        local.grad = None
+        state = optimizer.state.pop(local, None)
+        if state is None:
+            if before is not None:
+                optimizer.state[p] = before
+            continue
+        restored = {}
+        for key, value in state.items():
+            old = before.get(key) if before is not None else None
+            if isinstance(old, DTensor) and old._local_tensor is value:
+                restored[key] = old  # updated in place
+            else:
+                restored[key] = _wrap(value, p, local)
+        optimizer.state[p] = restored

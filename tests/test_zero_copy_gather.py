@@ -1,0 +1,72 @@
+"""The zero-copy all-gather (``perparam.runtime.zero_copy``: per-parameter sends and receives into the
+unsharded buffers) gathers exactly what the packed row all-gather gathers, bit for bit, and trains alike:
+uneven and empty shards, mixed compute dtypes in one all-gather, and a group it cannot take (``Shard(1)``),
+which falls back to the row path."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+import perparam
+from perparam import ParamPolicy
+from tests.distributed import c10d_calls, run_distributed
+
+
+def _model() -> nn.Sequential:
+    # on 3 ranks: Linear(4, 2) leaves rank 2 without rows, Linear(2, 5) splits 2/2/1; the root's group
+    # mixes fp32 and bf16 pieces in one all-gather; the last block's Shard(1) weight takes the row path
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 5), nn.Linear(5, 3), nn.Sequential(nn.Linear(3, 6)))
+
+
+def _shard(model: nn.Sequential) -> None:
+    perparam.fully_shard(model[0])
+    perparam.fully_shard(model[3], param_policy={"0.weight": ParamPolicy(placement=Shard(1))})
+    perparam.fully_shard(model, param_policy={"1.*": ParamPolicy(param_dtype=torch.bfloat16)})
+
+
+def _train(rank: int, world_size: int, algorithm: str) -> dict:
+    previous = perparam.configure(gloo_all_gather=algorithm)
+    try:
+        model = _model()
+        _shard(model)
+        gathered = []  # every unsharded weight and bias a forward computed with
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_pre_hook(lambda mod, _args: gathered.append(
+                    (mod.weight.detach().clone(), mod.bias.detach().clone())))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        with c10d_calls() as raw:
+            for _ in range(2):
+                x = torch.randn(2 * world_size, 4, generator=g)[2 * rank:2 * rank + 2]
+                opt.zero_grad(set_to_none=True)
+                model(x).float().pow(2).sum().backward()
+                opt.step()
+        return {"gathered": gathered, "raw": dict(raw),
+                "params": [p.to_local().clone() for p in model.parameters()],
+                "grads": [p.grad.to_local().clone() for p in model.parameters()]}
+    finally:
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather)
+
+
+def both_paths(rank: int, world_size: int) -> dict:
+    return {alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")}
+
+
+def test_zero_copy_all_gather_is_bitwise_the_row_all_gather_on_uneven_empty_shard1_and_mixed_dtypes():
+    for rank, res in enumerate(run_distributed(both_paths, 3)):
+        rows, direct = res["all_to_all"], res["zero_copy"]
+        assert len(rows["gathered"]) == len(direct["gathered"]) == 2 * 4
+        for (w0, b0), (w1, b1) in zip(rows["gathered"], direct["gathered"]):
+            assert w0.dtype == w1.dtype and torch.equal(w0, w1) and torch.equal(b0, b1)
+        assert any(w.dtype == torch.bfloat16 for w, _ in direct["gathered"])  # mixed dtypes were gathered
+        for key in ("params", "grads"):  # after 2 AdamW steps
+            assert all(torch.equal(a, b) for a, b in zip(rows[key], direct[key])), (rank, key)
+        # the row path sends no point-to-point message; the zero-copy one does, and still runs the Shard(1)
+        # group's all-gathers (forward and backward) as all-to-alls of rows: 3 of a step's 5 go zero-copy
+        assert rows["raw"]["send"] == rows["raw"]["recv"] == 0
+        assert direct["raw"]["send"] > 0 and direct["raw"]["recv"] > 0
+        assert direct["raw"]["all_to_all_single"] == rows["raw"]["all_to_all_single"] - 2 * 3
