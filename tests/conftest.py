@@ -78,6 +78,14 @@ FAST = (
     "test_fsdp_managed_marks.py",
     "test_threaded_ranks.py",
     "test_unsharded_contiguous.py",
+    "test_zero_copy_gather.py",
+    "test_local_optimizer_step.py",
+    "test_grad_quant.py::test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds_one_collective_per_format[2]",
+    "test_grad_quant.py::test_grad_quant_that_cannot_apply_is_refused_at_fully_shard_naming_the_parameter",
+    "test_param_mesh.py::test_one_call_issues_one_all_gather_per_mesh_and_one_reduce_scatter_per_mesh_and_dtype",
+    "test_offload_plan.py::test_a_zero_budget_offloads_shards_gradients_and_optimizer_state_and_kept_copies_say_nothing_fits",
+    "test_offload.py::test_tiers_a_cuda_mesh_cannot_have_are_refused_naming_what_to_use_instead",
+    "test_torch_utilities_after_sharding.py::test_lbfgs_on_an_unevenly_sharded_parameter_is_refused",
 )
 
 
