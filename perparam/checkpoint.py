@@ -56,6 +56,7 @@ from . import checkpoint_async as background
 from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
 from .offload import tier as offload_tier
 from .runtime import adopt, zero
+from .runtime.group import group_of
 
 PendingSave = background.PendingSave  # re-exported (__all__)
 
@@ -265,7 +266,7 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
                     opt_state[name] = entries
         manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
     _check_same_on_every_rank(state, extra)
-    state = _per_mesh_keys(state)
+    state = _per_mesh_keys(state, model)
     manifest = json.loads(json.dumps(manifest))  # a copy: later changes to extra or the options stay out
     token = _from_rank0(uuid.uuid4().hex[:12])
     tmp = path.parent / f".{path.name}.tmp-{token}"
@@ -298,25 +299,41 @@ def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None)
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def _mesh_renames(state: dict) -> dict[str, str]:
+def _policy_meshes(model: nn.Module) -> list:
+    """The meshes parameters of ``model`` were given by ``ParamPolicy(mesh=...)``."""
+    meshes: list = []
+    for module in model.modules():
+        group = group_of(module)
+        for p in group.params if group is not None else ():
+            mesh = p.policy.mesh
+            if mesh is not None and not any(mesh is m for m in meshes):
+                meshes.append(mesh)
+    return meshes
+
+
+def _mesh_renames(state: dict, model: nn.Module) -> dict[str, str]:
     """Key -> the key DCP stores it under, for each DTensor that is a different tensor on different ranks: the
-    same name on meshes of other ranks (experts of expert parallelism, each rank's on its own mesh,
+    same name on meshes of other ranks (experts of expert parallelism, each rank's on its own mesh given by
     ``ParamPolicy(mesh=...)``). DCP would take them for one tensor and keep one rank's copy; each is stored
     as ``<key>@ranks=<its mesh's ranks>`` instead, so a load with the same layout reads each back (another
-    layout finds no such key: an error, never another rank's values). A collective on every rank (one
-    ``all_gather_object``); ``{}`` on one process."""
+    layout finds no such key: an error, never another rank's values). Only DTensors on a policy mesh are
+    candidates: a DTensor on a data-parallel mesh that differs between ranks because tensor parallelism
+    holds a copy per TP rank (dp = 1, a parameter TP does not split) is the same tensor on every rank, and
+    DCP's one copy is right. A collective on every rank (one ``all_gather_object``); ``{}`` on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
-    mine = {k: tuple(v.device_mesh.mesh.flatten().tolist()) for k, v in state.items() if isinstance(v, DTensor)}
+    meshes = _policy_meshes(model)
+    mine = {k: tuple(v.device_mesh.mesh.flatten().tolist()) for k, v in state.items()
+            if isinstance(v, DTensor) and any(v.device_mesh == m for m in meshes)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {k: f"{k}@ranks={'-'.join(map(str, ranks))}" for k, ranks in mine.items()
             if len({o[k] for o in everyone if k in o}) > 1}
 
 
-def _per_mesh_keys(state: dict) -> dict:
+def _per_mesh_keys(state: dict, model: nn.Module) -> dict:
     """``state`` with the keys of per-rank-mesh DTensors renamed (``_mesh_renames``): the same tensors."""
-    renames = _mesh_renames(state)
+    renames = _mesh_renames(state, model)
     return {renames.get(k, k): v for k, v in state.items()}
 
 
@@ -460,7 +477,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                             state[key] = targets[f"optim.{name}.{key}"] = torch.zeros(
                                 info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
                     restore.append((p, state))
-    per_mesh = _per_mesh_keys(targets)  # the same tensors as ``targets``, under the keys ``save`` wrote
+    per_mesh = _per_mesh_keys(targets, model)  # the same tensors as ``targets``, under the keys ``save`` wrote
     try:  # DCP's own metadata, read safely, before anything is touched
         _SafeReader(path).read_metadata()
     except CheckpointError as e:

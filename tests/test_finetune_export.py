@@ -83,15 +83,16 @@ def test_exported_safetensors_have_hugging_face_names_and_the_exact_values(expor
 
 def _load_on_ranks(rank: int, world: int, path: str, tp: int) -> tuple[int, dict | None]:
     """Rank ``rank`` of the main job's GGUF loading: how often it opened the file, and rank 0's gathered state."""
-    from types import SimpleNamespace
-
     from perparam.checkpoint import full_state_dict
     from perparam.finetune import gguf_loader
     from perparam.finetune.train import build_meshes, build_sharded_model
 
     opened, real_open = [], gguf_loader.open_gguf
     gguf_loader.open_gguf = lambda *a, **k: opened.append(a) or real_open(*a, **k)
-    args = SimpleNamespace(config="gguf", gguf_path=path, param_dtype="fp32", quant="none", zero_stage=3)
+    from perparam.finetune.config import JobConfig
+
+    # the job's own config (every field the job reads has its default; a stand-in would miss new fields)
+    args = JobConfig(steps=0, seq_len=8, batch_size=1, lr=0.0, seed=0, config="gguf", gguf_path=path)
     model, _, _ = build_sharded_model(args, torch.device("cpu"), build_meshes(world, 1, tp, "cpu"))
     return len(opened), full_state_dict(model)
 
