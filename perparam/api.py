@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ _TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: every live group, to recognise a parameter that an earlier call already sharded (a weak set of groups:
 #: a weakref on the parameter itself would block ``to_empty``'s ``swap_tensors``).
 _GROUPS: weakref.WeakSet = weakref.WeakSet()
+_GROUPS_LOCK = threading.Lock()  # ranks as threads of one process shard at once (torch's threaded pg)
 
 ParamPolicyArg = ParamPolicy | Mapping[str, ParamPolicy] | Callable[[str, nn.Parameter], ParamPolicy | None]
 
@@ -218,7 +220,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         part.reduce_shard_pg, part.reduce_replicate_pg  # noqa: B018
     if secondary_size is not None:  # hpZ: its process groups created now, by every rank, in call order
         group.hpz = group.hpz_given = hpz.Secondary(mesh, secondary_size)
-    _GROUPS.add(group)
+    with _GROUPS_LOCK:
+        _GROUPS.add(group)
     for sp in sharded_params:
         sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)
     for m in modules:
@@ -385,7 +388,9 @@ def _collect(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, li
 
 
 def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]) -> None:
-    earlier = next((g for g in _GROUPS if g.manages(p)), None)
+    with _GROUPS_LOCK:
+        groups = list(_GROUPS)
+    earlier = next((g for g in groups if g.manages(p)), None)
     if earlier is not None:
         other_fqn = next(sp.fqn for sp in earlier.params if sp.sharded is p)
         inside = any(sub is m for em in earlier.modules for sub in em.modules() for m in modules)

@@ -74,7 +74,13 @@ def _announce_finished(cfg: JobConfig, rank: int, wait: bool) -> None:
         try:
             path = pending.wait()
         except CheckpointError as exc:
-            raise _unwritable(cfg, step, str(exc)) from None
+            from perparam.finetune.cli import PEER_LOST
+
+            why = str(exc)
+            if any(s in why for s in PEER_LOST):  # a peer died during the background write: not the disk;
+                inner = why.split("RuntimeError: ", 1)[-1]  # the job's lost-peer line names who is gone
+                raise RuntimeError(inner) from None
+            raise _unwritable(cfg, step, why) from None
         lifecycle.checkpoint_done(step, cfg.save)  # the interruption / lost-peer line names it from now on
         if rank == 0:
             print(f"checkpoint: step {step} in {path}", flush=True)

@@ -29,6 +29,7 @@ refused by the slot check at the next forward or ``unshard()`` (``ShardedParam.c
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -44,6 +45,7 @@ from .state import TrainingState
 _TREE_ATTR = "_perparam_tree"
 
 _GROUPS: weakref.WeakSet = weakref.WeakSet()
+_GROUPS_LOCK = threading.Lock()  # ranks as threads of one process register at once
 _IGNORED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> ids of its ignored_params
 _ON_MOVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> fully_shard's set-up of a place
 _HANDLES: list = []
@@ -68,7 +70,8 @@ def watch(group, ignored_ids: set[int], on_move) -> None:
     """Start checking registrations into ``group``'s module trees (called by ``fully_shard``).
     ``on_move(params)``: what ``fully_shard`` sets up on a parameter's places (the stored-dtype guard, the
     load hooks), run again for a parameter that ``move`` gives a new place."""
-    _GROUPS.add(group)
+    with _GROUPS_LOCK:
+        _GROUPS.add(group)
     _ON_MOVE[group] = on_move
     _IGNORED[group] = frozenset(ignored_ids)
     bump()
@@ -106,7 +109,9 @@ def _table() -> dict:
     generation = _GENERATION[0]  # read first: a bump while the table is built (another rank's thread)
     if _TABLE["generation"] != generation:  # leaves it marked stale, never a stale table marked current
         ids, meshes = {}, {}
-        for g in list(_GROUPS):
+        with _GROUPS_LOCK:
+            snapshot = list(_GROUPS)
+        for g in snapshot:
             for sp in g.params:
                 entry = (weakref.ref(g), weakref.ref(sp))
                 ids[id(sp.sharded)] = entry
