@@ -74,7 +74,7 @@ def _announce_finished(cfg: JobConfig, rank: int, wait: bool) -> None:
         try:
             path = pending.wait()
         except CheckpointError as exc:
-            from perparam.finetune.cli import PEER_LOST
+            from perparam.finetune.peers import PEER_LOST
 
             why = str(exc)
             if any(s in why for s in PEER_LOST):  # a peer died during the background write: not the disk;

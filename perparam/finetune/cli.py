@@ -31,11 +31,9 @@ from pathlib import Path
 
 from perparam.finetune import lifecycle, loop_flags, lora, offload_flags
 from perparam.finetune.errors import FinetuneInputError, check_output_path
+from perparam.finetune.peers import PEER_LOST  # error texts of a collective whose peer died or timed out
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
-#: Error texts of a collective whose peer died (gloo, NCCL) or timed out: reported in one line per rank.
-PEER_LOST = ("by peer", "Connection closed", "Connection refused", "Broken pipe", "timed out", "Timed out",
-             "NCCL communicator was aborted", "ncclRemoteError")
 DEFAULTS = {"steps": 24, "seq_len": 128, "batch_size": 8, "lr": 2e-4, "eval_tokens": 4096, "seed": 0}
 
 

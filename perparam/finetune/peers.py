@@ -20,6 +20,10 @@ import socket
 import time
 from pathlib import Path
 
+#: what a collective's error says when a peer is gone (the job's one lost-peer line instead of a traceback)
+PEER_LOST = ("by peer", "Connection closed", "Connection refused", "Broken pipe", "timed out", "Timed out",
+             "NCCL communicator was aborted", "ncclRemoteError")
+
 #: per global rank: {"host": hostname, "pid": process id, "node": GROUP_RANK}; empty until recorded
 ROSTER: list[dict] = []
 #: torchrun's default rendezvous port (``torch.distributed.elastic``'s c10d backend)
