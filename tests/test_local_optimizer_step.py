@@ -8,7 +8,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import perparam
 from perparam.runtime import local_step
@@ -82,7 +82,36 @@ def both_steps(rank: int, world_size: int) -> dict:
            for name, make in (("adamw", _adamw), ("sgd", _sgd)) for local in (False, True)}
     out["sgd closure", True] = _train(rank, world_size, True, _sgd, closure=True)
     out["sgd hooks", True] = _train(rank, world_size, True, _sgd, hooks=True)
+    out["0-dim"] = {local: _zero_dim_state_kinds(local) for local in (False, True)}
     return out
+
+
+class _Scaled(nn.Linear):
+    """``Linear(4, 3)`` times a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def _zero_dim_state_kinds(local: bool) -> dict:
+    """Adam on a model with a 0-dim (replicated) parameter: the type of each state value after 2 steps."""
+    previous = perparam.configure(local_optimizer_step=local)
+    try:
+        torch.manual_seed(0)
+        model = _Scaled()
+        perparam.fully_shard(model, param_policy={"scale": perparam.ParamPolicy(placement=Replicate())})
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: {k: type(v).__name__ for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    finally:
+        perparam.configure(local_optimizer_step=previous.local_optimizer_step)
 
 
 @functools.cache
@@ -126,3 +155,9 @@ def test_the_users_step_hooks_see_dtensor_parameters_and_a_zero_grad_post_hook_t
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"]))
         assert got["hooks_saw"] == [True] * 5, got["hooks_saw"]  # post x 3, pre x 2
         assert got["seen"] == [4, 0, 4], got["seen"]
+
+
+def test_a_zero_dim_parameters_adam_step_count_stays_a_plain_tensor_as_on_the_dtensor_path():
+    # a 0-dim parameter's local shape is (), the step count's too: it was wrapped as a DTensor
+    for res in _results():
+        assert res["0-dim"][True] == res["0-dim"][False], res["0-dim"]

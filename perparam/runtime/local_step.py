@@ -143,6 +143,8 @@ def _swap_out(optimizer, hook_id: int | None = None) -> None:
             old = before.get(key) if before is not None else None
             if isinstance(old, DTensor) and old._local_tensor is value:
                 restored[key] = old  # updated in place
+            elif key == "step":  # a plain tensor on the DTensor path, even for a 0-dim parameter's shape
+                restored[key] = value
             else:
                 restored[key] = _wrap(value, p, local)
         optimizer.state[p] = restored
