@@ -53,10 +53,14 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from . import checkpoint_async as background
-from .full_state import CheckpointError, full_state_dict, load_full_state_dict  # re-exported (__all__)
+from .full_state import (  # all but per_rank_keys re-exported (__all__)
+    CheckpointError,
+    full_state_dict,
+    load_full_state_dict,
+    per_rank_keys,
+)
 from .offload import tier as offload_tier
 from .runtime import adopt, zero
-from .runtime.group import group_of
 
 PendingSave = background.PendingSave  # re-exported (__all__)
 
@@ -299,36 +303,14 @@ def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None)
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def _policy_meshes(model: nn.Module) -> list:
-    """The meshes parameters of ``model`` were given by ``ParamPolicy(mesh=...)``."""
-    meshes: list = []
-    for module in model.modules():
-        group = group_of(module)
-        for p in group.params if group is not None else ():
-            mesh = p.policy.mesh
-            if mesh is not None and not any(mesh is m for m in meshes):
-                meshes.append(mesh)
-    return meshes
-
-
 def _mesh_renames(state: dict, model: nn.Module) -> dict[str, str]:
-    """Key -> the key DCP stores it under, for each DTensor that is a different tensor on different ranks: the
-    same name on meshes of other ranks (experts of expert parallelism, each rank's on its own mesh given by
-    ``ParamPolicy(mesh=...)``). DCP would take them for one tensor and keep one rank's copy; each is stored
-    as ``<key>@ranks=<its mesh's ranks>`` instead, so a load with the same layout reads each back (another
-    layout finds no such key: an error, never another rank's values). Only DTensors on a policy mesh are
-    candidates: a DTensor on a data-parallel mesh that differs between ranks because tensor parallelism
-    holds a copy per TP rank (dp = 1, a parameter TP does not split) is the same tensor on every rank, and
-    DCP's one copy is right. A collective on every rank (one ``all_gather_object``); ``{}`` on one process."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {}
-    meshes = _policy_meshes(model)
-    mine = {k: tuple(v.device_mesh.mesh.flatten().tolist()) for k, v in state.items()
-            if isinstance(v, DTensor) and any(v.device_mesh == m for m in meshes)}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {k: f"{k}@ranks={'-'.join(map(str, ranks))}" for k, ranks in mine.items()
-            if len({o[k] for o in everyone if k in o}) > 1}
+    """Key -> the key DCP stores it under, for each DTensor that is a different tensor on different ranks
+    (``perparam.full_state.per_rank_keys``: experts of expert parallelism, each rank's on its own mesh
+    given by ``ParamPolicy(mesh=...)``). DCP would take them for one tensor and keep one rank's copy; each
+    is stored as ``<key>@ranks=<its mesh's ranks>`` instead, so a load with the same layout reads each back
+    (another layout finds no such key: an error, never another rank's values). A collective on every rank;
+    ``{}`` on one process."""
+    return {k: f"{k}@ranks={'-'.join(map(str, ranks))}" for k, ranks in per_rank_keys(state, model).items()}
 
 
 def _per_mesh_keys(state: dict, model: nn.Module) -> dict:

@@ -27,12 +27,61 @@ class CheckpointError(RuntimeError):
     what to do. (Defined here, below ``perparam.checkpoint``, which re-exports it.)"""
 
 
+def _policy_meshes(model: nn.Module) -> list:
+    """The meshes parameters of ``model`` were given by ``ParamPolicy(mesh=...)``."""
+    meshes: list = []
+    for module in model.modules():
+        group = group_of(module)
+        for p in group.params if group is not None else ():
+            mesh = p.policy.mesh
+            if mesh is not None and not any(mesh is m for m in meshes):
+                meshes.append(mesh)
+    return meshes
+
+
+def per_rank_keys(state: dict, model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Key -> this rank's mesh ranks, for each DTensor of ``state`` (a state dict of ``model``, any keys)
+    that is a different tensor on different ranks under one name: on a ``ParamPolicy(mesh=...)`` mesh whose
+    ranks differ between ranks (each rank's expert on its own expert-data-parallel mesh). Only DTensors on a
+    policy mesh are candidates: a DTensor on a data-parallel mesh that differs between ranks because tensor
+    parallelism keeps a copy per TP rank is one tensor. A collective on every rank (one
+    ``all_gather_object``); ``{}`` on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    meshes = _policy_meshes(model)
+    mine = {k: tuple(v.device_mesh.mesh.flatten().tolist()) for k, v in state.items()
+            if isinstance(v, DTensor) and any(v.device_mesh == m for m in meshes)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: ranks for k, ranks in mine.items() if len({o[k] for o in everyone if k in o}) > 1}
+
+
+def _refuse_per_rank(what: str, state: dict, model: nn.Module) -> None:
+    """Raise ``CheckpointError`` on every rank when ``model`` holds a different tensor under one name on
+    different ranks (``per_rank_keys``): one full tensor per name cannot hold them."""
+    per_rank = sorted(per_rank_keys(state, model))
+    if per_rank:
+        shown = ", ".join(f"'{k}'" for k in per_rank[:5]) + (" ..." if len(per_rank) > 5 else "")
+        raise CheckpointError(
+            f"{what}: {shown} {'is a different tensor' if len(per_rank) == 1 else 'are different tensors'} on "
+            "different ranks (each rank's on its own ParamPolicy(mesh=...) mesh, e.g. its expert), and a full "
+            "state dict holds one tensor per name: it would keep one rank's and give it to every rank. Save "
+            "and load such a model with perparam.checkpoint.save/load (each stored as '<key>@ranks=<mesh "
+            "ranks>'), or gather those parameters yourself over the expert-parallel group. Nothing was "
+            f"{'gathered' if what == 'full_state_dict' else 'loaded'}")
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The unsharded ``state_dict`` of ``model`` as CPU tensors on rank 0 (``None`` on the other ranks);
-    every rank calls it. Stored-quantized parameters come as their codes, with their ``_qscale`` scales."""
+    every rank calls it. Stored-quantized parameters come as their codes, with their ``_qscale`` scales.
+
+    Raises ``CheckpointError`` on every rank, before gathering anything, when a parameter is a different
+    tensor on different ranks (``per_rank_keys``: experts on per-rank ``ParamPolicy(mesh=...)`` meshes)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
-    for key, value in model.state_dict().items():
+    state = model.state_dict()
+    _refuse_per_rank("full_state_dict", state, model)
+    for key, value in state.items():
         full = _full_tensor(value) if isinstance(value, DTensor) else value
         if out is not None:
             out[key] = full.detach().to("cpu", copy=True)
@@ -125,11 +174,14 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
 
     Raises ``CheckpointError`` on every rank, before anything changes, when keys are missing or
     unexpected or shapes differ (checked on rank ``src``), or for a float value for a stored-quantized
-    parameter (load its codes and ``_qscale`` scales, or shard the float weights with ``fully_shard``).
+    parameter (load its codes and ``_qscale`` scales, or shard the float weights with ``fully_shard``),
+    and when a parameter is a different tensor on different ranks (``per_rank_keys``: experts on per-rank
+    ``ParamPolicy(mesh=...)`` meshes; broadcasting rank ``src``'s would overwrite the others' experts).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = _sharded_params(model)
     current = model.state_dict()
+    _refuse_per_rank("load_full_state_dict", current, model)
     shapes = {k: tuple(v.shape) for k, v in current.items()}
     problem = ""
     if rank == src:

@@ -254,6 +254,21 @@ def test_plan_and_finetune_flags_name_the_wire_format():
     assert parse_param_policy("mlp.*=bf16,grad=bf16")[1].grad_quant == "bf16"
 
 
+def test_finetune_grad_quant_pattern_keeps_the_quant_policy_of_the_weights_it_also_names(mesh):
+    # --quant int8 --grad-quant 'mlp.*=int8': the pattern used to be put ahead of --quant's '*_proj.weight'
+    # (first match wins), so the MLP weights silently lost their int8 all-gather
+    from perparam.finetune.model import Llama, LlamaConfig
+    from perparam.finetune.train import build_meshes, shard_model
+    from perparam.runtime.group import group_of
+
+    model = shard_model(Llama(LlamaConfig.tiny(), device="meta"), build_meshes(2, 1, 1, "cpu"), quant="int8",
+                        grad_quant="mlp.*=int8")
+    got = {p.fqn: (p.policy.quant is not None, p.policy.grad_quant is not None)
+           for p in group_of(model.layers[0]).params}
+    assert got["mlp.gate_proj.weight"] == got["mlp.down_proj.weight"] == (True, True), got
+    assert got["attn.q_proj.weight"] == (True, False) and got["mlp_norm.weight"] == (False, False), got
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--grad-quant", "int4"], "--grad-quant int4: expected one of none, int8, bf16"),
     (["--grad-quant", "int8", "--lora", "8"], "the base weights are frozen"),

@@ -87,6 +87,7 @@ def moe_one_call(rank: int, world_size: int, folder: str) -> dict:
     want = plan.rank(rank)
     out["planned"] = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
     out["errors"] = bad_meshes(rank, dp)
+    out["full_state"] = full_state_refusals(rank, dp, edp)
     out["checkpoint_exact"] = checkpoint_round_trip(rank, dp, edp, folder)
     # two reduce dtypes on each mesh: one reduce-scatter per (mesh, reduce dtype)
     bf16 = torch.bfloat16
@@ -165,6 +166,26 @@ def checkpoint_round_trip(rank: int, dp: DeviceMesh, edp: DeviceMesh, folder: st
             t.zero_()
     perparam.checkpoint.load(f"{folder}/ckpt", model, opt)
     return {k: torch.equal(saved[k], t) for k, t in _state(model, opt).items()}
+
+
+def full_state_refusals(rank: int, dp: DeviceMesh, edp: DeviceMesh) -> dict[str, object]:
+    """``full_state_dict`` and ``load_full_state_dict`` of the one-call model (each rank's expert on its own
+    mesh): the ``CheckpointError`` messages, or "no error"; whether this rank's expert kept its weights."""
+    model = _moe(rank)
+    perparam.fully_shard(model, mesh=dp, param_policy={"expert.*": ParamPolicy(mesh=edp)})
+    before = model.expert.weight.to_local().clone()
+    out: dict[str, object] = {}
+    for name, call in (("full", lambda: perparam.checkpoint.full_state_dict(model)),
+                       ("load", lambda: perparam.checkpoint.load_full_state_dict(
+                           model, {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+                           if rank == 0 else None))):
+        try:
+            call()
+            out[name] = "no error"
+        except perparam.CheckpointError as e:
+            out[name] = str(e)
+    out["expert_kept"] = torch.equal(model.expert.weight.to_local(), before)
+    return out
 
 
 def bad_meshes(rank: int, dp: DeviceMesh) -> dict[str, str]:
@@ -262,6 +283,16 @@ def test_four_ranks_with_experts_sharded_over_a_two_rank_edp_mesh_match_one_proc
         assert_matches(got["params"], want)
         assert all(step == counts for step in got["counts"]), got["counts"]
         assert "'1.weight'" in got["hpz"] and "reshard_after_forward=2 (hpZ) is not supported" in got["hpz"], got["hpz"]
+
+
+def test_full_state_dicts_of_experts_on_per_rank_meshes_are_refused_on_every_rank_naming_them():
+    # one name, a different expert on each rank: gathered to rank 0 it kept rank 0's only, and loading
+    # broadcast rank 0's expert over every rank's (silently, before this was refused)
+    for got in _one_call_results():
+        for name in ("full", "load"):
+            message = got["full_state"][name]
+            assert "'expert.bias', 'expert.weight'" in message and "perparam.checkpoint.save" in message, message
+        assert got["full_state"]["expert_kept"]
 
 
 @pytest.mark.parametrize("case,says", [

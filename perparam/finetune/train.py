@@ -88,6 +88,30 @@ def tp_plan() -> dict:
     return {**{name: ColwiseParallel() for name in TP_COLWISE}, **{name: RowwiseParallel() for name in TP_ROWWISE}}
 
 
+def with_grad_quant(layer, layer_policy: dict | None, pattern: str, kind: str) -> dict:
+    """``layer_policy`` (patterns relative to a decoder layer, first match wins) with ``grad_quant=kind``
+    added to the policy of each parameter of ``layer`` that ``pattern`` matches, as exact names ahead of the
+    patterns, so such a parameter keeps what its first matching pattern gave it (``--quant``'s all-gather,
+    QLoRA's NF4) instead of losing it to ``pattern`` (``--quant int8 --grad-quant 'mlp.*=int8'`` used to
+    drop the MLP weights' int8 all-gather). A ``pattern`` matching nothing is left as a pattern, for
+    ``fully_shard`` to name."""
+    import dataclasses
+    import fnmatch
+
+    from perparam import ParamPolicy
+
+    policies = layer_policy or {}
+    hits = [n for n, _ in layer.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+    if not hits:
+        return {pattern: ParamPolicy(grad_quant=kind), **policies}
+
+    def own(name: str):
+        return next((pp for pat, pp in policies.items() if fnmatch.fnmatchcase(name, pat)), None)
+
+    exact = {n: dataclasses.replace(own(n) or ParamPolicy(), grad_quant=kind) for n in hits}
+    return {**exact, **{k: v for k, v in policies.items() if k not in exact}}
+
+
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
                 quant: str | torch.dtype | None = None, layer_policy: dict | None = None,
                 zero_stage: int = 3, offload=None, grad_quant: str | None = None) -> Llama:
@@ -111,13 +135,8 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else {}),
                     **(layer_policy or {})} or None
     wire = parse_grad_quant(grad_quant)
-    if wire is not None:  # merged into the pattern's policy, or a pattern of its own ahead of the others
-        import dataclasses
-
-        pattern, kind = wire
-        own = (layer_policy or {}).get(pattern)
-        layer_policy = {pattern: dataclasses.replace(own or ParamPolicy(), grad_quant=kind),
-                        **{k: v for k, v in (layer_policy or {}).items() if k != pattern}}
+    if wire is not None:  # merged into what each parameter it names gets from the other patterns
+        layer_policy = with_grad_quant(model.layers[0], layer_policy, *wire)
     root_policy = None
     if zero_stage != 3:  # every parameter: the patterns' policies, then a catch-all, all with the stage
         import dataclasses

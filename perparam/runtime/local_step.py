@@ -15,11 +15,14 @@ they were (state it updated in place). Outside the step the optimizer, its ``sta
 exactly what they see without this.
 
 It applies only to ``torch.optim.SGD``, ``Adam`` and ``AdamW`` themselves (a subclass may change
-``step``), not ``differentiable``, when every gradient is a DTensor with its parameter's placements and
+``step``), not ``differentiable``, to a step without a closure (``step(closure)`` computes the gradients
+inside the step), when every gradient is a DTensor with its parameter's placements and
 local shape, every parameter is on the CPU and none is offloaded (``perparam.offload`` moves state around
 the step), and ``perparam.configure(local_optimizer_step=True)`` (the default); otherwise the step runs on
 DTensors as before. A step that raises leaves the swap in place until the next step of that optimizer,
-whose pre-hook undoes it first.
+whose pre-hook undoes it first. The user's step hooks never see the swap: the swap-in is the optimizer's
+last pre-hook (a step that finds a pre-hook registered after it runs on DTensors, and the next steps swap
+again) and the swap-out its first post-hook.
 """
 
 from __future__ import annotations
@@ -43,12 +46,24 @@ def install(optimizer: torch.optim.Optimizer, owners_of) -> None:
     if type(optimizer) not in ELEMENTWISE or hasattr(optimizer, _ATTR):
         return
     setattr(optimizer, _ATTR, None)
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: _swap_in(opt, list(owners_of(opt))))
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: _swap_out(opt))
+    pre = optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: _swap_in(opt, list(owners_of(opt)), _has_closure(args, kwargs), pre.id))
+    post = optimizer.register_step_post_hook(lambda opt, args, kwargs: _swap_out(opt, pre.id))
+    # the swap must be invisible to the user's hooks (zero_grad() or an EMA in a post-hook, clipping in a
+    # pre-hook): the swap-out is the first post-hook, the swap-in the last pre-hook (see ``_swap_in``)
+    optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)
 
 
-def _eligible(optimizer, owners) -> bool:
-    if not config.current().local_optimizer_step or not owners:
+def _has_closure(args, kwargs) -> bool:
+    """``step(closure)``: the closure runs inside the step, after the pre-hooks; its ``zero_grad()`` and
+    backward would act on the swapped-in local tensors' ``.grad`` while perparam's reduction writes the
+    DTensor ``.grad``, and the step would apply the stale (or no) gradient. Such a step runs on DTensors."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, *step's args)
+    return closure is not None
+
+
+def _eligible(optimizer, owners, closure: bool = False) -> bool:
+    if not config.current().local_optimizer_step or not owners or closure:
         return False
     if any(group.get("differentiable", False) for group in optimizer.param_groups):
         return False
@@ -67,10 +82,17 @@ def _eligible(optimizer, owners) -> bool:
     return True
 
 
-def _swap_in(optimizer, owners) -> None:
+def _last_pre_hook(optimizer, hook_id: int | None) -> bool:
+    hooks = optimizer._optimizer_step_pre_hooks
+    return hook_id is None or not hooks or next(reversed(hooks)) == hook_id
+
+
+def _swap_in(optimizer, owners, closure: bool = False, hook_id: int | None = None) -> None:
     if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
         _swap_out(optimizer)
-    if not _eligible(optimizer, owners):
+    # a pre-hook registered after this one (``hook_id``) would run on the local tensors: this step runs on
+    # DTensors, and the post-hook moves this one last for the next step (not now: the hooks are iterating)
+    if not _last_pre_hook(optimizer, hook_id) or not _eligible(optimizer, owners, closure):
         return
     mine = {id(sp.sharded) for sp in owners}
     records = []
@@ -101,7 +123,9 @@ def _wrap(value, p: DTensor, local: torch.Tensor):
     return DTensor(value, spec, requires_grad=False)
 
 
-def _swap_out(optimizer) -> None:
+def _swap_out(optimizer, hook_id: int | None = None) -> None:
+    if not _last_pre_hook(optimizer, hook_id):
+        optimizer._optimizer_step_pre_hooks.move_to_end(hook_id)
     records = getattr(optimizer, _ATTR, None)
     if records is None:
         return
@@ -119,6 +143,8 @@ def _swap_out(optimizer) -> None:
             old = before.get(key) if before is not None else None
             if isinstance(old, DTensor) and old._local_tensor is value:
                 restored[key] = old  # updated in place
+            elif key == "step":  # a plain tensor on the DTensor path, even for a 0-dim parameter's shape
+                restored[key] = value
             else:
                 restored[key] = _wrap(value, p, local)
         optimizer.state[p] = restored
