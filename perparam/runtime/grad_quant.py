@@ -4,7 +4,8 @@
 Per (reduce dtype, ``GradQuant``) a group issues one reduction, as it issues one per reduce dtype otherwise:
 
 1. the gradients (in ``reduce_dtype``: after no-sync accumulation, which stays in ``reduce_dtype``) are packed
-   as for a plain reduce-scatter, ``[K, n]``, row r holding every parameter's rank-r piece;
+   as for a plain reduce-scatter, ``[K, n]``, row r holding every parameter's rank-r piece (int8 from fp32:
+   ``encode_grads`` divides each gradient where it lies instead, packing only the padded ones);
 2. each row is encoded: bf16 casts; a block quantizer (``"int8"``) quantizes each parameter's piece in
    blocks of ``block_size`` that never straddle two parameters (absmax: codes plus one fp32 scale per
    block); the *used* flags follow in fp32, exact (``GradWire``);
