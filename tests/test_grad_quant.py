@@ -17,8 +17,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import perparam
 from perparam import CommCounter, ParamPolicy, QuantPolicy
+from perparam.comm.buffers import BufferPool
 from perparam.memory.plan import plan_module
 from perparam.memory.policy_args import parse_param_policy
+from perparam.runtime import grad_quant
+from perparam.runtime.reduction import pack_reduce_scatter_input
 from perparam.sharding.grad_quant import grad_wire, wire_bytes
 from perparam.sharding.policy import resolve_grad_quant
 from tests.distributed import c10d_calls, run_distributed
@@ -28,7 +31,8 @@ from tests.models import TinyNet, local_slice, make_batches
 
 class Net(nn.Module):
     """``a``: 30 x 40 (several 256-blocks per piece, uneven over 4 ranks), ``b``: ``Linear(4, 2)`` (empty shards
-    on 3-4 ranks), ``z``: used with an all-zero gradient, ``u``: never used (its gradient stays ``None``)."""
+    on 3-4 ranks), ``z``: used with an all-zero gradient, ``u``: never used (its gradient stays ``None``),
+    ``w``: ``Linear(32, 16)``, whose weight's pieces on 2 ranks are one whole block (quantized in place)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,9 +40,10 @@ class Net(nn.Module):
         self.b = nn.Linear(4, 2)
         self.z = nn.Linear(5, 3)
         self.u = nn.Linear(3, 3)
+        self.w = nn.Linear(32, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, 40] -> [batch, 2]
-        return self.b(torch.relu(self.a(x))[:, :4]) + 0.0 * self.z(x[:, :5]).sum()
+        return self.b(torch.relu(self.a(x))[:, :4]) + self.w(x[:, :32])[:, :2] + 0.0 * self.z(x[:, :5]).sum()
 
 
 def _local_grads(rank: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -120,7 +125,8 @@ def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds_one_
         assert r["rs_mixed"] == 3 and r["a2a_mixed"] == 3 + gather  # one per wire format: int8, bf16, fp32
     assert len({r["bytes"] for r in results}) == 1  # every rank sends the same bytes
     layouts = [math.ceil(n_rows / world_size) * rest for n_rows, rest in ((30, 40), (30, 1), (2, 4), (2, 1),
-                                                                             (3, 5), (3, 1), (3, 3), (3, 1))]
+                                                                             (3, 5), (3, 1), (3, 3), (3, 1),
+                                                                             (16, 32), (16, 1))]
     assert results[0]["bytes"] == world_size * grad_wire(layouts, resolve_grad_quant("w",
         "int8")).row_bytes
     # the planner counts the bytes the runtime sent, and the fp32 reduce-scatter's
@@ -136,6 +142,33 @@ def test_int8_wire_is_about_a_quarter_of_fp32_for_256_blocks():
     assert 0.253 < ratio < 0.26
     assert wire_bytes(numels, resolve_grad_quant("w", "bf16"), torch.float32) / wire_bytes(
         numels, None, torch.float32) == pytest.approx(0.5, abs=1e-3)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_int8_gradients_quantized_where_they_lie_encode_and_sum_bitwise_as_packed_then_encoded(k):
+    # weights whose K pieces are whole blocks (quantized in place) beside uneven and padded ones
+    torch.manual_seed(0)
+    grads = tuple(torch.randn(shape) * scale for shape, scale in [((6 * k, 128), 1.0), ((7, 40), 1e-3),
+                                                                    ((2, 3), 5.0), ((4 * k, 64), 0.5),
+                                                                    ((k, 256), 0.0)])
+    gq = resolve_grad_quant("w", "int8")
+    numels = [math.ceil(g.shape[0] / k) * g[0].numel() for g in grads]
+    wire = grad_wire(numels, gq)
+    direct, packed = (torch.zeros(k, wire.row_bytes, dtype=torch.uint8) for _ in range(2))
+    scratch = grad_quant.encode_grads(grads, wire, gq, direct, BufferPool())
+    grad_quant.encode(pack_reduce_scatter_input(list(grads), k), wire, gq, packed)
+    assert torch.equal(direct, packed)  # codes and scales (flags are written by issue())
+    # the K rows as if received from K ranks: decoded and summed in rank order, products rounded once each
+    out = torch.empty(sum(numels) + len(numels))
+    grad_quant.decode_sum(direct, wire, gq, out, scratch)
+    codes = direct[:, :wire.total].view(torch.int8).float()
+    scales = direct[:, wire.scales_at:wire.flags_at].view(torch.float32)
+    values = codes.view(k, -1, 256) * scales.unsqueeze(2)
+    want = values[0].clone()
+    for r in range(1, k):
+        want += values[r]
+    want = torch.cat([want.view(-1)[sum(wire.spans[:i]):][:n] for i, n in enumerate(numels)])
+    assert torch.equal(out[:sum(numels)], want)
 
 
 def train_both(rank: int, world_size: int, policy, steps: int, hsdp: bool, accumulate: int,

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from perparam import quant
 from perparam.quant import dequantize_blocks, quantize_blocks
 from perparam.sharding.layout import GroupLayout, WirePiece
 from tests.quant_cases import block_amax, matrix_case
@@ -40,6 +41,43 @@ def test_fp8_round_trip_stays_within_its_relative_bound(case):
 def test_an_empty_block_has_scale_zero(rows, block):
     codes, scales = quantize_blocks(torch.zeros(rows, 3 * block), torch.int8, block)
     assert torch.all(scales == 0) and torch.all(codes == 0)
+
+
+def _int8_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codec as a formula: ``round(x / (amax / 127))`` per zero-padded block (a block of zeros:
+    scale 0, codes 0)."""
+    rows, n = x.shape
+    nb = -(-n // block)
+    padded = torch.zeros(rows, nb * block)
+    padded[:, :n] = x
+    blocks = padded.view(rows, nb, block)
+    scales = blocks.abs().amax(dim=2) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
+    return (blocks / safe).round().to(torch.int8).view(rows, nb * block)[:, :n], scales
+
+
+@settings(max_examples=100, deadline=None)
+@given(matrix_case(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_int8_codec_in_few_passes_gives_bitwise_the_codes_and_values_of_its_formula(case, out_dtype):
+    x, block = case
+    q = quant.get("int8")
+    codes, scales = q.pack(x, block)
+    want_codes, want_scales = _int8_reference(x, block)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    out = q.unpack([codes.reshape(-1), scales.reshape(-1)], block, out=torch.empty(x.shape, dtype=out_dtype))
+    expanded = scales.repeat_interleave(block, dim=1)[:, :x.shape[1]]
+    assert torch.equal(out, (codes.float() * expanded).to(out_dtype))
+    if x.shape[1] % block == 0 and x.numel():  # quantized in place into given outputs (the send buffer)
+        scratch, outs = x.clone(), [torch.empty(x.numel(), dtype=torch.int8), torch.empty(scales.numel())]
+        q.pack_into(scratch, block, outs, overwrite=True)
+        assert torch.equal(outs[0], codes.reshape(-1)) and torch.equal(outs[1], scales.reshape(-1))
+
+
+def test_int8_codes_round_half_to_even_as_torch_round():
+    x = torch.tensor([[254.0, 1.0, 3.0, 5.0, -1.0, -3.0, -5.0, 253.0]])  # scale 2: x / 2 has halves
+    codes, scales = quant.get("int8").pack(x, 8)
+    assert scales.tolist() == [[2.0]]
+    assert codes.tolist() == [[127, 0, 2, 2, 0, -2, -2, 126]]
 
 
 PIECE_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,

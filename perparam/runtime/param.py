@@ -241,14 +241,19 @@ class ShardedParam:
             pieces = [self.local_shard().reshape(-1), self.scales.to_local().reshape(-1)]
             for out in outs:
                 out.view(torch.uint8).zero_()
-        else:
-            flat = torch.zeros(self.layout.padded_local_numel, dtype=torch.float32, device=views[0].device)
-            pair = self.send_pair(flat)
-            if pair is not None:
-                pair[0].copy_(pair[1])
-            pieces = [t.reshape(-1) for t in q.quantizer.pack(flat.view(1, -1), q.block_size)]
-        for out, piece in zip(outs, pieces):
-            out[:piece.numel()].copy_(piece)
+            for out, piece in zip(outs, pieces):
+                out[:piece.numel()].copy_(piece)
+            return
+        lay, src = self.layout, self.local_shard()
+        if (src.dtype == torch.float32 and src.is_contiguous() and tuple(src.shape) == tuple(lay.padded_local_shape)
+                and src.numel()):  # the shard is its whole piece (send_view): quantized where it is, no copy
+            q.quantizer.pack_into(src.view(1, -1), q.block_size, outs, overwrite=False)
+            return
+        flat = torch.zeros(lay.padded_local_numel, dtype=torch.float32, device=views[0].device)
+        pair = self.send_pair(flat)
+        if pair is not None:
+            pair[0].copy_(pair[1])
+        q.quantizer.pack_into(flat.view(1, -1), q.block_size, outs, overwrite=True)
 
     def unpack(self, gathered: list[torch.Tensor]) -> None:
         """Dequantize the gathered pieces (uint8 ``[K, piece bytes]`` each) into the padded buffer."""

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from . import int8_codec
 from .layout import WirePiece
 
 
@@ -84,6 +85,14 @@ class BlockQuantizer:
         amax = blocks.abs().amax(dim=2)  # [rows, nblocks]
         codes, scales = self.encode(blocks, amax)
         return [self.pack_codes(codes.reshape(rows, nblocks * block_size)[:, :n]), scales]
+
+    def pack_into(self, x: torch.Tensor, block_size: int, outs: list[torch.Tensor],
+                  overwrite: bool = False) -> None:
+        """``pack(x, block_size)`` written into ``outs`` (one tensor per piece, of the piece's dtype and
+        numel, any shape, e.g. slices of the all-gather's send buffer). ``overwrite``: ``x`` is scratch the
+        quantizer may overwrite (a quantizer that can writes its codes straight into ``outs``)."""
+        for out, piece in zip(outs, self.pack(x, block_size)):
+            out.view(-1)[:piece.numel()].copy_(piece.reshape(-1))
 
     def unpack(self, pieces: list[torch.Tensor], block_size: int, out: torch.Tensor) -> torch.Tensor:
         """Write the dequantized ``[rows, n]`` values of ``pieces`` (codes ``[rows, codes_per_row(n)]``,
@@ -137,9 +146,51 @@ class _ScaledCast(BlockQuantizer):
 
 class Int8Quantizer(_ScaledCast):
     """int8 absmax: ``scale = amax / 127``, codes ``round(x / scale)`` in [-127, 127]. Rounding to the
-    nearest integer errs by at most half a step: ``error_bound = scale / 2 = amax / 254``."""
+    nearest integer errs by at most half a step: ``error_bound = scale / 2 = amax / 254``.
+
+    ``pack``/``pack_into``/``unpack`` run ``perparam.sharding.int8_codec``'s kernels (bitwise the codes and
+    values of ``encode``/``decode``): no padded copy unless a row ends in a short block, the codes straight
+    into the destination, decoded in place in ``out``."""
 
     name, codes_dtype, qmax = "int8", torch.int8, 127.0
+
+    def pack(self, x, block_size):
+        rows, n = x.shape
+        outs = [torch.empty(rows, n, dtype=torch.int8, device=x.device),
+                torch.empty(rows, ceil_div(n, block_size), dtype=torch.float32, device=x.device)]
+        self.pack_into(x, block_size, outs, overwrite=False)
+        return outs
+
+    def pack_into(self, x, block_size, outs, overwrite=False):
+        rows, n = x.shape
+        if rows * n == 0:
+            return
+        nblocks = ceil_div(n, block_size)
+        if n % block_size == 0 and x.dtype == torch.float32 and x.is_contiguous():
+            blocks = x.view(rows, nblocks, block_size)
+            scratch = blocks if overwrite else None
+        else:  # zero-padded to whole blocks (a copy: ours to overwrite)
+            blocks = torch.zeros(rows, nblocks * block_size, dtype=torch.float32, device=x.device)
+            blocks[:, :n] = x
+            blocks = scratch = blocks.view(rows, nblocks, block_size)
+        scales = torch.div(int8_codec.absmax(blocks), self.qmax, out=outs[1].view(rows, nblocks))
+        int8_codec.encode_blocks(blocks, int8_codec.safe_divisor(scales), outs[0].view(rows, n), scratch)
+
+    def unpack(self, pieces, block_size, out):
+        rows, n = out.shape
+        if rows * n == 0:
+            return out
+        nblocks, full = ceil_div(n, block_size), n // block_size * block_size
+        codes = pieces[0].reshape(rows, n)
+        scales = pieces[1].reshape(rows, nblocks).to(torch.float32)
+        direct = out.dtype == torch.float32 and out.stride(1) == 1 and out.stride(0) >= n
+        target = out if direct else torch.empty(rows, n, dtype=torch.float32, device=out.device)
+        if full:
+            int8_codec.decode_blocks(codes[:, :full], scales[:, :full // block_size],
+                                     target[:, :full].view(rows, -1, block_size))
+        if full < n:  # the last, short block of each row
+            torch.mul(codes[:, full:], scales[:, -1:], out=target[:, full:])
+        return out if direct else out.copy_(target)
 
     def _round(self, scaled):
         return scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)
