@@ -19,13 +19,30 @@ And summer's lease hath all too short a date;
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def text_dir(tmp_path_factory) -> Path:
-    """A small text folder for the main job's tiny runs (the sonnet, and its reverse as held-out text)."""
+    """A small text folder for the main job's tiny runs (the sonnet, and its reverse as held-out text); read
+    only, so one folder serves the whole session (and ``plain_tiny_run``)."""
     folder = tmp_path_factory.mktemp("text")
     (folder / "a_sonnets.txt").write_text(SONNET * 60)
     (folder / "b_heldout.txt").write_text(SONNET[::-1] * 20)
     return folder
+
+
+@pytest.fixture(scope="session")
+def plain_tiny_run(tmp_path_factory, text_dir):
+    """``(proc, summary)`` of the plain tiny run: ``perparam finetune`` with ``TINY`` on ``text_dir``, 2 ranks,
+    fp32, no quantization, a 1D mesh, ``--summary-json``. The run the finetune tests compare theirs to
+    (``test_finetune_cli``'s variants, ``test_finetune_checkpoint``'s uninterrupted run,
+    ``test_finetune_offload``'s run without offload): one launch per session instead of one per file."""
+    import json
+
+    from tests.finetune_helpers import TINY, run_finetune
+
+    out = tmp_path_factory.mktemp("plain") / "summary.json"
+    proc = run_finetune(*TINY, "--text", str(text_dir), "--nproc", "2", "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
 
 
 #: ``make test-fast`` (``pytest -m fast``): the pure properties (no process), the fake-process-group tests

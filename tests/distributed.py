@@ -1,7 +1,9 @@
 """Multi-process test harness: run a function on N ranks over gloo on loopback and collect the results.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a forkserver that
-has torch and perparam imported already, so a start costs milliseconds, not seconds), initialises a gloo
+has torch, perparam and the test modules loaded so far imported already, so a start costs milliseconds, not
+seconds: each rank unpickles ``fn`` by name, and importing its test module there, with pytest and
+hypothesis, cost more than the rest of a small test), initialises a gloo
 process group in each over a ``FileStore`` (no ports to race for), sets one thread per rank, calls
 ``fn(rank, world_size, *args)`` and returns the per-rank return values as a list. A rank that raises
 fails the test with every failing rank's traceback; a hang fails it after ``timeout`` seconds, naming the
@@ -13,6 +15,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -22,14 +25,57 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 _CTX = None
+#: what the forkserver imports once, so no rank imports it again. ``torch._dynamo``: torch imports it at the
+#: first ``DTensor.from_local`` of a process (its ``_disable_dynamo`` wrapper), which cost every rank of every
+#: test 1-6 s (profiled: 98% of a 2-parameter test's rank); DCP: the checkpoint tests' ranks import it inside
+#: functions. ``tests.distributed`` imports the test modules (``_preload``).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "perparam",
+           "tests.distributed"]
+#: the modules the forkserver imports at its start (``_preload``), comma-separated; set only while it starts
+PRELOAD_ENV = "PERPARAM_TESTS_PRELOAD"
 
 
 def _context():
     global _CTX
     if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "perparam"])
+        from multiprocessing import forkserver
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        # what this process has loaded of pytest, hypothesis and the test modules (collection imports them
+        # all): the ranks import their test module to unpickle ``fn``; the forkserver does it once instead
+        names = [n for n in sorted(sys.modules) if n in ("pytest", "hypothesis") or n.startswith("tests.")]
+        os.environ[PRELOAD_ENV] = ",".join(names)
+        try:
+            forkserver.ensure_running()
+        finally:
+            del os.environ[PRELOAD_ENV]
+        _CTX = ctx
     return _CTX
+
+
+def _preload(names: str) -> None:
+    """In the forkserver (importing this module with ``PRELOAD_ENV`` set): import ``names``, each in a
+    ``try`` (one that fails here is imported, and fails, in the rank as before), then put back the random
+    generators' states, which a test module may have seeded at import, so every rank starts from the states
+    it started from before."""
+    import importlib
+    import random
+
+    import torch
+
+    states = torch.random.get_rng_state(), random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    for name in names.split(","):
+        try:
+            importlib.import_module(name)
+        except BaseException:  # pytest.importorskip raises Skipped, not ImportError
+            pass
+    torch.random.set_rng_state(states[0])
+    random.setstate(states[1])
+    if numpy_state is not None:
+        numpy.random.set_state(numpy_state)
 
 
 def _worker(fn, rank: int, world_size: int, store_path: str, timeout: float, conn, args) -> None:
@@ -162,3 +208,7 @@ class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
             setattr(dist, name, fn)
         for name, fn in self.methods.items():
             setattr(dist.ProcessGroup, name, fn)
+
+
+if os.environ.get(PRELOAD_ENV):  # the forkserver, starting (``_context``); its ranks do not import this again
+    _preload(os.environ.pop(PRELOAD_ENV))

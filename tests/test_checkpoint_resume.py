@@ -85,10 +85,17 @@ def load_into(rank: int, world_size: int, path: str, layout: str) -> dict:
     return {"extra": extra, "state": snapshot(model, opt)}
 
 
+@pytest.fixture(scope="module")
+def saved_on_4(tmp_path_factory) -> tuple[str, dict]:
+    """A checkpoint saved on 4 ranks after 3 steps and rank 0's snapshot of the state it holds; saved once for
+    the module (loading only reads it)."""
+    path = str(tmp_path_factory.mktemp("saved_on_4") / "ckpt")
+    return path, run_distributed(save_after, 4, path, 3)[0]
+
+
 @pytest.mark.parametrize("world,layout", [(2, "1d"), (4, "hsdp"), (0, "single")])
-def test_saved_on_4_ranks_loads_bit_exact_on_2_ranks_hsdp_and_one_unsharded_process(tmp_path, world, layout):
-    path = str(tmp_path / "ckpt")
-    saved = run_distributed(save_after, 4, path, 3)[0]
+def test_saved_on_4_ranks_loads_bit_exact_on_2_ranks_hsdp_and_one_unsharded_process(saved_on_4, world, layout):
+    path, saved = saved_on_4
     assert not any(k.startswith("optim.unused.") for k in saved)  # never got a gradient: no state
     got = run_distributed(load_into, world, path, layout)[0] if world else one_process(load_into, path, layout)
     assert got["extra"] == {"step": 3}
@@ -108,11 +115,19 @@ def straight(rank: int, world_size: int) -> list[float]:
     return steps(model, opt, make_batches(10, BATCH), rank, world_size)
 
 
-@pytest.mark.parametrize("resume_world", [4, 2])
-def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path, resume_world):
-    path = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def straight_and_saved_at_5(tmp_path_factory) -> tuple[list, str]:
+    """The uninterrupted 10-step run's per-rank losses on 4 ranks, and a checkpoint of another 4-rank run saved
+    after step 5; made once for the module (resuming only reads the checkpoint)."""
+    path = str(tmp_path_factory.mktemp("saved_at_5") / "ckpt")
     want = run_distributed(straight, 4)
     run_distributed(save_after, 4, path, 5)
+    return want, path
+
+
+@pytest.mark.parametrize("resume_world", [4, 2])
+def test_resume_continues_exactly_as_the_uninterrupted_run(straight_and_saved_at_5, resume_world):
+    want, path = straight_and_saved_at_5
     got = run_distributed(resume, resume_world, path)
     # fp32, same world: bitwise. Another world size reduces in another order: within 1e-6
     mean = [sum(r[i] for r in got) / resume_world for i in range(5)]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from perparam.cli import main
 from tests.finetune_helpers import TINY, run_finetune
 
 pytestmark = pytest.mark.slow
@@ -20,9 +21,9 @@ def _run(tmp: Path, text: Path, name: str, *flags: str, nproc: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
-def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text_dir):
+def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text_dir, plain_tiny_run):
     text = text_dir
-    straight = _run(tmp_path, text, "straight")
+    _, straight = plain_tiny_run  # the uninterrupted run: TINY on 2 ranks (conftest.py, shared)
     ckpt = tmp_path / "ckpt"
     first = _run(tmp_path, text, "first", "--steps", "2", "--save", str(ckpt), "--save-every", "1")
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002"]
@@ -35,12 +36,18 @@ def test_save_at_step_2_then_resume_equals_the_uninterrupted_run(tmp_path, text_
     assert max(abs(a - b) for a, b in zip(one_rank["train_losses"], straight["train_losses"][2:])) <= 1e-5
 
 
-def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text_dir):
+def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text_dir, capsys, monkeypatch):
+    """The launcher's checks, run in this process (``perparam.cli.main``, what the console script calls): exit
+    code 2 and one line, no traceback; no worker is started (a started run would train and return 0)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     text = text_dir
     empty = tmp_path / "empty"
     empty.mkdir()
     for folder, fragment in ((tmp_path / "missing", "no such folder"), (empty, "no complete checkpoint")):
-        proc = run_finetune(*TINY, "--text", str(text), "--resume", str(folder))
-        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    proc = run_finetune(*TINY, "--text", str(text), "--save-every", "2")
-    assert proc.returncode == 2 and "--save" in proc.stderr, proc.stderr
+        assert main(["finetune", *TINY, "--text", str(text), "--resume", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert main(["finetune", *TINY, "--text", str(text), "--save-every", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--save" in err and len(err.strip().splitlines()) == 1, err

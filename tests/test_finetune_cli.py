@@ -31,9 +31,13 @@ def _tiny_run(folder: Path, text_dir: Path, *flags: str, nproc: int = 2) -> tupl
 
 
 @pytest.fixture(scope="module")
-def fp32_run(tmp_path_factory, text_dir) -> tuple[subprocess.CompletedProcess, dict]:
-    """The plain run (2 ranks, fp32, no quantization, 1D mesh): the baseline the other runs compare to."""
-    return _tiny_run(tmp_path_factory.mktemp("fp32"), text_dir)
+def fp32_run(plain_tiny_run) -> tuple[subprocess.CompletedProcess, dict]:
+    """The plain run (2 ranks, fp32, no quantization, 1D mesh): the baseline the other runs compare to
+    (``plain_tiny_run`` of conftest.py, launched once per session and shared with other finetune tests)."""
+    proc, summary = plain_tiny_run
+    losses = [summary["heldout_loss_before"], summary["heldout_loss_after"], *summary["train_losses"]]
+    assert len(summary["train_losses"]) == 4 and all(math.isfinite(x) for x in losses), losses
+    return proc, summary
 
 
 def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:

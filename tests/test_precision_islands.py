@@ -129,18 +129,35 @@ def specs(draw):
             "world": draw(st.integers(1, 3))}
 
 
+#: stacks checked per launch: 4 hypothesis examples x 3 = the 12 stacks of 12 launches
+SPECS_PER_LAUNCH = 3
+
+
+@st.composite
+def launches(draw) -> list[dict]:
+    """``SPECS_PER_LAUNCH`` stacks on one number of ranks (1-3), run one after the other in one launch."""
+    world = draw(st.integers(1, 3))
+    return [{**draw(specs()), "world": world} for _ in range(SPECS_PER_LAUNCH)]
+
+
+def island_runs(rank: int, world_size: int, batch: list[dict]) -> list[dict]:
+    """``island_run`` of each spec in turn: each builds and shards its own model with its own seed."""
+    return [island_run(rank, world_size, spec) for spec in batch]
+
+
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-@given(spec=specs())
-def test_stock_module_stacks_with_per_parameter_dtypes_match_the_reference(spec):
-    for out in run_distributed(island_run, spec["world"], spec):
-        sharded = any(k != "relu" for k, _ in spec["layers"])
-        assert out["all_gathers"] == (1 if sharded else 0), out["all_gathers"]
-        assert out["out"].dtype == out["ref_out"].dtype
-        torch.testing.assert_close(out["out"].float(), out["ref_out"].float(), rtol=1e-5, atol=1e-5)
-        assert out["grads"].keys() == out["ref_grads"].keys()
-        for name, grad in out["grads"].items():
-            torch.testing.assert_close(grad, out["ref_grads"][name], rtol=1e-5, atol=1e-6, msg=name)
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=launches())
+def test_stock_module_stacks_with_per_parameter_dtypes_match_the_reference(batch):
+    for per_spec in run_distributed(island_runs, batch[0]["world"], batch):
+        for spec, out in zip(batch, per_spec, strict=True):
+            sharded = any(k != "relu" for k, _ in spec["layers"])
+            assert out["all_gathers"] == (1 if sharded else 0), out["all_gathers"]
+            assert out["out"].dtype == out["ref_out"].dtype
+            torch.testing.assert_close(out["out"].float(), out["ref_out"].float(), rtol=1e-5, atol=1e-5)
+            assert out["grads"].keys() == out["ref_grads"].keys()
+            for name, grad in out["grads"].items():
+                torch.testing.assert_close(grad, out["ref_grads"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def issue_example(rank: int, world_size: int, hsdp: bool = False) -> dict:

@@ -113,30 +113,45 @@ def _reference(rows, uses, xs) -> dict[str, torch.Tensor | None]:
     return {n: None if g is None else g / len(uses) for n, g in sums.items()}
 
 
-@settings(max_examples=8, deadline=None, phases=[Phase.explicit, Phase.generate])
+def experts_steps(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    """``experts_step`` for each ``(rows, uses, xs, per_expert)`` of ``cases`` in turn, in one launch: each
+    case builds, shards and trains its own model (one launch per case only repeated the process start)."""
+    return [experts_step(rank, world_size, *case) for case in cases]
+
+
+#: assignments checked per launch (hypothesis example): 4 examples x 2 = the 8 assignments of 8 launches
+CASES_PER_LAUNCH = 2
+
+
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.generate])
 @example(data=None)
 @given(st.data())
 def test_any_assignment_of_experts_to_ranks_matches_the_unsharded_average(data):
     if data is None:  # the explicit example: 4 ranks, 3 experts, one unused everywhere, empty shards
         world, rows, uses = 4, [3, 1, 5], [[], [0], [0, 0], [2]]
-        return _check_experts(world, rows, uses, True)
+        return _check_experts(world, [(rows, uses, True)])
     world = data.draw(st.integers(2, 4), label="world")
-    n = data.draw(st.integers(1, 4), label="experts")
-    rows = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n), label="rows")  # < K: empty shards
-    uses = data.draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=world, max_size=world),
-                     label="uses")
-    _check_experts(world, rows, uses, data.draw(st.booleans(), label="per_expert"))
+    cases = []
+    for i in range(CASES_PER_LAUNCH):  # several assignments on the same ranks, each its own model
+        n = data.draw(st.integers(1, 4), label=f"experts {i}")
+        rows = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n), label=f"rows {i}")  # < K: empty shards
+        uses = data.draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=world, max_size=world),
+                         label=f"uses {i}")
+        cases.append((rows, uses, data.draw(st.booleans(), label=f"per_expert {i}")))
+    _check_experts(world, cases)
 
 
-def _check_experts(world: int, rows: list[int], uses: list[list[int]], per_expert: bool) -> None:
+def _check_experts(world: int, cases: list[tuple[list[int], list[list[int]], bool]]) -> None:
     xs = torch.randn(world, 3, generator=torch.Generator().manual_seed(1))
-    want = _reference(rows, uses, xs)
-    for out in run_distributed(experts_step, world, rows, uses, xs, per_expert, timeout=30):
-        for name, grad in want.items():
-            got = out["grads"][name]
-            assert (got is None) == (grad is None), name  # unused everywhere: None on every rank
-            if grad is not None:
-                torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-5, msg=name)
+    wants = [_reference(rows, uses, xs) for rows, uses, _ in cases]
+    runs = [(rows, uses, xs, per_expert) for rows, uses, per_expert in cases]
+    for per_case in run_distributed(experts_steps, world, runs, timeout=30):
+        for want, out in zip(wants, per_case, strict=True):
+            for name, grad in want.items():
+                got = out["grads"][name]
+                assert (got is None) == (grad is None), name  # unused everywhere: None on every rank
+                if grad is not None:
+                    torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def mismatched(rank: int, world_size: int) -> str:
