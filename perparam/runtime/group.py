@@ -10,6 +10,7 @@ above it. Beside that state: the padded unsharded storage is *alive* or *freed*;
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, grad_quant, partial, zero, zero_copy
+from . import config, grad_quant, partial, registration, zero, zero_copy
 from .meshes import split_by_mesh
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
@@ -27,6 +28,15 @@ from .state import ALLOWED, StateError, TrainingState
 
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
 GROUP_ATTR = "_perparam_group"
+
+
+class _GatherPlan(NamedTuple):
+    """What never changes for an all-gather of one set of parameters (``ParamGroup._gather_plan``)."""
+
+    zero_copy: bool  # ``zero_copy.eligible``: K > 1 on gloo, every member plain ``Shard(0)``
+    sizes: list[int]  # bytes of each piece, in ``GroupLayout.order``
+    scattered: list[bool]  # per member: plain ``Shard(d > 0)``, copied into slices of the unsharded tensor
+    any_scattered: bool
 
 
 class ParamGroup:
@@ -62,6 +72,9 @@ class ParamGroup:
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
         self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
+        self._plans: dict[int, _GatherPlan] = {}  # id(layout) of ``layout``/``_layouts`` -> its ``_gather_plan``
+        self._versioned = [p for p in own if not p.kept]  # what ``_versions`` reads (``kept`` is fixed)
+        self._what_cache: tuple | None = None  # ((path, registration generation), ``_what``)
         self.reshard_after_forward = reshard_after_forward
         # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -144,10 +157,17 @@ class ParamGroup:
     @property
     def _what(self) -> str:
         """How collectives and errors name the group: creation index, path below the root, classes,
-        parameters (the index tells apart groups of equal classes and shapes in debug mode)."""
+        parameters (the index tells apart groups of equal classes and shapes in debug mode). Built again
+        only when the path is set or a parameter moved (``registration.move`` renames it and bumps the
+        registration generation): every collective names its group."""
+        key = (self.path, registration.generation())
+        if self._what_cache is not None and self._what_cache[0] == key:
+            return self._what_cache[1]
         where = f" '{self.path}'" if self.path else ""
         on = "" if self.driver is self else f" on mesh {self.mesh.mesh.tolist()} of group #{self.driver.index}"
-        return f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.members)})"
+        what = f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.members)})"
+        self._what_cache = (key, what)
+        return what
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
@@ -180,11 +200,10 @@ class ParamGroup:
 
     def _versions(self) -> tuple[int, ...]:
         versions = []
-        for p in self.members:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_()) and
-            # the steps of the optimizers holding it (foreach updates bump neither version); kept copies
+        for p in self._versioned:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_())
+            # and the steps of the optimizers holding it (foreach updates bump neither version); kept copies
             # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
-            if not p.kept:
-                versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
+            versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
         return tuple(versions)
 
     def stale(self) -> bool:
@@ -269,10 +288,12 @@ class ParamGroup:
         if self.offload_hook is not None:
             self.offload_hook()
         algorithm = config.current().gloo_all_gather
-        if zero_copy.applies(members, self.shard_pg, algorithm, self.driver.all_gather_comm, self.hpz):
+        if (zero_copy.wanted(algorithm, self.driver.all_gather_comm, self.hpz)
+                and self._gather_plan(members, layout).zero_copy):
             rows = zero_copy.start(members, self.shard_pg, layout.slot_bytes, self._what)
-            self._pending_gather = (None, rows, members, layout)
-            return
+            if rows is not None:  # None: a local shard is not on the CPU (the row path below)
+                self._pending_gather = (None, rows, members, layout)
+                return
         device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)
@@ -320,10 +341,9 @@ class ParamGroup:
             else:
                 targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
-        sizes = [layout.pieces[i][j].nbytes for i, j in order]
-        scattered = [p.plain and not p.layout.wire_is_layout for p in members]
+        _, sizes, scattered, any_scattered = self._gather_plan(members, layout)
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
-            if not any(scattered):  # every piece lands as bytes: one split copy
+            if not any_scattered:  # every piece lands as bytes: one split copy
                 torch.split_with_sizes_copy(seg, sizes, dim=1,
                                             out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
                 continue
@@ -383,6 +403,21 @@ class ParamGroup:
         if layout is None:
             layout = self._layouts[key] = GroupLayout(tuple(p.pieces for p in members), self.num_shards)
         return layout
+
+    def _gather_plan(self, members: list[ShardedParam], layout: GroupLayout) -> _GatherPlan:
+        """What never changes for an all-gather of ``members`` (a sub-list of ``gathered``; ``layout`` from
+        ``_layout_for``, one object per member set): built once per member set, as the layouts are. The
+        member sets, their placements and quantization and the mesh's process group are fixed at
+        ``fully_shard``; what may change between unshards is read at each one instead: the settings
+        (``config``, a custom all-gather, hpZ: ``zero_copy.wanted``) and the local shards' device
+        (``to_empty``, ``.to``, a ``.data`` swap: ``zero_copy.start``)."""
+        plan = self._plans.get(id(layout))
+        if plan is None:
+            scattered = [p.plain and not p.layout.wire_is_layout for p in members]
+            plan = self._plans[id(layout)] = _GatherPlan(
+                zero_copy.eligible(members, self.shard_pg), [layout.pieces[i][j].nbytes for i, j in layout.order],
+                scattered, any(scattered))
+        return plan
 
     def free(self, keep_secondary: bool = False) -> None:
         """Release the unsharded storage (no communication; an all-gather in flight is finished first).
