@@ -42,17 +42,26 @@ class _GatherPlan(NamedTuple):
 class ParamGroup:
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
-    ``modules``: the module(s) given to the call. ``params``: their managed parameters in registration
-    order, whatever their mesh. The all-gather runs over the shard axis; on a 2D mesh gradients are
-    reduce-scattered over the shard axis and then all-reduced over the replicate axis (HSDP). Replicated
-    parameters are never gathered; their gradients are all-reduced over every data-parallel rank.
+    ``modules``: the module(s) given to the call. Two lists of parameters, not to be mixed up:
+
+    * ``params``: every managed parameter of the call in registration order, *whatever its mesh* (on a
+      companion, below: its mesh's). What the operations on the modules walk: registering the sharded
+      or unsharded tensors, the slot checks, ``trainable()``, gradient accumulation without sync.
+    * ``mesh_params``: the parameters on *this group's* ``mesh`` (a sub-list of ``params``; ``gathered``,
+      ``replicated`` and ``kept`` are sub-lists of it), the ones its own collectives carry; the other
+      meshes' are their companions' ``mesh_params``. What one mesh's all-gather, version check and
+      reduction (``trainable_mesh_params()``) walk.
+
+    The all-gather runs over the shard axis; on a 2D mesh gradients are reduce-scattered over the shard
+    axis and then all-reduced over the replicate axis (HSDP). Replicated parameters are never gathered;
+    their gradients are all-reduced over every data-parallel rank.
 
     Parameters on another mesh (``ParamPolicy.mesh``) belong to a *companion* group per mesh
     (``companions``, in ``perparam.runtime.meshes``' fixed order), which this group drives from each entry
     point (``start_unshard``, ``wait_unshard``, ``free``, ``reduce_grads``, ``advance_reduce``, ``stale``,
     ``pool_bytes``, ...): one all-gather per mesh, one reduce-scatter per (mesh, reduce dtype). A
     companion's ``driver`` is this group, whose settings (divide factor, hooks, custom collectives,
-    ``requires_all_reduce``), pool and context it uses. ``members``: the parameters on ``mesh``.
+    ``requires_all_reduce``), pool and context it uses.
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
@@ -64,7 +73,7 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.driver = driver or self
         own, others = split_by_mesh(params, mesh)
-        self.members = own  # the parameters on ``mesh``: the ones this group's own collectives carry
+        self.mesh_params = own  # this mesh's parameters: the ones this group's own collectives carry
         self.num_shards = mesh.size(mesh.ndim - 1)
         self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.gathered = [p for p in own if p.layout.gathered]
@@ -165,7 +174,7 @@ class ParamGroup:
             return self._what_cache[1]
         where = f" '{self.path}'" if self.path else ""
         on = "" if self.driver is self else f" on mesh {self.mesh.mesh.tolist()} of group #{self.driver.index}"
-        what = f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.members)})"
+        what = f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.mesh_params)})"
         self._what_cache = (key, what)
         return what
 
@@ -238,6 +247,7 @@ class ParamGroup:
         return gather + reduce
 
     def trainable(self) -> list[ShardedParam]:
+        """The trainable parameters of every mesh (``params``); ``trainable_mesh_params()``: of this mesh."""
         return [p for p in self.params if p.sharded.requires_grad]
 
     @property
@@ -267,7 +277,7 @@ class ParamGroup:
             part._start_unshard()
 
     def _start_unshard(self) -> None:
-        if not self.members or self._pending_gather is not None:
+        if not self.mesh_params or self._pending_gather is not None:
             return
         versions = self._versions()  # one pass over the parameters per unshard
         fresh = versions == self._gathered_versions  # the shards unchanged since last gathered
@@ -427,7 +437,7 @@ class ParamGroup:
                 part._wait_unshard()
             if part.hpz is not None and not keep_secondary:
                 part.hpz.drop(part.pool)
-            for p in part.members:
+            for p in part.mesh_params:
                 if not p.kept:  # stage 1/2 keep theirs across steps
                     p.free()
             part._alive = False
@@ -488,15 +498,16 @@ class ParamGroup:
             self.unsynced = bool(trainable)
             return []
         self.unsynced = False
-        pending = [item for part in self.parts for item in part._reduce(part.trainable_members())]
+        pending = [item for part in self.parts for item in part._reduce(part.trainable_mesh_params())]
         if not defer:
             for item in pending:
                 self.finish_reduce(item)
             return []
         return pending
 
-    def trainable_members(self) -> list[ShardedParam]:
-        return [p for p in self.members if p.sharded.requires_grad]
+    def trainable_mesh_params(self) -> list[ShardedParam]:
+        """The trainable parameters of this group's mesh (``mesh_params``); ``trainable()``: of every mesh."""
+        return [p for p in self.mesh_params if p.sharded.requires_grad]
 
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
         """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""
