@@ -5,8 +5,9 @@ and its state (plus scalars): on a sharded parameter that is the same arithmetic
 so running it on the local tensors gives bit for bit what DTensor's dispatch gives, for about half the
 CPU (the benchmark's AdamW on 2-rank shards: ``benchmarks/optim_dispatch.py``, ``benchmarks/README.md``).
 
-Around each step of such an optimizer (a step pre-hook and post-hook on that optimizer, registered by
-``perparam.runtime.adopt`` when it first sees it holding perparam parameters), every perparam parameter
+Around each step of such an optimizer (perparam's one step pre-hook and post-hook on that optimizer,
+registered through ``install`` by ``perparam.runtime.adopt`` when it first sees it holding perparam
+parameters; the post-hook also counts the step on them, ``ShardedParam.optimizer_steps``), every perparam parameter
 in its ``param_groups`` is replaced by its local tensor, the local gradient attached as ``.grad``, and its
 state re-keyed to the local tensor with DTensors unwrapped; after the step the parameters are put back,
 the local ``.grad`` detached, and the state re-keyed back, tensors shaped like the local shard wrapped
@@ -35,44 +36,55 @@ from . import config
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 _ATTR = "_perparam_local_step"  # on the optimizer: the swap in progress (list of records) or None
+_NO_OFFLOAD = OffloadPolicy()
 
 
-def install(optimizer: torch.optim.Optimizer, owners_of) -> None:
-    """Register the swap hooks on ``optimizer`` (once) when it is one of ``ELEMENTWISE``; ``owners_of``: a
+def install(optimizer: torch.optim.Optimizer, owners_of, count) -> None:
+    """Register perparam's step hooks on ``optimizer``, once: a post-hook that calls ``count(optimizer)``
+    after each step and, when ``optimizer`` is one of ``ELEMENTWISE``, a pre-hook that swaps the local
+    shards in and the post-hook swaps them back first (one hook pair for both jobs). ``owners_of``: a
     callable giving, for an optimizer, the ``ShardedParam``s whose sharded parameters it holds."""
-    if type(optimizer) not in ELEMENTWISE or hasattr(optimizer, _ATTR):
+    if hasattr(optimizer, _ATTR):
         return
     setattr(optimizer, _ATTR, None)
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: _swap_in(opt, list(owners_of(opt))))
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: _swap_out(opt))
+    if type(optimizer) not in ELEMENTWISE:
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: count(opt))
+        return
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: _swap_in(opt, owners_of(opt)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: (_swap_out(opt), count(opt)))
 
 
-def _eligible(optimizer, owners) -> bool:
+def _local(optimizer, owners) -> dict[int, DTensor] | None:
+    """id -> sharded parameter of ``owners`` when the step may run on their local shards (one pass over
+    them), else ``None``."""
     if not config.current().local_optimizer_step or not owners:
-        return False
+        return None
     if any(group.get("differentiable", False) for group in optimizer.param_groups):
-        return False
+        return None
+    mine = {}
     for sp in owners:
         p = sp.sharded
-        if sp.policy.offload != OffloadPolicy() or p._local_tensor.device.type != "cpu":
-            return False
+        shard = p._local_tensor
+        offload = sp.policy.offload
+        if not shard.is_cpu or (offload is not _NO_OFFLOAD and offload != _NO_OFFLOAD):
+            return None
         grad = p.grad
-        if grad is None:
-            continue
-        if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
-            return False
-        local = grad._local_tensor
-        if local.shape != p._local_tensor.shape or local.dtype != p._local_tensor.dtype or local.is_sparse:
-            return False
-    return True
+        if grad is not None and not sp.grad_is_own(grad):  # perparam's own gradient has what is checked below
+            if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
+                return None
+            local = grad._local_tensor
+            if local.shape != shard.shape or local.dtype != shard.dtype or local.is_sparse:
+                return None
+        mine[id(p)] = p
+    return mine
 
 
 def _swap_in(optimizer, owners) -> None:
     if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
         _swap_out(optimizer)
-    if not _eligible(optimizer, owners):
+    mine = _local(optimizer, owners)
+    if mine is None:
         return
-    mine = {id(sp.sharded) for sp in owners}
     records = []
     for group in optimizer.param_groups:
         params = group["params"]

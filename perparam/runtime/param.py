@@ -396,6 +396,13 @@ class ShardedParam:
         self.sharded.grad = _dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
         self._whole_version = self.sharded.grad._version
 
+    def grad_is_own(self, grad) -> bool:
+        """``grad`` (the sharded ``.grad``) is one perparam built (``accumulate_sharded_grad`` or
+        ``accumulate_whole_grad``, then changed in place or not): a DTensor of this parameter's mesh,
+        placements and stored dtype whose local tensor has the local shard's shape. Told by its spec, the
+        object perparam gives every gradient of this parameter (a DTensor op's result gets a new one)."""
+        return self._grad_spec is not None and getattr(grad, "_spec", None) is self._grad_spec
+
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""
         local_grad = self.layout.from_wire(local_grad, contiguous=True)
