@@ -19,6 +19,22 @@ And summer's lease hath all too short a date;
 """
 
 
+@pytest.fixture
+def fake_mesh():
+    """A 1D mesh of 2 ranks over torch's fake process group, in this process as rank 0 (its collectives
+    return at once, moving nothing): for what ``fully_shard`` checks and builds before communicating, and
+    runs that only need every rank's sizes. The process group is destroyed after the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def text_dir(tmp_path_factory) -> Path:
     """A small text folder for the main job's tiny runs (the sonnet, and its reverse as held-out text); read

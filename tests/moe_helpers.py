@@ -1,15 +1,21 @@
 """Mixture of experts with expert parallelism, shared by ``test_expert_parallel.py`` and
 ``test_param_mesh.py``: dense ``pre``/``post`` around ``EXPERTS`` experts, expert e on the ranks of
 expert-parallel coordinate e, tokens routed to their expert and back with a differentiable all-to-all;
-the reference runs both experts in one process on the global batch (the loss the mean of the ranks')."""
+the reference runs both experts in one process on the global batch (the loss the mean of the ranks').
+Test files import this module as ``moe`` (``moe.build()``, ``moe.train(...)``), not name by name."""
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
+
+from perparam import CommCounter
 
 D, EXPERTS, TOKENS, STEPS, TOL = 4, 2, 6, 3, 1e-5  # TOKENS per rank
 
@@ -50,6 +56,39 @@ class ExpertParallelMoE(nn.Module):
         tokens = all_to_all_single(h.new_empty(sum(recv), D), h[order], recv, send, group=group)
         back = all_to_all_single(h.new_empty(len(route), D), getattr(self, self.expert_name)(tokens), send, recv, group=group)
         return self.post(torch.relu(back[torch.argsort(order)]))
+
+
+def expert_parallel_model(expert: int, group=None) -> ExpertParallelMoE:
+    """``build()``'s block with expert ``expert`` (the one on this rank) as its ``expert``; ``group``: the
+    expert-parallel group (``None``: the world)."""
+    pre, experts, post = build()
+    return ExpertParallelMoE(pre, experts[expert], post, group=group)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, expert: int, ranks: int = 2,
+          after_first_backward: Callable[[], None] | None = None,
+          after_step: Callable[[], None] | None = None) -> dict:
+    """``STEPS`` steps of ``model`` (an ``ExpertParallelMoE`` holding expert ``expert``) on rank ``rank``'s
+    tokens of ``batches(ranks)``: backward of the MSE loss, ``opt.step()``, ``opt.zero_grad()``. Returns the
+    first step's full gradients (``grads``) and the full parameters after the steps (``params``), under
+    the reference's names (the expert as ``experts.<expert>.*``), and each step's collectives as a
+    ``Counter`` of (kind, group size) (``counts``)."""
+    named = {n.replace("expert.", f"experts.{expert}."): p for n, p in model.named_parameters()}
+    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    grads, counts = None, []
+    for x, y, route in batches(ranks):
+        with CommCounter() as comm:
+            F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
+        counts.append(Counter((r.kind, r.group_size) for r in comm.records))
+        if grads is None:
+            grads = {n: p.grad.full_tensor() for n, p in named.items()}
+            if after_first_backward is not None:
+                after_first_backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+        opt.zero_grad()
+    return {"grads": grads, "params": {n: p.full_tensor().clone() for n, p in named.items()}, "counts": counts}
 
 
 class ReferenceMoE(nn.Module):

@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import perparam
 from perparam import MixedPrecisionPolicy, ParamPolicy
 
 
-@pytest.fixture
-def mesh():
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype", "master_dtype"])
-def test_fp8_policy_dtypes_are_refused_at_fully_shard(mesh, field):
+def test_fp8_policy_dtypes_are_refused_at_fully_shard(fake_mesh, field):
     fp8 = torch.float8_e4m3fn
     with pytest.raises(perparam.ShardingError, match=rf"MixedPrecisionPolicy.{field} is {fp8}.*QuantPolicy"):
-        perparam.fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy=MixedPrecisionPolicy(**{field: fp8}))
+        perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, mp_policy=MixedPrecisionPolicy(**{field: fp8}))
     if field != "output_dtype":  # ParamPolicy has no output_dtype
         with pytest.raises(perparam.ShardingError, match=rf"{field} of 'weight' is {fp8}.*QuantPolicy"):
-            perparam.fully_shard(nn.Linear(4, 4), mesh=mesh, param_policy={"weight": ParamPolicy(**{field: fp8})})
+            perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, param_policy={"weight": ParamPolicy(**{field: fp8})})

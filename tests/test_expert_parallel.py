@@ -18,18 +18,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import perparam
 from perparam import CommCounter, MixedPrecisionPolicy, ParamPolicy
+from tests import moe_helpers as moe
 from tests.distributed import run_distributed
-from tests.moe_helpers import (
-    TOKENS,
-    TOL,
-    D,
-    ExpertParallelMoE,
-    assert_matches,
-    batches,
-    build,
-    make_optimizer,
-    reference,
-)
+
+D = moe.D
 
 
 def expert_parallel(rank: int, world_size: int, optimizer: str, factor: float | None) -> dict:
@@ -37,39 +29,28 @@ def expert_parallel(rank: int, world_size: int, optimizer: str, factor: float | 
     expert-data-parallel mesh with ``gradient_divide_factor=factor``. Returns the first step's gradients,
     the parameters after ``STEPS`` steps (the expert under its reference name ``experts.<rank>``) and the
     collectives (kind, group size) of the second step."""
-    pre, experts, post = build()
-    model = ExpertParallelMoE(pre, experts[rank], post)
+    model = moe.expert_parallel_model(rank)
     edp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))["edp"]
     perparam.fully_shard(model.expert, mesh=edp, gradient_divide_factor=factor)
     perparam.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    opt = make_optimizer(model.parameters(), optimizer)
-    grads, counts = None, []
-    for x, y, route in batches():
-        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
-        with CommCounter() as comm:
-            F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
-        counts.append(Counter((r.kind, r.group_size) for r in comm.records))
-        named = {n.replace("expert.", f"experts.{rank}."): p for n, p in model.named_parameters()}
-        grads = grads or {n: p.grad.full_tensor() for n, p in named.items()}
-        opt.step()
-        opt.zero_grad()
-    return {"grads": grads, "params": {n: p.full_tensor() for n, p in named.items()}, "counts": counts[1]}
+    out = moe.train(model, moe.make_optimizer(model.parameters(), optimizer), rank, rank)
+    return {**out, "counts": out["counts"][1]}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_expert_gradients_match_one_process_with_divide_factor(optimizer):
-    want = reference(optimizer)
+    want = moe.reference(optimizer)
     for got in run_distributed(expert_parallel, 2, optimizer, 2):
-        assert_matches(got["grads"], want["grads"])
-        assert_matches(got["params"], want["params"])
+        moe.assert_matches(got["grads"], want["grads"])
+        moe.assert_matches(got["params"], want["params"])
 
 
 def test_without_a_factor_expert_gradients_are_ep_times_the_mean():
-    want = reference("sgd")["grads"]
+    want = moe.reference("sgd")["grads"]
     for got in run_distributed(expert_parallel, 2, "sgd", None):
         for name, value in got["grads"].items():
             scale = 2 if name.startswith("experts.") else 1  # divided by the expert mesh's size, 1
-            torch.testing.assert_close(value, scale * want[name], atol=TOL, rtol=0, msg=name)
+            torch.testing.assert_close(value, scale * want[name], atol=moe.TOL, rtol=0, msg=name)
 
 
 def test_the_factor_adds_no_collective():
@@ -122,9 +103,9 @@ def test_hsdp_and_replicated_gradients_are_divided_by_the_factor_and_the_default
     want = {n: p.grad for n, p in model.named_parameters()}
     for got in run_distributed(hsdp_grads, 4):
         assert got["fp32"]["placements"]["0.bias"] == Replicate() and got["fp32"]["placements"]["0.weight"] != Replicate()
-        assert_matches(got["fp32"]["grads"], want)
+        moe.assert_matches(got["fp32"]["grads"], want)
         # the sum over 4 ranks divided by 2: twice the mean, sharded and replicated parameters alike
-        assert_matches(got["fp32_factor_2"]["grads"], {n: 2 * g for n, g in want.items()})
+        moe.assert_matches(got["fp32_factor_2"]["grads"], {n: 2 * g for n, g in want.items()})
         # a factor equal to the mesh's size is the default, bitwise, in a bf16 reduction too
         for name, value in got["bf16"]["grads"].items():
             assert torch.equal(got["bf16_factor_4"]["grads"][name], value), name

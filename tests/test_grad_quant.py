@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import perparam
 from perparam import CommCounter, ParamPolicy, QuantPolicy
@@ -246,15 +245,6 @@ def test_hsdp_no_sync_held_all_reduce_and_stage_2_with_int8_gradients_keep_sgd_u
         assert all(torch.equal(r["params"][name], p) for r in int8[1:]), name
 
 
-@pytest.fixture
-def mesh():
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize(("policy", "message"), [
     (ParamPolicy(grad_quant="int8", requires_grad=False), "'weight' is frozen.*drop grad_quant"),
     (ParamPolicy(grad_quant="int8", placement=Replicate()), "'weight' is replicated.*grad_quant"),
@@ -263,13 +253,13 @@ def mesh():
     (ParamPolicy(grad_quant=QuantPolicy("int8", store_quantized=True)), "'weight' has store_quantized"),
     (ParamPolicy(grad_quant="bf16", reduce_dtype=torch.bfloat16), "'weight' already reduces in torch.bfloat16"),
 ])
-def test_grad_quant_that_cannot_apply_is_refused_at_fully_shard_naming_the_parameter(mesh, policy, message):
+def test_grad_quant_that_cannot_apply_is_refused_at_fully_shard_naming_the_parameter(fake_mesh, policy, message):
     with pytest.raises(perparam.ShardingError, match=message):
-        perparam.fully_shard(nn.Linear(4, 4), mesh=mesh, param_policy={"weight": policy})
+        perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, param_policy={"weight": policy})
 
 
-def test_a_custom_reduce_scatter_is_refused_for_a_group_with_grad_quant(mesh):
-    model = perparam.fully_shard(nn.Linear(4, 4), mesh=mesh, param_policy={"weight": ParamPolicy(grad_quant="int8")})
+def test_a_custom_reduce_scatter_is_refused_for_a_group_with_grad_quant(fake_mesh):
+    model = perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, param_policy={"weight": ParamPolicy(grad_quant="int8")})
 
     class Comm:
         def allocate(self, *a, **k):

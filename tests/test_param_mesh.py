@@ -21,16 +21,8 @@ import perparam
 from perparam import CommCounter, ParamPolicy
 from perparam.memory.measure import model_state_bytes
 from perparam.memory.plan import plan_module
+from tests import moe_helpers as moe
 from tests.distributed import run_distributed
-from tests.moe_helpers import (
-    TOKENS,
-    ExpertParallelMoE,
-    assert_matches,
-    batches,
-    build,
-    make_optimizer,
-    reference,
-)
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -46,11 +38,6 @@ class Outer(nn.Module):
         return self.block(x, route)
 
 
-def _moe(rank: int, ep_group=None) -> nn.Module:
-    pre, experts, post = build()
-    return ExpertParallelMoE(pre, experts[rank], post, group=ep_group)
-
-
 def moe_one_call(rank: int, world_size: int, folder: str) -> dict:
     """EP = 2 on 2 ranks: ``pre``/``post`` on the 2-rank mesh, this rank's expert on its 1-rank edp mesh,
     one ``fully_shard`` call, no divide factor. Per optimizer: gradients, parameters, collectives per step;
@@ -60,29 +47,24 @@ def moe_one_call(rank: int, world_size: int, folder: str) -> dict:
     policy = {"expert.*": ParamPolicy(mesh=edp)}
     out = {}
     for name in OPTIMIZERS:
-        model = _moe(rank)
+        model = moe.expert_parallel_model(rank)
         perparam.fully_shard(model, mesh=dp, param_policy=policy)
-        opt = make_optimizer(model.parameters(), name)
-        named = {n.replace("expert.", f"experts.{rank}."): p for n, p in model.named_parameters()}
-        grads, counts, norm = None, [], None
-        for x, y, route in batches(2):
-            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
-            with CommCounter() as comm:
-                F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
-            counts.append(Counter((r.kind, r.group_size) for r in comm.records))
-            if grads is None:
-                grads = {n: p.grad.full_tensor() for n, p in named.items()}
-                norm = float(perparam.clip_grad_norm_(model.parameters(), 1e6))
-            opt.step()
-            if name == "adamw":  # live bytes: shards, their .grads (padded, plus used flags) and AdamW state
-                out["live"] = model_state_bytes(model, opt).as_dict()
-                out["live"]["steps"] = sum(1 for s in opt.state.values() if "step" in s)
-            opt.zero_grad()
-        out[name] = {"grads": grads, "params": {n: p.full_tensor().clone() for n, p in named.items()},
-                     "counts": counts, "norm": norm}
+        opt = moe.make_optimizer(model.parameters(), name)
+        norm = []
+
+        def clip(model=model, norm=norm):  # the first step's global norm (max 1e6: nothing is clipped)
+            norm.append(float(perparam.clip_grad_norm_(model.parameters(), 1e6)))
+
+        def live(model=model, opt=opt):  # shards, their .grads (padded, plus used flags) and AdamW state
+            out["live"] = model_state_bytes(model, opt).as_dict()
+            out["live"]["steps"] = sum(1 for s in opt.state.values() if "step" in s)
+
+        out[name] = moe.train(model, opt, rank, rank, after_first_backward=clip,
+                              after_step=live if name == "adamw" else None)
+        out[name]["norm"] = norm[0]
     # the planner: the same bytes as the live shards
     with torch.device("meta"):
-        meta = _moe(rank)
+        meta = moe.expert_parallel_model(rank)
     plan = plan_module(meta, 2, dtype=None, optim_bytes=8, param_policy=policy)
     want = plan.rank(rank)
     out["planned"] = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
@@ -91,17 +73,17 @@ def moe_one_call(rank: int, world_size: int, folder: str) -> dict:
     out["checkpoint_exact"] = checkpoint_round_trip(rank, dp, edp, folder)
     # two reduce dtypes on each mesh: one reduce-scatter per (mesh, reduce dtype)
     bf16 = torch.bfloat16
-    model = _moe(rank)
+    model = moe.expert_parallel_model(rank)
     perparam.fully_shard(model, mesh=dp, param_policy={"expert.bias": ParamPolicy(mesh=edp, reduce_dtype=bf16),
                                                        "expert.weight": ParamPolicy(mesh=edp),
                                                        "pre.bias": ParamPolicy(reduce_dtype=bf16)})
-    x, y, route = batches(2)[0]
-    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    x, y, route = moe.batches(2)[0]
+    mine = slice(rank * moe.TOKENS, (rank + 1) * moe.TOKENS)
     with CommCounter() as comm:
         F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
     out["dtype_counts"] = Counter((r.kind, r.group_size, r.dtype) for r in comm.records)
     # the block below a root without parameters: it reshards after forward and gathers again in backward
-    root = Outer(_moe(rank))
+    root = Outer(moe.expert_parallel_model(rank))
     perparam.fully_shard(root.block, mesh=dp, param_policy=policy)
     perparam.fully_shard(root, mesh=dp)
     for _ in range(2):
@@ -118,26 +100,16 @@ def moe_ep2_edp2(rank: int, world_size: int) -> dict:
     dp = init_device_mesh("cpu", (4,))
     ep_edp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
     expert = ep_edp.get_coordinate()[0]
-    pre, experts, post = build()
-    model = ExpertParallelMoE(pre, experts[expert], post, group=ep_edp.get_group("ep"))
+    model = moe.expert_parallel_model(expert, group=ep_edp.get_group("ep"))
     perparam.fully_shard(model, mesh=dp, param_policy={"expert.*": ParamPolicy(mesh=ep_edp["edp"])})
-    opt = make_optimizer(model.parameters(), "sgd")
-    named = {n.replace("expert.", f"experts.{expert}."): p for n, p in model.named_parameters()}
-    counts = []
-    for x, y, route in batches(4):
-        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
-        with CommCounter() as comm:
-            F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
-        counts.append(Counter((r.kind, r.group_size) for r in comm.records))
-        opt.step()
-        opt.zero_grad()
+    out = moe.train(model, moe.make_optimizer(model.parameters(), "sgd"), rank, expert, ranks=4)
     try:
         perparam.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), mesh=dp, reshard_after_forward=2,
                              param_policy={"1.weight": ParamPolicy(mesh=ep_edp["edp"])})
         hpz = "no error"
     except perparam.ShardingError as e:
         hpz = str(e)
-    return {"params": {n: p.full_tensor().clone() for n, p in named.items()}, "counts": counts, "hpz": hpz}
+    return {"params": out["params"], "counts": out["counts"], "hpz": hpz}
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -152,11 +124,11 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tens
 def checkpoint_round_trip(rank: int, dp: DeviceMesh, edp: DeviceMesh, folder: str) -> dict[str, bool]:
     """One AdamW step, ``perparam.checkpoint.save``, every shard and state zeroed, ``load``: each tensor of
     this rank equal to what was saved? (Each rank's expert is ``expert.*`` on its own mesh.)"""
-    model = _moe(rank)
+    model = moe.expert_parallel_model(rank)
     perparam.fully_shard(model, mesh=dp, param_policy={"expert.*": ParamPolicy(mesh=edp)})
-    opt = make_optimizer(model.parameters(), "adamw")
-    x, y, route = batches(2)[0]
-    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    opt = moe.make_optimizer(model.parameters(), "adamw")
+    x, y, route = moe.batches(2)[0]
+    mine = slice(rank * moe.TOKENS, (rank + 1) * moe.TOKENS)
     F.mse_loss(model(x[mine], route[mine]), y[mine]).backward()
     opt.step()
     saved = {k: t.clone() for k, t in _state(model, opt).items()}
@@ -171,7 +143,7 @@ def checkpoint_round_trip(rank: int, dp: DeviceMesh, edp: DeviceMesh, folder: st
 def full_state_refusals(rank: int, dp: DeviceMesh, edp: DeviceMesh) -> dict[str, object]:
     """``full_state_dict`` and ``load_full_state_dict`` of the one-call model (each rank's expert on its own
     mesh): the ``CheckpointError`` messages, or "no error"; whether this rank's expert kept its weights."""
-    model = _moe(rank)
+    model = moe.expert_parallel_model(rank)
     perparam.fully_shard(model, mesh=dp, param_policy={"expert.*": ParamPolicy(mesh=edp)})
     before = model.expert.weight.to_local().clone()
     out: dict[str, object] = {}
@@ -222,10 +194,10 @@ def _one_call_results() -> tuple[dict, ...]:
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_experts_on_their_own_mesh_in_one_call_match_one_process_with_the_default_divisor(optimizer):
-    want = reference(optimizer)
+    want = moe.reference(optimizer)
     for got in _one_call_results():
-        assert_matches(got[optimizer]["grads"], want["grads"])
-        assert_matches(got[optimizer]["params"], want["params"])
+        moe.assert_matches(got[optimizer]["grads"], want["grads"])
+        moe.assert_matches(got[optimizer]["params"], want["params"])
 
 
 def test_one_call_issues_one_all_gather_per_mesh_and_one_reduce_scatter_per_mesh_and_dtype():
@@ -253,7 +225,7 @@ def test_a_block_resharded_after_forward_gathers_once_per_mesh_in_forward_and_in
 
 
 def test_clip_grad_norm_of_the_one_call_model_is_the_true_norm_on_every_rank():
-    grads = reference("sgd")["grads"]
+    grads = moe.reference("sgd")["grads"]
     true = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
     norms = [got["sgd"]["norm"] for got in _one_call_results()]
     assert norms[0] == norms[1]
@@ -276,11 +248,11 @@ def test_the_plan_of_a_per_parameter_mesh_equals_the_live_bytes():
 
 
 def test_four_ranks_with_experts_sharded_over_a_two_rank_edp_mesh_match_one_process():
-    want = reference("sgd", ranks=4)["params"]
+    want = moe.reference("sgd", ranks=4)["params"]
     # per step: one all-gather and one reduce-scatter over the 4-rank mesh and over the 2-rank edp mesh
     counts = Counter({("all_gather", 4): 1, ("all_gather", 2): 1, ("reduce_scatter", 4): 1, ("reduce_scatter", 2): 1})
     for got in run_distributed(moe_ep2_edp2, 4):
-        assert_matches(got["params"], want)
+        moe.assert_matches(got["params"], want)
         assert all(step == counts for step in got["counts"]), got["counts"]
         assert "'1.weight'" in got["hpz"] and "reshard_after_forward=2 (hpZ) is not supported" in got["hpz"], got["hpz"]
 

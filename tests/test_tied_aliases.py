@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import perparam
 from perparam import ParamPolicy
@@ -29,21 +26,12 @@ class TiedLM(nn.Module):
         return self.lm_head(self.norm(self.embed(tokens)))
 
 
-@pytest.fixture
-def two_ranks():
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 FROZEN = ParamPolicy(requires_grad=False, placement=Replicate())
 
 
-def test_a_pattern_on_the_second_name_of_a_tied_parameter_applies(two_ranks):
+def test_a_pattern_on_the_second_name_of_a_tied_parameter_applies(fake_mesh):
     model = TiedLM()
-    perparam.fully_shard(model, mesh=two_ranks, param_policy={"lm_head.weight": FROZEN})
+    perparam.fully_shard(model, mesh=fake_mesh, param_policy={"lm_head.weight": FROZEN})
     assert model.embed.weight is model.lm_head.weight
     assert model.embed.weight.placements == (Replicate(),) and not model.embed.weight.requires_grad
     assert model.norm.weight.placements == (Shard(0),)
@@ -51,17 +39,17 @@ def test_a_pattern_on_the_second_name_of_a_tied_parameter_applies(two_ranks):
     assert model.embed.weight.grad is None and model.norm.weight.grad is not None
 
 
-def test_equal_policies_on_both_names_are_accepted(two_ranks):
+def test_equal_policies_on_both_names_are_accepted(fake_mesh):
     model = TiedLM()
-    perparam.fully_shard(model, mesh=two_ranks, param_policy={"embed.weight": FROZEN, "lm_head.*": FROZEN})
+    perparam.fully_shard(model, mesh=fake_mesh, param_policy={"embed.weight": FROZEN, "lm_head.*": FROZEN})
     assert model.embed.weight.placements == (Replicate(),)
 
 
-def test_conflicting_policies_on_two_names_of_one_parameter_are_refused(two_ranks):
+def test_conflicting_policies_on_two_names_of_one_parameter_are_refused(fake_mesh):
     model = TiedLM()
     policy = {"embed.*": ParamPolicy(param_dtype=torch.bfloat16), "lm_head.weight": FROZEN}
     with pytest.raises(perparam.ShardingError) as err:
-        perparam.fully_shard(model, mesh=two_ranks, param_policy=policy)
+        perparam.fully_shard(model, mesh=fake_mesh, param_policy=policy)
     for word in ("'embed.*'", "'embed.weight'", "'lm_head.weight'", "tied"):
         assert word in str(err.value)
     assert not isinstance(model.embed.weight, DTensor)  # nothing changed

@@ -5,7 +5,10 @@ which falls back to the row path."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -52,12 +55,68 @@ def _train(rank: int, world_size: int, algorithm: str) -> dict:
         perparam.configure(gloo_all_gather=previous.gloo_all_gather)
 
 
+class _RowAllGather:
+    """FSDP2's ``AllGather`` interface over ``dist.all_gather_into_tensor``, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _switching(rank: int, world_size: int) -> dict:
+    """One model, one forward and backward per all-gather setting in turn (zero-copy, all-to-all,
+    zero-copy, zero-copy with a custom all-gather on the root's group), then ``to_empty(device="cpu")`` and
+    a load of the state it had (new local shard objects) and one more: the raw calls of each run, the
+    custom all-gather's calls, and the outputs before and after the load."""
+    previous = perparam.configure()
+    try:
+        model = _model()
+        _shard(model)
+        x = torch.randn(2 * world_size, 4, generator=torch.Generator().manual_seed(1))[2 * rank:2 * rank + 2]
+        custom = _RowAllGather()
+        raw_per_run, outputs = [], []
+
+        def run() -> None:
+            with c10d_calls() as raw:
+                out = model(x).float()
+                out.pow(2).sum().backward()
+            raw_per_run.append(dict(raw))
+            outputs.append(out.detach())
+
+        for algorithm in ("zero_copy", "all_to_all", "zero_copy"):
+            perparam.configure(gloo_all_gather=algorithm)
+            run()
+        model.set_custom_all_gather(custom)
+        run()
+        model.set_custom_all_gather(None)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.to_empty(device="cpu")
+        model.load_state_dict(state)
+        run()
+        return {"raw": raw_per_run, "custom_calls": custom.calls,
+                "same": all(torch.equal(outputs[0], out) for out in outputs)}
+    finally:
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather)
+
+
 def both_paths(rank: int, world_size: int) -> dict:
-    return {alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")}
+    return {**{alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")},
+            "switching": _switching(rank, world_size)}
+
+
+@functools.cache
+def _results() -> tuple[dict, ...]:
+    return tuple(run_distributed(both_paths, 3))
 
 
 def test_zero_copy_all_gather_is_bitwise_the_row_all_gather_on_uneven_empty_shard1_and_mixed_dtypes():
-    for rank, res in enumerate(run_distributed(both_paths, 3)):
+    for rank, res in enumerate(_results()):
         rows, direct = res["all_to_all"], res["zero_copy"]
         assert len(rows["gathered"]) == len(direct["gathered"]) == 2 * 4
         for (w0, b0), (w1, b1) in zip(rows["gathered"], direct["gathered"]):
@@ -70,3 +129,15 @@ def test_zero_copy_all_gather_is_bitwise_the_row_all_gather_on_uneven_empty_shar
         assert rows["raw"]["send"] == rows["raw"]["recv"] == 0
         assert direct["raw"]["send"] > 0 and direct["raw"]["recv"] > 0
         assert direct["raw"]["all_to_all_single"] == rows["raw"]["all_to_all_single"] - 2 * 3
+
+
+def test_the_all_gather_path_follows_configure_a_custom_all_gather_and_to_empty_between_steps():
+    # the path is decided at each unshard from what can change (the setting, a custom all-gather, the
+    # local shards), the rest kept per group: zero-copy, all-to-all, zero-copy again, the root's group
+    # through its custom all-gather (the others still zero-copy), then after to_empty() and a load
+    for rank, res in enumerate(_results()):
+        zc, rows, again, custom, loaded = res["switching"]["raw"]
+        assert zc["send"] > 0 and rows["send"] == rows["recv"] == 0, rank
+        assert again == zc and loaded == zc, rank
+        assert res["switching"]["custom_calls"] == 1 and custom["send"] < zc["send"] and custom["recv"] > 0, rank
+        assert res["switching"]["same"], rank  # every run computed the same outputs

@@ -103,7 +103,7 @@ def _install() -> None:
         _pre_hook = register_optimizer_step_pre_hook(_retarget)
 
 
-def _count_step(optimizer, args, kwargs) -> None:
+def _count_step(optimizer) -> None:
     """A step of ``optimizer`` changed the parameters it holds: storage gathered before is stale."""
     for sp in _held.get(optimizer, ()):
         sp.optimizer_steps += 1
@@ -134,9 +134,9 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         _check_flattenable(optimizer, mine)
     _held[optimizer] = mine
     if optimizer not in _counted and mine:
-        optimizer.register_step_post_hook(_count_step)
         _counted.add(optimizer)
-        local_step.install(optimizer, lambda opt: _held.get(opt, ()))  # SGD/Adam/AdamW: step on local shards
+        # one hook pair: the post-hook counts the step; SGD/Adam/AdamW also step on the local shards
+        local_step.install(optimizer, lambda opt: _held.get(opt, ()), _count_step)
     _checked[optimizer] = key
 
 

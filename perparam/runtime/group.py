@@ -10,6 +10,7 @@ above it. Beside that state: the padded unsharded storage is *alive* or *freed*;
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, grad_quant, partial, zero, zero_copy
+from . import config, grad_quant, partial, registration, zero, zero_copy
 from .meshes import split_by_mesh
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
@@ -29,20 +30,38 @@ from .state import ALLOWED, StateError, TrainingState
 GROUP_ATTR = "_perparam_group"
 
 
+class _GatherPlan(NamedTuple):
+    """What never changes for an all-gather of one set of parameters (``ParamGroup._gather_plan``)."""
+
+    zero_copy: bool  # ``zero_copy.eligible``: K > 1 on gloo, every member plain ``Shard(0)``
+    sizes: list[int]  # bytes of each piece, in ``GroupLayout.order``
+    scattered: list[bool]  # per member: plain ``Shard(d > 0)``, copied into slices of the unsharded tensor
+    any_scattered: bool
+
+
 class ParamGroup:
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
-    ``modules``: the module(s) given to the call. ``params``: their managed parameters in registration
-    order, whatever their mesh. The all-gather runs over the shard axis; on a 2D mesh gradients are
-    reduce-scattered over the shard axis and then all-reduced over the replicate axis (HSDP). Replicated
-    parameters are never gathered; their gradients are all-reduced over every data-parallel rank.
+    ``modules``: the module(s) given to the call. Two lists of parameters, not to be mixed up:
+
+    * ``params``: every managed parameter of the call in registration order, *whatever its mesh* (on a
+      companion, below: its mesh's). What the operations on the modules walk: registering the sharded
+      or unsharded tensors, the slot checks, ``trainable()``, gradient accumulation without sync.
+    * ``mesh_params``: the parameters on *this group's* ``mesh`` (a sub-list of ``params``; ``gathered``,
+      ``replicated`` and ``kept`` are sub-lists of it), the ones its own collectives carry; the other
+      meshes' are their companions' ``mesh_params``. What one mesh's all-gather, version check and
+      reduction (``trainable_mesh_params()``) walk.
+
+    The all-gather runs over the shard axis; on a 2D mesh gradients are reduce-scattered over the shard
+    axis and then all-reduced over the replicate axis (HSDP). Replicated parameters are never gathered;
+    their gradients are all-reduced over every data-parallel rank.
 
     Parameters on another mesh (``ParamPolicy.mesh``) belong to a *companion* group per mesh
     (``companions``, in ``perparam.runtime.meshes``' fixed order), which this group drives from each entry
     point (``start_unshard``, ``wait_unshard``, ``free``, ``reduce_grads``, ``advance_reduce``, ``stale``,
     ``pool_bytes``, ...): one all-gather per mesh, one reduce-scatter per (mesh, reduce dtype). A
     companion's ``driver`` is this group, whose settings (divide factor, hooks, custom collectives,
-    ``requires_all_reduce``), pool and context it uses. ``members``: the parameters on ``mesh``.
+    ``requires_all_reduce``), pool and context it uses.
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
@@ -54,7 +73,7 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.driver = driver or self
         own, others = split_by_mesh(params, mesh)
-        self.members = own  # the parameters on ``mesh``: the ones this group's own collectives carry
+        self.mesh_params = own  # this mesh's parameters: the ones this group's own collectives carry
         self.num_shards = mesh.size(mesh.ndim - 1)
         self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.gathered = [p for p in own if p.layout.gathered]
@@ -62,6 +81,9 @@ class ParamGroup:
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
         self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
         self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
+        self._plans: dict[int, _GatherPlan] = {}  # id(layout) of ``layout``/``_layouts`` -> its ``_gather_plan``
+        self._versioned = [p for p in own if not p.kept]  # what ``_versions`` reads (``kept`` is fixed)
+        self._what_cache: tuple | None = None  # ((path, registration generation), ``_what``)
         self.reshard_after_forward = reshard_after_forward
         # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -144,10 +166,17 @@ class ParamGroup:
     @property
     def _what(self) -> str:
         """How collectives and errors name the group: creation index, path below the root, classes,
-        parameters (the index tells apart groups of equal classes and shapes in debug mode)."""
+        parameters (the index tells apart groups of equal classes and shapes in debug mode). Built again
+        only when the path is set or a parameter moved (``registration.move`` renames it and bumps the
+        registration generation): every collective names its group."""
+        key = (self.path, registration.generation())
+        if self._what_cache is not None and self._what_cache[0] == key:
+            return self._what_cache[1]
         where = f" '{self.path}'" if self.path else ""
         on = "" if self.driver is self else f" on mesh {self.mesh.mesh.tolist()} of group #{self.driver.index}"
-        return f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.members)})"
+        what = f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.mesh_params)})"
+        self._what_cache = (key, what)
+        return what
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
@@ -180,11 +209,10 @@ class ParamGroup:
 
     def _versions(self) -> tuple[int, ...]:
         versions = []
-        for p in self.members:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_()) and
-            # the steps of the optimizers holding it (foreach updates bump neither version); kept copies
+        for p in self._versioned:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_())
+            # and the steps of the optimizers holding it (foreach updates bump neither version); kept copies
             # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
-            if not p.kept:
-                versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
+            versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
         return tuple(versions)
 
     def stale(self) -> bool:
@@ -219,6 +247,7 @@ class ParamGroup:
         return gather + reduce
 
     def trainable(self) -> list[ShardedParam]:
+        """The trainable parameters of every mesh (``params``); ``trainable_mesh_params()``: of this mesh."""
         return [p for p in self.params if p.sharded.requires_grad]
 
     @property
@@ -248,7 +277,7 @@ class ParamGroup:
             part._start_unshard()
 
     def _start_unshard(self) -> None:
-        if not self.members or self._pending_gather is not None:
+        if not self.mesh_params or self._pending_gather is not None:
             return
         versions = self._versions()  # one pass over the parameters per unshard
         fresh = versions == self._gathered_versions  # the shards unchanged since last gathered
@@ -269,10 +298,12 @@ class ParamGroup:
         if self.offload_hook is not None:
             self.offload_hook()
         algorithm = config.current().gloo_all_gather
-        if zero_copy.applies(members, self.shard_pg, algorithm, self.driver.all_gather_comm, self.hpz):
+        if (zero_copy.wanted(algorithm, self.driver.all_gather_comm, self.hpz)
+                and self._gather_plan(members, layout).zero_copy):
             rows = zero_copy.start(members, self.shard_pg, layout.slot_bytes, self._what)
-            self._pending_gather = (None, rows, members, layout)
-            return
+            if rows is not None:  # None: a local shard is not on the CPU (the row path below)
+                self._pending_gather = (None, rows, members, layout)
+                return
         device = members[0].local_shard().device
         pool = self.pool
         send = pool.take(layout.slot_bytes, device)
@@ -320,10 +351,9 @@ class ParamGroup:
             else:
                 targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
         order = layout.order
-        sizes = [layout.pieces[i][j].nbytes for i, j in order]
-        scattered = [p.plain and not p.layout.wire_is_layout for p in members]
+        _, sizes, scattered, any_scattered = self._gather_plan(members, layout)
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
-            if not any(scattered):  # every piece lands as bytes: one split copy
+            if not any_scattered:  # every piece lands as bytes: one split copy
                 torch.split_with_sizes_copy(seg, sizes, dim=1,
                                             out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
                 continue
@@ -384,6 +414,21 @@ class ParamGroup:
             layout = self._layouts[key] = GroupLayout(tuple(p.pieces for p in members), self.num_shards)
         return layout
 
+    def _gather_plan(self, members: list[ShardedParam], layout: GroupLayout) -> _GatherPlan:
+        """What never changes for an all-gather of ``members`` (a sub-list of ``gathered``; ``layout`` from
+        ``_layout_for``, one object per member set): built once per member set, as the layouts are. The
+        member sets, their placements and quantization and the mesh's process group are fixed at
+        ``fully_shard``; what may change between unshards is read at each one instead: the settings
+        (``config``, a custom all-gather, hpZ: ``zero_copy.wanted``) and the local shards' device
+        (``to_empty``, ``.to``, a ``.data`` swap: ``zero_copy.start``)."""
+        plan = self._plans.get(id(layout))
+        if plan is None:
+            scattered = [p.plain and not p.layout.wire_is_layout for p in members]
+            plan = self._plans[id(layout)] = _GatherPlan(
+                zero_copy.eligible(members, self.shard_pg), [layout.pieces[i][j].nbytes for i, j in layout.order],
+                scattered, any(scattered))
+        return plan
+
     def free(self, keep_secondary: bool = False) -> None:
         """Release the unsharded storage (no communication; an all-gather in flight is finished first).
         ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
@@ -392,7 +437,7 @@ class ParamGroup:
                 part._wait_unshard()
             if part.hpz is not None and not keep_secondary:
                 part.hpz.drop(part.pool)
-            for p in part.members:
+            for p in part.mesh_params:
                 if not p.kept:  # stage 1/2 keep theirs across steps
                     p.free()
             part._alive = False
@@ -453,15 +498,16 @@ class ParamGroup:
             self.unsynced = bool(trainable)
             return []
         self.unsynced = False
-        pending = [item for part in self.parts for item in part._reduce(part.trainable_members())]
+        pending = [item for part in self.parts for item in part._reduce(part.trainable_mesh_params())]
         if not defer:
             for item in pending:
                 self.finish_reduce(item)
             return []
         return pending
 
-    def trainable_members(self) -> list[ShardedParam]:
-        return [p for p in self.members if p.sharded.requires_grad]
+    def trainable_mesh_params(self) -> list[ShardedParam]:
+        """The trainable parameters of this group's mesh (``mesh_params``); ``trainable()``: of every mesh."""
+        return [p for p in self.mesh_params if p.sharded.requires_grad]
 
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
         """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""

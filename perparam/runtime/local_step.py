@@ -5,8 +5,9 @@ and its state (plus scalars): on a sharded parameter that is the same arithmetic
 so running it on the local tensors gives bit for bit what DTensor's dispatch gives, for about half the
 CPU (the benchmark's AdamW on 2-rank shards: ``benchmarks/optim_dispatch.py``, ``benchmarks/README.md``).
 
-Around each step of such an optimizer (a step pre-hook and post-hook on that optimizer, registered by
-``perparam.runtime.adopt`` when it first sees it holding perparam parameters), every perparam parameter
+Around each step of such an optimizer (perparam's one step pre-hook and post-hook on that optimizer,
+registered through ``install`` by ``perparam.runtime.adopt`` when it first sees it holding perparam
+parameters; the post-hook also counts the step on them, ``ShardedParam.optimizer_steps``), every perparam parameter
 in its ``param_groups`` is replaced by its local tensor, the local gradient attached as ``.grad``, and its
 state re-keyed to the local tensor with DTensors unwrapped; after the step the parameters are put back,
 the local ``.grad`` detached, and the state re-keyed back, tensors shaped like the local shard wrapped
@@ -38,17 +39,23 @@ from . import config
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 _ATTR = "_perparam_local_step"  # on the optimizer: the swap in progress (list of records) or None
+_NO_OFFLOAD = OffloadPolicy()
 
 
-def install(optimizer: torch.optim.Optimizer, owners_of) -> None:
-    """Register the swap hooks on ``optimizer`` (once) when it is one of ``ELEMENTWISE``; ``owners_of``: a
+def install(optimizer: torch.optim.Optimizer, owners_of, count) -> None:
+    """Register perparam's step hooks on ``optimizer``, once: a post-hook that calls ``count(optimizer)``
+    after each step and, when ``optimizer`` is one of ``ELEMENTWISE``, a pre-hook that swaps the local
+    shards in and the post-hook swaps them back first (one hook pair for both jobs). ``owners_of``: a
     callable giving, for an optimizer, the ``ShardedParam``s whose sharded parameters it holds."""
-    if type(optimizer) not in ELEMENTWISE or hasattr(optimizer, _ATTR):
+    if hasattr(optimizer, _ATTR):
         return
     setattr(optimizer, _ATTR, None)
+    if type(optimizer) not in ELEMENTWISE:
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: count(opt))
+        return
     pre = optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: _swap_in(opt, list(owners_of(opt)), _has_closure(args, kwargs), pre.id))
-    post = optimizer.register_step_post_hook(lambda opt, args, kwargs: _swap_out(opt, pre.id))
+        lambda opt, args, kwargs: _swap_in(opt, owners_of(opt), _has_closure(args, kwargs), pre.id))
+    post = optimizer.register_step_post_hook(lambda opt, args, kwargs: (_swap_out(opt, pre.id), count(opt)))
     # the swap must be invisible to the user's hooks (zero_grad() or an EMA in a post-hook, clipping in a
     # pre-hook): the swap-out is the first post-hook, the swap-in the last pre-hook (see ``_swap_in``)
     optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)
@@ -62,24 +69,29 @@ def _has_closure(args, kwargs) -> bool:
     return closure is not None
 
 
-def _eligible(optimizer, owners, closure: bool = False) -> bool:
-    if not config.current().local_optimizer_step or not owners or closure:
-        return False
+def _local(optimizer, owners) -> dict[int, DTensor] | None:
+    """id -> sharded parameter of ``owners`` when the step may run on their local shards (one pass over
+    them), else ``None``."""
+    if not config.current().local_optimizer_step or not owners:
+        return None
     if any(group.get("differentiable", False) for group in optimizer.param_groups):
-        return False
+        return None
+    mine = {}
     for sp in owners:
         p = sp.sharded
-        if sp.policy.offload != OffloadPolicy() or p._local_tensor.device.type != "cpu":
-            return False
+        shard = p._local_tensor
+        offload = sp.policy.offload
+        if not shard.is_cpu or (offload is not _NO_OFFLOAD and offload != _NO_OFFLOAD):
+            return None
         grad = p.grad
-        if grad is None:
-            continue
-        if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
-            return False
-        local = grad._local_tensor
-        if local.shape != p._local_tensor.shape or local.dtype != p._local_tensor.dtype or local.is_sparse:
-            return False
-    return True
+        if grad is not None and not sp.grad_is_own(grad):  # perparam's own gradient has what is checked below
+            if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
+                return None
+            local = grad._local_tensor
+            if local.shape != shard.shape or local.dtype != shard.dtype or local.is_sparse:
+                return None
+        mine[id(p)] = p
+    return mine
 
 
 def _last_pre_hook(optimizer, hook_id: int | None) -> bool:
@@ -92,9 +104,11 @@ def _swap_in(optimizer, owners, closure: bool = False, hook_id: int | None = Non
         _swap_out(optimizer)
     # a pre-hook registered after this one (``hook_id``) would run on the local tensors: this step runs on
     # DTensors, and the post-hook moves this one last for the next step (not now: the hooks are iterating)
-    if not _last_pre_hook(optimizer, hook_id) or not _eligible(optimizer, owners, closure):
+    if closure or not _last_pre_hook(optimizer, hook_id):
         return
-    mine = {id(sp.sharded) for sp in owners}
+    mine = _local(optimizer, owners)
+    if mine is None:
+        return
     records = []
     for group in optimizer.param_groups:
         params = group["params"]

@@ -89,6 +89,7 @@ class ShardedParam:
         self._padded: torch.Tensor | None = None
         self._padded_data: torch.Tensor | None = None
         self._padded_write: torch.Tensor | None = None  # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        self._regions: tuple | None = None  # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
@@ -196,6 +197,7 @@ class ShardedParam:
             nbytes = padded.numel() * padded.element_size()
             self._padded_data = padded.data
             self._padded_write = padded.data.reshape(-1).view(torch.uint8).view(rows, nbytes // rows)
+            self._regions = None
             view = lay.unpad(padded)
             if self.tp:  # the module computes with DTensors on the tp mesh
                 view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
@@ -269,14 +271,25 @@ class ShardedParam:
         if scattered:
             self.copy_out(target, 0)
 
-    def rank_regions(self) -> list[torch.Tensor]:
+    def rank_regions(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Zero-copy all-gather (``perparam.runtime.zero_copy``): per rank, the contiguous flat region of the
         allocated padded buffer (``alloc()`` first) holding that rank's local shard, ``local_numel(rank)``
-        elements in the compute dtype (empty for a rank without rows). Only for a gathered parameter whose
-        pieces are the buffer's rows (``layout.wire_is_layout``, i.e. ``Shard(0)``)."""
-        lay = self.layout
-        rows = self._padded_data.view(lay.num_shards, lay.padded_local_numel)
-        return [rows[r].narrow(0, 0, lay.local_numel(r)) for r in range(lay.num_shards)]
+        elements in the compute dtype (empty for a rank without rows); and this rank's region viewed as
+        ``local_shape(shard_rank)`` (``None`` when empty), where the local shard is copied in. Only for a
+        gathered parameter whose pieces are the buffer's rows (``layout.wire_is_layout``, i.e. ``Shard(0)``).
+        Views of the padded buffer, built once per buffer (they stay valid across ``free``/``alloc``, which
+        resize its storage in place)."""
+        data = self._padded_data
+        cached = self._regions
+        if cached is None or cached[0] is not data:
+            lay = self.layout
+            with torch.inference_mode(False):  # kept views: never views made in inference mode
+                rows = data.view(lay.num_shards, lay.padded_local_numel)
+                regions = [rows[r].narrow(0, 0, lay.local_numel(r)) for r in range(lay.num_shards)]
+                own = regions[self.shard_rank]
+                own = own.view(lay.local_shape(self.shard_rank)) if own.numel() else None
+            self._regions = cached = (data, regions, own)
+        return cached[1], cached[2]
 
     def copy_out_pairs(self, rows: torch.Tensor, first: int) -> list:
         """``(destination, source)`` views putting gathered pieces ``rows`` (``[m, padded_local_numel]`` in
@@ -387,6 +400,13 @@ class ShardedParam:
         rows = self.layout.local_piece(kept, self.shard_rank)
         self.sharded.grad = _dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
         self._whole_version = self.sharded.grad._version
+
+    def grad_is_own(self, grad) -> bool:
+        """``grad`` (the sharded ``.grad``) is one perparam built (``accumulate_sharded_grad`` or
+        ``accumulate_whole_grad``, then changed in place or not): a DTensor of this parameter's mesh,
+        placements and stored dtype whose local tensor has the local shard's shape. Told by its spec, the
+        object perparam gives every gradient of this parameter (a DTensor op's result gets a new one)."""
+        return self._grad_spec is not None and getattr(grad, "_spec", None) is self._grad_spec
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""

@@ -103,6 +103,12 @@ def bump() -> None:
     _GENERATION[0] += 1
 
 
+def generation() -> int:
+    """How many times perparam created parameter objects or moved one (``bump``): a cache of anything derived
+    from parameter names (``ParamGroup._what``) is current while this is unchanged."""
+    return _GENERATION[0]
+
+
 def _table() -> dict:
     """id -> weak (group, ShardedParam) of every sharded and unsharded parameter object perparam holds, and
     id -> weak mesh of their meshes; rebuilt only after ``bump()``."""

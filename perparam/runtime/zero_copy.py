@@ -23,33 +23,48 @@ from ..comm import collectives
 from .param import ShardedParam
 
 
+def wanted(algorithm: str, comm, hpz) -> bool:
+    """The runtime's settings allow a zero-copy all-gather: ``algorithm`` (``config.gloo_all_gather``) is
+    ``"zero_copy"``, no custom all-gather ``comm`` and no hpZ ``hpz`` (it keeps the gathered rows). Read at
+    every unshard (``perparam.configure`` applies from the next collective on)."""
+    return algorithm == "zero_copy" and comm is None and hpz is None
+
+
+def eligible(members: list[ShardedParam], group: dist.ProcessGroup) -> bool:
+    """What never changes for one set of parameters: K > 1 on gloo and every member plain ``Shard(0)``
+    (``ShardedParam.plain`` and ``layout.wire_is_layout``). ``ParamGroup`` asks once per member set and
+    keeps the answer (``ParamGroup._gather_plan``)."""
+    if group.size() == 1 or dist.get_backend(group) != "gloo":
+        return False
+    return all(p.plain and p.layout.wire_is_layout for p in members)
+
+
 def applies(members: list[ShardedParam], group: dist.ProcessGroup, algorithm: str, comm, hpz) -> bool:
     """Whether the all-gather of ``members`` over ``group`` runs zero-copy (see the module docstring):
-    ``algorithm`` (``config.gloo_all_gather``) is ``"zero_copy"``, no custom all-gather ``comm``, no hpZ
-    ``hpz`` (it keeps the gathered rows), K > 1 on gloo, on CPU, and every member plain ``Shard(0)``."""
-    if algorithm != "zero_copy" or comm is not None or hpz is not None or group.size() == 1:
-        return False
-    if dist.get_backend(group) != "gloo":
-        return False
-    return all(p.plain and p.layout.wire_is_layout and p.local_shard().device.type == "cpu" for p in members)
+    ``wanted``, ``eligible`` and every local shard on the CPU (the one condition ``start`` reads at each
+    unshard: ``to_empty``, ``.to`` or a ``.data`` swap may move a shard)."""
+    return (wanted(algorithm, comm, hpz) and eligible(members, group)
+            and all(p.local_shard().device.type == "cpu" for p in members))
 
 
 def start(members: list[ShardedParam], group: dist.ProcessGroup, slot_bytes: int,
-          what: str) -> collectives.GatheredRows:
+          what: str) -> collectives.GatheredRows | None:
     """Allocate each member's padded buffer, copy (and cast to the compute dtype) this rank's local shard
     into its own rows, and issue the in-place all-gather (``collectives.all_gather_in_place``; recorded as
     one all-gather of ``K * slot_bytes``, the group layout's figure). Wait on the returned handle before
-    reading the parameters."""
-    me = group.rank()
+    reading the parameters. ``members`` must be ``eligible``; ``None`` (nothing issued, some buffers
+    allocated) when a local shard is not on the CPU: the caller takes the row path."""
     regions, dsts, srcs = [], [], []
     for p in members:
+        src = p.local_shard()
+        if src.device.type != "cpu":
+            return None
         p.alloc()
-        per_rank = p.rank_regions()
+        per_rank, own = p.rank_regions()
         regions.append(per_rank)
-        own = per_rank[me]
-        if own.numel():
-            dsts.append(own.view(p.layout.local_shape(me)))
-            srcs.append(p.local_shard())
+        if own is not None:
+            dsts.append(own)
+            srcs.append(src)
     if dsts:
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)

@@ -65,11 +65,14 @@ class ShardLayout:
         if not isinstance(self.placement, Placement):
             raise TypeError(f"ShardLayout.placement must be a Placement (Shard(d) or Replicate()), got "
                             f"{self.placement!r}")
+        # made once: every figure below asks it, at each all-gather and reduction (not a field: not compared)
+        object.__setattr__(self, "_rule", rule(self.placement))
         self.rule.check(self.global_shape)
 
     @property
     def rule(self) -> PlacementRule:
-        return rule(self.placement)
+        """The rule of ``placement`` (``perparam.sharding.placement.rule``), made once per layout."""
+        return self._rule
 
     @property
     def gathered(self) -> bool:
