@@ -277,7 +277,7 @@ def test_plan_and_finetune_flags_name_the_wire_format():
     assert parse_param_policy("mlp.*=bf16,grad=bf16")[1].grad_quant == "bf16"
 
 
-def test_finetune_grad_quant_pattern_keeps_the_quant_policy_of_the_weights_it_also_names(mesh):
+def test_finetune_grad_quant_pattern_keeps_the_quant_policy_of_the_weights_it_also_names(fake_mesh):
     # --quant int8 --grad-quant 'mlp.*=int8': the pattern used to be put ahead of --quant's '*_proj.weight'
     # (first match wins), so the MLP weights silently lost their int8 all-gather
     from perparam.finetune.model import Llama, LlamaConfig
