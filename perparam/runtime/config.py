@@ -20,6 +20,9 @@ GLOO_ALGORITHMS = ("all_to_all", "native")
 #: the all-gather's further choice: "zero_copy" (per parameter, point-to-point sends and receives straight
 #: into the unsharded buffers: no copy-out; ``perparam.runtime.zero_copy``)
 GLOO_ALL_GATHER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
+#: the reduce-scatter's: "zero_copy" (per parameter, point-to-point sends straight from the unsharded
+#: gradients: no packing; ``perparam.runtime.zero_copy_reduce``)
+GLOO_REDUCE_SCATTER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class RuntimeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"perparam.configure: {name} must be True or False, got {getattr(self, name)!r}")
         for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
-                              ("gloo_reduce_scatter", GLOO_ALGORITHMS)):
+                              ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"perparam.configure: {name} must be one of {allowed}, got {value!r}")
