@@ -14,6 +14,8 @@ from torch import nn
 
 import perparam
 from perparam import CommCounter, ParamPolicy
+from perparam.runtime.group import group_of
+from perparam.sharding.layout import reduce_scatter_offsets
 from tests.distributed import c10d_calls, run_distributed
 
 
@@ -67,8 +69,37 @@ def _train(rank: int, world_size: int, algorithm: str) -> dict:
         perparam.configure(gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
 
+def _into_existing_grads(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A second backward adds into the existing ``.grad``s (the fused division: ``alpha=1/D`` for the fp32
+    parameters, divide-and-cast for the bf16-stored ones). Per root parameter: (its ``.grad``, what the
+    unfused path gives: the sum the all-reduce hook saw divided, cast to the stored dtype, then added)."""
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _shard(model)
+    sums = []
+    model.set_all_reduce_hook(lambda reduced: sums.append(reduced.clone()))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2 * world_size, 4, generator=g)[2 * rank:2 * rank + 2]
+    _loss(model, x).backward()
+    root = [p for n, p in model.named_parameters() if n.startswith(("1.", "2."))]
+    before = [p.grad.to_local().clone() for p in root]
+    sums.clear()
+    _loss(model, 2 * x).backward()
+    (total,) = sums
+    group = group_of(model)
+    offsets, _ = reduce_scatter_offsets([sp.layout for sp in group.trainable()])
+    out = []
+    for p, old, offset in zip(root, before, offsets):
+        piece = total.narrow(0, offset, old.numel()).view(old.shape)
+        out.append((p.grad.to_local().clone(), old + (piece / world_size).to(old.dtype)))
+    return out
+
+
 def both_paths(rank: int, world_size: int) -> dict:
-    return {alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")}
+    out = {alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")}
+    out["existing"] = _into_existing_grads(rank, world_size)
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -87,3 +118,19 @@ def test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixe
         # receives (3 groups, 2 synced backwards)
         assert direct["raw"]["all_to_all_single"] == packed["raw"]["all_to_all_single"] - 3 * 2
         assert direct["raw"]["send"] > packed["raw"]["send"] and direct["raw"]["recv"] > packed["raw"]["recv"]
+        # the division fused into the accumulation: what dividing, casting and adding one by one gives
+        assert {got.dtype for got, _ in res["existing"]} == {torch.float32, torch.bfloat16}
+        assert all(torch.equal(got, want) for got, want in res["existing"]), rank
+
+
+def test_division_fused_into_the_cast_or_the_accumulation_is_bitwise_dividing_first():
+    # what ShardedParam.accumulate_sharded_grad relies on: the cast in the division's pass (any divisor),
+    # and for a power-of-two divisor ``add_(x, alpha=1/D)`` equal to dividing first, then adding
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4099, generator=g) * torch.logspace(-20, 20, 4099)  # 1e-20 .. 1e20: no subnormal x / D
+    grad = torch.randn(4099, generator=g)
+    for divisor in (2, 4, 8.0, 3, 6):
+        cast = torch.div(x, divisor, out=torch.empty(x.shape, dtype=torch.bfloat16))
+        assert torch.equal(cast, (x / divisor).to(torch.bfloat16))
+        if divisor in (2, 4, 8.0):
+            assert torch.equal(grad.clone().add_(x, alpha=1.0 / divisor), grad + x / divisor)
