@@ -98,7 +98,8 @@ def _into_existing_grads(rank: int, world_size: int) -> list[tuple[torch.Tensor,
 
 def both_paths(rank: int, world_size: int) -> dict:
     out = {alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")}
-    out["existing"] = _into_existing_grads(rank, world_size)
+    if world_size == 3:  # once is enough
+        out["existing"] = _into_existing_grads(rank, world_size)
     return out
 
 
@@ -118,6 +119,8 @@ def test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixe
         # receives (3 groups, 2 synced backwards)
         assert direct["raw"]["all_to_all_single"] == packed["raw"]["all_to_all_single"] - 3 * 2
         assert direct["raw"]["send"] > packed["raw"]["send"] and direct["raw"]["recv"] > packed["raw"]["recv"]
+        if world == 2:
+            continue
         # the division fused into the accumulation: what dividing, casting and adding one by one gives
         assert {got.dtype for got, _ in res["existing"]} == {torch.float32, torch.bfloat16}
         assert all(torch.equal(got, want) for got, want in res["existing"]), rank
