@@ -28,7 +28,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.configs import CONFIGS  # noqa: E402
 from benchmarks.model import SIZES  # noqa: E402
-from perparam.runtime.config import GLOO_ALGORITHMS, GLOO_ALL_GATHER_ALGORITHMS  # noqa: E402
+from perparam.runtime.config import (  # noqa: E402
+    GLOO_ALL_GATHER_ALGORITHMS,
+    GLOO_REDUCE_SCATTER_ALGORITHMS,
+    RuntimeConfig,
+)
 
 
 def _fields(text: str) -> dict:
@@ -135,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("config", choices=CONFIGS)
     ap.add_argument("--steps", type=int, default=6, help="profiled steps after 2 warm-up steps (default 6)")
     ap.add_argument("--top", type=int, default=25, help="functions listed (0: none; no profiler overhead)")
-    ap.add_argument("--gloo-reduce-scatter", choices=GLOO_ALGORITHMS, default="all_to_all",
-                    help="perparam.configure(gloo_reduce_scatter=...)")
+    ap.add_argument("--gloo-reduce-scatter", choices=GLOO_REDUCE_SCATTER_ALGORITHMS,
+                    default=RuntimeConfig.gloo_reduce_scatter,
+                    help="perparam.configure(gloo_reduce_scatter=...) (default: perparam's)")
     ap.add_argument("--gloo-all-gather", choices=GLOO_ALL_GATHER_ALGORITHMS, default="zero_copy",
                     help="perparam.configure(gloo_all_gather=...) (default zero_copy)")
     ap.add_argument("--versus", default=None, metavar="FIELD=VALUE,...",

@@ -187,7 +187,8 @@ class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
 
         self.counts = dict.fromkeys(C10D_COLLECTIVES + C10D_POINT_TO_POINT, 0)
         self.originals = {name: getattr(dist, name) for name in C10D_COLLECTIVES}
-        self.methods = {name: getattr(dist.ProcessGroup, name) for name in C10D_POINT_TO_POINT}
+        # the class's own attribute (a pybind method): what ``getattr`` gives no longer binds once set back
+        self.methods = {name: vars(dist.ProcessGroup)[name] for name in C10D_POINT_TO_POINT}
 
         def counting(name, fn):
             def call(*args, **kwargs):
@@ -198,7 +199,7 @@ class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
         for name in C10D_COLLECTIVES:
             setattr(dist, name, counting(name, self.originals[name]))
         for name in C10D_POINT_TO_POINT:
-            setattr(dist.ProcessGroup, name, counting(name, self.methods[name]))
+            setattr(dist.ProcessGroup, name, counting(name, getattr(dist.ProcessGroup, name)))
         return self.counts
 
     def __exit__(self, *exc) -> None:

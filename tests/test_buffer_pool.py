@@ -38,13 +38,18 @@ class _Recording(BufferPool):
         return super().take(nbytes, device)
 
 
+ALGORITHMS = (("zero_copy", "zero_copy"), ("zero_copy", "all_to_all"), ("all_to_all", "all_to_all"))
+
+
 def _taken_in_one_step(rank: int, world: int) -> list[tuple[int, int]]:
-    # the zero-copy all-gather (the default on gloo) takes nothing from the pool, the row all-gather its rows
+    # (all-gather, reduce-scatter): the zero-copy all-gather (the default on gloo) takes nothing from the
+    # pool, the row all-gather its rows; the zero-copy reduce-scatter (the default) nothing for K = 2 and a
+    # [K, n] staging buffer for K > 2, the packed one its [K, n] input (and for K > 2 its received pieces)
     result = []
-    for algorithm in ("zero_copy", "all_to_all"):
-        previous = perparam.configure(gloo_all_gather=algorithm)
+    for gather, reduce in ALGORITHMS:
+        previous = perparam.configure(gloo_all_gather=gather, gloo_reduce_scatter=reduce)
         result.append(_taken_with_the_configured_all_gather())
-        perparam.configure(gloo_all_gather=previous.gloo_all_gather)
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
     return result
 
 
@@ -64,5 +69,8 @@ def _taken_with_the_configured_all_gather() -> tuple[int, int]:
 
 def test_pool_bytes_equal_the_buffers_one_unshard_and_one_reduction_take():
     for world in (2, 3):
-        for (direct, direct_predicted), (rows, rows_predicted) in run_distributed(_taken_in_one_step, world):
-            assert direct == direct_predicted > 0 and rows == rows_predicted > direct
+        for (direct, direct_predicted), (packed, packed_predicted), (rows, rows_predicted) in run_distributed(
+                _taken_in_one_step, world):
+            assert direct == direct_predicted and packed == packed_predicted > direct
+            assert rows == rows_predicted > packed
+            assert (direct > 0) == (world > 2)  # K = 2: the zero-copy collectives take nothing

@@ -30,7 +30,9 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | Non
         with CommCounter() as bwd:
             loss.backward()
     # the zero-copy all-gather (K = 2, no empty shard): per parameter one send and one receive
-    sizes = {"root": len(group_of(model).gathered), "block": len(group_of(model.blocks[0]).gathered)}
+    sizes = {"root": len(group_of(model).gathered), "block": len(group_of(model.blocks[0]).gathered),
+             # the zero-copy reduce-scatter: per trainable parameter and its used flags one send and one receive
+             "reduced": sum(len(group_of(m).trainable()) + 1 for m in (model, *model.blocks))}
     return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw, "gathered": sizes}
 
 
@@ -40,11 +42,11 @@ def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
     for counts in run_distributed(count_one_step, 2, None):
         assert counts["fwd"] == {"all_gather": 4}
         assert counts["bwd"] == {"all_gather": 3, "reduce_scatter": 4}
-        # on gloo each reduce-scatter is an all-to-all then a local sum, each all-gather per parameter one
-        # send to the peer and one receive into the parameter (zero-copy, perparam.comm.collectives): the
-        # root's parameters once, each block's twice; nothing else
-        p2p = counts["gathered"]["root"] + 2 * 3 * counts["gathered"]["block"]
-        assert counts["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 4,
+        # on gloo (zero-copy, perparam.comm.collectives) each all-gather is per parameter one send to the peer
+        # and one receive into the parameter: the root's parameters once, each block's twice; each
+        # reduce-scatter per parameter (and its used flags) one send and one receive; nothing else
+        p2p = counts["gathered"]["root"] + 2 * 3 * counts["gathered"]["block"] + counts["gathered"]["reduced"]
+        assert counts["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0,
                                  "all_reduce": 0, "send": p2p, "recv": p2p}
 
 

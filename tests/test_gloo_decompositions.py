@@ -1,6 +1,7 @@
 """perparam's gloo all-gather and reduce-scatter (all-to-alls, ``perparam.comm.collectives``) give bitwise what
 torch's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` give: every world size 1-4 (so first,
-middle and last ranks), rows of 0, 1 and odd numbers of bytes, fp32/bf16/fp64, and the buffer pool."""
+middle and last ranks), rows of 0, 1 and odd numbers of bytes, fp32/bf16/fp64, and the buffer pool; the
+unpacked reduce-scatter (``reduce_scatter_in_place``) what the packed one gives."""
 
 from __future__ import annotations
 
@@ -59,6 +60,36 @@ def _check(rank: int, world: int) -> list[str]:
                 low = dtype == torch.bfloat16
                 if not torch.allclose(out.double(), ref, rtol=1e-2 if low else 1e-6, atol=5e-2 if low else 1e-6):
                     bad.append(f"reduce_scatter_sum {dtype} n={n} async={async_op} vs fp64 sum")
+    if world > 1:
+        bad += _check_in_place(rank, world, group, pool)
+    return bad
+
+
+def _check_in_place(rank: int, world: int, group, pool) -> list[str]:
+    """``reduce_scatter_in_place`` (per tensor and peer a send and a receive, no packing) leaves what
+    ``reduce_scatter_sum`` leaves for the same tensors packed with zero padding, bit for bit: uneven pieces,
+    a rank without rows, zero gaps."""
+    bad = []
+    for dtype in DTYPES:
+        g = torch.Generator().manual_seed(rank)
+        rows = (world - 1, 2 * world + 1, 1)  # tensor 0: no rows on the last rank; tensor 2: rank 0 only
+        tensors = [torch.randn(n, 3, generator=g, dtype=torch.float64).to(dtype) for n in rows]
+        chunks = [t.chunk(world) for t in tensors]
+        pieces = [[c[r].reshape(-1) if r < len(c) else t.new_empty(0) for r in range(world)]
+                  for t, c in zip(tensors, chunks)]
+        padded = [-(-n // world) * 3 for n in rows]
+        offsets = [sum(padded[:i]) for i in range(len(rows))]
+        packed = torch.zeros(world, sum(padded), dtype=dtype)
+        for i, per_rank in enumerate(pieces):
+            for r, piece in enumerate(per_rank):
+                packed[r, offsets[i]:offsets[i] + piece.numel()] = piece
+        expect = torch.empty(sum(padded), dtype=dtype)
+        collectives.reduce_scatter_sum(expect, packed.view(-1), group, pool=pool)
+        out = torch.full((sum(padded),), float("nan"), dtype=dtype)
+        work = collectives.reduce_scatter_in_place(pieces, out, offsets, group, pool=pool)
+        work.wait()
+        if not torch.equal(out, expect):
+            bad.append(f"reduce_scatter_in_place {dtype} K={world}")
     return bad
 
 

@@ -186,7 +186,10 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
     from perparam.runtime.group import group_of
 
     gathered = sum(len(group_of(m).gathered) for m in (model, *model.blocks))  # zero-copy: per parameter one send
-    return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts, "gathered": gathered}
+    # zero-copy reduce-scatter: per trainable parameter and its used flags one send and one receive
+    reduced = sum(len(group_of(m).trainable()) + 1 for m in (model, *model.blocks))
+    return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts, "gathered": gathered,
+            "reduced": reduced}
 
 
 def _by(records, *fields) -> Counter:
@@ -208,12 +211,12 @@ def test_one_all_gather_reduce_scatter_and_all_reduce_per_group_per_step(mesh_sh
             # left in flight while backward computes on)
             kinds = [r.kind for r in step["bwd"]]
             assert all(kinds[:i].count("all_reduce") <= kinds[:i].count("reduce_scatter") for i in range(9))
-            # a size-1 axis issues no c10d call, but the replicate all-reduce always runs (on gloo a
-            # reduce-scatter is one all-to-all, an all-gather per parameter one send and one receive
-            # (zero-copy; no empty shard at K = 2): perparam.comm.collectives)
-            p2p = res["gathered"] if k > 1 else 0
+            # a size-1 axis issues no c10d call, but the replicate all-reduce always runs (on gloo, zero-copy,
+            # an all-gather is per parameter one send and one receive, a reduce-scatter per parameter and
+            # used flags; no empty shard at K = 2: perparam.comm.collectives)
+            p2p = res["gathered"] + res["reduced"] if k > 1 else 0
             assert step["raw"] == {"all_gather_single": 0, "reduce_scatter_single": 0,
-                                   "all_to_all_single": 4 if k > 1 else 0, "all_reduce": 4,
+                                   "all_to_all_single": 0, "all_reduce": 4,
                                    "send": p2p, "recv": p2p}
 
 

@@ -11,6 +11,8 @@ bytes of the tensor. A ring implementation sends ``(K - 1) / K`` of that figure 
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -251,7 +253,9 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
         return None
     if comm is not None:
         return comm(output, input, group, op=dist.ReduceOp.SUM, async_op=async_op)
-    if gloo == "all_to_all" and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    # "zero_copy" names the runtime's per-parameter reduce-scatter (``reduce_scatter_in_place``); a packed
+    # input handed here under it runs as the all-to-all
+    if gloo in ("all_to_all", "zero_copy") and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
         rows = input.view(k, -1)
         row_bytes = rows.shape[1] * input.element_size()
         if k == 2:
@@ -273,6 +277,147 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
             return None
         return handle
     return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+
+
+class _Waiter:
+    """A daemon thread that waits on the point-to-point works of one process group, in the order given
+    (``ProcessGroupGloo``'s send and receive works report ``is_completed()`` only once waited on), so a
+    reduction in flight can be polled without blocking (``_SumAfterPointToPoint.is_completed``). One per
+    process group: ranks that run as threads of one process each have theirs, so one rank's wait never
+    holds up another's."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="perparam-p2p-waiter", daemon=True).start()
+
+    def watch(self, works: list, done: threading.Event, errors: list) -> None:
+        self.queue.put((works, done, errors))
+
+    def _run(self) -> None:
+        while True:
+            works, done, errors = self.queue.get()
+            for work in works:
+                try:
+                    work.wait()
+                except Exception as e:  # re-raised by the owner's wait()
+                    errors.append(e)
+            done.set()
+
+
+_waiters: dict[tuple[int, int], _Waiter] = {}  # (pid, id(process group)): a forked child starts its own
+
+
+def _waiter(group: dist.ProcessGroup) -> _Waiter:
+    key = (os.getpid(), id(group))
+    with _lock:
+        waiter = _waiters.get(key)
+        if waiter is None:
+            waiter = _waiters[key] = _Waiter()
+    return waiter
+
+
+class _SumAfterPointToPoint:
+    """A work handle over the sends and receives of one in-place reduce-scatter
+    (``reduce_scatter_in_place``): once they have finished, sum this rank's own pieces with the received
+    ones into the output (K = 2: one foreach add; K > 2: ``torch.sum`` over the ``[K, n]`` staging buffer,
+    then the buffer goes back to the pool). Keeps the sent tensors alive until then."""
+
+    def __init__(self, works: list, finish, keep: list, group: dist.ProcessGroup) -> None:
+        self.done, self.errors = threading.Event(), []
+        self.finish, self.keep = finish, keep
+        if works:
+            _waiter(group).watch(works, self.done, self.errors)
+        else:
+            self.done.set()
+
+    def is_completed(self) -> bool:
+        return self.finish is None or self.done.is_set()
+
+    def wait(self) -> bool:
+        if self.finish is None:
+            return True
+        self.done.wait()
+        if self.errors:
+            raise self.errors[0]
+        self.finish()
+        self.finish = self.keep = None
+        return True
+
+
+def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tensor, offsets: list[int],
+                            group: dist.ProcessGroup, what: str = "", pool=None, async_op: bool = True):
+    """Reduce-scatter tensors given as their K rank pieces, without packing them: the zero-copy
+    reduce-scatter of ``perparam.configure(gloo_reduce_scatter="zero_copy")`` (gloo on CPU, K > 1).
+
+    ``pieces[i][r]``: this rank's contribution to rank ``r``'s piece of tensor ``i``, a contiguous tensor
+    of ``output``'s dtype (the same numel on every rank; empty where rank ``r`` holds nothing), e.g. rows r
+    of a ``Shard(0)`` gradient. After ``wait()``, ``output`` (``[n]``) holds at ``offsets[i]`` the sum over
+    the ranks of tensor ``i``'s piece of this rank (``pieces[i][me].numel()`` elements) and zeros everywhere
+    else (the padding of the packed reduce-scatter's output, ``reduce_scatter_offsets``): the values
+    ``reduce_scatter_sum`` leaves for the packed input, bit for bit (K = 2: ``peer + own``; K > 2:
+    ``torch.sum`` over the K pieces in rank order, in a ``[K, n]`` buffer from ``pool``).
+
+    Per tensor and peer one send of this rank's piece for the peer, straight from ``pieces``, and one
+    receive of the peer's piece of this rank's chunk (K = 2: into ``output``; K > 2: into the buffer);
+    point-to-point with tag ``i``, peers in a rotation, in the same order on every rank (gloo pairs
+    same-tag messages in posting order). Recorded as one reduce-scatter of ``K * n`` elements, the packed
+    reduce-scatter's figure. ``pieces`` must stay untouched until ``wait()``."""
+    k, me = group.size(), group.rank()
+    dtype, device = output.dtype, output.device
+    if debug.debug_enabled():
+        debug.check("reduce_scatter", torch.empty((), dtype=dtype, device=device).expand(k * output.numel()),
+                    output.numel() * output.element_size(), group, what)
+    _record("reduce_scatter", k * output.numel() * output.element_size(), group, dtype)
+    n = output.numel()
+    own = [p[me] for p in pieces]
+    # the gaps of ``output`` (padding) between the pieces are zeros, as a sum of zero padding would be
+    gaps, cursor = [], 0
+    for off, piece in sorted(zip(offsets, own), key=lambda t: t[0]):
+        if off > cursor:
+            gaps.append((cursor, off - cursor))
+        cursor = max(cursor, off + piece.numel())
+    if cursor < n:
+        gaps.append((cursor, n - cursor))
+    raw = None
+    if k == 2:
+        into = [output.narrow(0, off, piece.numel()) for off, piece in zip(offsets, own)]
+        zero = [output.narrow(0, a, m) for a, m in gaps]
+    else:
+        raw = _take(pool, k * n * output.element_size(), device)
+        rows = raw.view(dtype).view(k, n)
+        slots = [[rows[r].narrow(0, off, piece.numel()) for r in range(k)] for off, piece in zip(offsets, own)]
+        into = [s[me] for s in slots]
+        zero = [rows[r].narrow(0, a, m) for r in range(k) for a, m in gaps]
+        pairs = [(d, s) for d, s in zip(into, own) if s.numel()]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    zero = [z for z in zero if z.numel()]
+    if zero:
+        torch._foreach_zero_(zero)
+    works = []
+    for shift in range(1, k):  # peers in a rotation, so no pair of ranks waits on a third
+        dst, src = (me + shift) % k, (me - shift) % k
+        for tag, piece in enumerate(pieces):
+            if piece[dst].numel():
+                works.append(group.send([piece[dst]], dst, tag))
+            if own[tag].numel():
+                works.append(group.recv([into[tag] if k == 2 else slots[tag][src]], src, tag))
+
+    def finish() -> None:
+        if k == 2:
+            pairs = [(d, s) for d, s in zip(into, own) if s.numel()]
+            if pairs:  # peer + own, as reduce_scatter_sum's one add (a + b == b + a exactly)
+                torch._foreach_add_([d for d, _ in pairs], [s for _, s in pairs])
+        else:
+            torch.sum(rows, dim=0, out=output)
+            if pool is not None:
+                pool.give_back(raw)
+
+    handle = _SumAfterPointToPoint(works, finish, [pieces], group)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
 
 
 def exchange_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, what: str = "",

@@ -20,17 +20,23 @@ GLOO_ALGORITHMS = ("all_to_all", "native")
 #: the all-gather's further choice: "zero_copy" (per parameter, point-to-point sends and receives straight
 #: into the unsharded buffers: no copy-out; ``perparam.runtime.zero_copy``)
 GLOO_ALL_GATHER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
+#: the reduce-scatter's: "zero_copy" (per parameter, point-to-point sends straight from the unsharded
+#: gradients: no packing; ``perparam.runtime.zero_copy_reduce``)
+GLOO_REDUCE_SCATTER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     """``prefetch``: issue the all-gather of the group expected next (forward and backward) before
     computing this one. ``gloo_all_gather`` / ``gloo_reduce_scatter``: how those collectives run on gloo
-    on CPU, ``"all_to_all"`` (the reduce-scatter's default: one all-to-all of the same bytes; measured 2-3x
-    less CPU per call in ``benchmarks/README.md``) or ``"native"`` (gloo's own); the all-gather also
-    ``"zero_copy"`` (its default: per-parameter sends and receives into the unsharded buffers, no copy-out;
-    0.80-0.84x the all-to-all's CPU per all-gather, ``benchmarks/README.md``; an all-gather it cannot take,
-    e.g. of quantized pieces, runs as ``"all_to_all"``). Other backends always run the native ones.
+    on CPU, ``"all_to_all"`` (one all-to-all of the same bytes; measured 2-3x less CPU per call than
+    gloo's own in ``benchmarks/README.md``), ``"native"`` (gloo's own) or ``"zero_copy"``, the default of
+    both: the all-gather's per-parameter sends and receives into the unsharded buffers, no copy-out
+    (0.80-0.84x the all-to-all's CPU per all-gather), the reduce-scatter's per-parameter sends straight from
+    the unsharded gradients, no packing (0.48-0.49x the all-to-all's CPU for a step's reductions,
+    ``benchmarks/README.md``); a collective zero-copy cannot take (quantized pieces or gradients,
+    ``Shard(d > 0)``, TP, hpZ, a custom collective) runs as ``"all_to_all"``. Other backends always run the
+    native ones.
     ``local_optimizer_step``: ``torch.optim.SGD``/``Adam``/``AdamW`` steps on perparam parameters run on
     their local shards, without DTensor dispatch (bitwise the same update; ``perparam.runtime.local_step``).
 
@@ -38,7 +44,7 @@ class RuntimeConfig:
 
     prefetch: bool = True
     gloo_all_gather: str = "zero_copy"
-    gloo_reduce_scatter: str = "all_to_all"
+    gloo_reduce_scatter: str = "zero_copy"
     local_optimizer_step: bool = True
 
     def __post_init__(self) -> None:
@@ -46,7 +52,7 @@ class RuntimeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"perparam.configure: {name} must be True or False, got {getattr(self, name)!r}")
         for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
-                              ("gloo_reduce_scatter", GLOO_ALGORITHMS)):
+                              ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"perparam.configure: {name} must be one of {allowed}, got {value!r}")

@@ -20,7 +20,7 @@ from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
 from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, grad_quant, partial, registration, zero, zero_copy
+from . import config, grad_quant, partial, registration, zero, zero_copy, zero_copy_reduce
 from .meshes import split_by_mesh
 from .param import ShardedParam
 from .reduction import PendingReduce, pack_reduce_scatter_input
@@ -225,9 +225,11 @@ class ParamGroup:
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
         (``perparam.comm.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
-        of the send row for K > 2; none for a zero-copy all-gather, ``runtime/zero_copy.py``), and per reduce dtype the ``[K, n]`` reduce-scatter input and, for
-        K > 2, its ``[K, n]`` receive buffer (``n``: padded local elements plus used flags; for K = 2 the
-        peer's piece arrives in the output, ``perparam.comm.collectives``). Counts every sharded parameter,
+        of the send row for K > 2; none for a zero-copy all-gather, ``runtime/zero_copy.py``), and per reduce
+        dtype the ``[K, n]`` reduce-scatter input and, for K > 2, its ``[K, n]`` receive buffer (``n``: padded
+        local elements plus used flags; for K = 2 the peer's piece arrives in the output,
+        ``perparam.comm.collectives``); a zero-copy reduce-scatter (``runtime/zero_copy_reduce.py``) has no
+        input buffer and for K > 2 one ``[K, n]`` staging buffer. Counts every sharded parameter,
         trainable or not (an upper bound). With parameters on several meshes: the sum over the meshes."""
         return sum(part._pool_bytes() for part in self.parts)
 
@@ -241,9 +243,15 @@ class ParamGroup:
             gather = 0  # straight into the parameters' buffers (runtime/zero_copy.py)
         by_dtype: dict[torch.dtype, list] = defaultdict(list)
         for p in self.gathered:
-            by_dtype[p.policy.reduce_dtype].append(p.layout)
-        reduce = sum(reduce_scatter_offsets(layouts)[1] * dtype.itemsize * (k if k == 2 else 2 * k)
-                     for dtype, layouts in by_dtype.items())
+            by_dtype[p.policy.reduce_dtype].append(p)
+        reduce = 0
+        for dtype, params in by_dtype.items():
+            rows = k if k == 2 else 2 * k  # the packed input (and for K > 2 the [K, n] received pieces)
+            plain = all(p.policy.grad_quant is None for p in params)
+            if plain and zero_copy_reduce.applies(params, self.reduce_shard_pg, config.current().gloo_reduce_scatter,
+                                                  self.driver.reduce_scatter_comm, self.hpz):
+                rows = 0 if k == 2 else k  # no packed input; for K > 2 the [K, n] staging buffer
+            reduce += reduce_scatter_offsets([p.layout for p in params])[1] * dtype.itemsize * rows
         return gather + reduce
 
     def trainable(self) -> list[ShardedParam]:
@@ -532,11 +540,17 @@ class ParamGroup:
                 item.part = self
                 pending.append(item)
                 continue
+            comm = self.driver.reduce_scatter_comm
+            if zero_copy_reduce.applies(params, self.reduce_shard_pg, config.current().gloo_reduce_scatter, comm,
+                                        self.hpz):  # no packing: perparam/runtime/zero_copy_reduce.py
+                item = zero_copy_reduce.issue(self, params, grads, used, dtype)
+                item.part = self
+                pending.append(item)
+                continue
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
             # [K, sum(padded_local_numel) + len(params)]
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
             offsets, total = reduce_scatter_offsets([p.layout for p in params])
-            comm = self.driver.reduce_scatter_comm
             recv = (comm.allocate((total,), dtype=dtype, device=send.device) if comm is not None
                     else send.new_empty(total))
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
@@ -606,21 +620,30 @@ class ParamGroup:
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
         if self.driver.all_reduce_hook is not None:
             self.driver.all_reduce_hook(grads)
-        grads.div_(self.divisor)
+        divisor = self.divisor
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
+            grads.div_(divisor)
+            divided = range(n)
             pieces = grads.split([p.layout.numel for p in item.params])
             targets = [piece if p.policy.whole_grad else piece.view(p.layout.global_shape)  # (tp-local)
                        for p, piece in zip(item.params, pieces)]
         else:
             targets = [recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
                        .narrow(0, 0, p.layout.extent(p.shard_rank)[1]) for p, offset in zip(item.params, item.offsets)]
+            # divided on the way into .grad, only where some rank had a gradient: pieces that become a new
+            # .grad of their own dtype in one foreach division here, the rest in their accumulation's pass
+            fresh = [i for i, (p, flag) in enumerate(zip(item.params, flags))
+                     if flag > 0 and p.sharded.grad is None and p.sharded.dtype == recv.dtype]
+            if fresh:
+                torch._foreach_div_([targets[i] for i in fresh], divisor)
+            divided = set(fresh)
         for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
             if flag <= 0:  # no rank had a gradient for it
                 continue
             if p.policy.whole_grad:
                 p.accumulate_whole_grad(local)
             else:
-                p.accumulate_sharded_grad(local)
+                p.accumulate_sharded_grad(local, None if i in divided else divisor)
             self.ctx.grad_hooks_due.append((item.seq, i, p))
 
     def finish_reduce(self, item: PendingReduce) -> None:

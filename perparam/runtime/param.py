@@ -28,6 +28,11 @@ from . import registration
 from .tp import TensorParallel
 
 
+def _power_of_two(x: float) -> bool:
+    """``x`` is ``2**m`` for an integer ``m`` (dividing by it is exact, barring subnormal results)."""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
 class ReplacedAfterShardingError(ShardingError, RuntimeError):
     """A managed parameter slot holds an object perparam did not register (assigned after sharding).
     A ``ShardingError`` and a ``RuntimeError`` (the type FSDP2 raises for a model it cannot run as
@@ -408,22 +413,34 @@ class ShardedParam:
         object perparam gives every gradient of this parameter (a DTensor op's result gets a new one)."""
         return self._grad_spec is not None and getattr(grad, "_spec", None) is self._grad_spec
 
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``."""
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor, divisor: float | None = None) -> None:
+        """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``; ``divisor``: divide
+        it by that first (``None``: divided already), bit for bit as a division followed by a cast to the
+        stored dtype and an addition, in fewer passes: the cast in the division's pass (``out=``), and
+        for a power-of-two divisor added to an existing ``.grad`` of the reduce dtype as ``alpha=1/divisor``
+        (``x / 2**m == x * 2**-m`` exactly; fused with the addition it equals dividing first unless
+        ``x / 2**m`` is subnormal). ``local_grad`` may be overwritten (it is the reduction's buffer)."""
         local_grad = self.layout.from_wire(local_grad, contiguous=True)
-        if local_grad.dtype != self.sharded.dtype:
-            local_grad = local_grad.to(self.sharded.dtype)
+        dtype = self.sharded.dtype
         grad = self.sharded.grad
         tier = getattr(self, "offload", None)  # the disk tier's ParamOffload (perparam.offload.tier), if any
+        if grad is not None and tier is not None:
+            tier.grad_in()  # an evicted gradient shard read back before adding to it
+        if grad is not None and divisor is not None and local_grad.dtype == dtype and _power_of_two(divisor):
+            grad._local_tensor.add_(local_grad, alpha=1.0 / divisor)  # one pass: divide and add
+            divisor = local_grad = None
+        elif divisor is not None:  # one pass: divide and cast
+            out = local_grad if local_grad.dtype == dtype else torch.empty_like(local_grad, dtype=dtype)
+            local_grad = torch.div(local_grad, divisor, out=out)
+        elif local_grad.dtype != dtype:
+            local_grad = local_grad.to(dtype)
         if grad is None:
             if self._grad_spec is None:
                 self._grad_spec = _spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
             if tier is not None:
                 local_grad = tier.grad_new(local_grad)  # in the gradient shard's file, when it has one
             self.sharded.grad = _dtensor(local_grad, self.mesh, self.placements, self.global_shape, self._grad_spec)
-        else:
-            if tier is not None:
-                tier.grad_in()  # an evicted gradient shard read back before adding to it
+        elif local_grad is not None:
             grad._local_tensor.add_(local_grad)
         if tier is not None:
             tier.grad_out()  # written out and dropped until the step's read-ahead

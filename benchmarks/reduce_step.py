@@ -1,0 +1,120 @@
+"""CPU per step of the gradient reductions alone: every group of the benchmark model reduces a fixed set of
+unsharded gradients into fresh sharded ``.grad``s (packing or not, the transfer, the sum, the division),
+by reduce-scatter algorithm, A/B in one run.
+
+    python -m benchmarks.reduce_step --rounds 12 [--quick] [--algorithms all_to_all,zero_copy] [--world 2]
+
+Per rank: process CPU time (all threads) of one sweep (each group's ``reduce_grads`` in reverse order, as a
+backward issues them, then waited for), by algorithm in ABBA order; paired: the median over rounds of
+(algorithm / the first one). The figure the zero-copy reduce-scatter is judged on
+(``perparam/runtime/zero_copy_reduce.py``); ``--check`` also asserts the algorithms' ``.grad``s bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import perparam
+    from benchmarks.configs import build
+    from benchmarks.model import make_batches, sized
+    from benchmarks.runner import local_batch
+    from perparam.runtime.group import group_of
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    cfg = sized("quick" if args.quick else args.size)
+    model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
+    x, y = local_batch(make_batches(cfg, 1, 2 * world)[0], rank, world)
+    model(x, y).backward()  # a real step first: the groups' context, order and buffers
+    groups = []
+    for m in model.modules():
+        g = group_of(m)
+        if g is not None and g.params and all(g is not h for h in groups):
+            groups.append(g)
+    gen = torch.Generator().manual_seed(rank)
+    grads = {}
+    for g in groups:
+        g.unshard()
+        for p in g.trainable():
+            grads[id(p)] = torch.randn(p.unsharded.shape, generator=gen).to(p.unsharded.dtype)
+    algorithms = args.algorithms.split(",")
+    times: dict[str, list[float]] = {a: [] for a in algorithms}
+    results = {}
+    for i in range(args.rounds + 1):
+        order = algorithms if i % 2 == 0 else algorithms[::-1]
+        for algorithm in order:
+            perparam.configure(gloo_reduce_scatter=algorithm)
+            for g in groups:
+                for p in g.trainable():
+                    p.sharded.grad = None
+                    p.unsharded.grad = grads[id(p)]
+            dist.barrier()
+            c0 = time.process_time()
+            pending = [(g, item) for g in reversed(groups) for item in g.reduce_grads(sync=True, defer=True)]
+            for g, item in pending:
+                g.finish_reduce(item)
+            groups[0].ctx.grad_hooks_due.clear()
+            if i:  # round 0 warms up
+                times[algorithm].append(time.process_time() - c0)
+            if args.check and i == 0:
+                results[algorithm] = [p.sharded.grad.to_local().clone() for g in groups for p in g.trainable()]
+    if args.check:
+        first = results[algorithms[0]]
+        for a in algorithms[1:]:
+            assert all(torch.equal(u, v) for u, v in zip(first, results[a])), f"{a} differs from {algorithms[0]}"
+    first = algorithms[0]
+    paired = {a: statistics.median(t / f for t, f in zip(times[a], times[first])) for a in algorithms}
+    queue.put((rank, {a: statistics.median(t) for a, t in times.items()}, paired, len(groups)))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--algorithms", default="all_to_all,zero_copy")
+    ap.add_argument("--config", default="perparam", help="a benchmarks.configs configuration (default perparam)")
+    ap.add_argument("--quick", action="store_true", help="the toy model")
+    ap.add_argument("--size", default="27m", help="model size (default 27m)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--check", action="store_true", help="assert the algorithms' gradients bitwise equal")
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = random.randint(20000, 40000)
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    load = os.getloadavg()
+    print(f"{args.config}, K={args.world}, {results[0][3]} reductions per sweep, {args.rounds} rounds, "
+          f"load {load[0]:.2f}")
+    for rank, med, paired, _ in results:
+        print(f"rank {rank}: " + ", ".join(f"{a} {med[a] * 1e3:.1f} ms CPU (paired {paired[a]:.3f})" for a in med))
+
+
+if __name__ == "__main__":
+    main()
