@@ -31,7 +31,8 @@ def _shard(model: nn.Sequential) -> None:
 
 
 def _train(rank: int, world_size: int, algorithm: str) -> dict:
-    previous = perparam.configure(gloo_all_gather=algorithm)
+    # the reduce-scatter packed (all-to-all): the point-to-point calls counted are the all-gather's
+    previous = perparam.configure(gloo_all_gather=algorithm, gloo_reduce_scatter="all_to_all")
     try:
         model = _model()
         _shard(model)
@@ -52,7 +53,7 @@ def _train(rank: int, world_size: int, algorithm: str) -> dict:
                 "params": [p.to_local().clone() for p in model.parameters()],
                 "grads": [p.grad.to_local().clone() for p in model.parameters()]}
     finally:
-        perparam.configure(gloo_all_gather=previous.gloo_all_gather)
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
 
 class _RowAllGather:
@@ -74,7 +75,7 @@ def _switching(rank: int, world_size: int) -> dict:
     zero-copy, zero-copy with a custom all-gather on the root's group), then ``to_empty(device="cpu")`` and
     a load of the state it had (new local shard objects) and one more: the raw calls of each run, the
     custom all-gather's calls, and the outputs before and after the load."""
-    previous = perparam.configure()
+    previous = perparam.configure(gloo_reduce_scatter="all_to_all")  # p2p calls counted: the all-gather's
     try:
         model = _model()
         _shard(model)
@@ -102,7 +103,7 @@ def _switching(rank: int, world_size: int) -> dict:
         return {"raw": raw_per_run, "custom_calls": custom.calls,
                 "same": all(torch.equal(outputs[0], out) for out in outputs)}
     finally:
-        perparam.configure(gloo_all_gather=previous.gloo_all_gather)
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
 
 def both_paths(rank: int, world_size: int) -> dict:
