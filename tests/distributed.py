@@ -213,3 +213,22 @@ class c10d_calls:  # noqa: N801 (used as a context manager, like a function)
 
 if os.environ.get(PRELOAD_ENV):  # the forkserver, starting (``_context``); its ranks do not import this again
     _preload(os.environ.pop(PRELOAD_ENV))
+
+
+class CountingAllGather:
+    """FSDP2's ``AllGather`` interface (``set_custom_all_gather``) over ``dist.all_gather_into_tensor``,
+    counting its calls in ``calls``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        import torch
+
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        import torch.distributed as dist
+
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)

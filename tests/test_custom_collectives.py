@@ -10,22 +10,8 @@ import torch.nn.functional as F
 
 import perparam
 from perparam import CommCounter
-from tests.distributed import run_distributed
+from tests.distributed import CountingAllGather, run_distributed
 from tests.models import TinyNet, local_slice, make_batches
-
-
-class CountingAllGather:
-    """FSDP2's ``AllGather`` interface over ``dist.all_gather_into_tensor``, counting its calls."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.calls += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter(CountingAllGather):

@@ -8,13 +8,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
 import perparam
 from perparam import ParamPolicy
-from tests.distributed import c10d_calls, run_distributed
+from tests.distributed import CountingAllGather, c10d_calls, run_distributed
 
 
 def _model() -> nn.Sequential:
@@ -56,20 +55,6 @@ def _train(rank: int, world_size: int, algorithm: str) -> dict:
         perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
 
-class _RowAllGather:
-    """FSDP2's ``AllGather`` interface over ``dist.all_gather_into_tensor``, counting its calls."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.calls += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
 def _switching(rank: int, world_size: int) -> dict:
     """One model, one forward and backward per all-gather setting in turn (zero-copy, all-to-all,
     zero-copy, zero-copy with a custom all-gather on the root's group), then ``to_empty(device="cpu")`` and
@@ -80,7 +65,7 @@ def _switching(rank: int, world_size: int) -> dict:
         model = _model()
         _shard(model)
         x = torch.randn(2 * world_size, 4, generator=torch.Generator().manual_seed(1))[2 * rank:2 * rank + 2]
-        custom = _RowAllGather()
+        custom = CountingAllGather()
         raw_per_run, outputs = [], []
 
         def run() -> None:
