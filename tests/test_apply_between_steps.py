@@ -1,0 +1,72 @@
+"""``.to()`` / ``to_empty()`` between steps on a sharded tree (``nn.Module._apply``): the next forward computes
+with the shards as they are after it, never with an unsharded copy kept from before (stage-1/2 kept copies,
+``perparam.runtime.zero``), whether it is called on the root, on a sharded submodule or on a plain submodule
+of a sharded tree."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import perparam
+from perparam import ParamPolicy
+from tests.distributed import one_process, run_distributed
+
+TOL = 1e-5
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _reinitialise(module: nn.Module) -> None:
+    """What a user does to re-initialise a part of a model: storage anew, then an init under ``no_grad``."""
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in module.parameters():
+            nn.init.constant_(p, 0.1)
+
+
+def train(rank: int, world_size: int, stage: int, where: int) -> dict:
+    """SGD steps of ``Linear(3, 5) -> ReLU -> Linear(5, 2)`` (5 rows: uneven on 2 ranks), the root sharded
+    under ``stage``; after the first step a ``no_grad`` forward (it fills the kept copies) and then
+    ``_reinitialise(model[where])``: a plain submodule of the sharded root. ``world_size == 0``: one
+    process, the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    if world_size:
+        perparam.fully_shard(model, param_policy=ParamPolicy(zero_stage=stage))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    n = 6 // max(world_size, 1)
+    rows = slice(rank * n, (rank + 1) * n) if world_size else slice(None)
+    for step in range(3):
+        x, y = torch.randn(6, 3, generator=g)[rows], torch.randn(6, 2, generator=g)[rows]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            with torch.no_grad():
+                model(x)
+            _reinitialise(model[where])
+    with torch.no_grad():
+        after = model(torch.randn(6, 3, generator=g)[rows])
+    return {"params": {name: _full(p) for name, p in model.named_parameters()}, "after": after}
+
+
+def train_cases(rank: int, world_size: int, cases: list) -> list[dict]:
+    return [train(rank, world_size, *case) for case in cases]
+
+
+def test_to_empty_on_a_plain_submodule_refreshes_kept_copies_of_stages_1_and_2():
+    cases = [(1, 0), (2, 2), (3, 0)]
+    want = {case: one_process(train, *case) for case in cases}
+    for rank, per_case in enumerate(run_distributed(train_cases, 2, cases)):
+        for case, got in zip(cases, per_case):
+            for name, p in want[case]["params"].items():
+                torch.testing.assert_close(got["params"][name], p, atol=TOL, rtol=0,
+                                           msg=f"(stage, submodule) {case} rank {rank}: {name}")
+            torch.testing.assert_close(got["after"], want[case]["after"][rank * 3:(rank + 1) * 3], atol=TOL,
+                                       rtol=0, msg=f"(stage, submodule) {case} rank {rank}: forward")
