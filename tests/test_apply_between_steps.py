@@ -70,3 +70,48 @@ def test_to_empty_on_a_plain_submodule_refreshes_kept_copies_of_stages_1_and_2()
                                            msg=f"(stage, submodule) {case} rank {rank}: {name}")
             torch.testing.assert_close(got["after"], want[case]["after"][rank * 3:(rank + 1) * 3], atol=TOL,
                                        rtol=0, msg=f"(stage, submodule) {case} rank {rank}: forward")
+
+
+def dcp_load_in_place(rank: int, world_size: int, path: str) -> dict:
+    """Stage 1 and 2 in one group: a step, ``dcp.save`` of ``model.state_dict()``, a step, an eval forward
+    (it fills the kept copies), then ``dcp.load(model.state_dict())`` (in place, without
+    ``model.load_state_dict``): what the next forward raises, and its output after ``invalidate()``."""
+    import torch.distributed.checkpoint as dcp
+
+    from perparam.runtime import zero
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    perparam.fully_shard(model, param_policy={"0.*": ParamPolicy(zero_stage=1), "2.*": ParamPolicy(zero_stage=2)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    rows = slice(rank * 3, (rank + 1) * 3)
+    x = torch.randn(6, 3, generator=g)[rows]
+    for step in range(2):
+        model(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            saved = {name: _full(p) for name, p in model.named_parameters()}
+            dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    with torch.no_grad():
+        model(x)
+        dcp.load({"model": model.state_dict()}, checkpoint_id=path)
+        try:
+            model(x)
+            error = "no error"
+        except perparam.UnseenShardWriteError as e:
+            error = str(e)
+        zero.invalidate()
+        return {"error": error, "after": model(x), "saved": saved, "x": x}
+
+
+def test_dcp_load_in_place_without_load_state_dict_is_refused_until_kept_copies_are_invalidated(tmp_path):
+    for got in run_distributed(dcp_load_in_place, 2, str(tmp_path / "ckpt")):
+        for fragment in ("'0.weight'", "ZeRO stage 1", "dcp.load(model.state_dict())",
+                         "perparam.runtime.zero.invalidate()", "set_model_state_dict"):
+            assert fragment in got["error"], got["error"]
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+        reference.load_state_dict(got["saved"])
+        torch.testing.assert_close(got["after"], reference(got["x"]).detach(), atol=TOL, rtol=0)

@@ -396,7 +396,12 @@ class ParamGroup:
         gathered; else the replicated ones are copied again too), plus the stage-1/2
         ones whose kept copy needs a refresh (``zero.needs_refresh``: decided by counts every rank shares,
         so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed."""
-        refresh = [p for p in self.kept if zero.needs_refresh(p)]
+        refresh = []
+        for p in self.kept:
+            if zero.needs_refresh(p):
+                refresh.append(p)
+            else:
+                zero.check_unwritten(p)  # raises before anything is issued, never a stale copy
         current = self._alive and fresh
         if current and not refresh:
             return None

@@ -107,6 +107,8 @@ class ShardedParam:
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable) when the kept copy was gathered (``runtime.zero``)
         self.kept_key: tuple[int, int, bool] | None = None
+        #: the shard was handed out by ``state_dict()`` since the kept copy was gathered (``runtime.zero``)
+        self.kept_lent = False
         #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
         self.optimizer_steps = 0

@@ -12,10 +12,15 @@ change at:
 * a load (``perparam.checkpoint.load``, ``load_full_state_dict``, ``load_state_dict``) or a device change
   (``to_empty``, ``.to(device)``): these call ``invalidate()``, which every rank calls alike.
 
-Tensor version counters are deliberately not consulted: they may differ between ranks (an empty shard),
-and the decision must be the same on every rank, since it sets the all-gather's size. An in-place change
-of a sharded parameter outside these routes (``p.mul_(0)`` under ``no_grad``) is not seen: call
-``perparam.runtime.zero.invalidate()`` after it.
+Tensor version counters do not decide a refresh: they may differ between ranks (an empty shard), and
+the decision must be the same on every rank, since it sets the all-gather's size. An in-place change of a
+sharded parameter outside these routes (``dcp.load(model.state_dict())`` not followed by
+``model.load_state_dict``, ``p.mul_(0)`` under ``no_grad``) is not refreshed: call
+``perparam.runtime.zero.invalidate()`` on every rank after it. After a ``state_dict()`` call (it hands
+out tensors sharing the shards' storage, which ``dcp.load`` writes in place; their version counters are
+their own) the next all-gathers compare each kept copy's own rows with the local shard until the copy is
+refreshed, and raise ``UnseenShardWriteError`` on every rank that finds a difference, before issuing
+anything, instead of computing with the stale copy.
 """
 
 from __future__ import annotations
@@ -24,10 +29,17 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from .param import ShardedParam
+
+
+class UnseenShardWriteError(RuntimeError):
+    """A stage-1/2 parameter's shard was written in place since its kept unsharded copy was gathered, by a
+    route that does not refresh kept copies (see the module docstring)."""
+
 
 #: default process group (one per rank, also for ranks that are threads of one process: torch's threaded
 #: process group keeps one world per thread) -> its load generation. Per rank, never per process: a load on
@@ -73,8 +85,38 @@ def needs_refresh(p: ShardedParam) -> bool:
     return key[0] != p.optimizer_steps and (key[2] or p.sharded.requires_grad)
 
 
+def lent(params) -> None:
+    """``params``' shards were handed out by ``state_dict()`` (tensors sharing their storage): their kept
+    copies are compared with them at the next all-gathers (``check_unwritten``) until refreshed."""
+    for p in params:
+        if p.kept:
+            p.kept_lent = True
+
+
+@torch.no_grad()
+def check_unwritten(p: ShardedParam) -> None:
+    """Raise ``UnseenShardWriteError`` when ``p``'s kept copy is current by the counts (``needs_refresh``
+    is false) but, its shard having been lent by ``state_dict()`` since the copy was gathered, the copy's
+    own rows no longer equal the local shard cast to the compute dtype, bit for bit. Checked for plain
+    parameters without TP and not offloaded (their kept copy's rows are the cast shard exactly)."""
+    if not p.kept_lent or not p.plain or p.tp is not None or p.policy.offload.offloaded or not p.storage_alive:
+        return
+    local = p.local_shard()
+    own = p.shard_of(p.unsharded.detach())
+    if torch.equal(own.contiguous().view(torch.uint8), local.to(own.dtype).contiguous().view(torch.uint8)):
+        return
+    raise UnseenShardWriteError(
+        f"perparam: the shard of '{p.fqn}' (ZeRO stage {p.policy.zero_stage}: its unsharded copy is kept "
+        "across steps) was written in place since that copy was gathered, by a route that does not refresh "
+        "it (e.g. dcp.load(model.state_dict()) without model.load_state_dict(...) after it, or an in-place "
+        "change under torch.no_grad()); computing on would use the old weights. After such a write call "
+        "perparam.runtime.zero.invalidate() on every rank, or load through model.load_state_dict / "
+        "set_model_state_dict / perparam.checkpoint.load, which refresh the kept copies")
+
+
 def mark_gathered(params: list[ShardedParam]) -> None:
     """``params``' kept copies are being filled from the shards as they are now."""
     current = generation()
     for p in params:
         p.kept_key = (p.optimizer_steps, current, p.sharded.requires_grad)
+        p.kept_lent = False
