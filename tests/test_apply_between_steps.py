@@ -72,21 +72,25 @@ def test_to_empty_on_a_plain_submodule_refreshes_kept_copies_of_stages_1_and_2()
                                        rtol=0, msg=f"(stage, submodule) {case} rank {rank}: forward")
 
 
-def dcp_load_in_place(rank: int, world_size: int, path: str) -> dict:
-    """Stage 1 and 2 in one group: a step, ``dcp.save`` of ``model.state_dict()``, a step, an eval forward
-    (it fills the kept copies), then ``dcp.load(model.state_dict())`` (in place, without
-    ``model.load_state_dict``): what the next forward raises, and its output after ``invalidate()``."""
+def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str) -> dict:
+    """Unsharded storage kept across an in-place load (``kept``: ``"stages"``, stage 1 and 2 in one group;
+    ``"stage3"``, stage 3 with ``reshard_after_forward=False``): a step, ``dcp.save`` of
+    ``model.state_dict()``, a step, an eval forward (it fills the kept storage), then
+    ``dcp.load(model.state_dict())`` (in place, without ``model.load_state_dict``): what the next forward
+    raises, and its output after the fix the message names."""
     import torch.distributed.checkpoint as dcp
 
     from perparam.runtime import zero
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
-    perparam.fully_shard(model, param_policy={"0.*": ParamPolicy(zero_stage=1), "2.*": ParamPolicy(zero_stage=2)})
+    if kept == "stages":
+        perparam.fully_shard(model, param_policy={"0.*": ParamPolicy(zero_stage=1), "2.*": ParamPolicy(zero_stage=2)})
+    else:
+        perparam.fully_shard(model, reshard_after_forward=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    rows = slice(rank * 3, (rank + 1) * 3)
-    x = torch.randn(6, 3, generator=g)[rows]
+    x = torch.randn(6, 3, generator=g)[rank * 3:(rank + 1) * 3]
     for step in range(2):
         model(x).pow(2).sum().backward()
         opt.step()
@@ -102,16 +106,26 @@ def dcp_load_in_place(rank: int, world_size: int, path: str) -> dict:
             error = "no error"
         except perparam.UnseenShardWriteError as e:
             error = str(e)
-        zero.invalidate()
+        if kept == "stages":
+            zero.invalidate()
+        else:
+            model.reshard()
         return {"error": error, "after": model(x), "saved": saved, "x": x}
 
 
-def test_dcp_load_in_place_without_load_state_dict_is_refused_until_kept_copies_are_invalidated(tmp_path):
-    for got in run_distributed(dcp_load_in_place, 2, str(tmp_path / "ckpt")):
-        for fragment in ("'0.weight'", "ZeRO stage 1", "dcp.load(model.state_dict())",
-                         "perparam.runtime.zero.invalidate()", "set_model_state_dict"):
-            assert fragment in got["error"], got["error"]
-        torch.manual_seed(0)
-        reference = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
-        reference.load_state_dict(got["saved"])
-        torch.testing.assert_close(got["after"], reference(got["x"]).detach(), atol=TOL, rtol=0)
+def dcp_loads_in_place(rank: int, world_size: int, path: str) -> dict:
+    return {kept: dcp_load_in_place(rank, world_size, f"{path}-{kept}", kept) for kept in ("stages", "stage3")}
+
+
+def test_dcp_load_in_place_without_load_state_dict_is_refused_until_the_kept_storage_is_refreshed(tmp_path):
+    fix = {"stages": ("ZeRO stage 1", "perparam.runtime.zero.invalidate()"),
+           "stage3": ("reshard_after_forward=False", "reshard()")}
+    for rank, per_kept in enumerate(run_distributed(dcp_loads_in_place, 2, str(tmp_path / "ckpt"))):
+        for kept, got in per_kept.items():
+            for fragment in ("'0.weight'", "dcp.load(model.state_dict())", "set_model_state_dict", *fix[kept]):
+                assert fragment in got["error"], (kept, rank, got["error"])
+            torch.manual_seed(0)
+            reference = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+            reference.load_state_dict(got["saved"])
+            torch.testing.assert_close(got["after"], reference(got["x"]).detach(), atol=TOL, rtol=0,
+                                       msg=f"{kept} rank {rank}")

@@ -107,11 +107,12 @@ class ShardedParam:
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable) when the kept copy was gathered (``runtime.zero``)
         self.kept_key: tuple[int, int, bool] | None = None
-        #: the shard was handed out by ``state_dict()`` since the kept copy was gathered (``runtime.zero``)
-        self.kept_lent = False
         #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
         self.optimizer_steps = 0
+        #: the shard was handed out by ``state_dict()`` since the unsharded storage was last gathered
+        #: (``runtime.zero.check_unwritten``)
+        self.lent = False
 
     @property
     def plain(self) -> bool:

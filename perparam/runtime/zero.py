@@ -86,32 +86,38 @@ def needs_refresh(p: ShardedParam) -> bool:
 
 
 def lent(params) -> None:
-    """``params``' shards were handed out by ``state_dict()`` (tensors sharing their storage): their kept
-    copies are compared with them at the next all-gathers (``check_unwritten``) until refreshed."""
+    """``params``' shards were handed out by ``state_dict()`` (tensors sharing their storage, with version
+    counters of their own): unsharded storage kept across it is compared with them before its next use
+    (``check_unwritten``, called by ``ParamGroup._gather_members``)."""
     for p in params:
-        if p.kept:
-            p.kept_lent = True
+        p.lent = True
 
 
 @torch.no_grad()
 def check_unwritten(p: ShardedParam) -> None:
-    """Raise ``UnseenShardWriteError`` when ``p``'s kept copy is current by the counts (``needs_refresh``
-    is false) but, its shard having been lent by ``state_dict()`` since the copy was gathered, the copy's
-    own rows no longer equal the local shard cast to the compute dtype, bit for bit. Checked for plain
-    parameters without TP and not offloaded (their kept copy's rows are the cast shard exactly)."""
-    if not p.kept_lent or not p.plain or p.tp is not None or p.policy.offload.offloaded or not p.storage_alive:
+    """Raise ``UnseenShardWriteError`` when ``p``'s unsharded storage, kept as it is (a stage-1/2 copy
+    current by the counts, or stage-3 storage kept by ``reshard_after_forward=False`` /
+    ``set_reshard_after_backward(False)`` whose versions say fresh), no longer holds this rank's shard
+    cast to the compute dtype, bit for bit, in its own rows. Checked for plain parameters without TP and
+    not offloaded (their storage's rows are the cast shard exactly)."""
+    if not p.plain or p.tp is not None or p.policy.offload.offloaded or not p.storage_alive:
         return
     local = p.local_shard()
     own = p.shard_of(p.unsharded.detach())
     if torch.equal(own.contiguous().view(torch.uint8), local.to(own.dtype).contiguous().view(torch.uint8)):
         return
+    if p.kept:
+        kept = f"ZeRO stage {p.policy.zero_stage}: its unsharded copy is kept across steps"
+        fix = "perparam.runtime.zero.invalidate()"
+    else:
+        kept = "its unsharded storage is kept: reshard_after_forward=False or set_reshard_after_backward(False)"
+        fix = "reshard() on the sharded modules"
     raise UnseenShardWriteError(
-        f"perparam: the shard of '{p.fqn}' (ZeRO stage {p.policy.zero_stage}: its unsharded copy is kept "
-        "across steps) was written in place since that copy was gathered, by a route that does not refresh "
-        "it (e.g. dcp.load(model.state_dict()) without model.load_state_dict(...) after it, or an in-place "
-        "change under torch.no_grad()); computing on would use the old weights. After such a write call "
-        "perparam.runtime.zero.invalidate() on every rank, or load through model.load_state_dict / "
-        "set_model_state_dict / perparam.checkpoint.load, which refresh the kept copies")
+        f"perparam: the shard of '{p.fqn}' ({kept}) was written in place since that copy was gathered, by a "
+        "route that does not refresh it (e.g. dcp.load(model.state_dict()) without "
+        "model.load_state_dict(...) after it); computing on would use the old weights. After such a write "
+        f"call {fix} on every rank, or load through model.load_state_dict / set_model_state_dict / "
+        "perparam.checkpoint.load, which refresh it")
 
 
 def mark_gathered(params: list[ShardedParam]) -> None:
@@ -119,4 +125,3 @@ def mark_gathered(params: list[ShardedParam]) -> None:
     current = generation()
     for p in params:
         p.kept_key = (p.optimizer_steps, current, p.sharded.requires_grad)
-        p.kept_lent = False
