@@ -243,8 +243,9 @@ def install_load_hooks(params) -> None:
     for module, entries in by_module.values():
         module.register_load_state_dict_pre_hook(
             lambda mod, state_dict, prefix, *rest, entries=entries: _slice_plain(entries, state_dict, prefix))
-        # the tensors handed out share the shards' storage (dcp.load writes into them): stage-1/2 kept copies
-        # are checked against the shards at the next all-gathers (perparam.runtime.zero.check_unwritten)
+        # the tensors handed out share the shards' storage (dcp.load writes into them): unsharded storage kept
+        # as it is (stage-1/2 copies, reshard_after_forward=False) is checked against the shards before its
+        # next use, until it is gathered again (perparam.runtime.zero.check_unwritten)
         module.register_state_dict_post_hook(
             lambda mod, state_dict, prefix, meta, entries=entries: zero.lent(sp for _, sp in entries))
 
