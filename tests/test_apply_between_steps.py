@@ -72,12 +72,14 @@ def test_to_empty_on_a_plain_submodule_refreshes_kept_copies_of_stages_1_and_2()
                                        rtol=0, msg=f"(stage, submodule) {case} rank {rank}: forward")
 
 
-def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str) -> dict:
-    """Unsharded storage kept across an in-place load (``kept``: ``"stages"``, stage 1 and 2 in one group;
+def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str, how: str) -> dict:
+    """Unsharded storage kept across an in-place write (``kept``: ``"stages"``, stage 1 and 2 in one group;
     ``"stage3"``, stage 3 with ``reshard_after_forward=False``): a step, ``dcp.save`` of
-    ``model.state_dict()``, a step, an eval forward (it fills the kept storage), then
-    ``dcp.load(model.state_dict())`` (in place, without ``model.load_state_dict``): what the next forward
-    raises, and its output after the fix the message names."""
+    ``model.state_dict()``, a step, an eval forward (it fills the kept storage), then ``how``:
+    ``"dcp"``, ``dcp.load(model.state_dict())`` (in place, without ``model.load_state_dict``); ``"held"``,
+    ``dcp.load`` into the state dict taken before the first step; ``"direct"``, the saved weights copied
+    into the sharded parameters under ``no_grad``. What the next forward raises, and its output after the
+    fix the message names."""
     import torch.distributed.checkpoint as dcp
 
     from perparam.runtime import zero
@@ -89,6 +91,7 @@ def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str) -> dict:
     else:
         perparam.fully_shard(model, reshard_after_forward=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = model.state_dict()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, 3, generator=g)[rank * 3:(rank + 1) * 3]
     for step in range(2):
@@ -100,7 +103,13 @@ def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str) -> dict:
             dcp.save({"model": model.state_dict()}, checkpoint_id=path)
     with torch.no_grad():
         model(x)
-        dcp.load({"model": model.state_dict()}, checkpoint_id=path)
+        if how == "dcp":
+            dcp.load({"model": model.state_dict()}, checkpoint_id=path)
+        elif how == "held":
+            dcp.load({"model": held}, checkpoint_id=path)
+        else:
+            for name, p in model.named_parameters():  # Shard(0): torch.chunk's rows, none empty on 2 ranks
+                p.to_local().copy_(saved[name].chunk(world_size)[rank])
         try:
             model(x)
             error = "no error"
@@ -113,19 +122,22 @@ def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str) -> dict:
         return {"error": error, "after": model(x), "saved": saved, "x": x}
 
 
+CASES = [("stages", "dcp"), ("stage3", "dcp"), ("stages", "held"), ("stage3", "held"), ("stages", "direct")]
+
+
 def dcp_loads_in_place(rank: int, world_size: int, path: str) -> dict:
-    return {kept: dcp_load_in_place(rank, world_size, f"{path}-{kept}", kept) for kept in ("stages", "stage3")}
+    return {case: dcp_load_in_place(rank, world_size, f"{path}-{'-'.join(case)}", *case) for case in CASES}
 
 
 def test_dcp_load_in_place_without_load_state_dict_is_refused_until_the_kept_storage_is_refreshed(tmp_path):
     fix = {"stages": ("ZeRO stage 1", "perparam.runtime.zero.invalidate()"),
            "stage3": ("reshard_after_forward=False", "reshard()")}
     for rank, per_kept in enumerate(run_distributed(dcp_loads_in_place, 2, str(tmp_path / "ckpt"))):
-        for kept, got in per_kept.items():
+        for (kept, how), got in per_kept.items():
             for fragment in ("'0.weight'", "dcp.load(model.state_dict())", "set_model_state_dict", *fix[kept]):
-                assert fragment in got["error"], (kept, rank, got["error"])
+                assert fragment in got["error"], (kept, how, rank, got["error"])
             torch.manual_seed(0)
             reference = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
             reference.load_state_dict(got["saved"])
             torch.testing.assert_close(got["after"], reference(got["x"]).detach(), atol=TOL, rtol=0,
-                                       msg=f"{kept} rank {rank}")
+                                       msg=f"{kept} {how} rank {rank}")

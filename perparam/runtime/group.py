@@ -396,13 +396,13 @@ class ParamGroup:
         gathered; else the replicated ones are copied again too), plus the stage-1/2
         ones whose kept copy needs a refresh (``zero.needs_refresh``: decided by counts every rank shares,
         so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed.
-        Storage kept as it is whose shard ``state_dict()`` lent since is compared with the shard first
-        (``zero.check_unwritten``)."""
+        Storage kept as it is whose shard was written since (``zero.check_unwritten``) is compared with it
+        first."""
         refresh = [p for p in self.kept if zero.needs_refresh(p)]
         refreshed = {id(p) for p in refresh}
         current = self._alive and fresh
-        for p in self.gathered:  # storage kept as it is, its shard lent by state_dict() since: compare them
-            if p.lent and (id(p) not in refreshed if p.kept else current):
+        for p in self.gathered:  # storage kept as it is: written since by a route that does not refresh it?
+            if p.write_sig is not None and (id(p) not in refreshed if p.kept else current):
                 zero.check_unwritten(p)  # raises before anything is issued, never computes on a stale copy
         if current and not refresh:
             return None
@@ -413,8 +413,7 @@ class ParamGroup:
                 p.fill_replicated()
         zero.mark_gathered(refresh)
         members = refresh if current else [p for p in self.gathered if not p.kept or id(p) in refreshed]
-        for p in members:
-            p.lent = False
+        zero.note_gathered(members)
         return members
 
     def _layout_for(self, members: list[ShardedParam]) -> GroupLayout:
