@@ -26,6 +26,7 @@ from .runtime.prefetch import PrefetchError
 from .runtime.readers import UsedWhileShardedError
 from .runtime.registration import ShardedTreeChangeError
 from .runtime.state import StateError
+from .runtime.zero import UnseenShardWriteError
 from .session import distributed_session
 from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, QuantPolicy
 
@@ -51,6 +52,7 @@ __all__ = [
     "TransformError",
     "UnshardHandle",
     "UnflattenableShardError",
+    "UnseenShardWriteError",
     "UnshardedApplyError",
     "UsedWhileShardedError",
     "clip_grad_norm_",

@@ -243,6 +243,12 @@ def install_load_hooks(params) -> None:
     for module, entries in by_module.values():
         module.register_load_state_dict_pre_hook(
             lambda mod, state_dict, prefix, *rest, entries=entries: _slice_plain(entries, state_dict, prefix))
+        # the tensors handed out share the shards' storage (dcp.load writes into them): unsharded storage kept
+        # as it is (stage-1/2 copies, reshard_after_forward=False) is checked against the shards before its
+        # next use once they were written (perparam.runtime.zero.check_unwritten)
+        module.register_state_dict_post_hook(
+            lambda mod, state_dict, prefix, meta, entries=entries: zero.lent(
+                (sp, state_dict.get(prefix + name)) for name, sp in entries))
 
 
 def _slice_plain(entries, state_dict, prefix: str) -> None:

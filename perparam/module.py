@@ -379,6 +379,9 @@ def guard_stored_dtypes(params) -> None:
 
 def _guarded_apply(self, fn, recurse=True):
     _refuse_dtype_change(self, fn)
+    # ``model.sub.to_empty()`` / ``.to(device)`` changes the shards as the root's ``_apply`` does: stage-1/2
+    # kept copies are refreshed at the next all-gather (every rank calls it alike)
+    zero.invalidate()
     return type(self)._apply(self, fn, recurse)
 
 

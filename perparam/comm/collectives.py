@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -293,9 +294,16 @@ class _Waiter:
     def watch(self, works: list, done: threading.Event, errors: list) -> None:
         self.queue.put((works, done, errors))
 
+    def retire(self) -> None:
+        """Let the thread end once it has waited on what it was given (its process group is gone)."""
+        self.queue.put(None)
+
     def _run(self) -> None:
         while True:
-            works, done, errors = self.queue.get()
+            item = self.queue.get()
+            if item is None:
+                return
+            works, done, errors = item
             for work in works:
                 try:
                     work.wait()
@@ -313,7 +321,16 @@ def _waiter(group: dist.ProcessGroup) -> _Waiter:
         waiter = _waiters.get(key)
         if waiter is None:
             waiter = _waiters[key] = _Waiter()
+            # a process group destroyed and collected (``destroy_process_group()``, then a new world) takes
+            # its thread with it: one thread per live group, however often a process makes new ones
+            weakref.finalize(group, _retire, key)
     return waiter
+
+
+def _retire(key: tuple[int, int]) -> None:
+    waiter = _waiters.pop(key, None)  # no lock: the collector may run this while this thread holds it
+    if waiter is not None:
+        waiter.retire()
 
 
 class _SumAfterPointToPoint:

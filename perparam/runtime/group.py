@@ -395,9 +395,15 @@ class ParamGroup:
         storage is alive and ``fresh`` (``versions``, the parameters' versions now, equal those when last
         gathered; else the replicated ones are copied again too), plus the stage-1/2
         ones whose kept copy needs a refresh (``zero.needs_refresh``: decided by counts every rank shares,
-        so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed."""
+        so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed.
+        Storage kept as it is whose shard was written since (``zero.check_unwritten``) is compared with it
+        first."""
         refresh = [p for p in self.kept if zero.needs_refresh(p)]
+        refreshed = {id(p) for p in refresh}
         current = self._alive and fresh
+        for p in self.gathered:  # storage kept as it is: written since by a route that does not refresh it?
+            if p.write_sig is not None and (id(p) not in refreshed if p.kept else current):
+                zero.check_unwritten(p)  # raises before anything is issued, never computes on a stale copy
         if current and not refresh:
             return None
         if not current:
@@ -406,10 +412,9 @@ class ParamGroup:
             for p in self.replicated:
                 p.fill_replicated()
         zero.mark_gathered(refresh)
-        refreshed = {id(p) for p in refresh}
-        if current:
-            return refresh
-        return [p for p in self.gathered if not p.kept or id(p) in refreshed]
+        members = refresh if current else [p for p in self.gathered if not p.kept or id(p) in refreshed]
+        zero.note_gathered(members)
+        return members
 
     def _layout_for(self, members: list[ShardedParam]) -> GroupLayout:
         """The packed all-gather layout of ``members`` (a sub-list of ``gathered``), built once per set."""

@@ -110,6 +110,10 @@ class ShardedParam:
         #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
         self.optimizer_steps = 0
+        #: weak references to the tensors ``state_dict()`` handed out for the shard (they share its storage)
+        #: and the writes seen when the unsharded storage was last gathered (``runtime.zero.check_unwritten``)
+        self.aliases: list = []
+        self.write_sig: tuple | None = None
 
     @property
     def plain(self) -> bool:

@@ -346,6 +346,7 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
             grad = sp.sharded.grad
             torch.utils.swap_tensors(sp.sharded, fresh)
             sp.sharded.grad = grad
+    sp.kept_key = None  # the shard changed: a stage-1/2 kept copy is refreshed at the next all-gather (runtime.zero)
     if group.registered_unsharded or group.storage_alive:
         group.reshard()
     sp._padded = sp._padded_data = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage

@@ -12,10 +12,17 @@ change at:
 * a load (``perparam.checkpoint.load``, ``load_full_state_dict``, ``load_state_dict``) or a device change
   (``to_empty``, ``.to(device)``): these call ``invalidate()``, which every rank calls alike.
 
-Tensor version counters are deliberately not consulted: they may differ between ranks (an empty shard),
-and the decision must be the same on every rank, since it sets the all-gather's size. An in-place change
-of a sharded parameter outside these routes (``p.mul_(0)`` under ``no_grad``) is not seen: call
-``perparam.runtime.zero.invalidate()`` after it.
+Tensor version counters do not decide a refresh: they may differ between ranks (an empty shard), and
+the decision must be the same on every rank, since it sets the all-gather's size. An in-place change of a
+sharded parameter outside these routes (``dcp.load(model.state_dict())`` not followed by
+``model.load_state_dict``, ``p.mul_(0)`` under ``no_grad``) is not refreshed: call
+``perparam.runtime.zero.invalidate()`` on every rank after it. The version counters only tell that such
+a write happened (those of the local shard and of the tensors ``state_dict()`` handed out, which share
+its storage with counters of their own): before kept storage is used again, a rank that sees one compares
+the storage with its shard and raises ``UnseenShardWriteError`` if they differ, before issuing anything,
+instead of computing with the stale copy (``check_unwritten``; also for stage-3 storage kept by
+``reshard_after_forward=False``, whose own version check cannot see writes through ``state_dict()``'s
+tensors). A rank whose shard is empty sees nothing: its peers' error stops the job.
 """
 
 from __future__ import annotations
@@ -24,10 +31,18 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from .param import ShardedParam
+
+
+class UnseenShardWriteError(RuntimeError):
+    """A shard was written in place since the unsharded storage kept for it was gathered, by a route that
+    does not refresh that storage (see the module docstring)."""
+
 
 #: default process group (one per rank, also for ranks that are threads of one process: torch's threaded
 #: process group keeps one world per thread) -> its load generation. Per rank, never per process: a load on
@@ -71,6 +86,78 @@ def needs_refresh(p: ShardedParam) -> bool:
     if key is None or not p.storage_alive or key[1] != generation():
         return True
     return key[0] != p.optimizer_steps and (key[2] or p.sharded.requires_grad)
+
+
+def lent(handed) -> None:
+    """``handed``: ``(ShardedParam, value)`` pairs of a ``state_dict()`` call. Each value's local tensor
+    shares its shard's storage with a version counter of its own (``dcp.load`` writes into it in place):
+    its writes are tracked from now on (``check_unwritten``)."""
+    for p, value in handed:
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if local is None or local is p.local_shard():
+            continue  # keep_vars=True: the shard itself, tracked already
+        p.aliases = [ref for ref in p.aliases if ref() is not None]
+        p.aliases.append(weakref.ref(local))
+        if p.write_sig is None:
+            p.write_sig = signature(p)
+        else:
+            p.write_sig = (*p.write_sig, (id(local), local._version))
+
+
+def signature(p: ShardedParam) -> tuple:
+    """(id, version) of ``p``'s local shard and of each live tensor ``state_dict()`` handed out for it: a
+    write to any of them changes it."""
+    local = p.local_shard()
+    sig, live = [(id(local), local._version)], []
+    for ref in p.aliases:
+        t = ref()
+        if t is not None:
+            live.append(ref)
+            sig.append((id(t), t._version))
+    p.aliases = live
+    return tuple(sig)
+
+
+def note_gathered(params: list[ShardedParam]) -> None:
+    """``params``' unsharded storage is being filled from their shards as they are now: their writes are
+    tracked from here when they keep it across steps (stage 1/2) or ``state_dict()`` handed them out."""
+    for p in params:
+        p.write_sig = signature(p) if p.kept or p.aliases else None
+
+
+@torch.no_grad()
+def check_unwritten(p: ShardedParam) -> None:
+    """Raise ``UnseenShardWriteError`` when ``p``'s unsharded storage, kept as it is (a stage-1/2 copy
+    current by the counts, or stage-3 storage kept by ``reshard_after_forward=False`` /
+    ``set_reshard_after_backward(False)`` whose versions say fresh), was written since it was gathered
+    (``signature`` changed) and no longer holds this rank's shard cast to the compute dtype, bit for bit,
+    in its own rows. Compared for plain parameters without TP and not offloaded (their storage's rows are
+    the cast shard exactly)."""
+    if p.write_sig is None:
+        return
+    sig = signature(p)
+    if sig == p.write_sig:
+        return
+    if not p.plain or p.tp is not None or p.policy.offload.offloaded or not p.storage_alive:
+        return
+    local = p.local_shard()
+    own = p.shard_of(p.unsharded.detach())
+    if torch.equal(own.contiguous().view(torch.uint8), local.to(own.dtype).contiguous().view(torch.uint8)):
+        p.write_sig = sig  # written, but with what it held
+        return
+    if p.kept:
+        kept = f"ZeRO stage {p.policy.zero_stage}: its unsharded copy is kept across steps"
+        fix = "perparam.runtime.zero.invalidate()"
+    else:
+        kept = "its unsharded storage is kept: reshard_after_forward=False or set_reshard_after_backward(False)"
+        fix = "reshard() on the sharded modules"
+    raise UnseenShardWriteError(
+        f"perparam: the shard of '{p.fqn}' ({kept}) was written in place since that copy was gathered, by a "
+        "route that does not refresh it (e.g. dcp.load(model.state_dict()) without "
+        "model.load_state_dict(...) after it, or an in-place change under torch.no_grad() outside an "
+        "optimizer step); computing on would use the old weights. After such a write "
+        f"call {fix} on every rank, or load through model.load_state_dict / set_model_state_dict / "
+        "perparam.checkpoint.load, which refresh it")
 
 
 def mark_gathered(params: list[ShardedParam]) -> None:
