@@ -35,13 +35,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..sharding.errors import ShardingError
+
 if TYPE_CHECKING:
     from .param import ShardedParam
 
 
-class UnseenShardWriteError(RuntimeError):
+class UnseenShardWriteError(ShardingError, RuntimeError):
     """A shard was written in place since the unsharded storage kept for it was gathered, by a route that
-    does not refresh that storage (see the module docstring)."""
+    does not refresh that storage (see the module docstring). A ``ShardingError`` and a ``RuntimeError``,
+    like perparam's other refusals of a change made after ``fully_shard``."""
 
 
 #: default process group (one per rank, also for ranks that are threads of one process: torch's threaded
