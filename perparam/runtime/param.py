@@ -94,6 +94,7 @@ class ShardedParam:
         self._padded: torch.Tensor | None = None
         self._padded_data: torch.Tensor | None = None
         self._padded_write: torch.Tensor | None = None  # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        self._padded_nbytes = 0  # bytes of ``_padded``'s storage when allocated
         self._regions: tuple | None = None  # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
@@ -200,6 +201,7 @@ class ShardedParam:
             # change of the tensors autograd saved from the unsharded parameter.
             rows = lay.buffer_rows  # (reshape first: a 0-dim buffer cannot change its element size)
             nbytes = padded.numel() * padded.element_size()
+            self._padded_nbytes = nbytes  # what ``alloc`` gives the storage back
             self._padded_data = padded.data
             self._padded_write = padded.data.reshape(-1).view(torch.uint8).view(rows, nbytes // rows)
             self._regions = None
@@ -224,9 +226,8 @@ class ShardedParam:
         """Give the padded buffer its storage back; returns the uint8 ``[K, bytes]`` copy target."""
         self._ensure_buffers()
         storage = self._padded.untyped_storage()
-        nbytes = self._padded.numel() * self._padded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        if storage.size() != self._padded_nbytes:
+            storage.resize_(self._padded_nbytes)
         return self._padded_write
 
     def free(self) -> None:
@@ -342,7 +343,8 @@ class ShardedParam:
             # cast first, reduce after: reduce_dtype governs every reduction the gradient goes through,
             # the tp one included (a Partial gradient of a parameter replicated on the tp axis is summed
             # over the tp ranks by the redistribute below)
-            grad = grad.to(self.policy.reduce_dtype)
+            if grad.dtype != self.policy.reduce_dtype:
+                grad = grad.to(self.policy.reduce_dtype)
             if isinstance(grad, DTensor):  # tp: e.g. Partial -> the parameter's own tp placements
                 if tuple(grad.placements) != self.tp.tp_placements:
                     grad = grad.redistribute(self.tp.tp_mesh, self.tp.tp_placements)
