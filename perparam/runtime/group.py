@@ -213,7 +213,8 @@ class ParamGroup:
         for p in self._versioned:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_())
             # and the steps of the optimizers holding it (foreach updates bump neither version); kept copies
             # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
-            versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
+            sharded = p.sharded
+            versions += (sharded._version, sharded._local_tensor._version, p.optimizer_steps)
         return tuple(versions)
 
     def stale(self) -> bool:
@@ -258,6 +259,10 @@ class ParamGroup:
     def trainable(self) -> list[ShardedParam]:
         """The trainable parameters of every mesh (``params``); ``trainable_mesh_params()``: of this mesh."""
         return [p for p in self.params if p.sharded.requires_grad]
+
+    def has_trainable(self) -> bool:
+        """Some parameter of some mesh is trainable (``trainable()`` is not empty), told at the first one."""
+        return any(p.sharded.requires_grad for p in self.params)
 
     @property
     def divisor(self) -> float | int:
@@ -452,8 +457,14 @@ class ParamGroup:
             part._alive = False
 
     def check_slots(self) -> None:
-        for p in self.params:
-            p.check_slots()
+        """Raise ``ReplacedAfterShardingError`` naming the first parameter whose slot holds an object perparam
+        did not register (``ShardedParam.check_slots``)."""
+        for p in self.params:  # the check of ``check_slots``, inline: once per parameter per forward
+            sharded, unsharded = p.sharded, p.unsharded
+            for module, name in p.slots:
+                current = module._parameters.get(name)
+                if current is None or (current is not sharded and current is not unsharded):
+                    p.check_slots()  # raises, with the message
 
     def register_unsharded(self) -> None:
         for p in self.params:
@@ -500,8 +511,8 @@ class ParamGroup:
         finished here. Parameters on other meshes: the same per mesh, mesh after mesh in the fixed order,
         each reduction knowing its mesh's group (``PendingReduce.part``).
         """
-        trainable = self.trainable()
         if not sync:
+            trainable = self.trainable()
             for p in trainable:
                 p.take_unsharded_grad(keep=True)
             self.unsynced = bool(trainable)
@@ -652,6 +663,7 @@ class ParamGroup:
             if fresh:
                 torch._foreach_div_([targets[i] for i in fresh], divisor)
             divided = set(fresh)
+        due = self.ctx.grad_hooks_due
         for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
             if flag <= 0:  # no rank had a gradient for it
                 continue
@@ -659,7 +671,7 @@ class ParamGroup:
                 p.accumulate_whole_grad(local)
             else:
                 p.accumulate_sharded_grad(local, None if i in divided else divisor)
-            self.ctx.grad_hooks_due.append((item.seq, i, p))
+            due.append((item.seq, i, p))
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""

@@ -223,9 +223,13 @@ class ShardedParam:
         return self._padded is not None and self._padded.untyped_storage().size() > 0
 
     def alloc(self) -> torch.Tensor:
-        """Give the padded buffer its storage back; returns the uint8 ``[K, bytes]`` copy target."""
-        self._ensure_buffers()
-        storage = self._padded.untyped_storage()
+        """Give the padded buffer its storage back; returns the uint8 ``[K, bytes]`` copy target. The buffer
+        is made again first when the local shard moved to another device (``_ensure_buffers``)."""
+        padded = self._padded
+        if padded is None or padded.device != self.sharded._local_tensor.device:
+            self._ensure_buffers()
+            padded = self._padded
+        storage = padded.untyped_storage()
         if storage.size() != self._padded_nbytes:
             storage.resize_(self._padded_nbytes)
         return self._padded_write
@@ -324,11 +328,16 @@ class ShardedParam:
             module._parameters[name] = tensor
 
     def register_unsharded(self) -> None:
-        self.unsharded.requires_grad_(self.sharded.requires_grad)
-        self.register(self.unsharded)
+        unsharded, trainable = self.unsharded, self.sharded.requires_grad
+        if unsharded.requires_grad is not trainable:
+            unsharded.requires_grad_(trainable)
+        for module, name in self.slots:
+            module._parameters[name] = unsharded
 
     def register_sharded(self) -> None:
-        self.register(self.sharded)
+        sharded = self.sharded
+        for module, name in self.slots:
+            module._parameters[name] = sharded
 
     # -- gradients --------------------------------------------------------------------------------------
     def take_unsharded_grad(self, keep: bool) -> torch.Tensor | None:
@@ -355,7 +364,9 @@ class ShardedParam:
         if keep:
             self.grad_acc = grad
             return None
-        return None if grad is None else self.layout.to_wire(grad)
+        if grad is None or self.layout.wire_is_layout:  # wire order is the parameter's (to_wire: itself)
+            return grad
+        return self.layout.to_wire(grad)
 
     def zero_grad_for_reduce(self) -> torch.Tensor:
         """Zeros in the reduce dtype, shaped like ``take_unsharded_grad``'s result (shard dim first): what a
@@ -422,7 +433,8 @@ class ShardedParam:
         for a power-of-two divisor added to an existing ``.grad`` of the reduce dtype as ``alpha=1/divisor``
         (``x / 2**m == x * 2**-m`` exactly; fused with the addition it equals dividing first unless
         ``x / 2**m`` is subnormal). ``local_grad`` may be overwritten (it is the reduction's buffer)."""
-        local_grad = self.layout.from_wire(local_grad, contiguous=True)
+        if not self.layout.wire_is_layout:  # (else from_wire is the tensor itself)
+            local_grad = self.layout.from_wire(local_grad, contiguous=True)
         dtype = self.sharded.dtype
         grad = self.sharded.grad
         tier = getattr(self, "offload", None)  # the disk tier's ParamOffload (perparam.offload.tier), if any

@@ -121,7 +121,8 @@ class ShardLayout:
     @cached_property
     def wire_is_layout(self) -> bool:
         """The gathered pieces, stacked in rank order, are the unsharded buffer's memory (``Shard(0)``,
-        ``Replicate()``): they are copied in as bytes. Otherwise (``Shard(d > 0)``) each piece is copied
+        ``Replicate()``): they are copied in as bytes, and ``to_wire``/``from_wire`` return the tensor
+        itself (the runtime skips them then). Otherwise (``Shard(d > 0)``) each piece is copied
         into its slices of the contiguous unsharded tensor (``copy_out_pairs``): the same bytes, in
         contiguous blocks of ``chunk * prod(shape[d + 1:])`` elements, and the tensor stays contiguous."""
         return self.rule.wire_is_layout
