@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import threading
 import warnings
@@ -223,7 +224,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     with _GROUPS_LOCK:
         _GROUPS.add(group)
     for sp in sharded_params:
-        sp.on_grad_ready = lambda _sp, g=group: hooks.grad_ready(g)
+        sp.on_grad_ready = functools.partial(hooks.grad_ready, group)  # called with the parameter
     for m in modules:
         attach(m, group)
         mark_fully_sharded(m)

@@ -2,10 +2,13 @@
 unsharded gradients, no packing) reduces exactly what the packed all-to-all reduce-scatter reduces, bit for
 bit, and trains alike: an empty shard, a 2/2/1 split, fp32 and bf16 parameters in one reduction with
 ``reduce_dtype`` fp32, gradients accumulated without sync then a synced backward, K = 2 and K = 3; and it is
-still one reduce-scatter per group and reduce dtype, of the packed path's bytes."""
+still one reduce-scatter per group and reduce dtype, of the packed path's bytes. What a reduction keeps per
+parameter set (``ParamGroup._reduce_plan``) follows the changes between steps: a parameter frozen and
+unfrozen, ``to_empty()`` and a load, the setting switched."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -96,10 +99,53 @@ def _into_existing_grads(rank: int, world_size: int) -> list[tuple[torch.Tensor,
     return out
 
 
+def _changing(rank: int, world_size: int) -> dict:
+    """Six SGD steps of one sharded model and of its unsharded copy on the global batch, with a change
+    before each that a reduction's kept plan must follow: none, ``1.weight`` frozen, unfrozen again,
+    ``to_empty()`` and a load of the state it had (new local shards), the packed reduce-scatter, zero-copy
+    again. The largest difference of the parameters, and the root group's plans kept."""
+    previous = perparam.configure(gloo_reduce_scatter="zero_copy")
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 5), nn.Linear(5, 3))  # 3 ranks: rank 2 holds no
+        reference = copy.deepcopy(model)                                          # row of Linear(4, 2)
+        perparam.fully_shard(model[0])
+        perparam.fully_shard(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+
+        def reload() -> None:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.to_empty(device="cpu")
+            model.load_state_dict(state)
+
+        changes = [lambda: None,
+                   lambda: [m[1].weight.requires_grad_(False) for m in (model, reference)],
+                   lambda: [m[1].weight.requires_grad_(True) for m in (model, reference)],
+                   reload,
+                   lambda: perparam.configure(gloo_reduce_scatter="all_to_all"),
+                   lambda: perparam.configure(gloo_reduce_scatter="zero_copy")]
+        g = torch.Generator().manual_seed(3)
+        for change in changes:
+            change()
+            x = torch.randn(2 * world_size, 4, generator=g)
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            model(x[2 * rank:2 * rank + 2]).pow(2).sum().backward()
+            (reference(x).pow(2).sum() / world_size).backward()  # the mean over the ranks' sums
+            opt.step()
+            ref_opt.step()
+        diff = max((p.full_tensor() - r).abs().max().item()
+                   for p, r in zip(model.parameters(), reference.parameters()))
+        return {"diff": diff, "plans": len(group_of(model)._reduce_plans)}
+    finally:
+        perparam.configure(gloo_reduce_scatter=previous.gloo_reduce_scatter)
+
+
 def both_paths(rank: int, world_size: int) -> dict:
     out = {alg: _train(rank, world_size, alg) for alg in ("all_to_all", "zero_copy")}
     if world_size == 3:  # once is enough
         out["existing"] = _into_existing_grads(rank, world_size)
+        out["changing"] = _changing(rank, world_size)
     return out
 
 
@@ -121,6 +167,9 @@ def test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixe
         assert direct["raw"]["send"] > packed["raw"]["send"] and direct["raw"]["recv"] > packed["raw"]["recv"]
         if world == 2:
             continue
+        # the kept reduction plans follow freezing, to_empty and a load, and the setting: training stays
+        # the unsharded model's (one plan per trainable set of the root: all of it, and without 1.weight)
+        assert res["changing"]["diff"] < 1e-6 and res["changing"]["plans"] == 2, (rank, res["changing"])
         # the division fused into the accumulation: what dividing, casting and adding one by one gives
         assert {got.dtype for got, _ in res["existing"]} == {torch.float32, torch.bfloat16}
         assert all(torch.equal(got, want) for got, want in res["existing"]), rank

@@ -16,6 +16,7 @@ import queue
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -361,8 +362,22 @@ class _SumAfterPointToPoint:
         return True
 
 
+def zero_gaps(offsets: Sequence[int], numels: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """The runs ``(start, length)`` of ``[0, n)`` that no piece covers (piece ``i``: ``numels[i]`` elements
+    at ``offsets[i]``), in order: the padding ``reduce_scatter_in_place`` zeroes in its output."""
+    gaps, cursor = [], 0
+    for off, numel in sorted(zip(offsets, numels), key=lambda t: t[0]):
+        if off > cursor:
+            gaps.append((cursor, off - cursor))
+        cursor = max(cursor, off + numel)
+    if cursor < n:
+        gaps.append((cursor, n - cursor))
+    return gaps
+
+
 def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tensor, offsets: list[int],
-                            group: dist.ProcessGroup, what: str = "", pool=None, async_op: bool = True):
+                            group: dist.ProcessGroup, what: str = "", pool=None, async_op: bool = True,
+                            gaps: Sequence[tuple[int, int]] | None = None):
     """Reduce-scatter tensors given as their K rank pieces, without packing them: the zero-copy
     reduce-scatter of ``perparam.configure(gloo_reduce_scatter="zero_copy")`` (gloo on CPU, K > 1).
 
@@ -378,7 +393,8 @@ def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tens
     receive of the peer's piece of this rank's chunk (K = 2: into ``output``; K > 2: into the buffer);
     point-to-point with tag ``i``, peers in a rotation, in the same order on every rank (gloo pairs
     same-tag messages in posting order). Recorded as one reduce-scatter of ``K * n`` elements, the packed
-    reduce-scatter's figure. ``pieces`` must stay untouched until ``wait()``."""
+    reduce-scatter's figure. ``pieces`` must stay untouched until ``wait()``. ``gaps``: ``zero_gaps`` of the
+    offsets and this rank's piece sizes, when the caller keeps it (computed here when ``None``)."""
     k, me = group.size(), group.rank()
     dtype, device = output.dtype, output.device
     if debug.debug_enabled():
@@ -388,13 +404,8 @@ def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tens
     n = output.numel()
     own = [p[me] for p in pieces]
     # the gaps of ``output`` (padding) between the pieces are zeros, as a sum of zero padding would be
-    gaps, cursor = [], 0
-    for off, piece in sorted(zip(offsets, own), key=lambda t: t[0]):
-        if off > cursor:
-            gaps.append((cursor, off - cursor))
-        cursor = max(cursor, off + piece.numel())
-    if cursor < n:
-        gaps.append((cursor, n - cursor))
+    if gaps is None:
+        gaps = zero_gaps(offsets, [piece.numel() for piece in own], n)
     raw = None
     if k == 2:
         into = [output.narrow(0, off, piece.numel()) for off, piece in zip(offsets, own)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from operator import itemgetter
 
 from ..comm.buffers import IN_FLIGHT_GROUPS, BufferPool
 from .group import ParamGroup
@@ -113,7 +114,7 @@ class IterationContext:
         order the reductions finished in). Called at the end of the final callback, when every reduction
         of the backward has finished and the model is back to IDLE: a hook that steps an optimizer
         (optimizer in backward) or issues collectives cannot change what this backward all-gathers."""
-        due, self.grad_hooks_due = sorted(self.grad_hooks_due, key=lambda entry: entry[:2]), []
+        due, self.grad_hooks_due = sorted(self.grad_hooks_due, key=itemgetter(0, 1)), []  # (seq, index)
         for _, _, p in due:
             hooks = p.sharded._post_accumulate_grad_hooks
             if hooks:

@@ -23,7 +23,7 @@ from ..sharding.layout import GroupLayout, reduce_scatter_offsets
 from . import config, grad_quant, partial, registration, zero, zero_copy, zero_copy_reduce
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .reduction import PendingReduce, pack_reduce_scatter_input
+from .reduction import PendingReduce, ReducePlan, pack_reduce_scatter_input, reduce_plan
 from .state import ALLOWED, StateError, TrainingState
 
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
@@ -82,6 +82,7 @@ class ParamGroup:
         self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
         self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
         self._plans: dict[int, _GatherPlan] = {}  # id(layout) of ``layout``/``_layouts`` -> its ``_gather_plan``
+        self._reduce_plans: dict[tuple[ShardedParam, ...], ReducePlan] = {}  # a reduction's params -> its plan
         self._versioned = [p for p in own if not p.kept]  # what ``_versions`` reads (``kept`` is fixed)
         self._what_cache: tuple | None = None  # ((path, registration generation), ``_what``)
         self.reshard_after_forward = reshard_after_forward
@@ -212,7 +213,8 @@ class ParamGroup:
         for p in self._versioned:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_())
             # and the steps of the optimizers holding it (foreach updates bump neither version); kept copies
             # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
-            versions += (p.sharded._version, p.local_shard()._version, p.optimizer_steps)
+            sharded = p.sharded
+            versions += (sharded._version, sharded._local_tensor._version, p.optimizer_steps)
         return tuple(versions)
 
     def stale(self) -> bool:
@@ -257,6 +259,10 @@ class ParamGroup:
     def trainable(self) -> list[ShardedParam]:
         """The trainable parameters of every mesh (``params``); ``trainable_mesh_params()``: of this mesh."""
         return [p for p in self.params if p.sharded.requires_grad]
+
+    def has_trainable(self) -> bool:
+        """Some parameter of some mesh is trainable (``trainable()`` is not empty), told at the first one."""
+        return any(p.sharded.requires_grad for p in self.params)
 
     @property
     def divisor(self) -> float | int:
@@ -456,8 +462,14 @@ class ParamGroup:
             part._alive = False
 
     def check_slots(self) -> None:
-        for p in self.params:
-            p.check_slots()
+        """Raise ``ReplacedAfterShardingError`` naming the first parameter whose slot holds an object perparam
+        did not register (``ShardedParam.check_slots``)."""
+        for p in self.params:  # the check of ``check_slots``, inline: once per parameter per forward
+            sharded, unsharded = p.sharded, p.unsharded
+            for module, name in p.slots:
+                current = module._parameters.get(name)
+                if current is None or (current is not sharded and current is not unsharded):
+                    p.check_slots()  # raises, with the message
 
     def register_unsharded(self) -> None:
         for p in self.params:
@@ -504,8 +516,8 @@ class ParamGroup:
         finished here. Parameters on other meshes: the same per mesh, mesh after mesh in the fixed order,
         each reduction knowing its mesh's group (``PendingReduce.part``).
         """
-        trainable = self.trainable()
         if not sync:
+            trainable = self.trainable()
             for p in trainable:
                 p.take_unsharded_grad(keep=True)
             self.unsynced = bool(trainable)
@@ -546,16 +558,17 @@ class ParamGroup:
                 pending.append(item)
                 continue
             comm = self.driver.reduce_scatter_comm
-            if zero_copy_reduce.applies(params, self.reduce_shard_pg, config.current().gloo_reduce_scatter, comm,
-                                        self.hpz):  # no packing: perparam/runtime/zero_copy_reduce.py
-                item = zero_copy_reduce.issue(self, params, grads, used, dtype)
+            plan = self._reduce_plan(params)
+            if (plan.zero_copy and zero_copy_reduce.wanted(config.current().gloo_reduce_scatter, comm, self.hpz)
+                    and zero_copy_reduce.on_cpu(grads)):  # no packing: perparam/runtime/zero_copy_reduce.py
+                item = zero_copy_reduce.issue(self, params, grads, used, dtype, plan)
                 item.part = self
                 pending.append(item)
                 continue
             flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
             # [K, sum(padded_local_numel) + len(params)]
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
-            offsets, total = reduce_scatter_offsets([p.layout for p in params])
+            offsets, total = plan.offsets, plan.total
             recv = (comm.allocate((total,), dtype=dtype, device=send.device) if comm is not None
                     else send.new_empty(total))
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
@@ -586,6 +599,20 @@ class ParamGroup:
         is advanced by that mesh's group (``item.part``)."""
         part = item.part if item.part is not None else self
         return part._advance(item, block)
+
+    def _reduce_plan(self, params: tuple[ShardedParam, ...]) -> ReducePlan:
+        """What never changes for a reduction of ``params`` (a sub-tuple of ``mesh_params``, in order; one
+        reduce dtype): offsets, this rank's views of the output, zero-copy eligibility and per-rank row
+        sizes. Built once per parameter set (the trainable set may change between steps: another key); the
+        layouts, shard ranks, placements and the mesh's process group are fixed at ``fully_shard``. What
+        may change is read at each reduction instead, as for ``_gather_plan``: the settings (``config``, a
+        custom reduce-scatter, hpZ: ``zero_copy_reduce.wanted``) and the gradients' device (``to_empty``,
+        ``.to``, a ``.data`` swap: ``zero_copy_reduce.on_cpu``)."""
+        plan = self._reduce_plans.get(params)
+        if plan is None:
+            zero = self.num_shards > 1 and zero_copy_reduce.eligible(params, self.reduce_shard_pg)
+            plan = self._reduce_plans[params] = reduce_plan(params, zero, collectives.zero_gaps)
+        return plan
 
     def _advance(self, item: PendingReduce, block: bool) -> bool:
         if item.stage == 0:
@@ -633,8 +660,7 @@ class ParamGroup:
             targets = [piece if p.policy.whole_grad else piece.view(p.layout.global_shape)  # (tp-local)
                        for p, piece in zip(item.params, pieces)]
         else:
-            targets = [recv.narrow(0, offset, p.layout.padded_local_numel).view(p.layout.wire_shape)
-                       .narrow(0, 0, p.layout.extent(p.shard_rank)[1]) for p, offset in zip(item.params, item.offsets)]
+            targets = self._reduce_plan(item.params).targets(recv)
             # divided on the way into .grad, only where some rank had a gradient: pieces that become a new
             # .grad of their own dtype in one foreach division here, the rest in their accumulation's pass
             fresh = [i for i, (p, flag) in enumerate(zip(item.params, flags))
@@ -642,6 +668,7 @@ class ParamGroup:
             if fresh:
                 torch._foreach_div_([targets[i] for i in fresh], divisor)
             divided = set(fresh)
+        due = self.ctx.grad_hooks_due
         for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
             if flag <= 0:  # no rank had a gradient for it
                 continue
@@ -649,7 +676,7 @@ class ParamGroup:
                 p.accumulate_whole_grad(local)
             else:
                 p.accumulate_sharded_grad(local, None if i in divided else divisor)
-            self.ctx.grad_hooks_due.append((item.seq, i, p))
+            due.append((item.seq, i, p))
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""

@@ -160,7 +160,7 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
                 # its backward may need its parameters on some rank: part of the fixed backward
                 # all-gather order, unless it can have no backward anywhere (nothing trainable and no
                 # floating-point input: e.g. a frozen embedding of token ids)
-                if group.trainable() or any(t.is_floating_point() for t in tensors_in((args, kwargs))):
+                if group.has_trainable() or any(t.is_floating_point() for t in tensors_in((args, kwargs))):
                     ctx.backward_groups.append(group)
         group.forward_depth += 1
         group.unshard()
@@ -256,7 +256,7 @@ def _queue_final_callback(ctx: IterationContext) -> None:
         ctx.callback_queued = True
         # reductions: the groups with trainable parameters, in reverse forward order (the same on every
         # rank; whether a group's inputs require grad may differ between ranks, so it must not matter)
-        ctx.reduce_order = [g for g in ctx.grad_order[::-1] if g.trainable()]
+        ctx.reduce_order = [g for g in ctx.grad_order[::-1] if g.has_trainable()]
         ctx.reduce_cursor = 0
         # the root first (when it has a backward: a root without parameters has none), then the reverse
         # forward order (groups that may have a backward on some rank)
@@ -304,11 +304,16 @@ def _pre_backward(group: ParamGroup) -> None:
     group.register_unsharded()
 
 
+def grad_ready(group: ParamGroup, _param=None) -> None:
+    """A gradient was accumulated into one of ``group``'s unsharded parameters (``_param``: which one, the
+    hook's argument, unused). In the group's backward (every gradient but a late one) there is nothing to
+    do: told here, before the runtime's untraced entry point, once per parameter per backward."""
+    if group.state is not PRE_BACKWARD:
+        _late_grad(group)
+
+
 @untraced
-def grad_ready(group: ParamGroup) -> None:
-    """A gradient was accumulated into one of ``group``'s unsharded parameters."""
-    if group.state is PRE_BACKWARD:
-        return
+def _late_grad(group: ParamGroup) -> None:
     # outside a backward the hooks saw (manual unshard, a graph built with create_graph), or after the
     # group's post-backward (a parameter also used before the group's forward): reduce at the final callback
     group.transition(PRE_BACKWARD)

@@ -94,6 +94,7 @@ class ShardedParam:
         self._padded: torch.Tensor | None = None
         self._padded_data: torch.Tensor | None = None
         self._padded_write: torch.Tensor | None = None  # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        self._padded_nbytes = 0  # bytes of ``_padded``'s storage when allocated
         self._regions: tuple | None = None  # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
@@ -204,6 +205,7 @@ class ShardedParam:
             # change of the tensors autograd saved from the unsharded parameter.
             rows = lay.buffer_rows  # (reshape first: a 0-dim buffer cannot change its element size)
             nbytes = padded.numel() * padded.element_size()
+            self._padded_nbytes = nbytes  # what ``alloc`` gives the storage back
             self._padded_data = padded.data
             self._padded_write = padded.data.reshape(-1).view(torch.uint8).view(rows, nbytes // rows)
             self._regions = None
@@ -225,12 +227,15 @@ class ShardedParam:
         return self._padded is not None and self._padded.untyped_storage().size() > 0
 
     def alloc(self) -> torch.Tensor:
-        """Give the padded buffer its storage back; returns the uint8 ``[K, bytes]`` copy target."""
-        self._ensure_buffers()
-        storage = self._padded.untyped_storage()
-        nbytes = self._padded.numel() * self._padded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        """Give the padded buffer its storage back; returns the uint8 ``[K, bytes]`` copy target. The buffer
+        is made again first when the local shard moved to another device (``_ensure_buffers``)."""
+        padded = self._padded
+        if padded is None or padded.device != self.sharded._local_tensor.device:
+            self._ensure_buffers()
+            padded = self._padded
+        storage = padded.untyped_storage()
+        if storage.size() != self._padded_nbytes:
+            storage.resize_(self._padded_nbytes)
         return self._padded_write
 
     def free(self) -> None:
@@ -327,11 +332,16 @@ class ShardedParam:
             module._parameters[name] = tensor
 
     def register_unsharded(self) -> None:
-        self.unsharded.requires_grad_(self.sharded.requires_grad)
-        self.register(self.unsharded)
+        unsharded, trainable = self.unsharded, self.sharded.requires_grad
+        if unsharded.requires_grad is not trainable:
+            unsharded.requires_grad_(trainable)
+        for module, name in self.slots:
+            module._parameters[name] = unsharded
 
     def register_sharded(self) -> None:
-        self.register(self.sharded)
+        sharded = self.sharded
+        for module, name in self.slots:
+            module._parameters[name] = sharded
 
     # -- gradients --------------------------------------------------------------------------------------
     def take_unsharded_grad(self, keep: bool) -> torch.Tensor | None:
@@ -346,7 +356,8 @@ class ShardedParam:
             # cast first, reduce after: reduce_dtype governs every reduction the gradient goes through,
             # the tp one included (a Partial gradient of a parameter replicated on the tp axis is summed
             # over the tp ranks by the redistribute below)
-            grad = grad.to(self.policy.reduce_dtype)
+            if grad.dtype != self.policy.reduce_dtype:
+                grad = grad.to(self.policy.reduce_dtype)
             if isinstance(grad, DTensor):  # tp: e.g. Partial -> the parameter's own tp placements
                 if tuple(grad.placements) != self.tp.tp_placements:
                     grad = grad.redistribute(self.tp.tp_mesh, self.tp.tp_placements)
@@ -357,7 +368,9 @@ class ShardedParam:
         if keep:
             self.grad_acc = grad
             return None
-        return None if grad is None else self.layout.to_wire(grad)
+        if grad is None or self.layout.wire_is_layout:  # wire order is the parameter's (to_wire: itself)
+            return grad
+        return self.layout.to_wire(grad)
 
     def zero_grad_for_reduce(self) -> torch.Tensor:
         """Zeros in the reduce dtype, shaped like ``take_unsharded_grad``'s result (shard dim first): what a
@@ -424,7 +437,8 @@ class ShardedParam:
         for a power-of-two divisor added to an existing ``.grad`` of the reduce dtype as ``alpha=1/divisor``
         (``x / 2**m == x * 2**-m`` exactly; fused with the addition it equals dividing first unless
         ``x / 2**m`` is subnormal). ``local_grad`` may be overwritten (it is the reduction's buffer)."""
-        local_grad = self.layout.from_wire(local_grad, contiguous=True)
+        if not self.layout.wire_is_layout:  # (else from_wire is the tensor itself)
+            local_grad = self.layout.from_wire(local_grad, contiguous=True)
         dtype = self.sharded.dtype
         grad = self.sharded.grad
         tier = getattr(self, "offload", None)  # the disk tier's ParamOffload (perparam.offload.tier), if any

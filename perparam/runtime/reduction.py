@@ -4,13 +4,14 @@ without ever waiting in backward."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..comm.buffers import BufferPool
-from ..sharding.layout import ceil_div
+from ..sharding.layout import ceil_div, reduce_scatter_offsets
 
 if TYPE_CHECKING:
     from .param import ShardedParam
@@ -33,6 +34,52 @@ class PendingReduce:
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
     part: object = None  # the ParamGroup of the mesh it runs on (a companion, for a parameter's own mesh)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
+
+
+class ReducePlan(NamedTuple):
+    """What never changes for the reduction of one set of parameters (``ParamGroup._reduce_plan``): pure
+    functions of their layouts and shard ranks, fixed at ``fully_shard``, so built once per parameter set
+    (the set itself may change between steps: a parameter frozen or unfrozen makes another set)."""
+
+    offsets: tuple[int, ...]  # element offset of each parameter's piece in the reduction's output
+    total: int  # the output's elements: padded pieces, then one used flag per parameter
+    #: per parameter ``(offset, numel, shape)``: this rank's rows of its summed gradient in the output, in
+    #: wire order (split dim first; ``shape[0]``: the rows this rank holds, 0 for an empty shard)
+    views: tuple[tuple[int, int, tuple[int, ...]], ...]
+    zero_copy: bool  # ``zero_copy_reduce.eligible``: the zero-copy reduce-scatter may carry it
+    #: zero-copy only (else empty): per parameter, the elements of each rank's rows of the whole gradient
+    rank_numels: tuple[tuple[int, ...], ...]
+    #: zero-copy only: the output's runs of padding, ``(start, length)`` (``collectives.zero_gaps``)
+    gaps: tuple[tuple[int, int], ...]
+
+    def targets(self, recv: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``recv`` (the reduction's output, ``[total]``): each parameter's rows on this rank, in
+        wire order (``ShardLayout.wire_shape`` narrowed to the rank's extent)."""
+        return [recv.narrow(0, offset, numel).view(shape) for offset, numel, shape in self.views]
+
+
+def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None) -> ReducePlan:
+    """The ``ReducePlan`` of ``params`` (in the reduction's order); ``zero_copy``: their reduction may run
+    zero-copy (``zero_copy_reduce.eligible``: every parameter plain ``Shard(0)``), so the per-rank row
+    sizes are worked out too; ``gaps``: a function of (offsets, this rank's numels, total) giving the
+    output's padding runs (``collectives.zero_gaps``), for the zero-copy path."""
+    offsets, total = reduce_scatter_offsets([p.layout for p in params])
+    views = []
+    for p, offset in zip(params, offsets):
+        lay = p.layout
+        shape = (lay.extent(p.shard_rank)[1], *lay.wire_shape[1:])
+        views.append((offset, math.prod(shape), shape))
+    rank_numels: list[tuple[int, ...]] = []
+    runs: tuple = ()
+    if zero_copy:
+        for p in params:
+            lay = p.layout
+            row = lay.numel // lay.global_shape[0] if lay.global_shape[0] else 0
+            rank_numels.append(tuple(lay.extent(r)[1] * row for r in range(lay.num_shards)))
+        if gaps is not None:
+            own = [numel for _, numel, _ in views] + [len(params)]
+            runs = tuple(gaps([*offsets, total - len(params)], own, total))
+    return ReducePlan(offsets, total, tuple(views), zero_copy, tuple(rank_numels), runs)
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,

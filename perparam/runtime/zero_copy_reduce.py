@@ -20,48 +20,60 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..sharding.layout import reduce_scatter_offsets
 from .param import ShardedParam
-from .reduction import PendingReduce
+from .reduction import PendingReduce, ReducePlan
+
+
+def wanted(algorithm: str, comm, hpz) -> bool:
+    """The runtime's settings allow a zero-copy reduce-scatter: ``algorithm`` (``config.gloo_reduce_scatter``)
+    is ``"zero_copy"``, no custom reduce-scatter ``comm``, no hpZ ``hpz``. Read at every reduction
+    (``perparam.configure`` applies from the next collective on)."""
+    return algorithm == "zero_copy" and comm is None and hpz is None
+
+
+def eligible(params, group: dist.ProcessGroup) -> bool:
+    """What never changes for one set of parameters: K > 1 on gloo and every parameter plain ``Shard(0)``
+    without TP. ``ParamGroup`` asks once per parameter set and keeps the answer in its ``ReducePlan``."""
+    if group.size() == 1 or dist.get_backend(group) != "gloo":
+        return False
+    return all(p.plain and p.layout.wire_is_layout and p.tp is None for p in params)
+
+
+def on_cpu(tensors) -> bool:
+    """Every tensor (the gradients a reduction sends) is on the CPU: the one condition read at each
+    reduction (``to_empty``, ``.to`` or a ``.data`` swap may move a shard, and its gradients with it)."""
+    return all(t.is_cpu for t in tensors)
 
 
 def applies(params, group: dist.ProcessGroup, algorithm: str, comm, hpz) -> bool:
     """Whether the reduction of ``params`` (one reduce dtype, no ``grad_quant``) over ``group`` runs
-    zero-copy (see the module docstring): ``algorithm`` (``config.gloo_reduce_scatter``) is
-    ``"zero_copy"``, no custom reduce-scatter ``comm``, no hpZ ``hpz``, K > 1 on gloo, on CPU, and every
-    parameter plain ``Shard(0)`` without TP."""
-    if algorithm != "zero_copy" or comm is not None or hpz is not None or group.size() == 1:
-        return False
-    if dist.get_backend(group) != "gloo":
-        return False
-    return all(p.plain and p.layout.wire_is_layout and p.tp is None and p.local_shard().device.type == "cpu"
-               for p in params)
+    zero-copy (see the module docstring): ``wanted``, ``eligible`` and every local shard on the CPU."""
+    return (wanted(algorithm, comm, hpz) and eligible(params, group)
+            and on_cpu([p.local_shard() for p in params]))
 
 
-def _rank_pieces(p: ShardedParam, grad: torch.Tensor) -> list[torch.Tensor]:
+def _rank_pieces(grad: torch.Tensor, numels: tuple[int, ...]) -> list[torch.Tensor]:
     """Per rank, the flat contiguous slice of ``grad`` (the whole gradient, ``Shard(0)``: dim 0 split)
-    holding that rank's rows (empty for a rank without rows)."""
-    lay = p.layout
+    holding that rank's rows (empty for a rank without rows); ``numels``: their sizes
+    (``ReducePlan.rank_numels``), which add up to the gradient's, in rank order."""
     if not grad.is_contiguous():
         grad = grad.contiguous()
-    flat = grad.reshape(-1)
-    row = lay.numel // lay.global_shape[0] if lay.global_shape[0] else 0
-    return [flat.narrow(0, start * row, length * row) for start, length in map(lay.extent, range(lay.num_shards))]
+    return grad.reshape(-1).split_with_sizes(numels)
 
 
 def issue(group, params: tuple[ShardedParam, ...], grads: tuple[torch.Tensor, ...], used: tuple[bool, ...],
-          dtype: torch.dtype) -> PendingReduce:
+          dtype: torch.dtype, plan: ReducePlan) -> PendingReduce:
     """Start the zero-copy reduce-scatter of ``params`` (``grads``: their whole gradients in ``dtype``,
     the reduce dtype; ``used``: this rank had a gradient for it) over the group's shard axis. The
     reduction's ``recv`` is the packed path's ``[sum(padded_local_numel) + len(params)]`` piece, filled
-    at ``wait()``. ``group``: a ``perparam.runtime.group.ParamGroup``."""
+    at ``wait()``. ``group``: a ``perparam.runtime.group.ParamGroup``; ``plan``: its ``ReducePlan`` of
+    ``params`` (zero-copy)."""
     k = group.num_shards
-    offsets, total = reduce_scatter_offsets([p.layout for p in params])
     device = grads[0].device
     flags = torch.tensor(used, dtype=dtype, device=device)
-    pieces = [_rank_pieces(p, g) for p, g in zip(params, grads)] + [[flags] * k]
-    recv = torch.empty(total, dtype=dtype, device=device)
-    work = collectives.reduce_scatter_in_place(pieces, recv, [*offsets, total - len(params)],
+    pieces = [_rank_pieces(g, numels) for g, numels in zip(grads, plan.rank_numels)] + [[flags] * k]
+    recv = torch.empty(plan.total, dtype=dtype, device=device)
+    work = collectives.reduce_scatter_in_place(pieces, recv, [*plan.offsets, plan.total - len(params)],
                                                group.reduce_shard_pg, what=f"{group._what} [{dtype}]",
-                                               pool=group.pool)
-    return PendingReduce(work, None, recv, tuple(params), offsets)
+                                               pool=group.pool, gaps=plan.gaps)
+    return PendingReduce(work, None, recv, tuple(params), plan.offsets)

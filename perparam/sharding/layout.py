@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch.distributed.tensor import Placement, Shard
@@ -68,13 +69,16 @@ class ShardLayout:
         # made once: every figure below asks it, at each all-gather and reduction (not a field: not compared)
         object.__setattr__(self, "_rule", rule(self.placement))
         self.rule.check(self.global_shape)
+        # the per-rank figures, computed at their first read (``extent``, ``local_shape``): pure functions of
+        # the fields, asked for every parameter at every all-gather and reduction
+        object.__setattr__(self, "_per_rank", {})
 
     @property
     def rule(self) -> PlacementRule:
         """The rule of ``placement`` (``perparam.sharding.placement.rule``), made once per layout."""
         return self._rule
 
-    @property
+    @cached_property
     def gathered(self) -> bool:
         """All-gathered in the group's collective (sharded); ``False``: replicated, never gathered."""
         return self.rule.gathered
@@ -84,45 +88,46 @@ class ShardLayout:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.global_shape)
 
-    @property
+    @cached_property
     def chunk(self) -> int:
         """Padded extent of every rank's piece along the split dim (``ceil(S[d] / K)``; replicated: the
         whole dim 0, 1 for a 0-dim shape)."""
         return self.rule.chunk(self.global_shape, self.num_shards)
 
-    @property
+    @cached_property
     def padded_local_shape(self) -> tuple[int, ...]:
         return self.rule.padded_local_shape(self.global_shape, self.num_shards)
 
-    @property
+    @cached_property
     def padded_local_numel(self) -> int:
         return math.prod(self.padded_local_shape)
 
-    @property
+    @cached_property
     def wire_shape(self) -> tuple[int, ...]:
         """The padded local shard with the split dim moved to the front: a rank's piece of a reduce-scatter
         (``to_wire`` of the gradient), so that the K pieces stack along dim 0. An all-gather piece keeps the
         parameter's own dim order instead (``send_view``, ``copy_out_pairs``)."""
         return self.rule.wire_shape(self.padded_local_shape)
 
-    @property
+    @cached_property
     def padded_global_shape(self) -> tuple[int, ...]:
         """Shape of the all-gathered tensor before the padding is cut off (K chunks of ``chunk``)."""
         return self.rule.padded_global_shape(self.global_shape, self.num_shards)
 
-    @property
+    @cached_property
     def wire_is_layout(self) -> bool:
         """The gathered pieces, stacked in rank order, are the unsharded buffer's memory (``Shard(0)``,
-        ``Replicate()``): they are copied in as bytes. Otherwise (``Shard(d > 0)``) each piece is copied
+        ``Replicate()``): they are copied in as bytes, and ``to_wire``/``from_wire`` return the tensor
+        itself (the runtime skips them then). Otherwise (``Shard(d > 0)``) each piece is copied
         into its slices of the contiguous unsharded tensor (``copy_out_pairs``): the same bytes, in
         contiguous blocks of ``chunk * prod(shape[d + 1:])`` elements, and the tensor stays contiguous."""
         return self.rule.wire_is_layout
 
-    @property
+    @cached_property
     def buffer_shape(self) -> tuple[int, ...]:
         """The unsharded buffer: ``padded_global_shape`` (dim 0 padded to K chunks) for ``Shard(0)``, the
         gathered pieces as they arrive; ``global_shape`` (no padding) for ``Shard(d > 0)`` and
@@ -131,7 +136,7 @@ class ShardLayout:
             return self.rule.wire_shape(self.padded_global_shape)
         return self.global_shape
 
-    @property
+    @cached_property
     def buffer_rows(self) -> int:
         """Ranks whose pieces fill the buffer as rows of bytes: K for ``Shard(0)``, 1 otherwise."""
         return self.num_shards if self.gathered and self.wire_is_layout else 1
@@ -156,15 +161,25 @@ class ShardLayout:
         return self.rule.copy_out_pairs(buffer, rows, first, self.num_shards)
 
     # -- per rank --------------------------------------------------------------------------------------
+    def _rank(self, rank: int) -> tuple[tuple[int, int], tuple[int, ...], int]:
+        """``(extent, local_shape, local_numel)`` of shard ``rank``, computed once per rank (``ValueError``
+        from ``chunk_extent`` for a rank out of range, never cached)."""
+        figures = self._per_rank.get(rank)
+        if figures is None:
+            extent = self.rule.extent(self.global_shape, self.num_shards, rank)
+            shape = self.rule.local_shape(self.global_shape, self.num_shards, rank)
+            figures = self._per_rank[rank] = (extent, shape, math.prod(shape))
+        return figures
+
     def extent(self, rank: int) -> tuple[int, int]:
         """``(start, length)`` along the split dim of the slices held by shard ``rank``."""
-        return self.rule.extent(self.global_shape, self.num_shards, rank)
+        return self._rank(rank)[0]
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        return self.rule.local_shape(self.global_shape, self.num_shards, rank)
+        return self._rank(rank)[1]
 
     def local_numel(self, rank: int) -> int:
-        return math.prod(self.local_shape(rank))
+        return self._rank(rank)[2]
 
     def local_bytes(self, rank: int) -> int:
         """Bytes of this rank's shard as stored (no padding)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch.distributed.tensor import DeviceMesh, Placement, Shard  # (DeviceMesh: the type only)
@@ -202,12 +203,12 @@ class ResolvedPolicy:
     #: its gradient's reduce-scatter wire format (``ParamPolicy.grad_quant``); ``None``: ``reduce_dtype``
     grad_quant: GradQuant | None = None
 
-    @property
+    @cached_property  # a pure function of the fields, read per parameter per reduction
     def keeps_unsharded(self) -> bool:
         """Stage 1 or 2 on a sharded placement: the unsharded parameter is kept across steps."""
         return self.zero_stage in (1, 2) and rule(self.placement).gathered
 
-    @property
+    @cached_property  # a pure function of the fields, read per parameter per reduction
     def whole_grad(self) -> bool:
         """Stage 1 on a sharded placement: the gradient is all-reduced and kept whole on every rank."""
         return self.zero_stage == 1 and rule(self.placement).gathered
