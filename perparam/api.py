@@ -144,6 +144,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping)) or callable(param_policy)):
         raise ShardingError(f"param_policy must be a ParamPolicy, a mapping from glob patterns to ParamPolicy, or a "
                             f"callable (name, param) -> ParamPolicy | None; got {type(param_policy).__name__}")
+    if not isinstance(mp_policy.cast_forward_inputs, bool):
+        raise ShardingError(f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got "
+                            f"{mp_policy.cast_forward_inputs!r}")
     for field in ("param_dtype", "reduce_dtype", "output_dtype", "master_dtype"):
         dtype = getattr(mp_policy, field)
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -169,11 +172,14 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
                                 "module (to re-group, build the model again)")
 
+    owner = ", ".join(type(m).__name__ for m in modules)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ShardingError("this rank is not part of the mesh passed to fully_shard")
+        raise ShardingError(f"fully_shard({owner}): this rank ({dist.get_rank()}) is not in the mesh passed "
+                            f"(ranks {mesh.mesh.flatten().tolist()}); call fully_shard on a rank only with a mesh "
+                            "that holds it (each rank passes the mesh it belongs to), or leave mesh=None for "
+                            "all ranks")
     shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
-    owner = ", ".join(type(m).__name__ for m in modules)
 
     refusal = readers.check_readers(modules, group_of)
     if refusal is not None:

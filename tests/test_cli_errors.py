@@ -148,3 +148,26 @@ def test_plan_on_an_80_column_terminal_never_cuts_a_number(monkeypatch):
     for number in ("389,421,600", "24,921,779,200", "18.691334", "+0.005%", "vs formula"):
         assert number in text, (number, text)
     assert "plan: rank 0" in text
+
+
+def test_plan_budget_flags_are_checked_before_planning_in_one_line(capsys, tmp_path):
+    plan = ["plan", "--preset", "gpt2-tiny", "--world", "4"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for extra, expect in [
+        (["--budget", "1e6", "--write-policy", str(tmp_path / "missing" / "p.json")], "does not exist"),
+        (["--budget", "1e6", "--write-policy", str(a_file / "p.json")], "does not exist"),
+        (["--budget", "1e6", "--write-policy", str(tmp_path)], "is a folder"),
+        (["--write-policy", str(tmp_path / "p.json")], "add --budget BYTES"),
+        (["--offload-dir", str(tmp_path)], "add --budget BYTES"),
+        (["--budget", "1e6", "--json"], "drop --json"),
+    ]:
+        assert main([*plan, *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("perparam plan: ") and expect in err[0], (extra, err)
+    assert not list(tmp_path.glob("**/p.json"))
+    with pytest.raises(SystemExit) as exc:
+        main([*plan, "--budget", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "a byte count must be >= 0" in err and "parse_bytes" not in err, err

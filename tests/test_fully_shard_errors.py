@@ -136,3 +136,74 @@ def mesh_none_without_process_group(rank: int, world_size: int) -> str:
 
 def test_mesh_none_needs_a_process_group():
     assert "init_process_group" in run_distributed(mesh_none_without_process_group, 1)[0]
+
+
+def wrong_field_types(rank: int, world_size: int) -> dict[str, str]:
+    """Each policy field given a value of the wrong type, in one process: case -> the error's message."""
+    pp, qp = perparam.ParamPolicy, perparam.QuantPolicy
+    calls = {
+        "pattern_not_a_string": {"param_policy": {0: pp()}},
+        "quant_as_a_string": {"param_policy": pp(quant="int8")},
+        "requires_grad_as_a_string": {"param_policy": pp(requires_grad="no")},
+        "store_quantized_as_a_string": {"param_policy": pp(requires_grad=False,
+                                                             quant=qp("int8", store_quantized="yes"))},
+        "pin_memory_as_a_string": {"offload_policy": perparam.OffloadPolicy("cpu", pin_memory="no")},
+        "cast_forward_inputs_as_a_string": {"mp_policy": perparam.MixedPrecisionPolicy(cast_forward_inputs="no")},
+    }
+    out = {}
+    for case, kwargs in calls.items():
+        try:
+            perparam.fully_shard(nn.Linear(2, 2), **kwargs)
+            out[case] = "no error"
+        except ShardingError as e:
+            out[case] = str(e)
+    return out
+
+
+WRONG_TYPES = {
+    "pattern_not_a_string": ["pattern 0", "glob strings", "'weight'"],
+    "quant_as_a_string": ["'weight'", "ParamPolicy(quant=QuantPolicy('int8'))"],
+    "requires_grad_as_a_string": ["'weight'", "True, False or None", "'no'"],
+    "store_quantized_as_a_string": ["'weight'", "store_quantized", "'yes'"],
+    "pin_memory_as_a_string": ["offload_policy", "pin_memory='no'", "True or False"],
+    "cast_forward_inputs_as_a_string": ["cast_forward_inputs", "'no'"],
+}
+
+
+def test_policy_fields_of_a_wrong_type_are_named_and_explained():
+    messages = run_distributed(wrong_field_types, 1)[0]
+    for case, fragments in WRONG_TYPES.items():
+        for fragment in fragments:
+            assert fragment in messages[case], (case, fragment, messages[case])
+
+
+def meta_forward_and_foreign_mesh(rank: int, world_size: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    out = {}
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # 2 rows on 2 ranks
+    perparam.fully_shard(model[0])
+    perparam.fully_shard(model)
+    try:
+        model(torch.randn(2, 4))
+        out["meta"] = "no error"
+    except ShardingError as e:
+        out["meta"] = str(e)
+    mesh = DeviceMesh("cpu", [0])  # every rank builds it; rank 1 is not in it
+    if rank == 1:
+        try:
+            perparam.fully_shard(nn.Linear(2, 2), mesh=mesh)
+            out["foreign_mesh"] = "no error"
+        except ShardingError as e:
+            out["foreign_mesh"] = str(e)
+    return out
+
+
+def test_meta_model_forward_and_a_mesh_without_this_rank_are_named_on_every_rank():
+    results = run_distributed(meta_forward_and_foreign_mesh, 2)
+    for out in results:  # every rank raises before any collective: no rank waits for another
+        for fragment in ("'1.weight'", "ShardedSequential", "meta device", "to_empty", "load_full_state_dict"):
+            assert fragment in out["meta"], (fragment, out["meta"])
+    for fragment in ("fully_shard(Linear)", "rank (1)", "ranks [0]", "mesh=None"):
+        assert fragment in results[1]["foreign_mesh"], (fragment, results[1]["foreign_mesh"])

@@ -413,3 +413,10 @@ def test_debug_mode_names_the_rank_that_skipped_a_branch_instead_of_hanging():
     assert "ranks [1] did not reach this check" in rank0 and "rank 1: last posted reduce_scatter" in rank0, rank0
     assert "rank 1 waited 2 s" in rank1 and "ranks [0] did not reach" in rank1, rank1
     assert "rank 0: last posted all_gather" in rank1 and "'b'" in rank1, rank1
+
+
+def test_set_debug_refuses_a_value_that_is_not_a_bool():
+    for bad in ("no", 0, None):  # "no" would otherwise turn the checks on
+        with pytest.raises(TypeError, match="set_debug takes True or False"):
+            perparam.set_debug(bad)
+    assert not perparam.comm.debug.debug_enabled()

@@ -52,8 +52,10 @@ def set_debug(enabled: bool, timeout_s: float | None = None) -> None:
     """Turn the cross-rank collective check on or off for this process (see the module docstring).
     ``timeout_s``: seconds a check waits for the peers before raising ``CollectiveMismatchError`` (``None``
     keeps the current value: 60 s, or ``PERPARAM_DEBUG_TIMEOUT``). Raises ``ValueError`` for a timeout
-    that is not positive."""
+    that is not positive, ``TypeError`` for an ``enabled`` that is not a bool."""
     global _enabled, _timeout_s
+    if not isinstance(enabled, bool):  # set_debug("no") would otherwise turn the checks on
+        raise TypeError(f"set_debug takes True or False, got {enabled!r}")
     if timeout_s is not None:
         if not timeout_s > 0:
             raise ValueError(f"set_debug: timeout_s must be a positive number of seconds, got {timeout_s!r}")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
+from pathlib import Path
 
 from perparam.memory.budget import BudgetPlan, largest_first, parse_bytes, plan_budget, write_policy
 from perparam.memory.plan import ModelPlan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
+    parser.add_argument("--budget", type=_budget_arg, default=None, metavar="BYTES",
                         help="device bytes of model state per rank (e.g. 20e9, 20GB, 16GiB): plan which parameters' "
                              "optimizer state / shard and gradient to offload with the least traffic, then which "
                              "take ZeRO stage 2 in the room left (fewer all-gathers; docs/offload.md)")
@@ -23,6 +25,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-policy", default=None, metavar="FILE.json",
                         help="with --budget: write the plan; perparam.memory.budget.load_policy(FILE, model) "
                              "gives fully_shard's param_policy, perparam finetune --memory-budget plans the same")
+
+
+def _budget_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the budget flags, found before any planning (one line), or ``None``."""
+    if args.budget is None:
+        for flag, value in (("--write-policy", args.write_policy), ("--offload-dir", args.offload_dir)):
+            if value is not None:
+                return f"{flag} applies to an offload plan: add --budget BYTES (e.g. --budget 20GB)"
+        return None
+    if args.json:
+        return "--budget prints its offload plan as text: drop --json (or --budget)"
+    if args.write_policy is None:
+        return None
+    path = Path(args.write_policy)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        return f"--write-policy {path} is a folder: pass a file path, e.g. {path / 'plan.json'}"
+    if not folder.is_dir():
+        return f"--write-policy {path}: the folder {folder} does not exist; create it or pass another path"
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"--write-policy {path} cannot be written (permission denied); pass a writable path"
+    return None
 
 
 def _line(b: BudgetPlan) -> str:

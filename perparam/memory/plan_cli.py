@@ -75,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rank >= shards:
         print(f"perparam plan: --rank is a rank of the shard axis, in [0, {shards}), got {args.rank}", file=sys.stderr)
         return 2
+    problem = budget_cli.check(args)
+    if problem is not None:
+        print(f"perparam plan: {problem}", file=sys.stderr)
+        return 2
     spec = args.model or args.preset or "gpt2-xl"
     try:
         plan = plan_model(

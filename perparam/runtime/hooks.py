@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from ..sharding.errors import ShardingError
 from . import config, prefetch, readers
 from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
@@ -103,6 +104,21 @@ def _check_transforms(group: ParamGroup) -> None:
             "(torch.autograd.grad(..., create_graph=True) and double backward are supported)")
 
 
+def _check_materialized(ctx: IterationContext) -> None:
+    """Raise ``ShardingError`` naming the parameter when a shard of the tree is still on the meta device
+    (a model built under ``torch.device("meta")`` and never given storage), before any collective: every
+    rank built the same model, so every rank raises here."""
+    for g in ctx.groups:
+        for p in g.params:
+            if p.sharded.device.type == "meta":
+                owner = ", ".join(type(m).__name__ for m in g.modules)
+                raise ShardingError(
+                    f"parameter '{p.fqn}' of {owner} is on the meta device: a model built under "
+                    "torch.device('meta') has no values yet; before the first forward call "
+                    "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
+                    "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")
+
+
 def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
     """A new root forward: drop storage kept for a backward that never came (it may be stale) unless the
     group keeps it deliberately (``set_reshard_after_backward(False)``), and index the last forward's
@@ -148,6 +164,7 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
                 ctx = group.ctx
             if ctx.dirty():
                 ctx.reset("the previous iteration did not finish (an exception in forward or backward?)")
+            _check_materialized(ctx)
             ctx.active_root = group
             _start_iteration(ctx, group)
         if group.forward_depth == 0:

@@ -116,6 +116,8 @@ def as_offload(value, what: str) -> OffloadPolicy | None:
     if policy.state not in STATES:
         raise PolicyError(f"{what} has state {policy.state!r}; use 'optimizer' (optimizer state only) or 'all' "
                           "(stored shard, gradient and optimizer state)")
+    if not isinstance(policy.pin_memory, bool):
+        raise PolicyError(f"{what} has pin_memory={policy.pin_memory!r}; pass True or False")
     if policy.tier == "disk" and not policy.path:
         raise PolicyError(f"{what} puts state on disk but names no folder: pass "
                           "OffloadPolicy('disk', path='/a/fast/local/disk')")
@@ -243,6 +245,9 @@ def check_patterns(names: list[str], param_policy) -> None:
     if not isinstance(param_policy, Mapping):
         return
     for pattern in param_policy:
+        if not isinstance(pattern, str):
+            raise PolicyError(f"param_policy pattern {pattern!r} is a {type(pattern).__name__}; patterns are glob "
+                              f"strings on the parameter names (e.g. {names[:3]}), such as '*.weight'")
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise PolicyError(f"param_policy pattern '{pattern}' matches no parameter of this fully_shard call "
                               f"(names are relative to the module given, e.g. {names[:3]}); fix the pattern")
@@ -277,6 +282,9 @@ def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
     block_size = quantizer.default_block_size if quant.block_size is None else quant.block_size
     if not isinstance(block_size, int):
         raise PolicyError(f"QuantPolicy block_size for '{name}' must be an int, got {block_size!r}")
+    if not isinstance(quant.store_quantized, bool):
+        raise PolicyError(f"QuantPolicy store_quantized for '{name}' must be True or False, got "
+                          f"{quant.store_quantized!r}")
     return QuantPolicy(quantizer, block_size, quant.store_quantized, quantizer.codes_dtype)
 
 
@@ -366,6 +374,9 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
                           "floating-point parameters only: drop it for this parameter")
     param_dtype = pp.param_dtype or (mp.param_dtype if is_float else None) or param.dtype
     reduce_dtype = pp.reduce_dtype or (mp.reduce_dtype if is_float else None) or param_dtype
+    if pp.requires_grad is not None and not isinstance(pp.requires_grad, bool):
+        raise PolicyError(f"requires_grad of '{name}' must be True, False or None (the parameter's own), got "
+                          f"{pp.requires_grad!r}")
     requires_grad = param.requires_grad if pp.requires_grad is None else pp.requires_grad
     if requires_grad and not is_float:
         raise PolicyError(f"parameter '{name}' has dtype {param.dtype} and cannot require grad; "
@@ -376,6 +387,9 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
         raise PolicyError(f"parameter '{name}' {e}") from None
     gathered = rule(placement).gathered
     quant = pp.quant
+    if quant is not None and not isinstance(quant, QuantPolicy):
+        raise PolicyError(f"quant of '{name}' must be a QuantPolicy, e.g. ParamPolicy(quant=QuantPolicy("
+                          f"{quant!r})), got {type(quant).__name__} {quant!r}")
     if quant is not None:
         quant = _resolve_quant(name, quant)
         if quant.block_size < 1:
