@@ -123,6 +123,9 @@ FAST = (
     "test_tied_aliases.py", "test_checked_at_fully_shard.py",
     "test_zero_copy_reduce_scatter.py::test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixed_dtype_and_no_sync[3]",
     "test_zero_copy_reduce_scatter.py::test_division_fused_into_the_cast_or_the_accumulation_is_bitwise_dividing_first",
+    "test_apply_between_steps.py::test_to_empty_on_a_plain_submodule_refreshes_kept_copies_of_stages_1_and_2",
+    "test_apply_between_steps.py::test_dcp_load_in_place_without_load_state_dict_is_refused_until_the_kept_storage_is_refreshed",
+    "test_cli_errors.py::test_plan_budget_flags_are_checked_before_planning_in_one_line",
 )
 
 
