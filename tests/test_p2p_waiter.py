@@ -64,3 +64,49 @@ def test_a_new_process_group_after_destroy_keeps_one_waiter_thread_per_live_grou
         assert counts[0] >= 1 and counts[1] == counts[0], (rank, counts)
         for name, p in want.items():
             torch.testing.assert_close(params[name], p, atol=1e-5, rtol=0, msg=f"rank {rank}: {name}")
+
+
+_SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+import perparam
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+for layer in model:
+    perparam.fully_shard(layer, mesh=mesh)
+perparam.fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_a_torchrun_script_ending_in_destroy_process_group_exits_cleanly_after_zero_copy_reductions(tmp_path):
+    """A plain script (no perparam teardown, as FSDP2 users write it) that trains with the zero-copy
+    reduce-scatter and calls ``destroy_process_group()`` last: both ranks exit 0. Was: every rank aborted
+    at exit (SIGABRT, ``terminate called without an active exception``; 4 of 4 runs) because the waiter
+    thread's frame held the last gloo send/recv works while idle."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.finetune_helpers import REPO, subprocess_env
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(port), str(script)],
+                          cwd=REPO, env={**subprocess_env(), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in out, out

@@ -311,6 +311,9 @@ class _Waiter:
                 except Exception as e:  # re-raised by the owner's wait()
                     errors.append(e)
             done.set()
+            # hold no work while idle: a gloo send/recv work alive in this frame when the process group is
+            # destroyed aborts the process at exit ("terminate called without an active exception")
+            item = works = work = None
 
 
 _waiters: dict[tuple[int, int], _Waiter] = {}  # (pid, id(process group)): a forked child starts its own
