@@ -51,18 +51,24 @@ def regression_batches(steps: int, global_batch: int, d_in: int, d_out: int,
             for _ in range(steps)]
 
 
-def train_steps(model: nn.Module, opt, batches, rank: int, world_size: int) -> list[torch.Tensor]:
+def train_steps(model: nn.Module, opt, batches, rank: int, world_size: int,
+                micro_sync: tuple[bool, ...] = (True,)) -> list[torch.Tensor]:
     """One MSE step per global batch (each rank on its ``local_slice``; ``world_size == 0``: the whole
-    batch, the one-process reference): forward, backward, ``opt.step()``, ``opt.zero_grad()``. Returns
-    the local losses (detached scalars)."""
+    batch, the one-process reference): forward and backward, ``opt.step()``, ``opt.zero_grad()``. With
+    several ``micro_sync`` flags, one forward and backward per flag on equal chunks of the local batch, each
+    after ``model.set_requires_gradient_sync(flag)``. Returns the local losses (detached scalars; the last
+    micro-batch's)."""
     import torch.nn.functional as F
 
     losses = []
     for x, y in batches:
         if world_size:
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
+        for sync, xm, ym in zip(micro_sync, x.chunk(len(micro_sync)), y.chunk(len(micro_sync))):
+            if len(micro_sync) > 1:
+                model.set_requires_gradient_sync(sync)
+            loss = F.mse_loss(model(xm), ym)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
