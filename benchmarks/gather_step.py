@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,27 +24,16 @@ if str(ROOT) not in sys.path:
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import perparam
-    from benchmarks.configs import build
+    from benchmarks.launch import init_and_build, paired_medians
     from benchmarks.model import GPTConfig
-    from perparam.runtime.group import group_of
+    from benchmarks.runner import model_groups
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
-    model, _ = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
-    groups = []
-    for m in model.modules():
-        g = group_of(m)
-        if g is not None and g.params and all(g is not h for h in groups):
-            groups.append(g)
+    model, _ = init_and_build(rank, world, port, args.config, cfg)
+    groups = model_groups(model)
     kept = groups[-1]  # [ln_f, head]: gathered once a step (kept from forward to backward)
     sweep = groups + [g for g in reversed(groups) if g is not kept]
     algorithms = args.algorithms.split(",")
@@ -62,34 +49,20 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
                 g.free()
             if i:  # round 0 warms up
                 times[algorithm].append(time.process_time() - c0)
-    first = algorithms[0]
-    paired = {a: statistics.median(t / f for t, f in zip(times[a], times[first])) for a in algorithms}
-    queue.put((rank, {a: statistics.median(t) for a, t in times.items()}, paired, len(sweep)))
+    queue.put((rank, *paired_medians(times), len(sweep)))
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.multiprocessing as mp
+    from benchmarks.launch import ab_parser, paired_rank_line, spawn_ranks
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--algorithms", default="all_to_all,zero_copy")
-    ap.add_argument("--config", default="perparam", help="a benchmarks.configs configuration (default perparam)")
-    ap.add_argument("--quick", action="store_true", help="the toy model")
+    ap = ab_parser(__doc__)
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = spawn_ranks(_rank, 2, args)
     load = os.getloadavg()
     print(f"{args.config}, {results[0][3]} all-gathers per sweep, {args.rounds} rounds, load {load[0]:.2f}")
     for rank, med, paired, _ in results:
-        print(f"rank {rank}: " + ", ".join(f"{a} {med[a] * 1e3:.1f} ms CPU (paired {paired[a]:.3f})" for a in med))
+        print(paired_rank_line(rank, med, paired))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,9 @@ leave the resident set at once in every configuration. Prints a table (MB = 10**
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -158,14 +156,9 @@ def run_config(config: str, args: dict, world: int, port: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="folder of the disk tier")
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=24576)
-    parser.add_argument("--seq", type=int, default=64)
+    from benchmarks.launch import disk_tier_parser
+
+    parser = disk_tier_parser(__doc__, world=2, width=1024, layers=24, heads=16, vocab=24576, seq=64)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--port", type=int, default=29561)

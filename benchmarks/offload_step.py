@@ -16,10 +16,8 @@ prefetch saves.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -80,13 +78,9 @@ def run(offload, args, read_ahead: int = 2) -> tuple[list[float], dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="folder of the disk tier")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=2)
+    from benchmarks.launch import disk_tier_parser
+
+    parser = disk_tier_parser(__doc__, layers=8, width=1024, batch=256, steps=5, pairs=2)
     parser.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -52,24 +52,18 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     import pstats
     import statistics
     import time
-    from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import perparam
-    from benchmarks.configs import build
+    from benchmarks.launch import init_and_build
     from benchmarks.model import make_batches, sized
     from benchmarks.runner import local_batch
     from benchmarks.step_categories import PHASES, categorize, render
 
-    torch.set_num_threads(1)
     perparam.configure(gloo_reduce_scatter=args.gloo_reduce_scatter, gloo_all_gather=args.gloo_all_gather)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
     cfg = sized("quick" if args.quick else args.size)
-    model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
+    model, opt = init_and_build(rank, world, port, args.config, cfg)
     x, y = local_batch(make_batches(cfg, 1, args.batch_per_rank * world)[0], rank, world)
 
     phase_prof = {ph: cProfile.Profile(time.thread_time) for ph in PHASES}  # --categories: CPU, per phase
@@ -131,10 +125,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    import random
-
-    import torch.multiprocessing as mp
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", choices=CONFIGS)
     ap.add_argument("--steps", type=int, default=6, help="profiled steps after 2 warm-up steps (default 6)")
@@ -155,15 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--categories", action="store_true",
                     help="CPU ms per step by phase and category instead of cProfile's functions")
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    from benchmarks.launch import spawn_ranks
+
+    results = spawn_ranks(_rank, args.world, args)
     print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}, all-gather: {args.gloo_all_gather}): CPU ms per step, median of "
           f"{args.steps}: " + ", ".join(f"rank {r} {c * 1e3:.0f}" for r, c, _ in results))
     print(results[0][2])

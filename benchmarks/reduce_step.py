@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,30 +25,19 @@ if str(ROOT) not in sys.path:
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import perparam
-    from benchmarks.configs import build
+    from benchmarks.launch import init_and_build, paired_medians
     from benchmarks.model import make_batches, sized
-    from benchmarks.runner import local_batch
-    from perparam.runtime.group import group_of
+    from benchmarks.runner import local_batch, model_groups
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
     cfg = sized("quick" if args.quick else args.size)
-    model, opt = build(args.config, cfg, init_device_mesh("cpu", (world,)), 0)
+    model, opt = init_and_build(rank, world, port, args.config, cfg)
     x, y = local_batch(make_batches(cfg, 1, 2 * world)[0], rank, world)
     model(x, y).backward()  # a real step first: the groups' context, order and buffers
-    groups = []
-    for m in model.modules():
-        g = group_of(m)
-        if g is not None and g.params and all(g is not h for h in groups):
-            groups.append(g)
+    groups = model_groups(model)
     gen = torch.Generator().manual_seed(rank)
     grads = {}
     for g in groups:
@@ -82,38 +69,24 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
         first = results[algorithms[0]]
         for a in algorithms[1:]:
             assert all(torch.equal(u, v) for u, v in zip(first, results[a])), f"{a} differs from {algorithms[0]}"
-    first = algorithms[0]
-    paired = {a: statistics.median(t / f for t, f in zip(times[a], times[first])) for a in algorithms}
-    queue.put((rank, {a: statistics.median(t) for a, t in times.items()}, paired, len(groups)))
+    queue.put((rank, *paired_medians(times), len(groups)))
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.multiprocessing as mp
+    from benchmarks.launch import ab_parser, paired_rank_line, spawn_ranks
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--algorithms", default="all_to_all,zero_copy")
-    ap.add_argument("--config", default="perparam", help="a benchmarks.configs configuration (default perparam)")
-    ap.add_argument("--quick", action="store_true", help="the toy model")
+    ap = ab_parser(__doc__)
     ap.add_argument("--size", default="27m", help="model size (default 27m)")
     ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--check", action="store_true", help="assert the algorithms' gradients bitwise equal")
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = spawn_ranks(_rank, args.world, args)
     load = os.getloadavg()
     print(f"{args.config}, K={args.world}, {results[0][3]} reductions per sweep, {args.rounds} rounds, "
           f"load {load[0]:.2f}")
     for rank, med, paired, _ in results:
-        print(f"rank {rank}: " + ", ".join(f"{a} {med[a] * 1e3:.1f} ms CPU (paired {paired[a]:.3f})" for a in med))
+        print(paired_rank_line(rank, med, paired))
 
 
 if __name__ == "__main__":

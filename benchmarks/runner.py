@@ -81,6 +81,18 @@ class Runner:
                               "dist_sent": sent})
 
 
+def model_groups(model: nn.Module) -> list:
+    """The perparam ``ParamGroup``s holding parameters, each once, in ``model.modules()`` order."""
+    from perparam.runtime.group import group_of
+
+    groups = []
+    for m in model.modules():
+        g = group_of(m)
+        if g is not None and g.params and all(g is not h for h in groups):
+            groups.append(g)
+    return groups
+
+
 def local_batch(batch, rank: int, world: int):
     """This rank's rows of a global ``(idx, targets)`` batch."""
     x, y = batch

@@ -91,12 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.configs) - set(CONFIGS))
     if unknown or "perparam" not in args.configs:
         ap.error(f"--configs: must include perparam, from {','.join(CONFIGS)} (unknown: {unknown})")
-    for flag in ("steps", "batch_per_rank", "rss_steps"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1 (got {value})")
-    if args.warmup is not None and args.warmup < 0:
-        ap.error(f"--warmup must be 0 or more (got {args.warmup})")
+    from benchmarks.launch import check_counts
+
+    check_counts(ap, args, ("steps", "batch_per_rank", "rss_steps"))
     return args
 
 
@@ -225,6 +222,7 @@ def markdown(runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
+    from benchmarks.launch import write_json
     from benchmarks.report import machine_info
 
     args = parse_args(argv)
@@ -240,9 +238,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     for size in args.sizes:
         for world in args.worlds:
             result["runs"].append(run_one(size, world, args))
-            if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(result, indent=1) + "\n")
+            write_json(args.json, result, indent=1)
             print(markdown(result["runs"][-1:]), flush=True)
     print(markdown(result["runs"]))
     return result

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.configs import CONFIGS  # noqa: E402
-from benchmarks.launch import launch, launch_many  # noqa: E402
+from benchmarks.launch import check_counts, launch, launch_many, write_json  # noqa: E402
 from benchmarks.model import GPT, GPTConfig, num_params  # noqa: E402
 from benchmarks.report import add_ratios, bf16_speed, machine_info, render, summarise  # noqa: E402
 
@@ -59,12 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--configs: unknown configurations {sorted(unknown)}; choose from {','.join(CONFIGS)}")
     if args.world < 2:
         ap.error(f"--world must be at least 2 (got {args.world}); sharding over one rank is not measured here")
-    for flag in ("steps", "rss_steps", "batch_per_rank"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1 (got {value})")
-    if args.warmup is not None and args.warmup < 0:
-        ap.error(f"--warmup must be 0 or more (got {args.warmup})")
+    check_counts(ap, args, ("steps", "rss_steps", "batch_per_rank"))
     args.steps = args.steps if args.steps is not None else (3 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.rss_steps = args.rss_steps if args.rss_steps is not None else (2 if args.quick else 3)
@@ -126,9 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
                     for name in args.configs},
     }
     add_ratios(result["configs"], 4 * params, world)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     render(result)
     return result
 

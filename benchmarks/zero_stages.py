@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import statistics
 import sys
@@ -138,6 +137,7 @@ def render(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from benchmarks.launch import write_json
     from benchmarks.model import GPT, GPTConfig, num_params
     from benchmarks.report import machine_info
 
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "machine": machine_info(), "model": cfg.as_dict(), "model_params": num_params(GPT(cfg)),
                        "steps": args.steps, "warmup": args.warmup, "rss_steps": args.rss_steps},
               "worlds": [run_world(w, cfg, args) for w in args.worlds]}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result, indent=1)
     render(result)
     return result
 

@@ -42,6 +42,47 @@ def make_batches(steps: int, global_batch: int, seed: int = 0) -> list[tuple[tor
             for _ in range(steps)]
 
 
+def regression_batches(steps: int, global_batch: int, d_in: int, d_out: int,
+                       seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` pairs ``(x [global_batch, d_in], y [global_batch, d_out])`` of standard normals, x then y
+    per step from one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(global_batch, d_in, generator=g), torch.randn(global_batch, d_out, generator=g))
+            for _ in range(steps)]
+
+
+def train_steps(model: nn.Module, opt, batches, rank: int, world_size: int,
+                micro_sync: tuple[bool, ...] = (True,)) -> list[torch.Tensor]:
+    """One MSE step per global batch (each rank on its ``local_slice``; ``world_size == 0``: the whole
+    batch, the one-process reference): forward and backward, ``opt.step()``, ``opt.zero_grad()``. With
+    several ``micro_sync`` flags, one forward and backward per flag on equal chunks of the local batch, each
+    after ``model.set_requires_gradient_sync(flag)``. Returns the local losses (detached scalars; the last
+    micro-batch's)."""
+    import torch.nn.functional as F
+
+    losses = []
+    for x, y in batches:
+        if world_size:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        for sync, xm, ym in zip(micro_sync, x.chunk(len(micro_sync)), y.chunk(len(micro_sync))):
+            if len(micro_sync) > 1:
+                model.set_requires_gradient_sync(sync)
+            loss = F.mse_loss(model(xm), ym)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name as a full tensor (a DTensor's ``full_tensor()``), detached copies."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
 def mean_over_ranks(x: torch.Tensor) -> float:
     """The mean of a per-rank scalar (e.g. a local loss) over all ranks of the default process group;
     with equal local batches that is the global batch's mean."""

@@ -10,7 +10,6 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -19,7 +18,7 @@ import perparam
 from perparam import checkpoint
 from perparam.checkpoint import CheckpointError
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, make_batches, train_steps
 
 BATCH = 12
 
@@ -47,16 +46,7 @@ def build(world_size: int, layout: str = "1d"):
 
 
 def steps(model, opt, batches, rank: int, world_size: int) -> list[float]:
-    losses = []
-    for x, y in batches:
-        if world_size:
-            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [loss.item() for loss in train_steps(model, opt, batches, rank, world_size)]
 
 
 def _full(t):

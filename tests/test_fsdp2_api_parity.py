@@ -14,7 +14,7 @@ import perparam
 from perparam import CommCounter
 from perparam.runtime.group import group_of
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, local_slice, make_batches, train_steps
 
 
 def _full(t):
@@ -216,16 +216,7 @@ def kept_across_steps(rank: int, world_size: int, foreach: bool) -> list:
         _shard(model)
         model.set_reshard_after_backward(False)  # kept gathered across the optimizer step
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
-    losses = []
-    for x, y in make_batches(3, 4):
-        if world_size:
-            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return train_steps(model, opt, make_batches(3, 4), rank, world_size)
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])

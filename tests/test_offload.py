@@ -20,7 +20,7 @@ from perparam import OffloadPolicy, ParamPolicy, ShardingError, fully_shard
 from perparam.offload import OffloadError, mapped
 from perparam.offload.scratch import PREFIX, Scratch, clean_stale
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, local_slice, make_batches, train_steps
 
 STEPS = 3
 OPTIMIZERS = {
@@ -46,21 +46,9 @@ def _train(rank: int, world_size: int, model: TinyNet, optimizer, steps: int = S
     """``steps`` optimizer steps; ``accumulate``: three backwards per step on thirds of the batch, the first
     without gradient sync (no-sync accumulation of 2 micro-batches), the last two each reduced into the
     sharded ``.grad`` (the second adds into a gradient shard the tier evicted)."""
-    losses = []
-    for x, y in make_batches(start + steps, 12 if accumulate else 8)[start:]:
-        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        if accumulate:
-            for i, (xm, ym) in enumerate(zip(x.chunk(3), y.chunk(3))):
-                model.set_requires_gradient_sync(i > 0)
-                loss = nn.functional.mse_loss(model(xm), ym)
-                loss.backward()
-        else:
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = make_batches(start + steps, 12 if accumulate else 8)[start:]
+    micro_sync = (False, True, True) if accumulate else (True,)
+    return [loss.item() for loss in train_steps(model, optimizer, batches, rank, world_size, micro_sync)]
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:

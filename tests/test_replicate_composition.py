@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.tensor import DTensor
 
 import perparam
 from tests.distributed import one_process, run_distributed
+from tests.models import full_params, regression_batches, train_steps
 
 STEPS, GLOBAL_BATCH = 3, 8
 
@@ -27,17 +27,8 @@ def train(rank: int, world_size: int) -> dict:
         perparam.fully_shard(model[2])
         replicate(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
-        if world_size:
-            n = GLOBAL_BATCH // world_size
-            x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    out = {"params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                      for n, p in model.named_parameters()}}
+    train_steps(model, opt, regression_batches(STEPS, GLOBAL_BATCH, 4, 2), rank, world_size)
+    out = {"params": full_params(model)}
     if world_size:
         out["head_plain"] = not isinstance(model[4].weight, DTensor)
         with pytest.raises(RuntimeError, match="already managed by `fully_shard`"):

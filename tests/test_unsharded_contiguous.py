@@ -8,13 +8,13 @@ callers get what an unsharded model gives them. Uneven and empty shards: 5 and 3
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 import perparam
 from perparam import ParamPolicy, QuantPolicy
 from tests.distributed import one_process, run_distributed
+from tests.models import full_params, regression_batches, train_steps
 
 STEPS, GLOBAL_BATCH = 3, 12
 
@@ -48,23 +48,13 @@ def train_shard1(rank: int, world_size: int, quantize_last: bool = False) -> dic
     if world_size:
         perparam.fully_shard(model, param_policy=_policy(quantize_last))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x, y = torch.randn(GLOBAL_BATCH, 5, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
-        if world_size:
-            n = GLOBAL_BATCH // world_size
-            x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, regression_batches(STEPS, GLOBAL_BATCH, 5, 5), rank, world_size)
     if world_size:
         model.unshard()
         gathered = [m.weight.is_contiguous() for m in model[0::2]]
         model.reshard()
         seen.append(all(gathered))
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
-    return {"contiguous": seen, "params": params}
+    return {"contiguous": seen, "params": full_params(model)}
 
 
 def both(rank: int, world_size: int) -> tuple[dict, dict]:

@@ -16,7 +16,7 @@ import queue
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,6 +155,29 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
     return result
 
 
+def _post_rotation(group: dist.ProcessGroup, count: int, send_of: Callable[[int, int], torch.Tensor],
+                   recv_of: Callable[[int, int], torch.Tensor]) -> list:
+    """Post the point-to-point half of a zero-copy collective over ``count`` tensors; return the works.
+
+    Peers in a rotation (for shift 1 .. K-1: send to ``me + shift``, receive from ``me - shift``, so no pair
+    of ranks waits on a third), then tensors in order; per (peer, tensor ``tag``) first the send of
+    ``send_of(tag, dst)``, then the receive into ``recv_of(tag, src)``, each skipped when empty (the peer
+    skips its counterpart: sizes agree across ranks). Every rank posts in this order, which is what pairs
+    gloo's same-tag messages (matched in posting order)."""
+    k, me = group.size(), group.rank()
+    works = []
+    for shift in range(1, k):
+        dst, src = (me + shift) % k, (me - shift) % k
+        for tag in range(count):
+            out = send_of(tag, dst)
+            if out.numel():
+                works.append(group.send([out], dst, tag))
+            into = recv_of(tag, src)
+            if into.numel():
+                works.append(group.recv([into], src, tag))
+    return works
+
+
 class _PointToPoint:
     """A work handle over the sends and receives of one in-place all-gather (``all_gather_in_place``)."""
 
@@ -185,14 +208,8 @@ def all_gather_in_place(regions: list[list[torch.Tensor]], group: dist.ProcessGr
         debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes, group,
                     what)
     _record("all_gather", k * slot_bytes, group, torch.uint8)
-    works = []
-    for shift in range(1, k):  # peers in a rotation, so no pair of ranks waits on a third
-        dst, src = (me + shift) % k, (me - shift) % k
-        for tag, pieces in enumerate(regions):
-            if pieces[me].numel():
-                works.append(group.send([pieces[me]], dst, tag))
-            if pieces[src].numel():
-                works.append(group.recv([pieces[src]], src, tag))
+    works = _post_rotation(group, len(regions), lambda tag, dst: regions[tag][me],
+                           lambda tag, src: regions[tag][src])
     result = GatheredRows(_PointToPoint(works), None, [])
     if not async_op:
         result.wait()
@@ -425,14 +442,9 @@ def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tens
     zero = [z for z in zero if z.numel()]
     if zero:
         torch._foreach_zero_(zero)
-    works = []
-    for shift in range(1, k):  # peers in a rotation, so no pair of ranks waits on a third
-        dst, src = (me + shift) % k, (me - shift) % k
-        for tag, piece in enumerate(pieces):
-            if piece[dst].numel():
-                works.append(group.send([piece[dst]], dst, tag))
-            if own[tag].numel():
-                works.append(group.recv([into[tag] if k == 2 else slots[tag][src]], src, tag))
+    # the receive target has own[tag]'s numel: skipped exactly where this rank holds nothing of tensor tag
+    works = _post_rotation(group, len(pieces), lambda tag, dst: pieces[tag][dst],
+                           lambda tag, src: into[tag] if k == 2 else slots[tag][src])
 
     def finish() -> None:
         if k == 2:
