@@ -423,7 +423,8 @@ class ParamGroup:
             self._gathered_versions = versions
             for p in self.replicated:
                 p.fill_replicated()
-        zero.mark_gathered(refresh)
+        if refresh:  # (stage 3 alone: no kept copy, no count to read)
+            zero.mark_gathered(refresh)
         members = refresh if current else [p for p in self.gathered if not p.kept or id(p) in refreshed]
         zero.note_gathered(members)
         return members
