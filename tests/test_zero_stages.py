@@ -492,3 +492,40 @@ def test_a_checkpoint_saved_under_a_mix_on_4_ranks_loads_bit_exact_under_stage_3
         _assert_same_state(got, saved, f"stage 3 on 2 ranks, rank {rank}")
     for rank, got in enumerate(run_distributed(checkpoint_across, 4, "mix", stage3, None)):
         _assert_same_state(got, saved, f"the mix on 4 ranks again, rank {rank}")
+
+
+# -- a frozen parameter the optimizer still steps ------------------------------------------------------------
+
+def frozen_but_stepped(rank: int, world_size: int) -> dict:
+    """``Linear(3, 5) -> ReLU -> Linear(5, 2)`` (uneven on 2 ranks), stage 1 then stage 2, AdamW with
+    ``zero_grad(set_to_none=False)``; after the first step ``2.weight`` is frozen: its ``.grad`` stays zeros,
+    so AdamW keeps stepping it (weight decay, momentum), as in one process; ``state_dict()`` kept each step.
+    ``world_size == 0``: one process, the whole batch. The parameters and a last forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    if world_size:
+        perparam.fully_shard(model, param_policy={"0.*": ParamPolicy(zero_stage=1), "2.*": ParamPolicy(zero_stage=2)})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    rows = slice(rank * 2, rank * 2 + 2) if world_size else slice(None)
+    kept = []
+    for step in range(3):
+        x, y = torch.randn(4, 3, generator=g)[rows], torch.randn(4, 2, generator=g)[rows]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        kept.append(model.state_dict())
+        if step == 0:
+            model[2].weight.requires_grad_(False)
+    with torch.no_grad():
+        after = model(torch.randn(4, 3, generator=g)[rows])
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "after": after}
+
+
+def test_a_frozen_parameter_an_optimizer_still_steps_has_its_kept_copy_refreshed():
+    # was: UnseenShardWriteError at the next forward (before it: the forward on the copy from before the step)
+    want = one_process(frozen_but_stepped)
+    for rank, got in enumerate(run_distributed(frozen_but_stepped, 2)):
+        for n, p in want["params"].items():
+            torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: {n}")
+        torch.testing.assert_close(got["after"], want["after"][rank * 2:rank * 2 + 2], atol=TOL, rtol=0)

@@ -104,9 +104,18 @@ def _install() -> None:
 
 
 def _count_step(optimizer) -> None:
-    """A step of ``optimizer`` changed the parameters it holds: storage gathered before is stale."""
+    """A step of ``optimizer`` changed the parameters it holds: storage gathered before is stale. A frozen
+    parameter holding a ``.grad`` was stepped too (torch's optimizers step every parameter with a gradient:
+    zeros left by ``zero_grad(set_to_none=False)`` still get weight decay and momentum): its stage-1/2 kept
+    copy is marked stale outright, since ``runtime.zero.needs_refresh`` skips a parameter frozen when
+    gathered and frozen now. Whether it holds a ``.grad`` is the same on every rank (reductions set it on
+    all ranks alike)."""
     for sp in _held.get(optimizer, ()):
         sp.optimizer_steps += 1
+        if sp.kept:
+            sharded = sp.sharded
+            if not sharded.requires_grad and sharded.grad is not None:
+                sp.kept_key = None
 
 
 def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -119,6 +119,10 @@ class ParamGroup:
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
         self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
+        #: ids of the parameters (every mesh) whose gradients were accumulated without sync since the last
+        #: synchronising reduction: reduced then even if frozen since (requires_grad_(False) between
+        #: micro-batches), as one process steps the .grad they already hold; the same set on every rank
+        self.held_unsynced: set[int] = set()
         self.reduced = False  # this backward's reduction of the group has been issued
         self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
@@ -257,12 +261,14 @@ class ParamGroup:
         return gather + reduce
 
     def trainable(self) -> list[ShardedParam]:
-        """The trainable parameters of every mesh (``params``); ``trainable_mesh_params()``: of this mesh."""
-        return [p for p in self.params if p.sharded.requires_grad]
+        """The trainable parameters of every mesh (``params``), and those holding gradients accumulated
+        without sync (``held_unsynced``); ``trainable_mesh_params()``: of this mesh."""
+        held = self.held_unsynced
+        return [p for p in self.params if p.sharded.requires_grad or (held and id(p) in held)]
 
     def has_trainable(self) -> bool:
         """Some parameter of some mesh is trainable (``trainable()`` is not empty), told at the first one."""
-        return any(p.sharded.requires_grad for p in self.params)
+        return bool(self.held_unsynced) or any(p.sharded.requires_grad for p in self.params)
 
     @property
     def divisor(self) -> float | int:
@@ -417,7 +423,8 @@ class ParamGroup:
             self._gathered_versions = versions
             for p in self.replicated:
                 p.fill_replicated()
-        zero.mark_gathered(refresh)
+        if refresh:  # (stage 3 alone: no kept copy, no count to read)
+            zero.mark_gathered(refresh)
         members = refresh if current else [p for p in self.gathered if not p.kept or id(p) in refreshed]
         zero.note_gathered(members)
         return members
@@ -493,6 +500,7 @@ class ParamGroup:
                 p.unsharded.grad = None
             p.grad_acc = None
         self.unsynced = False
+        self.held_unsynced = set()
         for part in self.parts:
             part.partial_reduce.clear()
 
@@ -520,10 +528,12 @@ class ParamGroup:
             trainable = self.trainable()
             for p in trainable:
                 p.take_unsharded_grad(keep=True)
+            self.held_unsynced.update(id(p) for p in trainable)
             self.unsynced = bool(trainable)
             return []
         self.unsynced = False
         pending = [item for part in self.parts for item in part._reduce(part.trainable_mesh_params())]
+        self.held_unsynced = set()
         if not defer:
             for item in pending:
                 self.finish_reduce(item)
@@ -531,8 +541,10 @@ class ParamGroup:
         return pending
 
     def trainable_mesh_params(self) -> list[ShardedParam]:
-        """The trainable parameters of this group's mesh (``mesh_params``); ``trainable()``: of every mesh."""
-        return [p for p in self.mesh_params if p.sharded.requires_grad]
+        """The trainable parameters of this group's mesh (``mesh_params``), and those holding gradients
+        accumulated without sync (the driver's ``held_unsynced``); ``trainable()``: of every mesh."""
+        held = self.driver.held_unsynced
+        return [p for p in self.mesh_params if p.sharded.requires_grad or (held and id(p) in held)]
 
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
         """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""
