@@ -118,7 +118,6 @@ class ParamGroup:
         self.islands: list = []  # perparam.runtime.islands.Island: modules computing in their own dtype
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
         self.untracked_calls = 0  # ... and forwards whose inputs need no grad (post-backward at the end)
-        self.unsynced = False  # gradients accumulated without sync wait for the next synchronising backward
         #: ids of the parameters (every mesh) whose gradients were accumulated without sync since the last
         #: synchronising reduction: reduced then even if frozen since (requires_grad_(False) between
         #: micro-batches), as one process steps the .grad they already hold; the same set on every rank
@@ -265,6 +264,11 @@ class ParamGroup:
         without sync (``held_unsynced``); ``trainable_mesh_params()``: of this mesh."""
         held = self.held_unsynced
         return [p for p in self.params if p.sharded.requires_grad or (held and id(p) in held)]
+
+    @property
+    def unsynced(self) -> bool:
+        """Gradients accumulated without sync wait for the next synchronising backward."""
+        return bool(self.held_unsynced)
 
     def has_trainable(self) -> bool:
         """Some parameter of some mesh is trainable (``trainable()`` is not empty), told at the first one."""
@@ -499,7 +503,6 @@ class ParamGroup:
             if p.unsharded is not None:
                 p.unsharded.grad = None
             p.grad_acc = None
-        self.unsynced = False
         self.held_unsynced = set()
         for part in self.parts:
             part.partial_reduce.clear()
@@ -529,9 +532,7 @@ class ParamGroup:
             for p in trainable:
                 p.take_unsharded_grad(keep=True)
             self.held_unsynced.update(id(p) for p in trainable)
-            self.unsynced = bool(trainable)
             return []
-        self.unsynced = False
         pending = [item for part in self.parts for item in part._reduce(part.trainable_mesh_params())]
         self.held_unsynced = set()
         if not defer:
