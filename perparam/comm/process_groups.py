@@ -64,3 +64,43 @@ def next_group_index() -> int:
     with _lock:
         counter = _COUNTERS.setdefault(world, itertools.count())
     return next(counter)
+
+
+#: pg -> True once its communicator was warmed up (``warm_up``); weak: a destroyed world takes its groups
+_WARM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: default process group -> the names of the groups this rank warmed up, in order (what the tests compare)
+_WARM_ORDER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def warm_up(groups, device_type: str) -> None:
+    """Create the communicators of ``groups`` (process groups or ``None``, skipped) now, in the order given:
+    one 1-element all-reduce on each group not warmed up before, waited for.
+
+    NCCL creates a process group's communicator at its first collective, a handshake of every rank of the
+    group; left to the first use, that first use comes at a different moment on different ranks (the
+    reductions are issued as each rank's backward gets there) while a rank can be blocked elsewhere. Called
+    by ``fully_shard`` on every group its parameters will use, which every rank calls in the same order, so
+    every rank creates them in the same order before any step. On gloo (connected when the group is created)
+    this is one cheap all-reduce per group, kept so the CPU tests run the same path. ``device_type``: the
+    mesh's (the tensor is on that device type's current device)."""
+    import torch
+
+    for pg in groups:
+        if pg is None or pg in _WARM or pg.size() == 1:
+            continue
+        if device_type == "cpu":
+            device = torch.device("cpu")
+        else:
+            device = torch.device(device_type, torch.get_device_module(device_type).current_device())
+        dist.all_reduce(torch.zeros(1, device=device), group=pg)
+        _WARM[pg] = True
+        world = dist.distributed_c10d._world.default_pg if dist.is_initialized() else None
+        if world is not None:
+            with _lock:
+                _WARM_ORDER.setdefault(world, []).append(pg.group_name)
+
+
+def warmed_up() -> list[str]:
+    """The names of the process groups this rank warmed up (``warm_up``), in order."""
+    world = dist.distributed_c10d._world.default_pg if dist.is_initialized() else None
+    return list(_WARM_ORDER.get(world, [])) if world is not None else []
