@@ -73,7 +73,7 @@ def test_every_section_but_two_ranks_runs_on_cpu_and_says_what_it_measured(tmp_p
     assert result["parity"]["within_1e-5"], result["parity"]
     assert {"perparam_bf16", "fsdp2_bf16", "ddp_autocast_bf16"} <= set(result["step_time"])
     fb = result["host_syncs"]["perparam_bf16"]["forward_backward"]
-    assert {site.split(":")[0] for site in fb["sites"]} <= {"perparam/runtime/group.py"}, fb["sites"]
+    assert fb["counted"] == 0, fb["sites"]  # nothing read back or uploaded in forward and backward
     assert result["cpu_tier"]["params_bitwise_equal"]
     assert result["cpu_tier"]["state_tensors_without_storage_between_steps"] == 0
 
