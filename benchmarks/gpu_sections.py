@@ -40,6 +40,7 @@ PROBED_APIS = (
     "torch.distributed.checkpoint.state_dict.StateDictOptions",
     "torch.distributed.pipelining.PipelineStage", "torch.distributed.device_mesh.init_device_mesh",
     "torch.testing._internal.distributed.fake_pg.FakeStore", "torch.cuda.set_sync_debug_mode",
+    "torch.optim.Optimizer.register_state_dict_pre_hook", "torch.distributed.get_backend_config",
 )
 
 #: what one GPU cannot show, written by the environment section
