@@ -110,7 +110,9 @@ def environment(out: dict, args) -> None:
     out["torch"] = torch.__version__
     out["cuda"] = torch.version.cuda
     out["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None
+    if args.device == "cuda":
+        version = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     out["c10d_names"] = dict(c10d.NAMES)
     out["missing_apis"] = [name for name in PROBED_APIS if not _resolve(name)]
     out["not_checked"] = NOT_CHECKED
@@ -349,51 +351,56 @@ def cpu_tier(out: dict, args) -> None:
 
 def two_rank_worker(rank: int, device: str, port: str, path: str, steps: int = 3) -> None:
     """One of the two ranks of ``two_ranks``: gloo, the tensors on ``device`` (both ranks on GPU 0 for
-    ``"cuda"``); writes ``{"max_param_diff", "counts", "first_use"}`` as JSON to ``path``."""
-    import copy
+    ``"cuda"``); writes ``{"max_param_diff", "counts", "first_use"}`` (or ``{"error", "traceback"}``) as JSON
+    to ``path``."""
+    import gc
     import json
-
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from perparam import CommCounter
+    import traceback
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        mesh = DeviceMesh(device, torch.arange(2))
-        cfg = GPTConfig.quick()
-        reference = seeded_full_init(cfg, 0).to(device)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        shard_perparam(model, mesh)
-        from perparam.full_state import load_full_state_dict
-
-        load_full_state_dict(model, copy.deepcopy(reference).cpu().state_dict())
-        # SGD: the bar is on the gradients (AdamW turns fp32 noise in a near-zero gradient into lr-sized steps)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-        batches = make_batches(cfg, steps, 4)
-        with CommCounter() as comm:
-            for x, y in batches:
-                x, y = x.to(device), y.to(device)
-                _step(model, opts[0], x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-        for x, y in batches:
-            _step(reference, opts[1], x.to(device), y.to(device))
-        want = dict(reference.named_parameters())
-        diff = max(float((p.full_tensor() - want[n]).abs().max()) for n, p in model.named_parameters())
-        first_use: list[str] = []
-        for r in comm.records:
-            if r.group_name not in first_use:
-                first_use.append(r.group_name)
-        with open(path, "w") as f:
-            json.dump({"max_param_diff": diff, "counts": {k: comm.count(k) for k in ("all_gather", "reduce_scatter")},
-                       "first_use": first_use}, f)
+        result = _two_rank_steps(rank, device, steps)
+    except Exception as e:  # the section reports it (e.g. a gloo collective that takes no CUDA tensors)
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     finally:
-        import gc
-
         gc.collect()
         dist.destroy_process_group()
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
+def _two_rank_steps(rank: int, device: str, steps: int) -> dict:
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from perparam import CommCounter
+    from perparam.full_state import load_full_state_dict
+
+    mesh = DeviceMesh(device, torch.arange(2))
+    cfg = GPTConfig.quick()
+    reference = seeded_full_init(cfg, 0).to(device)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    shard_perparam(model, mesh)
+    load_full_state_dict(model, copy.deepcopy(reference).cpu().state_dict())
+    # SGD: the bar is on the gradients (AdamW turns fp32 noise in a near-zero gradient into lr-sized steps)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    batches = make_batches(cfg, steps, 4)
+    with CommCounter() as comm:
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            _step(model, opts[0], x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+    for x, y in batches:
+        _step(reference, opts[1], x.to(device), y.to(device))
+    want = dict(reference.named_parameters())
+    diff = max(float((p.full_tensor() - want[n]).abs().max()) for n, p in model.named_parameters())
+    first_use = list(dict.fromkeys(r.group_name for r in comm.records))
+    return {"max_param_diff": diff, "counts": {k: comm.count(k) for k in ("all_gather", "reduce_scatter")},
+            "first_use": first_use}
 
 
 def two_ranks(out: dict, args, timeout_s: float = 120.0) -> None:
@@ -430,6 +437,9 @@ def two_ranks(out: dict, args, timeout_s: float = 120.0) -> None:
         out["returncodes"] = [p.returncode for p in procs]
         ranks = [json.loads(Path(path).read_text()) if os.path.exists(path) else None for path in paths]
         out["ranks"] = ranks
+        errors = [r["error"] for r in ranks if r and "error" in r]
+        if errors:
+            raise RuntimeError(f"two_ranks: {errors[0]}")
         if not all(ranks):
             out["log_tail"] = [log[-2000:] for log in logs]
             raise RuntimeError(f"two_ranks: rank(s) {[r for r, v in enumerate(ranks) if v is None]} wrote no "
