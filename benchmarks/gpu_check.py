@@ -4,7 +4,7 @@ the JSON is rewritten after each section.
 
     python benchmarks/gpu_check.py --json runs/bench/gpu_check.json [--sections parity,step_time] [--quick]
 
-Sections (``benchmarks/gpu_sections.py``; a section is ``section(out: dict, args)``), in order, with their
+Sections (``benchmarks/gpu_sections.py``, ``two_ranks`` in ``benchmarks/gpu_two_ranks.py``; a section is ``section(out: dict, args)``), in order, with their
 budget on an H200 (the 27M benchmark model, 20 timed steps):
 
 ``environment`` (1 s)
@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import gpu_sections  # noqa: E402
+from benchmarks import gpu_sections, gpu_two_ranks  # noqa: E402
 from benchmarks.configs import seeded_full_init  # noqa: E402
 from benchmarks.gpu_sections import shard_perparam  # noqa: E402
 from benchmarks.model import GPT, GPTConfig, make_batches  # noqa: E402
@@ -73,7 +73,7 @@ SECTIONS: list[tuple[str, Section]] = [
     ("parity", gpu_sections.parity),
     ("step_time", gpu_sections.step_time),
     ("host_syncs", gpu_sections.host_syncs),
-    ("two_ranks", gpu_sections.two_ranks),
+    ("two_ranks", gpu_two_ranks.two_ranks),
     ("cpu_tier", gpu_sections.cpu_tier),
 ]
 

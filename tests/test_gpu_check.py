@@ -80,9 +80,9 @@ def test_every_section_but_two_ranks_runs_on_cpu_and_says_what_it_measured(tmp_p
 
 def test_the_two_rank_section_trains_like_one_process_with_the_same_process_group_order_on_both_ranks():
     out = {}
-    from benchmarks import gpu_sections
+    from benchmarks import gpu_two_ranks
 
-    gpu_sections.two_ranks(out, parse_args(CPU_QUICK))
+    gpu_two_ranks.two_ranks(out, parse_args(CPU_QUICK))
     assert out["within_1e-5"], out
     assert out["same_first_use_order"], out["ranks"]
     assert out["ranks"][0]["counts"] == out["ranks"][1]["counts"]
