@@ -1,40 +1,56 @@
-"""A prepared check of perparam on one CUDA GPU (under 5 minutes): memory of a simulated 8-rank mesh against
-the layout's prediction, and step time of perparam vs torch FSDP2 in bf16 over NCCL with world size 1.
+"""A prepared check of perparam on one CUDA GPU, under 5 minutes, that measures on its first run: each
+section runs on its own (one that fails leaves its error and what it measured, and the next one starts) and
+the JSON is rewritten after each section.
 
-    python benchmarks/gpu_check.py --json runs/bench/gpu_check.json [--sim-world 8] [--steps 20]
+    python benchmarks/gpu_check.py --json runs/bench/gpu_check.json [--sections parity,step_time] [--quick]
 
-1. Simulated mesh (torch's fake process group: one process plays rank ``--sim-rank`` of ``--sim-world``;
-   collectives move no data, allocations are real). The benchmark model (``benchmarks/model.py``) is built
-   on the meta device, wrapped as ``benchmarks/configs.py`` wraps it, bf16 compute
-   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), materialised by
-   ``load_full_state_dict`` (rank 0; another rank: ``to_empty()``), trained ``--sim-steps`` AdamW steps. Reported: model-state bytes measured
-   (``perparam.memory.measure``) vs predicted (``perparam.memory.plan.plan_module``: fp32 shards, fp32
-   gradients, 8 bytes of AdamW state per element); the bytes of the two largest adjacent groups unsharded
-   in bf16 (current + prefetched, from each group's ``GroupLayout``); on CUDA the peak allocated bytes of
-   the last step (``torch.cuda.max_memory_allocated``) and the transient part (peak - model state).
-   Runs on CPU too (``--device cpu``), which is what the test suite exercises without a GPU.
-2. NCCL, world size 1, CUDA: perparam and FSDP2, bf16, the same model and weights; median step time over
-   ``--steps`` interleaved steps (``torch.cuda.synchronize`` around each). The CUDA streams the kernels
-   of one step ran on are listed (torch.profiler): NCCL kernels on a stream of their own show
-   communication overlapping compute. At world size 1 perparam issues no collective (a copy), so that
-   column shows FSDP2's streams only; on a multi-GPU machine run with ``torchrun`` for the stream check.
-3. The ``"cpu"`` offload tier (``docs/offload.md``), NCCL, world size 1, CUDA: the same perparam model with
-   its AdamW state in pinned host memory (``OffloadPolicy("cpu", "optimizer")``) against no offload,
-   interleaved steps. Reported: median step times and their ratio, CUDA memory allocated between steps
-   (falls by the state's bytes), the parameters after the steps (bitwise equal: the copies are exact),
-   and per step the seconds the host waited for the host-to-device copies started at each gradient's
-   reduction (the part backward did not hide) and spent copying the state back after the step.
+Sections (``benchmarks/gpu_sections.py``, ``two_ranks`` in ``benchmarks/gpu_two_ranks.py``; a section is ``section(out: dict, args)``), in order, with their
+budget on an H200 (the 27M benchmark model, 20 timed steps):
+
+``environment`` (1 s)
+    torch, CUDA, NCCL versions; the c10d names chosen (``perparam/comm/c10d.py``); the private or recent torch
+    APIs perparam uses that this torch lacks (``missing_apis``); ``not_checked``: what one GPU cannot show.
+``simulated`` (20 s)
+    Memory against the planner: rank ``--sim-rank`` of a fake ``--sim-world``-rank mesh (torch's fake process
+    group: collectives move no data, allocations are real), bf16 compute, ``--sim-steps`` AdamW steps:
+    model-state bytes measured (``perparam.memory.measure``) vs predicted (``perparam.memory.plan``), the two
+    largest adjacent groups unsharded, on CUDA the peak allocated bytes of the last step and its transient part.
+``parity`` (20 s)
+    perparam vs torch FSDP2, fp32, the same weights and batch, 3 AdamW steps, world of one: the largest
+    parameter and loss differences (``within_1e-5``).
+``step_time`` (60 s)
+    perparam and FSDP2 (bf16 params, fp32 reduce) and DDP (bf16 autocast), interleaved steps: medians,
+    ratios, the CUDA streams of one step (torch.profiler).
+``host_syncs`` (15 s)
+    One step of perparam and of FSDP2, forward + backward and optimizer step apart: the host reads and
+    host-data uploads by site (``benchmarks/host_syncs.py``) and ``torch.cuda.set_sync_debug_mode("warn")``'s
+    warnings.
+``two_ranks`` (60 s)
+    Two processes on gloo with the tensors on GPU 0 (NCCL refuses two ranks on one GPU): the toy model against
+    one process (``within_1e-5``), collective counts, the order of first use of the process groups on each
+    rank (``same_first_use_order``).
+``cpu_tier`` (60 s)
+    ``OffloadPolicy("cpu", "optimizer")`` against no offload: step times, CUDA memory between steps, bitwise
+    parameters, the host's copy waits, whether the offloaded state can be read between steps.
+
+Then the sections of ``benchmarks/gpu_accelerate.py`` when that file exists (its ``SECTIONS``, a list of
+``(name, section)``, or its ``run(out, args)`` as ``accelerate``), and any given to ``main(extra_sections=)``.
+Every section's dict gets ``ok``, ``seconds`` and, on failure, ``error`` and ``traceback``. With
+``--device cpu`` every section runs on a gloo world of one on CPU (what ``tests/test_gpu_check.py`` runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import gc
+import importlib
+import inspect
 import json
 import os
-import statistics
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +60,22 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.configs import seeded_full_init, wrap_units  # noqa: E402
+from benchmarks import gpu_sections, gpu_two_ranks  # noqa: E402
+from benchmarks.configs import seeded_full_init  # noqa: E402
+from benchmarks.gpu_sections import shard_perparam  # noqa: E402
 from benchmarks.model import GPT, GPTConfig, make_batches  # noqa: E402
+
+Section = Callable[[dict, argparse.Namespace], None]
+
+SECTIONS: list[tuple[str, Section]] = [
+    ("environment", gpu_sections.environment),
+    ("simulated", gpu_sections.simulated),
+    ("parity", gpu_sections.parity),
+    ("step_time", gpu_sections.step_time),
+    ("host_syncs", gpu_sections.host_syncs),
+    ("two_ranks", gpu_two_ranks.two_ranks),
+    ("cpu_tier", gpu_sections.cpu_tier),
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed NCCL steps first (default 3)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cuda (default); cpu runs only the simulated-mesh memory check")
+                    help="cuda (default); cpu runs every section on a gloo world of one on CPU")
     ap.add_argument("--quick", action="store_true", help="the toy model (GPTConfig.quick())")
+    ap.add_argument("--sections", help="comma-separated section names to run (default: all)")
     args = ap.parse_args(argv)
     for flag in ("sim_world", "sim_steps", "steps", "batch"):
         if getattr(args, flag) < 1:
@@ -68,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.sim_rank < args.sim_world:
         ap.error(f"--sim-rank must be in [0, --sim-world) = [0, {args.sim_world}) (got {args.sim_rank})")
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device here; use --device cpu for the simulated-mesh memory check")
+        ap.error("--device cuda: no CUDA device here; use --device cpu to run the sections on CPU")
     return args
 
 
@@ -76,18 +107,6 @@ def _bf16_policy():
     import perparam
 
     return perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def _shard_perparam(model: GPT, mesh) -> list:
-    import perparam
-    from perparam.runtime.group import group_of
-
-    groups = []
-    for modules, raf in wrap_units(model):
-        target = modules if len(modules) > 1 else modules[0]
-        perparam.fully_shard(target, mesh=mesh, reshard_after_forward=raf, mp_policy=_bf16_policy())
-        groups.append(group_of(modules[0]))
-    return groups
 
 
 def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: int = 2, batch: int = 2) -> dict:
@@ -107,7 +126,7 @@ def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: 
             model = GPT(cfg)
         predicted = plan_module(model, world, dtype=None, grad_bytes=None, optim_bytes=8,
                                 mp_policy=_bf16_policy()).rank(rank)
-        groups = _shard_perparam(model, mesh)
+        groups = shard_perparam(model, mesh, _bf16_policy())
         if rank == 0:
             load_full_state_dict(model, seeded_full_init(cfg, 0).state_dict())
         else:  # the fake group's broadcasts deliver nothing: uninitialised shards (values do not matter here)
@@ -152,160 +171,95 @@ def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: 
         dist.destroy_process_group()
 
 
-def _streams_of_one_step(step) -> dict:
-    """CUDA streams the kernels of ``step()`` ran on: {stream id: {"nccl": n, "compute": n}}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    streams: dict = {}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        sid = str(getattr(e, "stream", None) or getattr(getattr(e, "kineto_info", None), "stream", "?"))
-        kind = "nccl" if "nccl" in e.name.lower() else "compute"
-        streams.setdefault(sid, {"nccl": 0, "compute": 0})[kind] += 1
-    return streams
-
-
-@contextlib.contextmanager
-def nccl_world_of_one(port: str):
-    """A 1-rank NCCL process group on GPU 0 (``MASTER_PORT`` ``port`` unless set); yields its 1D mesh and
-    destroys the group (after ``gc.collect()``) on the way out."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", port)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+def extra_sections() -> list[tuple[str, Section]]:
+    """The sections of ``benchmarks/gpu_accelerate.py`` if it exists: its ``SECTIONS`` or its ``run`` as
+    ``accelerate``; none otherwise. An import error becomes a section that raises it (reported, not fatal)."""
+    if not (ROOT / "benchmarks" / "gpu_accelerate.py").exists():
+        return []
     try:
-        torch.cuda.set_device(0)
-        yield init_device_mesh("cuda", (1,))
-    finally:
-        import gc
-
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def interleaved_steps(runs: dict, warmup: int, steps: int, after_step=None, after_warmup=None) -> None:
-    """``warmup + steps`` rounds of each run's ``step()``, the order reversed every other round (pairing);
-    appends the seconds of each step after the warm-up to ``run["times"]`` (synchronised: device time).
-    ``after_step(run)`` runs after every step, ``after_warmup()`` once the warm-up rounds are done."""
-    for r in range(warmup + steps):
-        for run in (list(runs.values()) if r % 2 == 0 else list(runs.values())[::-1]):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run["step"]()
-            torch.cuda.synchronize()
-            if r >= warmup:
-                run["times"].append(time.perf_counter() - t0)
-            if after_step is not None:
-                after_step(run)
-        if r == warmup - 1 and after_warmup is not None:
-            after_warmup()
+        module = importlib.import_module("benchmarks.gpu_accelerate")
+    except Exception as e:  # reported as that section's error
+        def failed(out, args, e=e):
+            raise e
+        return [("accelerate", failed)]
+    if hasattr(module, "SECTIONS"):
+        return list(module.SECTIONS)
+    return [("accelerate", module.run)]
 
 
-def nccl_step_times(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict:
-    """perparam vs FSDP2 over NCCL, world size 1, bf16, interleaved steps: median seconds and streams."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from perparam.full_state import load_full_state_dict
-
-    with nccl_world_of_one("29533") as mesh:
-        full = seeded_full_init(cfg, 0).state_dict()
-        runs = {}
-        with torch.device("meta"):
-            pp = GPT(cfg)
-        _shard_perparam(pp, mesh)
-        load_full_state_dict(pp, full)
-        with torch.device("meta"):
-            f2 = GPT(cfg)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for modules, raf in wrap_units(f2):
-            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
-        f2.to_empty(device="cuda")
-        set_model_state_dict(f2, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        x, y = (t.cuda() for t in make_batches(cfg, 1, batch)[0])
-        for name, model in (("perparam_bf16", pp), ("fsdp2_bf16", f2)):
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-            def step(model=model, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                loss = model(x, y)
-                loss.backward()
-                opt.step()
-                return loss
-
-            runs[name] = {"step": step, "times": []}
-        interleaved_steps(runs, warmup, steps)
-        out = {name: {"step_time_s": statistics.median(run["times"]), "streams": _streams_of_one_step(run["step"]),
-                      "final_loss": float(run["step"]())} for name, run in runs.items()}
-        out["ratio_perparam_vs_fsdp2"] = out["perparam_bf16"]["step_time_s"] / out["fsdp2_bf16"]["step_time_s"]
-        return out
+def _call(section: Section, out: dict, args: argparse.Namespace) -> None:
+    params = inspect.signature(section).parameters
+    section(out, args) if len(params) > 1 else section(out)
 
 
-def cpu_tier_offload(cfg: GPTConfig, steps: int, warmup: int, batch: int) -> dict:
-    """perparam with AdamW state in pinned host memory vs on the GPU, NCCL, world size 1 (section 3)."""
-    import perparam
-    from perparam import OffloadPolicy
-    from perparam.full_state import load_full_state_dict
-
-    with nccl_world_of_one("29534") as mesh:
-        full = seeded_full_init(cfg, 0).state_dict()
-        x, y = (t.cuda() for t in make_batches(cfg, 1, batch)[0])
-        runs = {}
-        for name, offload in (("device", None), ("cpu_optimizer", OffloadPolicy("cpu", "optimizer"))):
-            with torch.device("meta"):
-                model = GPT(cfg)
-            for modules, raf in wrap_units(model):
-                perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf,
-                                     mp_policy=_bf16_policy(), offload_policy=offload)
-            load_full_state_dict(model, full)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-            def step(model=model, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                model(x, y).backward()
-                opt.step()
-
-            runs[name] = {"model": model, "step": step, "times": [], "allocated": 0}
-        perparam.offload.reset_stats()
-
-        def after(run):
-            run["allocated"] = torch.cuda.memory_allocated()
-
-        interleaved_steps(runs, warmup, steps, after_step=after, after_warmup=perparam.offload.reset_stats)
-        io = perparam.offload.stats()
-        params = {name: {n: p.full_tensor() for n, p in run["model"].named_parameters()} for name, run in runs.items()}
-        out = {name: {"step_time_s": statistics.median(run["times"]), "allocated_bytes_between_steps": run["allocated"]}
-               for name, run in runs.items()}
-        out["ratio_cpu_vs_device"] = out["cpu_optimizer"]["step_time_s"] / out["device"]["step_time_s"]
-        out["offloaded_bytes"] = perparam.offload.offloaded_bytes().get("cpu", 0)
-        out["allocated_fall_bytes"] = (out["device"]["allocated_bytes_between_steps"]
-                                       - out["cpu_optimizer"]["allocated_bytes_between_steps"])
-        out["params_bitwise_equal"] = all(torch.equal(params["device"][n], t) for n, t in params["cpu_optimizer"].items())
-        out["copy_wait_s_per_step"] = io["wait_s"] / steps
-        out["copy_back_s_per_step"] = io["evict_s"] / steps
-        return out
+def _clean_up() -> None:
+    """What a failed section may leave: its process group, CUDA memory, a sync debug mode."""
+    gc.collect()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _write(result: dict, path: Path | None) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def run_sections(sections: list[tuple[str, Section]], args: argparse.Namespace, result: dict,
+                 path: Path | None = None) -> dict:
+    """Run each ``(name, section)`` on its own into ``result[name]`` (``ok``, ``seconds``; on failure
+    ``error`` and ``traceback``), rewriting ``path`` after each; one line per section on stdout."""
+    for name, section in sections:
+        out = result.setdefault(name, {})
+        t0 = time.perf_counter()
+        try:
+            _call(section, out, args)
+            out["ok"] = True
+        except BaseException as e:  # noqa: BLE001 (a section's failure, even SystemExit, is its own)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            out["ok"] = False
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["traceback"] = traceback.format_exc()[-4000:]
+        finally:
+            out["seconds"] = round(time.perf_counter() - t0, 2)
+            _clean_up()
+            result["wall_s"] = round(time.perf_counter() - result["_t0"], 2)
+            _write({k: v for k, v in result.items() if k != "_t0"}, path)
+        print(f"gpu_check: {name}: {'ok' if out['ok'] else 'FAILED ' + out['error']} ({out['seconds']} s)",
+              flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None, extra: list[tuple[str, Section]] | None = None) -> dict:
+    """Run the sections (``--sections`` picks some), then ``extra_sections()`` and ``extra``; returns the
+    result dict (also written to ``--json``)."""
     args = parse_args(argv)
+    sections = SECTIONS + extra_sections() + list(extra or [])
+    if args.sections:
+        wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+        unknown = sorted(set(wanted) - {n for n, _ in sections})
+        if unknown:
+            raise SystemExit(f"gpu_check: --sections: unknown {unknown}; the sections are "
+                             f"{[n for n, _ in sections]}")
+        sections = [(n, s) for n, s in sections if n in wanted]
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
-    t0 = time.perf_counter()
-    result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "model": cfg.as_dict(),
-              "simulated": simulated_memory(cfg, args.sim_world, args.sim_rank, args.device, args.sim_steps)}
-    if args.device == "cuda":
-        result["nccl_world_1"] = nccl_step_times(cfg, args.steps, args.warmup, args.batch)
-        result["cpu_tier"] = cpu_tier_offload(cfg, args.steps, args.warmup, args.batch)
-    result["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    _render(result)
+    result = {"_t0": time.perf_counter(), "model": cfg.as_dict(), "device_arg": args.device}
+    run_sections(sections, args, result, args.json)
+    result.pop("_t0")
+    try:
+        _render(result)
+    except Exception as e:  # the JSON is what counts
+        print(f"gpu_check: the summary table failed ({type(e).__name__}: {e})")
     return result
 
 
@@ -314,34 +268,42 @@ def _render(result: dict) -> None:
     from rich.table import Table
 
     mib = 1 << 20
-    sim = result["simulated"]
-    table = Table(title=f"rank {sim['rank']} of a simulated {sim['world']}-rank mesh ({sim['device']}), bf16 compute")
+    table = Table(title=f"gpu_check on {result.get('environment', {}).get('device', result['device_arg'])}")
     table.add_column("figure")
-    table.add_column("MiB", justify="right")
-    meas, pred = sim["model_state_bytes_measured"], sim["model_state_bytes_predicted"]
-    for key in ("params", "grads", "optimizer", "total"):
-        table.add_row(f"model state {key}: measured / predicted", f"{meas[key] / mib:.2f} / {pred[key] / mib:.2f}")
-    table.add_row("two adjacent groups unsharded (bf16)", f"{sim['two_adjacent_groups_unsharded_bytes'] / mib:.2f}")
-    if "peak_allocated_bytes" in sim:
-        table.add_row("peak allocated in a step / transient (peak - state)",
-                      f"{sim['peak_allocated_bytes'] / mib:.1f} / {sim['transient_bytes'] / mib:.1f}")
-    if "nccl_world_1" in result:
-        n = result["nccl_world_1"]
-        for name in ("perparam_bf16", "fsdp2_bf16"):
-            table.add_row(f"{name} step ms (NCCL, world 1)", f"{n[name]['step_time_s'] * 1e3:.2f}")
-        table.add_row("perparam / FSDP2 step time", f"{n['ratio_perparam_vs_fsdp2']:.2f}")
-    if "cpu_tier" in result:
-        c = result["cpu_tier"]
-        table.add_row("cpu tier (AdamW state pinned on host) / device step time", f"{c['ratio_cpu_vs_device']:.2f}")
-        table.add_row("cpu tier: CUDA allocated fall / state offloaded",
+    table.add_column("value", justify="right")
+    sim = result.get("simulated", {})
+    if "model_state_bytes_measured" in sim:
+        meas, pred = sim["model_state_bytes_measured"], sim["model_state_bytes_predicted"]
+        for key in ("params", "grads", "optimizer", "total"):
+            table.add_row(f"simulated rank {sim['rank']}/{sim['world']} model state {key}: measured / planned MiB",
+                          f"{meas[key] / mib:.2f} / {pred[key] / mib:.2f}")
+        if "peak_allocated_bytes" in sim:
+            table.add_row("peak allocated in a step / transient MiB",
+                          f"{sim['peak_allocated_bytes'] / mib:.1f} / {sim['transient_bytes'] / mib:.1f}")
+    for name, key in (("parity", "max_param_diff"), ("two_ranks", "max_param_diff")):
+        if key in result.get(name, {}):
+            table.add_row(f"{name}: largest parameter difference (fp32)", f"{result[name][key]:.3g}")
+    st = result.get("step_time", {})
+    for name in ("perparam_bf16", "fsdp2_bf16", "ddp_autocast_bf16"):
+        if name in st:
+            table.add_row(f"{name} step ms", f"{st[name]['step_time_s'] * 1e3:.2f}")
+    for key in ("ratio_perparam_vs_fsdp2", "ratio_perparam_vs_ddp"):
+        if key in st:
+            table.add_row(key, f"{st[key]:.2f}")
+    for name, row in result.get("host_syncs", {}).items():
+        if isinstance(row, dict) and "forward_backward" in row:
+            fb = row["forward_backward"]
+            table.add_row(f"{name} host syncs in forward+backward (counted / sync-debug warnings)",
+                          f"{fb['counted']} / {fb['sync_debug_warnings']}")
+    c = result.get("cpu_tier", {})
+    if "ratio_cpu_vs_device" in c:
+        table.add_row("cpu tier / device step time", f"{c['ratio_cpu_vs_device']:.2f}")
+        table.add_row("cpu tier: allocated fall / offloaded MiB",
                       f"{c['allocated_fall_bytes'] / mib:.1f} / {c['offloaded_bytes'] / mib:.1f}")
-        table.add_row("cpu tier: ms per step waiting for H2D / copying back",
-                      f"{c['copy_wait_s_per_step'] * 1e3:.2f} / {c['copy_back_s_per_step'] * 1e3:.2f}")
-        table.add_row("cpu tier: parameters bitwise equal to device", str(c["params_bitwise_equal"]))
+    for name, row in result.items():
+        if isinstance(row, dict) and row.get("ok") is False:
+            table.add_row(f"{name} FAILED", row["error"][:80])
     Console().print(table)
-    if "nccl_world_1" in result:
-        for name in ("perparam_bf16", "fsdp2_bf16"):
-            print(f"{name} CUDA streams (kernels per stream): {result['nccl_world_1'][name]['streams']}")
     print(f"gpu_check took {result['wall_s']:.1f} s")
 
 

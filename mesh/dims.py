@@ -184,14 +184,35 @@ class ParallelDims:
         return Meshes(self, world)
 
 
-def default_device_type() -> str:
-    """``"cuda"`` when torch.distributed runs NCCL, else ``"cpu"``; before ``init_process_group``:
-    ``"cuda"`` when CUDA is available (``init_device_mesh`` will then start NCCL), else ``"cpu"``."""
-    if dist.is_available() and dist.is_initialized():
-        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+def default_device_type(group=None) -> str:
+    """The device type collectives of the process group ``group`` (default: the default group) run on:
+    the first accelerator the group has a device-native backend for (``"cuda"`` for ``"nccl"`` or
+    ``"cpu:gloo,cuda:nccl"``), else ``"cpu"`` (``"gloo"``, even where gloo also serves CUDA tensors);
+    before ``init_process_group``: ``"cuda"`` when CUDA is available (``init_device_mesh`` will then start
+    NCCL), else ``"cpu"``."""
     import torch
 
+    if dist.is_available() and dist.is_initialized():
+        try:
+            config = dist.get_backend_config(group)
+        except (RuntimeError, ValueError, AttributeError):  # a backend without a config (torch's threaded one)
+            config = str(dist.get_backend(group))
+        return device_type_of_backends(config)
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_type_of_backends(config: str) -> str:
+    """``default_device_type``'s rule on a backend config string (``dist.get_backend_config``'s form,
+    ``"cpu:gloo,cuda:nccl"``, or one backend name such as ``"nccl"``): the first ``device:backend`` pair
+    whose device is not the CPU and whose backend is not gloo; ``"cpu"`` when there is none."""
+    known = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
+    for part in config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if not device:
+            device = known.get(backend, "cpu")
+        if device != "cpu" and backend not in ("gloo", "fake", "threaded", "mpi"):
+            return device
+    return "cpu"
 
 
 @dataclass(frozen=True)

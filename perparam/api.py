@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mesh import MeshError, check_dp_mesh
+from mesh import MeshError, check_dp_mesh, default_device_type
 
+from .comm.process_groups import warm_up
 from .errors import ShardingError
 from .full_state import install_load_hooks
 from .module import (
@@ -227,6 +228,11 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         part.reduce_shard_pg, part.reduce_replicate_pg  # noqa: B018
     if secondary_size is not None:  # hpZ: its process groups created now, by every rank, in call order
         group.hpz = group.hpz_given = hpz.Secondary(mesh, secondary_size)
+    # their communicators too (NCCL's first collective on a group is a handshake of its ranks), in that order
+    warm_up([pg for part in group.parts for pg in (part.shard_pg, part.replicate_pg, part.reduce_shard_pg,
+                                                    part.reduce_replicate_pg)]
+            + ([group.hpz.pg] if secondary_size is not None else [])
+            + [dist.group.WORLD], mesh.device_type)  # WORLD: clip_grad_norm_'s all-reduce
     with _GROUPS_LOCK:
         _GROUPS.add(group)
     for sp in sharded_params:
@@ -354,8 +360,7 @@ def default_mesh() -> DeviceMesh:
     if not dist.is_available() or not dist.is_initialized():
         raise ShardingError("fully_shard(mesh=None) needs torch.distributed.init_process_group() first, "
                             "or pass mesh=init_device_mesh(...)")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:

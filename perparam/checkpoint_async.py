@@ -9,7 +9,8 @@ asynchronous save (a collective) and reused by every later one, carries only che
 
 Why a snapshot of our own: DCP's stager (``FileSystemWriter.stage``, torch 2.13) hands 0-dim DTensors back
 uncopied, so a 0-dim parameter updated after the save returned would leak into the checkpoint; here every
-tensor is copied (DTensors rebuilt with ``DTensor.from_local`` around the copied local shard).
+tensor is copied (DTensors rebuilt around the copied local shard, which stays on the CPU: a DTensor of the
+CUDA mesh with a host local tensor, as torch's CPU state dicts make).
 """
 
 from __future__ import annotations
@@ -143,14 +144,17 @@ def _timeout_of(group: dist.ProcessGroup):
 
 
 def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CPU copy of every tensor of ``state`` (DTensors keep mesh, placements, global shape and stride);
+    """A CPU copy of every tensor of ``state`` (DTensors keep their spec: mesh, placements, global shape and
+    stride; their local tensors are the CPU copies, whatever the mesh's device);
     training may change the originals as soon as this returns."""
     out = {}
     for key, value in state.items():
         if isinstance(value, DTensor):
+            # the CPU copy wrapped as it is, with the original's spec: DTensor.from_local would move it back
+            # to the mesh's device (a second device copy of the whole state on CUDA). torch's own CPU state
+            # dicts of DTensors do the same (torch/distributed/_state_dict_utils.py, _create_cpu_state_dict)
             local = value.to_local().detach().to("cpu", copy=True)
-            out[key] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                          shape=value.shape, stride=value.stride())
+            out[key] = DTensor(local, value._spec, requires_grad=False)
         else:
             out[key] = value.detach().to("cpu", copy=True)
     return out

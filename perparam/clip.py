@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from mesh import AXIS_NAMES
+from mesh import AXIS_NAMES, default_device_type
 
 from .comm import collectives
 
@@ -175,8 +175,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         except ValueError as e:
             refused.append(f"the gradient of parameter #{i} (shape {tuple(g.shape)}, placements "
                            f"{tuple(g.placements)}, mesh axes {g.device_mesh.mesh_dim_names}): {e}")
-    device = torch.device("cuda", torch.cuda.current_device()) if initialized and dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    kind = default_device_type() if initialized else "cpu"  # where the world's all-reduce runs
+    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else torch.device("cpu")
     rows = torch.zeros(world, 2, dtype=torch.float64, device=device)
     me = dist.get_rank() if initialized else 0
     rows[me, 0] = local_contribution(shards, norm_type, foreach, device)

@@ -27,7 +27,9 @@ def distributed_session(backend: str | None = None, timeout_s: float | None = No
     """Initialise the default process group (unless one exists) and, at the end of the block, collect
     garbage and destroy it (only if this call created it).
 
-    ``backend``: ``"nccl"`` when CUDA is available, else ``"gloo"``. The environment gives rank and world
+    ``backend``: ``"nccl"`` when CUDA is available, else ``"gloo"``. With NCCL in ``backend`` and CUDA
+    available, the current CUDA device is set to ``LOCAL_RANK`` (0 when unset) and passed as ``device_id``
+    (the world's communicator is created at init; the groups ``fully_shard`` uses are warmed up there). The environment gives rank and world
     (``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); with none of them set, a
     1-process group on 127.0.0.1 is created. Keep models and optimizers inside a function called in the
     block (or ``del`` them before it ends): what is still referenced at the end cannot be collected.
@@ -44,6 +46,12 @@ def distributed_session(backend: str | None = None, timeout_s: float | None = No
             os.environ.update(RANK="0", WORLD_SIZE="1")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        if "nccl" in backend and torch.cuda.is_available():
+            # this process's GPU (torchrun's LOCAL_RANK), before anything allocates on GPU 0; device_id makes
+            # NCCL create the world's communicator now, in init_process_group, on every rank alike
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
         dist.init_process_group(backend, **kwargs)
     try:
         yield

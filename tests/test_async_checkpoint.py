@@ -195,3 +195,22 @@ def test_async_save_without_a_process_group_writes_and_loads_and_refuses_bad_ext
     assert pending.wait() == tmp_path / "one"
     checkpoint.load(tmp_path / "one", model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+
+
+def _snapshot_keeps_specs(rank: int, world_size: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from perparam.checkpoint_async import snapshot
+
+    model = nn.Linear(3, 5)
+    perparam.fully_shard(model)
+    state = model.state_dict()
+    snap = snapshot(state)
+    return {k: (isinstance(v, DTensor) and v._spec is state[k]._spec, v.to_local().device.type,
+                v.to_local().data_ptr() != state[k].to_local().data_ptr() or not v.to_local().numel(),
+                torch.equal(v.full_tensor(), state[k].full_tensor())) for k, v in snap.items()}
+
+
+def test_the_async_snapshot_wraps_host_copies_in_the_original_spec_with_no_move_back_to_the_mesh_device():
+    for r in run_distributed(_snapshot_keeps_specs, 2):
+        assert r == {"weight": (True, "cpu", True, True), "bias": (True, "cpu", True, True)}

@@ -339,3 +339,30 @@ def test_rss_anon_falls_by_the_offloaded_bytes_within_5_percent(tmp_path):
         assert abs((device - offloaded) - planned) <= 0.05 * planned, (state, device - offloaded, planned)
         fell = device_backward - backward  # the gradient shards are in the tier too with "all"
         assert abs(fell - planned_backward) <= 0.05 * planned_backward, (state, fell, planned_backward)
+
+
+def test_state_dict_of_an_optimizer_with_host_offloaded_state_brings_the_state_in_first(monkeypatch):
+    # the cpu tier's state (a HostSlot, CUDA only) has no device storage between steps: the optimizer's
+    # state_dict() must fetch it before handing it out. Here a HostSlot over a CPU tensor stands in
+    from types import SimpleNamespace
+
+    from perparam.offload import tier
+    from perparam.offload.host import HostSlot
+
+    weight = nn.Parameter(torch.ones(3))
+    slot = HostSlot("w exp_avg", torch.zeros(3), pin=False)
+    po = SimpleNamespace(state_slots={"exp_avg": slot}, slots=lambda: [])
+    owner = SimpleNamespace(sharded=weight, offload=po)
+    monkeypatch.setattr(tier, "_OWNERS", [owner])
+    monkeypatch.setattr(tier, "_read_ahead", lambda po: None)
+    brought = []
+    monkeypatch.setattr(tier, "bring_in", lambda opt: brought.append(opt))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    tier._pre_step(opt, (), {})
+    tier._pre_step(opt, (), {})  # hooked once
+    opt.state_dict()
+    assert brought == [opt]
+    plain = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    tier._pre_step(plain, (), {})
+    plain.state_dict()
+    assert brought == [opt]  # an optimizer without host-offloaded state is left alone

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import debug
+from . import c10d, debug
 
 # Process-wide, not per thread: on CUDA autograd runs backward hooks (and so the backward collectives) on
 # its own device thread.
@@ -85,7 +85,7 @@ def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype
 
 # How an all-gather of rows runs on gloo (``gloo``): "all_to_all" (one all-to-all in which each rank sends its
 # row to every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
-# "native" (``dist.all_gather_single``, which gloo runs through a flat buffer it allocates on every
+# "native" (c10d's all-gather into one tensor, which gloo runs through a flat buffer it allocates on every
 # call and copies out afterwards). Same bytes on the wire. Measured on 2 ranks, one 12.6 MB gather of the
 # benchmark model (benchmarks/README.md): CPU per call 5.2-9.0 ms native, 2.7-3.3 ms all-to-all. The
 # runtime passes ``perparam.configure(gloo_all_gather=...)``.
@@ -118,7 +118,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
 
     On gloo (``gloo="all_to_all"``, the default) an all-to-all with split sizes: ``send`` goes to every other rank (for
     K > 2 from K - 1 copies of it), the other ranks' rows arrive in one ``[K - 1, slot]`` buffer. Elsewhere
-    ``dist.all_gather_single`` (all-gather into one tensor) into a ``[K, slot]`` buffer. ``comm``: a custom
+    c10d's all-gather into one tensor (``perparam.comm.c10d``) into a ``[K, slot]`` buffer. ``comm``: a custom
     all-gather with FSDP2's ``AllGather`` interface (``set_custom_all_gather``): its ``allocate`` gives the
     ``[K * slot]`` uint8 output and ``comm(output, send, group, async_op=True)`` fills it."""
     k, slot = group.size(), send.numel()
@@ -148,7 +148,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
         result = GatheredRows(work, [(r, t) for r, t in segments if t.shape[0]], buffers)
     else:
         recv = _take(pool, k * slot, send.device)
-        work = dist.all_gather_single(recv, send, group=group, async_op=True)
+        work = c10d.all_gather_into(recv, send, group, async_op=True)
         result = GatheredRows(work, [(0, recv.view(k, slot))], [recv])
     if not async_op:
         result.wait()
@@ -217,7 +217,7 @@ def all_gather_in_place(regions: list[list[torch.Tensor]], group: dist.ProcessGr
 
 
 # How a reduce-scatter runs on gloo (``gloo``): "all_to_all" (each rank receives the K pieces of its own chunk
-# and sums them locally) or "native" (``dist.reduce_scatter_single``, which gloo builds from an all-reduce of
+# and sums them locally) or "native" (c10d's reduce-scatter into one tensor, which gloo builds from an all-reduce of
 # the whole input). Same bytes in CommCounter's convention; measured on the benchmark model (2 ranks, 12.6 MB
 # fp32 input): CPU per call 15 -> 6 ms (benchmarks/README.md). The runtime passes
 # ``perparam.configure(gloo_reduce_scatter=...)``, so benchmarks can compare.
@@ -295,7 +295,7 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
             handle.wait()
             return None
         return handle
-    return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+    return c10d.reduce_scatter_into(output, input, group, async_op=async_op)
 
 
 class _Waiter:

@@ -38,6 +38,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from . import c10d
+
 _enabled = os.environ.get("PERPARAM_DEBUG", "") not in ("", "0")
 _timeout_s = float(os.environ.get("PERPARAM_DEBUG_TIMEOUT", "60"))
 _KEY = "perparam_debug/rank{}"  # the default store's key where a rank posts the collective it checks
@@ -82,7 +84,7 @@ def check(kind: str, send: torch.Tensor, recv_bytes: int, group: dist.ProcessGro
     local = torch.tensor(mine, dtype=torch.int64, device=send.device)
     gathered = torch.empty(group.size() * len(mine), dtype=torch.int64, device=send.device)
     described = f"{kind} of {send_bytes} bytes sent / {recv_bytes} received, {send.dtype}, for {what}"
-    work = dist.all_gather_single(gathered, local, group=group, async_op=True)
+    work = c10d.all_gather_into(gathered, local, group, async_op=True)
     _wait(work, group, described)
     rows = gathered.view(group.size(), len(mine)).tolist()
     if all(row == rows[0] for row in rows):

@@ -4,8 +4,8 @@ steps (untested here: no GPU on the development machine; ``benchmarks/gpu_check.
 ``HostSlot(label, tensor, pin)`` keeps a host copy of one device tensor (pinned when ``pin``: the copies
 can then run asynchronously). ``evict`` copies device -> host (waits for it: the device storage is freed
 right after) and resizes the device storage to 0 bytes; ``fetch`` gives the storage back and copies host
--> device on a side stream, so the copy overlaps the rest of backward; ``wait`` blocks until that copy is
-done (and counts how long: the part backward did not hide). The optimizer step runs on the device, as without offload:
+-> device on a side stream, so the copy overlaps the rest of backward; ``wait`` makes the current stream
+wait for that copy (a stream wait, as FSDP2's waits on its copy events: the host does not block). The optimizer step runs on the device, as without offload:
 a parameter group never mixes host and device tensors, so no optimizer falls back to a slow path.
 """
 
@@ -59,10 +59,12 @@ class HostSlot:
         STATS.add(bytes_fetched=self.nbytes)
 
     def wait(self) -> None:
-        """Block until the host-to-device copy is done (counted in ``STATS.wait_s``: the copy time that
-        backward did not hide)."""
+        """Make the current stream wait for the host-to-device copy (a stream wait: the host goes on; the
+        optimizer step's kernels start once the copy is done). ``STATS.wait_s`` counts the host time of the
+        call, which is no longer the copy time backward did not hide; ``benchmarks/gpu_check.py``'s cpu_tier
+        section measures that as step time."""
         if self._event is not None:
             t0 = time.perf_counter()
-            self._event.synchronize()
+            torch.cuda.current_stream(self.tensor.device).wait_event(self._event)
             STATS.add(wait_s=time.perf_counter() - t0)
             self._event = None

@@ -45,6 +45,8 @@ from .scratch import Scratch, ScratchError, scratch_for
 #: live ``ShardedParam``s with an offloaded tier (each carries ``.offload``: its ``ParamOffload``)
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
+#: optimizers holding host-offloaded state that got the state_dict pre-hook (``_bring_in_for_state_dict``)
+_STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
 _order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
 #: where ``fully_shard`` keeps a module's ``ParamGroup`` (``perparam.runtime.group.GROUP_ATTR``; read, not
@@ -309,6 +311,12 @@ def _offloads(optimizer) -> list[tuple[torch.Tensor, ParamOffload]]:
 
 def _pre_step(optimizer, args, kwargs) -> None:
     found = _offloads(optimizer)
+    if optimizer not in _STATE_DICT_HOOKED and any(isinstance(slot, HostSlot) for _, po in found
+                                                   for slot in po.state_slots.values()):
+        # between steps host-offloaded state has no device storage: optimizer.state_dict() (a checkpoint, a
+        # logged norm of it) would hand out tensors over freed memory; it brings the state in first
+        _STATE_DICT_HOOKED.add(optimizer)
+        optimizer.register_state_dict_pre_hook(_bring_in_for_state_dict)
     for _, po in found:
         _read_ahead(po)
     errors = []
@@ -321,6 +329,10 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if errors:  # every slot waited for: the step can be retried once the cause is gone
         more = f" ({len(errors) - 1} more tensors failed alike)" if len(errors) > 1 else ""
         raise OffloadError(f"{errors[0]}{more}; the optimizer step did not run")
+
+
+def _bring_in_for_state_dict(optimizer) -> None:
+    bring_in(optimizer)
 
 
 def bring_in(optimizer) -> None:

@@ -30,7 +30,7 @@ from ..sharding import int8_codec
 from ..sharding.grad_quant import GradQuant, GradWire, grad_wire
 from ..sharding.layout import reduce_scatter_offsets
 from ..sharding.quant import Int8Quantizer
-from .reduction import PendingReduce, pack_reduce_scatter_input
+from .reduction import PendingReduce, pack_reduce_scatter_input, used_flags
 
 if TYPE_CHECKING:
     from .param import ShardedParam
@@ -222,7 +222,7 @@ def issue(group, params: tuple[ShardedParam, ...], grads: tuple[torch.Tensor, ..
         if scratch is not packed:  # else kept as the decode's scratch, given back after it
             pool.give_back(packed)
     _section(rows, wire.flags_at, wire.flags_bytes, torch.float32).copy_(
-        torch.tensor(used, dtype=torch.float32, device=device))
+        used_flags(used, torch.float32, device))
     offsets, total = reduce_scatter_offsets(layouts)
     recv = torch.empty(total, dtype=dtype, device=device)
     codes = torch.bfloat16 if gq.quantizer is None else gq.quantizer.codes_dtype
@@ -230,4 +230,4 @@ def issue(group, params: tuple[ShardedParam, ...], grads: tuple[torch.Tensor, ..
                                                what=f"{group._what} [{dtype} as {gq}]", dtype=codes)
     # K = 1: ``received`` is ``rows`` itself, given back with the reduction's ``send``
     handle = _DecodeAfterExchange(work, received, wire, gq, recv, pool, scratch, received is not rows)
-    return PendingReduce(handle, rows, recv, tuple(params), offsets, kind=gq)
+    return PendingReduce(handle, rows, recv, tuple(params), offsets, kind=gq, used=tuple(used))

@@ -23,7 +23,7 @@ from ..sharding.layout import GroupLayout, reduce_scatter_offsets
 from . import config, grad_quant, partial, registration, zero, zero_copy, zero_copy_reduce
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .reduction import PendingReduce, ReducePlan, pack_reduce_scatter_input, reduce_plan
+from .reduction import PendingReduce, ReducePlan, pack_reduce_scatter_input, reduce_plan, used_flags
 from .state import ALLOWED, StateError, TrainingState
 
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
@@ -578,7 +578,7 @@ class ParamGroup:
                 item.part = self
                 pending.append(item)
                 continue
-            flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
+            flags = used_flags(used, dtype, grads[0].device)
             # [K, sum(padded_local_numel) + len(params)]
             send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
             offsets, total = plan.offsets, plan.total
@@ -587,17 +587,16 @@ class ParamGroup:
             work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
                                                   what=f"{self._what} [{dtype}]", pool=self.pool,
                                                   gloo=config.current().gloo_reduce_scatter, comm=comm)
-            pending.append(PendingReduce(work, send, recv, params, offsets, part=self))
+            pending.append(PendingReduce(work, send, recv, params, offsets, part=self, used=used))
         for dtype, items in replicated.items():
             params, grads, used = zip(*items)
-            flags = torch.tensor(used, dtype=dtype, device=grads[0].device)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
+            flat = torch.cat([*(g.reshape(-1) for g in grads), used_flags(used, dtype, grads[0].device)])
             # asynchronous like the reduce-scatters, and queued with them: a rank must never wait for a
             # reduction in backward, and the all-reduce over the replicate axis that follows is issued
             # from the queue in issue order, as the sharded reductions' are (same order on every rank)
             work = collectives.all_reduce_sum(flat, self.reduce_shard_pg, async_op=True,
                                               what=f"{self._what} replicated [{dtype}]")
-            pending.append(PendingReduce(work, None, flat, params, (), replicated=True, part=self))
+            pending.append(PendingReduce(work, None, flat, params, (), replicated=True, part=self, used=used))
         return pending
 
     @torch.no_grad()
@@ -661,7 +660,7 @@ class ParamGroup:
         parameter's piece to its sharded ``.grad``; a parameter some rank had a gradient for is queued for
         its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward)."""
         recv, n = item.recv, len(item.params)
-        flags = recv.narrow(0, recv.numel() - n, n).tolist()  # read before any hook or division
+        flags = item.summed_flags()  # before any hook or division; read back only where this rank lacked one
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
         if self.driver.all_reduce_hook is not None:
             self.driver.all_reduce_hook(grads)

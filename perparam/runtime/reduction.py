@@ -34,6 +34,37 @@ class PendingReduce:
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
     part: object = None  # the ParamGroup of the mesh it runs on (a companion, for a parameter's own mesh)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
+    used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
+
+    def summed_flags(self) -> list[float]:
+        """Per parameter, the number of ranks that had a gradient for it (> 0: some rank did), from the
+        flags at the end of ``recv``, which must have been reduced. Where this rank had a gradient for
+        every parameter each sum is at least its own 1, so nothing is read back from the device (a host
+        sync on CUDA); the flags are read only when this rank lacked a gradient a peer may have had."""
+        n = len(self.params)
+        if self.used is not None and all(self.used):
+            return [1.0] * n
+        return self.recv.narrow(0, self.recv.numel() - n, n).tolist()
+
+
+#: (used flags, dtype, device) -> the flags as a tensor there: a step's flags are uploaded once, not per
+#: reduction (``torch.tensor(host list, device=cuda)`` is a synchronous copy)
+_FLAGS: dict[tuple, torch.Tensor] = {}
+_FLAGS_KEPT = 256  # distinct patterns kept; past that the cache starts again
+
+
+def used_flags(used: tuple[bool, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The used flags of a reduction (1 where this rank had a gradient, else 0) as a ``[len(used)]`` tensor
+    of ``dtype`` on ``device``, made once per distinct ``used`` and kept: read it, never write it (every
+    reduction with the same pattern shares it; it is never freed, so a collective may read it on any
+    stream)."""
+    key = (tuple(bool(u) for u in used), dtype, torch.device(device))
+    flags = _FLAGS.get(key)
+    if flags is None:
+        if len(_FLAGS) >= _FLAGS_KEPT:
+            _FLAGS.clear()
+        flags = _FLAGS[key] = torch.tensor(key[0], dtype=dtype, device=device)
+    return flags
 
 
 class ReducePlan(NamedTuple):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..comm import collectives
 from .param import ShardedParam
-from .reduction import PendingReduce, ReducePlan
+from .reduction import PendingReduce, ReducePlan, used_flags
 
 
 def wanted(algorithm: str, comm, hpz) -> bool:
@@ -70,10 +70,10 @@ def issue(group, params: tuple[ShardedParam, ...], grads: tuple[torch.Tensor, ..
     ``params`` (zero-copy)."""
     k = group.num_shards
     device = grads[0].device
-    flags = torch.tensor(used, dtype=dtype, device=device)
+    flags = used_flags(used, dtype, device)
     pieces = [_rank_pieces(g, numels) for g, numels in zip(grads, plan.rank_numels)] + [[flags] * k]
     recv = torch.empty(plan.total, dtype=dtype, device=device)
     work = collectives.reduce_scatter_in_place(pieces, recv, [*plan.offsets, plan.total - len(params)],
                                                group.reduce_shard_pg, what=f"{group._what} [{dtype}]",
                                                pool=group.pool, gaps=plan.gaps)
-    return PendingReduce(work, None, recv, tuple(params), plan.offsets)
+    return PendingReduce(work, None, recv, tuple(params), plan.offsets, used=tuple(used))

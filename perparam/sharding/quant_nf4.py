@@ -37,6 +37,7 @@ class NF4Quantizer(BlockQuantizer):
         self._levels = torch.tensor(NF4_LEVELS, dtype=torch.float32)
         self._byte_levels = torch.stack([self._levels.repeat_interleave(16), self._levels.repeat(16)], dim=1)
         self._boundaries = ((self._levels[1:] + self._levels[:-1]) / 2).tolist()  # 15 midpoints
+        self._tables: dict[torch.device, torch.Tensor] = {}  # the byte table on each device it decoded on
 
     def codes_per_row(self, n: int) -> int:
         return ceil_div(n, 2)
@@ -61,8 +62,16 @@ class NF4Quantizer(BlockQuantizer):
     def decode(self, codes, n):
         rows, cpr = codes.shape
         # one lookup per byte: row b of the [256, 2] table is the levels of its high and low nibbles
-        pairs = self._byte_levels.to(codes.device).index_select(0, codes.reshape(-1).int())
+        pairs = self._table(codes.device).index_select(0, codes.reshape(-1).int())
         return pairs.view(rows, 2 * cpr)[:, :n]
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        """The ``[256, 2]`` byte table on ``device``: copied there once, not at every decode (a host-to-device
+        copy from pageable memory blocks the host on CUDA)."""
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = self._byte_levels.to(device)
+        return table
 
     def error_bound(self, amax):
         return amax * NF4_HALF_MAX_GAP

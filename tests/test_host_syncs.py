@@ -1,0 +1,91 @@
+"""No host sync on the hot path: a training step's forward and backward read nothing back from the device
+and upload no host data (``benchmarks/host_syncs.py`` counts the calls that would block the host on CUDA:
+``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``, ``torch.tensor(data, device=...)``, ...), whatever the
+reduction path: gloo's zero-copy and packed reduce-scatters, replicated parameters' all-reduce, HSDP, int8
+gradient reduce-scatter, NF4 stored weights; world sizes with empty shards. The used flags are device
+constants (``perparam.runtime.reduction.used_flags``); their sums are read back only on a rank that lacked a
+gradient a peer may have had (a rank-dependent branch)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+
+import perparam
+from benchmarks.host_syncs import HostSyncCounter
+from perparam import ParamPolicy, QuantPolicy
+from tests.distributed import run_distributed
+from tests.models import TinyNet, local_slice, make_batches
+
+
+def _policy(case: str):
+    if case == "replicated":
+        return {"*norm*": ParamPolicy(placement=Replicate())}
+    if case == "int8_grads":
+        return {"*fc*": ParamPolicy(grad_quant="int8")}
+    if case == "nf4":
+        return {"*fc1.weight": ParamPolicy(requires_grad=False, quant=QuantPolicy("nf4", store_quantized=True))}
+    return None
+
+
+def _steps(rank: int, world_size: int, case: str) -> dict:
+    if case == "packed":
+        perparam.configure(gloo_reduce_scatter="native", gloo_all_gather="native")
+    shape = (2, world_size // 2) if case == "hsdp" else (world_size,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(shape):])
+    torch.manual_seed(0)
+    model = TinyNet(n_blocks=2)
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, param_policy=_policy(case))
+    perparam.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 12)[0])
+    counts = []
+    for _ in range(3):
+        with HostSyncCounter() as syncs:
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(dict(syncs.sites))
+    return {"counts": counts}
+
+
+def test_forward_and_backward_read_nothing_back_and_upload_nothing_on_every_reduction_path():
+    for world, cases in ((2, ("default", "packed", "replicated", "int8_grads", "nf4")), (3, ("default", "packed")),
+                         (4, ("hsdp",))):
+        for case in cases:
+            for r in run_distributed(_steps, world, case):
+                # the first step uploads each distinct flag pattern once, then they are device constants
+                assert all("reduction.py" in site and "upload" in site for site in r["counts"][0]), r["counts"]
+                assert r["counts"][1:] == [{}, {}], (world, case, r["counts"])
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_branch: bool):
+        h = self.trunk(x)
+        return h + self.branch(h) * (1.0 if use_branch else 0.0) if use_branch else h + 0 * self.branch(h).detach()
+
+
+def _rank_dependent(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = _Branchy()
+    perparam.fully_shard(model.branch)
+    perparam.fully_shard(model)
+    model(torch.ones(2, 4), use_branch=rank == 0).sum().backward()  # the flag patterns uploaded once
+    with HostSyncCounter() as syncs:
+        model(torch.ones(2, 4), use_branch=rank == 0).sum().backward()
+    return {"sites": dict(syncs.sites), "branch_grad": model.branch.weight.grad is not None}
+
+
+def test_only_a_rank_that_lacked_a_gradient_reads_the_summed_flags_back():
+    r0, r1 = run_distributed(_rank_dependent, 2)
+    assert r0["sites"] == {} and r0["branch_grad"]
+    # rank 1 had no gradient for the branch: one read of the branch group's summed flags, which say rank 0 had
+    assert list(r1["sites"].values()) == [1] and "tolist" in next(iter(r1["sites"])) and r1["branch_grad"]
