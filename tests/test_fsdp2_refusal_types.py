@@ -35,7 +35,7 @@ def refusals(rank: int, world_size: int) -> dict:
             model[0]._parameters["bias"] = sharded
 
     return {
-        "to_dtype": _caught(lambda: model.to(torch.float64), perparam.ShardingError, TypeError),
+        "to_dtype": _caught(lambda: model.to(torch.float8_e4m3fn), perparam.ShardingError, TypeError),
         "assign": _caught(lambda: setattr(model[0], "weight", nn.Parameter(torch.zeros(2, 4))),
                           perparam.ShardingError, RuntimeError),
         "slot": _caught(slot_replaced, perparam.ShardingError, RuntimeError),
@@ -45,7 +45,7 @@ def refusals(rank: int, world_size: int) -> dict:
 
 def test_refusals_of_what_fsdp2_accepts_are_sharding_errors_of_the_builtin_kind():
     for got in run_distributed(refusals, 2):
-        assert got["to_dtype"].startswith("StoredDtypeChangeError") and "float64" in got["to_dtype"]
+        assert got["to_dtype"].startswith("StoredDtypeChangeError") and "float8_e4m3fn" in got["to_dtype"]
         assert got["assign"].startswith("ShardedTreeChangeError") and "'0.weight'" in got["assign"]
         assert got["slot"].startswith("ReplacedAfterShardingError") and "0.bias" in got["slot"]
         assert got["still_trains"]

@@ -139,6 +139,12 @@ def _lookup(tensor) -> tuple | None:
     return group, sp
 
 
+def group_holding(sp):
+    """The group (a ``fully_shard`` call's) that manages ``sp``, or ``None``."""
+    hit = _lookup(sp.sharded)
+    return hit[0] if hit is not None and hit[1] is sp else None
+
+
 def _at_slot(sp, module: nn.Module, name: str) -> bool:
     return any(m is module and n == name for m, n in sp.slots)
 
