@@ -177,7 +177,10 @@ class ShardedModule:
         shard changes in place, e.g. an optimizer step, which the next unshard detects and all-gathers
         anew): no all-gather in the next forward of a gradient-accumulation micro-batch, and the
         parameters a second backward through a ``create_graph=True`` graph needs stay valid. A backward
-        with ``create_graph=True`` keeps them until the end of the next backward by itself. Writes through
+        with ``create_graph=True`` keeps them until the end of the next backward by itself. What a backward
+        kept serves the next forward whatever the setting is by then, so FSDP2's pattern
+        (``set_reshard_after_backward(is_last_micro_batch)``) gathers nothing in the last micro-batch's
+        forward. Writes through
         ``.data`` and ``torch._foreach_*`` called by hand on the DTensors are not detected: call
         ``reshard()`` after them."""
         if not isinstance(reshard_after_backward, bool):
