@@ -311,11 +311,11 @@ def _take(module: nn.Module, name: str, sp, key: str, value: torch.Tensor) -> nn
 
 def _misfit(sp, value: torch.Tensor) -> str:
     """Why ``value`` cannot be taken as ``sp``'s shard by ``load_state_dict(assign=True)``; "" when it can."""
+    if sp.stored_quantized and value.is_floating_point():
+        return "a float value for a stored-quantized parameter (its codes are stored)"
     if not isinstance(value, DTensor):
         return (f"a plain tensor of shape {tuple(value.shape)}, neither a DTensor nor the full tensor of shape "
                 f"{sp.global_shape}")
-    if sp.stored_quantized and value.is_floating_point():
-        return "a float value for a stored-quantized parameter (its codes are stored)"
     if value.device_mesh != sp.mesh or tuple(value.placements) != tuple(sp.placements):
         return f"a DTensor of {_spec_text(value)}"
     if tuple(value.shape) != tuple(sp.sharded.shape):
