@@ -144,6 +144,21 @@ def refused_casts(rank: int, world_size: int) -> dict:
             out[name] = str(e)
         assert all(p.dtype == before[n][0] and torch.equal(p.to_local(), before[n][1])
                    for n, p in model.named_parameters()), name
+    stepped = nn.Sequential(nn.Linear(4, 2))
+    perparam.fully_shard(stepped)
+    opt = torch.optim.AdamW(stepped.parameters())
+    stepped(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    try:
+        stepped.double()
+        out["stepped"] = "no error"
+    except perparam.StoredDtypeChangeError as e:
+        out["stepped"] = str(e)
+    for state in opt.state.values():  # the fix the message gives: the state first, then the model
+        state.update({k: v.to(torch.float64) for k, v in state.items() if v.is_floating_point() and v.dim()})
+    stepped.double()
+    stepped(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
     out["fp8"] = "no error"
     try:
         held.to(torch.float8_e4m3fn)
@@ -158,6 +173,7 @@ def test_casts_perparam_cannot_follow_are_refused_naming_the_parameter_before_an
         assert "'0.weight'" in got["offloaded"] and "'cpu'" in got["offloaded"], got["offloaded"]
         assert "accumulated without sync" in got["held"] and "Nothing was changed" in got["held"], got["held"]
         assert "float8_e4m3fn" in got["fp8"], got["fp8"]
+        assert "'0.weight'" in got["stepped"] and "AdamW holds its state 'exp_avg'" in got["stepped"], got["stepped"]
 
 
 class Packed(nn.Module):

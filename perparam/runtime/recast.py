@@ -9,15 +9,14 @@ the new one; a ``param_dtype`` or ``reduce_dtype`` that was the stored dtype (th
 dtype) follows it, one the policy set to another dtype stays (FSDP2 drops a ``param_dtype`` equal to the
 parameter's dtype, and a ``reduce_dtype`` equal to the ``param_dtype``, in the same way); the all-gather
 layout, the unsharded buffers (stage-1/2 kept copies included: gathered again at the next unshard) and the
-plans built from them are made again. Optimizer state already created keeps its dtype, as it does in one
-process (torch's Adam then refuses to step float64 parameters with float32 state: build the optimizer after
-the cast, or cast before the first step).
+plans built from them are made again.
 
 What cannot follow is refused before anything changes (``problem``): stored-quantized parameters (their codes
 and scales), offload tiers (their files and host copies are laid out in the stored dtype), a group with
 precision islands, gradients held between micro-batches (accumulated without sync, or HSDP sums held by
-``set_requires_all_reduce(False)``), a group in the middle of a forward or backward, and a dtype torch cannot
-train in (1-byte floats, complex).
+``set_requires_all_reduce(False)``), a group in the middle of a forward or backward, a dtype torch cannot
+train in (1-byte floats, complex), and optimizer state of another dtype (Adam's ``exp_avg`` after a step: a
+cast leaves it as it is, and torch's optimizers then fail at the next step, as they do in one process).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import registration
+from . import adopt, registration
 from .param import ShardedParam
 from .state import TrainingState
 
@@ -75,6 +74,13 @@ def problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | None:
         if sp.grad_acc is not None or group.held_unsynced or any(part.partial_reduce for part in group.parts):
             return (f"{what}: group [{group.name}] holds gradients accumulated without sync; finish the accumulation "
                     "(a backward with set_requires_gradient_sync(True) and the optimizer step) before the cast")
+        state = [(opt, key, old) for opt, key, old in adopt.state_dtypes(sp) if old != dtype]
+        if state:
+            opt, key, old = state[0]
+            return (f"{what}: {opt} holds its state '{key}' for it in {old}, which the cast would leave as it is "
+                    "(torch's optimizers then fail at the next step, as in one process). Build the optimizer after "
+                    "the cast, or cast its state first: for s in opt.state.values(): s.update({k: v.to("
+                    f"{dtype}) for k, v in s.items() if v.is_floating_point() and v.dim()}})")
     return None
 
 
