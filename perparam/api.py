@@ -170,8 +170,13 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                                  mesh.size())
     for m in modules:
         if isinstance(m, ShardedModule):
-            raise ShardingError(f"fully_shard was already applied to this {type(m).__name__}; call it once per "
-                                "module (to re-group, build the model again)")
+            raise ShardingError(
+                f"fully_shard was already applied to this {registration.class_name(m)}; call it once per module "
+                "(FSDP2 refuses a second call too). What the first call set changes through the module's setters "
+                "(set_reshard_after_forward, set_reshard_after_backward, set_gradient_divide_factor, "
+                "set_modules_to_forward_prefetch) and .to(dtype); for another mesh, policy or grouping, gather the "
+                "weights with perparam.full_state.full_state_dict(model), build the model again, shard it with the "
+                "new arguments and load them (load_full_state_dict)")
 
     owner = ", ".join(type(m).__name__ for m in modules)
     coordinate = mesh.get_coordinate()

@@ -242,7 +242,8 @@ def install_load_hooks(params) -> None:
             by_module.setdefault(id(module), (module, []))[1].append((name, sp))
     for module, entries in by_module.values():
         module.register_load_state_dict_pre_hook(
-            lambda mod, state_dict, prefix, *rest, entries=entries: _slice_plain(entries, state_dict, prefix))
+            lambda mod, state_dict, prefix, meta, *rest, entries=entries: _slice_plain(
+                mod, entries, state_dict, prefix, bool(meta.get("assign_to_params_buffers", False))))
         # the tensors handed out share the shards' storage (dcp.load writes into them): unsharded storage kept
         # as it is (stage-1/2 copies, reshard_after_forward=False) is checked against the shards before its
         # next use once they were written (perparam.runtime.zero.check_unwritten)
@@ -251,14 +252,79 @@ def install_load_hooks(params) -> None:
                 (sp, state_dict.get(prefix + name)) for name, sp in entries))
 
 
-def _slice_plain(entries, state_dict, prefix: str) -> None:
+def _slice_plain(module: nn.Module, entries, state_dict, prefix: str, assign: bool) -> None:
+    """The pre-hook of ``module.load_state_dict``: plain tensors of a managed parameter's global shape become
+    this rank's shard; with ``assign=True`` (``assign``) the values of each managed entry are taken into the
+    sharded parameter perparam registered (``_take``), which then stands in the state dict, so torch's
+    assignment puts that same object back (the optimizer's parameters stay the live ones)."""
     zero.invalidate()  # a load: stage-1/2 kept copies are refreshed at the next all-gather
     for name, sp in entries:
         key = prefix + name
         value = state_dict.get(key)
-        if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.is_meta
-                or tuple(value.shape) != sp.global_shape or (sp.stored_quantized and value.is_floating_point())):
-            continue  # torch reports what does not fit, as for any module
-        local = sp.shard_of(value.detach()).to(sp.sharded.dtype)
-        state_dict[key] = DTensor.from_local(local, sp.mesh, sp.placements, run_check=False,
-                                             shape=sp.sharded.shape, stride=sp.sharded.stride())
+        if (isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_meta
+                and tuple(value.shape) == sp.global_shape and not (sp.stored_quantized and value.is_floating_point())):
+            local = sp.shard_of(value.detach()).to(sp.sharded.dtype)
+            value = state_dict[key] = DTensor.from_local(local, sp.mesh, sp.placements, run_check=False,
+                                                         shape=sp.sharded.shape, stride=sp.sharded.stride())
+        # otherwise torch reports what does not fit, as for any module
+        if assign and isinstance(value, torch.Tensor):
+            state_dict[key] = _take(module, name, sp, key, value)
+
+
+def _take(module: nn.Module, name: str, sp, key: str, value: torch.Tensor) -> nn.Parameter:
+    """``load_state_dict(..., assign=True)`` of ``value`` (a DTensor, or a plain tensor already sliced to one)
+    for ``module.<name>``, a place of ``sp``: its values become the shard, in place (or, on a shard still on
+    the meta device, as the shard's new storage: no copy where dtype and device match, as torch's assign),
+    and the sharded parameter is returned for torch to assign. Raises ``CheckpointError`` naming ``key``
+    when ``value`` is not a DTensor of the parameter's mesh, placements and shapes (the fix:
+    ``distribute_tensor(full, param.device_mesh, param.placements)``), is a float value for a
+    stored-quantized parameter, or when the unsharded parameters are registered (after ``unshard()``)."""
+    registered = module._parameters.get(name)
+    if registered is not sp.sharded:
+        raise CheckpointError(
+            f"load_state_dict(assign=True): '{key}' ('{sp.fqn}') has its unsharded parameter registered now (after "
+            "unshard(), or between a forward and its backward): assigning would replace the gathered copy, not the "
+            "shard. Call reshard() on the sharded module first, then load")
+    shard = sp.local_shard()
+    why = _misfit(sp, value)
+    if why:
+        raise CheckpointError(
+            f"load_state_dict(assign=True): '{key}' cannot become the sharded parameter '{sp.fqn}': {why}. Pass "
+            f"distribute_tensor(full, param.device_mesh, param.placements) for it (param = the model's "
+            f"state_dict()['{key}']: {_spec_text(sp.sharded)}), or the full unsharded tensor; a stored-quantized "
+            "parameter takes its codes (and '<name>_qscale' scales)")
+    local = value._local_tensor.detach()
+    if local.is_meta:
+        return registered  # nothing to take: the shard stays as it is (on meta, like the value)
+    local = local.to(device=sp.mesh_device, dtype=shard.dtype)
+    with torch.no_grad():
+        if not shard.is_meta:
+            shard.copy_(local)
+        else:  # the meta-device start: the given storage becomes the shard's, in the same parameter object
+            fresh = nn.Parameter(DTensor(local.contiguous(), sp.sharded._spec, requires_grad=False),
+                                 requires_grad=sp.sharded.requires_grad)
+            fresh.__dict__.update(sp.sharded.__dict__)  # attributes the user set (swap_tensors swaps __dict__)
+            torch.utils.swap_tensors(sp.sharded, fresh)
+    sp.kept_key = None  # a stage-1/2 kept copy is refreshed at the next all-gather
+    return registered
+
+
+def _misfit(sp, value: torch.Tensor) -> str:
+    """Why ``value`` cannot be taken as ``sp``'s shard by ``load_state_dict(assign=True)``; "" when it can."""
+    if sp.stored_quantized and value.is_floating_point():
+        return "a float value for a stored-quantized parameter (its codes are stored)"
+    if not isinstance(value, DTensor):
+        return (f"a plain tensor of shape {tuple(value.shape)}, neither a DTensor nor the full tensor of shape "
+                f"{sp.global_shape}")
+    if value.device_mesh != sp.mesh or tuple(value.placements) != tuple(sp.placements):
+        return f"a DTensor of {_spec_text(value)}"
+    if tuple(value.shape) != tuple(sp.sharded.shape):
+        return f"a DTensor of global shape {tuple(value.shape)}, not {tuple(sp.sharded.shape)}"
+    if tuple(value._local_tensor.shape) != tuple(sp.local_shard().shape):
+        return (f"this rank's local shape {tuple(value._local_tensor.shape)} is not the shard's "
+                f"{tuple(sp.local_shard().shape)}")
+    return ""
+
+
+def _spec_text(t: DTensor) -> str:
+    return f"mesh {t.device_mesh}, placements {tuple(t.placements)}"

@@ -14,7 +14,7 @@ from torch.nn.utils import parametrize
 
 from . import hf_methods
 from .errors import ShardingError
-from .runtime import hooks, zero
+from .runtime import hooks, recast, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
 from .runtime.untraced import untraced
@@ -23,9 +23,10 @@ _CLASS_CACHE: dict[type, type] = {}
 
 
 class StoredDtypeChangeError(ShardingError, TypeError):
-    """``module.to(dtype)`` / ``.half()`` / ``.double()`` ... on a sharded module: refused (FSDP2 casts
-    the shards). A ``ShardingError`` and a ``TypeError``, the type ``nn.Module.to`` raises for a dtype it
-    does not take."""
+    """``module.to(dtype)`` / ``.half()`` / ``.double()`` ... on a sharded module that perparam cannot follow
+    (``perparam.runtime.recast.problem``: stored-quantized or offloaded parameters, precision islands,
+    gradients held between micro-batches). A ``ShardingError`` and a ``TypeError``, the type
+    ``nn.Module.to`` raises for a dtype it does not take."""
 
 
 class UnshardedApplyError(RuntimeError):
@@ -42,14 +43,17 @@ class ShardedModule:
 
     def _apply(self, fn, recurse=True):
         """``nn.Module.to``, ``.half()``, ``.cuda()``, ``to_empty`` ... all come here. A change of device
-        (or ``to_empty``) is applied to the shards as usual; a change of the stored dtype is refused,
-        before anything changes, with ``StoredDtypeChangeError``: the compute dtype, the all-gather
-        layout and the reduce dtype were resolved from the stored dtypes at ``fully_shard``. Any change
-        while the unsharded parameters are registered (after ``unshard()``) is refused likewise: it would
+        (or ``to_empty``) is applied to the shards as usual; a change of the stored dtype casts the shards
+        and derives the compute dtype, the all-gather layout and the reduce dtype again
+        (``perparam.runtime.recast``), or is refused before anything changes with
+        ``StoredDtypeChangeError`` where that cannot be followed. Any change while the unsharded
+        parameters are registered (after ``unshard()``) is refused with ``UnshardedApplyError``: it would
         reach the gathered copies and not the shards."""
-        _refuse_dtype_change(self, fn)
+        owned = _refuse_dtype_change(self, fn)
         zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        recast.follow(owned)
+        return out
 
     def __call__(self, *args, **kwargs):
         try:
@@ -173,7 +177,10 @@ class ShardedModule:
         shard changes in place, e.g. an optimizer step, which the next unshard detects and all-gathers
         anew): no all-gather in the next forward of a gradient-accumulation micro-batch, and the
         parameters a second backward through a ``create_graph=True`` graph needs stay valid. A backward
-        with ``create_graph=True`` keeps them until the end of the next backward by itself. Writes through
+        with ``create_graph=True`` keeps them until the end of the next backward by itself. What a backward
+        kept serves the next forward whatever the setting is by then, so FSDP2's pattern
+        (``set_reshard_after_backward(is_last_micro_batch)``) gathers nothing in the last micro-batch's
+        forward. Writes through
         ``.data`` and ``torch._foreach_*`` called by hand on the DTensors are not detected: call
         ``reshard()`` after them."""
         if not isinstance(reshard_after_backward, bool):
@@ -378,35 +385,40 @@ def guard_stored_dtypes(params) -> None:
 
 
 def _guarded_apply(self, fn, recurse=True):
-    _refuse_dtype_change(self, fn)
+    owned = _refuse_dtype_change(self, fn)
     # ``model.sub.to_empty()`` / ``.to(device)`` changes the shards as the root's ``_apply`` does: stage-1/2
     # kept copies are refreshed at the next all-gather (every rank calls it alike)
     zero.invalidate()
-    return type(self)._apply(self, fn, recurse)
+    out = type(self)._apply(self, fn, recurse)
+    recast.follow(owned)
+    return out
 
 
-def _refuse_dtype_change(module: nn.Module, fn) -> None:
-    owned = {id(sp): sp for m in module.modules() for sp in m.__dict__.get(OWNED_ATTR, ())}
-    for sp in owned.values():
-        shard = sp.local_shard()
-        probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
+def _refuse_dtype_change(module: nn.Module, fn) -> list:
+    """The ``ShardedParam``s registered in ``module``'s tree, once each; raises ``StoredDtypeChangeError``
+    for a stored-dtype change perparam cannot follow (``recast.problem``) and ``UnshardedApplyError`` while
+    unsharded parameters are registered, before anything changes."""
+    owned = list({id(sp): sp for m in module.modules() for sp in m.__dict__.get(OWNED_ATTR, ())}.values())
+    why = recast.problem(recast.changed(owned, fn))
+    if why is not None:
+        raise StoredDtypeChangeError(
+            f"{class_name(module)} holds parameters sharded by perparam; its dtype cannot change now: {why}. "
+            "Nothing was changed")
+    for sp in owned:
+        owner, name = sp.slots[0]
+        if sp.unsharded is None or owner._parameters.get(name) is not sp.unsharded:
+            continue
+        probe = torch.empty(0, dtype=sp.local_shard().dtype, device=sp.local_shard().device)
         try:
             changed = fn(probe)
         except Exception:  # not a conversion a 0-element tensor can take; let nn.Module decide
             continue
-        if isinstance(changed, torch.Tensor) and changed.dtype != probe.dtype:
-            raise StoredDtypeChangeError(
-                f"{type(module).__name__} holds parameters sharded by perparam; changing its parameters' dtype ('{sp.fqn}': "
-                f"{probe.dtype} -> {changed.dtype}) after fully_shard is not supported: the compute dtype and "
-                "the all-gather layout were fixed from the stored dtypes then. Build the model again, and to "
-                f"compute in {changed.dtype} pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
-                f"{changed.dtype})); to store in it, call model.to({changed.dtype}) before fully_shard")
-        owner, name = sp.slots[0]
-        if changed is not probe and sp.unsharded is not None and owner._parameters.get(name) is sp.unsharded:
+        if changed is not probe:
             raise UnshardedApplyError(
                 f"{class_name(module)} holds parameters sharded by perparam whose unsharded copies are registered "
                 f"now (after unshard(); e.g. '{sp.fqn}'): .to() / .cuda() / to_empty() would change those copies "
                 "and not the shards. Call reshard() on the sharded module first, then this")
+    return owned
 
 
 def _groups_below(module: nn.Module, recurse: bool) -> list[ParamGroup]:

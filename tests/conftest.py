@@ -87,6 +87,8 @@ FAST = (
     "test_nf4.py::test_nf4_unshards_to_the_expected_dequantized_weights[stored-3]",
     "test_zero_dim_params.py::test_0_dim_parameters_replicated_train_like_one_process",
     "test_full_state_dict.py::test_load_full_state_dict_from_rank_0_into_a_meta_device_sharded_model",
+    "test_meta_assign_load.py::test_a_meta_model_loaded_with_assign_keeps_its_parameters_and_trains_like_one_process[dtensor-4]",
+    "test_stored_dtype.py::test_a_float_cast_after_fully_shard_casts_the_shards_and_trains_like_one_process_cast_alike[to-after_step-2-3]",
     "test_fsdp2_api_parity.py::test_an_optimizer_built_before_sharding_trains_exactly_like_one_built_after",
     "test_iteration_context.py::test_two_models_in_one_process_keep_their_own_iteration_state",
     "test_no_import_side_effects.py::test_only_steps_of_optimizers_holding_perparam_parameters_mark_kept_parameters_stale[3]",

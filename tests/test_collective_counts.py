@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -154,3 +155,47 @@ def test_a_list_of_modules_gathers_once_and_a_root_without_parameters_is_not_fir
         assert len(res["fwd"]) == 3 and res["bwd"] == res["fwd"][::-1]
         for name, p in ref.named_parameters():
             torch.testing.assert_close(res["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def accumulate(rank: int, world_size: int, lib: str, variant: str, raf: bool | None) -> dict:
+    """3 steps of 3 micro-batches without sync but the last, SGD; ``variant``: ``set_reshard_after_backward``
+    ``"always"`` True, ``"last"`` only for the last micro-batch (FSDP2's pattern), ``"never"``. All-gathers
+    per step: ``CommCounter``'s for perparam, the c10d calls for torch's FSDP2 (``lib == "fsdp2"``)."""
+    from tests.models import full_params
+
+    if lib == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = perparam.fully_shard
+    torch.manual_seed(0)
+    model = TinyNet()
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=raf)
+    fully_shard(model, reshard_after_forward=raf)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gathers = []
+    for step in range(3):
+        with c10d_calls() as raw, CommCounter() as comm:
+            batches = make_batches(3, 6, seed=step)
+            for i, (x, y) in enumerate(batches):
+                last = i == len(batches) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward({"always": True, "last": last, "never": False}[variant])
+                F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+        gathers.append(raw["all_gather_single"] if lib == "fsdp2" else comm.by_kind().get("all_gather", 0))
+    return {"gathers": gathers, "params": full_params(model)}
+
+
+@pytest.mark.parametrize("raf", [None, False])
+def test_reshard_after_backward_off_but_for_the_last_micro_batch_gathers_no_more_than_fsdp2(raf):
+    fsdp2 = run_distributed(accumulate, 3, "fsdp2", "last", raf)[0]
+    got = {v: run_distributed(accumulate, 3, "perparam", v, raf)[0] for v in ("always", "last", "never")}
+    # perparam's measured: 9 per step (raf None: 3 forward + 2 backward, then 2 + 2), 3 with raf=False
+    assert got["last"]["gathers"] == fsdp2["gathers"] == [9 if raf is None else 3] * 3, (got["last"], fsdp2)
+    # never resharding: gathered again after each optimizer step (FSDP2 computes with its pre-step copies)
+    assert got["never"]["gathers"] == [9 if raf is None else 3] * 3, got["never"]["gathers"]
+    for variant in ("last", "never"):  # the same training as resharding after every backward, bit for bit
+        for name, value in got["always"]["params"].items():
+            assert torch.equal(got[variant]["params"][name], value), (variant, name)

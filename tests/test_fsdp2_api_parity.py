@@ -273,3 +273,36 @@ def test_kept_parameters_see_in_place_updates_of_the_shards(how):
     want = one_process(kept_then_updated_by_hand, how)
     for got in run_distributed(kept_then_updated_by_hand, 2, how):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-6, rtol=0)
+
+
+def between_forward_and_backward(rank: int, world_size: int) -> dict:
+    """A loss that reads ``model.parameters()`` between forward and backward (a weight penalty), with
+    ``reshard_after_forward=False``: perparam keeps the sharded DTensors registered there (FSDP2 registers
+    its unsharded tensors), and ``unshard()`` is the fix that gives the plain gathered tensors."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    x, _ = make_batches(1, 12)[0]
+    if world_size:
+        _shard(model, reshard_after_forward=False)
+        x = local_slice(x, rank, world_size)
+    before = list(model.parameters())
+    out = model(x)
+    registered = {"same": all(p is q for p, q in zip(model.parameters(), before)),
+                  "dtensors": all(isinstance(p, DTensor) for p in model.parameters())}
+    with CommCounter() as comm:
+        for m in model.modules():  # the fix (docs/fsdp2-differences.md): the gathered storage, kept, is registered
+            if isinstance(m, perparam.ShardedModule):
+                m.unshard()
+    registered["plain"] = not any(isinstance(p, DTensor) for p in model.parameters())
+    (out.mean() + 0.1 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+    return {**registered, "unshard_comm": comm.by_kind(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+            "after": all(isinstance(p, DTensor) for p in model.parameters())}
+
+
+def test_after_a_forward_kept_unsharded_the_sharded_parameters_stay_registered_and_unshard_gives_the_gathered():
+    want = one_process(between_forward_and_backward)
+    for got in run_distributed(between_forward_and_backward, 3):
+        assert got["same"] and got["dtensors"] and got["plain"] and got["after"]
+        assert got["unshard_comm"] == {}, got["unshard_comm"]  # the storage kept from the forward, registered
+        for name, value in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], value, rtol=0, atol=1e-6, msg=name)

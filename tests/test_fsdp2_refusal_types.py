@@ -35,7 +35,7 @@ def refusals(rank: int, world_size: int) -> dict:
             model[0]._parameters["bias"] = sharded
 
     return {
-        "to_dtype": _caught(lambda: model.to(torch.float64), perparam.ShardingError, TypeError),
+        "to_dtype": _caught(lambda: model.to(torch.float8_e4m3fn), perparam.ShardingError, TypeError),
         "assign": _caught(lambda: setattr(model[0], "weight", nn.Parameter(torch.zeros(2, 4))),
                           perparam.ShardingError, RuntimeError),
         "slot": _caught(slot_replaced, perparam.ShardingError, RuntimeError),
@@ -45,7 +45,30 @@ def refusals(rank: int, world_size: int) -> dict:
 
 def test_refusals_of_what_fsdp2_accepts_are_sharding_errors_of_the_builtin_kind():
     for got in run_distributed(refusals, 2):
-        assert got["to_dtype"].startswith("StoredDtypeChangeError") and "float64" in got["to_dtype"]
+        assert got["to_dtype"].startswith("StoredDtypeChangeError") and "float8_e4m3fn" in got["to_dtype"]
         assert got["assign"].startswith("ShardedTreeChangeError") and "'0.weight'" in got["assign"]
         assert got["slot"].startswith("ReplacedAfterShardingError") and "0.bias" in got["slot"]
         assert got["still_trains"]
+
+
+def applied_twice(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    out = {}
+    for name, shard in (("perparam", perparam.fully_shard), ("fsdp2", fsdp2_shard)):
+        model = nn.Sequential(nn.Linear(4, 2))
+        shard(model)
+        try:
+            shard(model, reshard_after_forward=False)  # a changed setting: refused by both
+            out[name] = "no error"
+        except Exception as e:  # the types differ: ShardingError (a ValueError), FSDP2's AssertionError
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_fully_shard_applied_twice_is_refused_as_fsdp2_refuses_it_naming_the_setters_and_the_rebuild():
+    got = run_distributed(applied_twice, 2)[0]
+    assert got["fsdp2"].startswith("AssertionError") and "only be applied to a module once" in got["fsdp2"]
+    message = got["perparam"]
+    assert message.startswith("ShardingError") and "already applied to this Sequential" in message, message
+    assert "set_reshard_after_forward" in message and "full_state_dict" in message, message

@@ -1,5 +1,6 @@
 """The stored dtype of sharded parameters: master weights, the low-precision warning, and ``.to(dtype)``
-after ``fully_shard`` (refused, nothing changed); ignored parameters stay as the user made them."""
+after ``fully_shard`` (the shards cast, training on like one process cast alike; refused, nothing changed,
+where perparam cannot follow); ignored parameters stay as the user made them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch.distributed.tensor import DTensor
 
 import perparam
 from perparam import CommCounter, MixedPrecisionPolicy
-from tests.distributed import run_distributed
+from tests.distributed import one_process, run_distributed
+from tests.models import TinyNet, full_params, local_slice, make_batches
 
 
 def master_weights(rank: int, world_size: int, master: bool) -> dict:
@@ -47,31 +49,131 @@ def test_master_weights_keep_fp32_shards_grads_and_optimizer_state_with_a_bf16_a
         assert len(got["warnings"]) == (0 if master else 1), got["warnings"]
 
 
-def dtype_change(rank: int, world_size: int, how: str) -> dict:
-    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
-    perparam.fully_shard(model[0])
+def cast_run(rank: int, world_size: int, how: str, when: str, stage: int) -> dict:
+    """TinyNet (uneven and empty shards) cast with ``how`` after ``fully_shard`` (``when``: before the first
+    forward, or after one fp32 step), trained with SGD on each rank's slice; ``world_size == 0``: one process
+    cast the same way."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    if world_size:
+        policy = {"*": perparam.ParamPolicy(zero_stage=stage)} if stage != 3 else None
+        for block in model.blocks:
+            perparam.fully_shard(block, param_policy=policy)
+        perparam.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gathered = []
+
+    def step(x, y):
+        if world_size:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        with CommCounter() as comm:
+            out = model(x)
+            F.mse_loss(out, y.to(out.dtype)).backward()
+        gathered.append(comm.bytes("all_gather"))
+        opt.step()
+        opt.zero_grad()
+        return out.dtype
+
+    batches = make_batches(4, 12)
+    if when == "after_step":
+        step(*batches.pop(0))
+    {"double": model.double, "to": lambda: model.to(torch.float64), "half": model.half,
+     "children": lambda: [m.double() for m in model.children()]}[how]()  # each group relaid out in parts
+    out_dtypes = [step(x, y) for x, y in batches]
+    return {"params": full_params(model), "out": out_dtypes, "gathered": gathered,
+            "dtypes": {n: p.dtype for n, p in model.named_parameters()},
+            "grads": {n: p.grad is None for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("how,when,stage,world_size", [
+    ("double", "before_forward", 3, 4), ("to", "after_step", 2, 3), ("children", "after_step", 1, 2),
+    ("half", "after_step", 3, 2), ("double", "after_step", 3, 1)])
+def test_a_float_cast_after_fully_shard_casts_the_shards_and_trains_like_one_process_cast_alike(
+        how, when, stage, world_size):
+    want = one_process(cast_run, how, when, stage)
+    # fp16 sums in another order; a first step in fp32 within its rounding; float64 throughout within its own
+    tol = 2e-3 if how == "half" else 1e-6 if when == "after_step" else 1e-12
+    for got in run_distributed(cast_run, world_size, how, when, stage):
+        assert got["dtypes"] == {n: p.dtype for n, p in want["params"].items()}
+        assert got["out"] == want["out"]
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=tol, msg=name)
+        if how in ("double", "to") and world_size > 1:  # the all-gathers carry 8-byte elements now
+            assert got["gathered"][-1] > got["gathered"][0] if when == "after_step" else True
+
+
+def cast_policies(rank: int, world_size: int) -> dict:
+    """The compute dtype a policy gave stays; the one that followed the stored dtype follows the cast."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    perparam.fully_shard(model[1], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     perparam.fully_shard(model)
-    before = {n: (p.dtype, p.to_local().clone()) for n, p in model.named_parameters()}
-    error = None
+    model.double()
+    computed = {}
+    for i, m in enumerate(model):
+        m.register_forward_pre_hook(lambda mod, a, i=i: computed.update({i: mod.weight.dtype}))  # gathered
+        m.register_forward_hook(lambda mod, a, out, i=i: computed.update({i: (computed[i], out.dtype)}))
+    out = model(torch.randn(2, 3, dtype=torch.float64))
+    out.float().sum().backward()
+    return {"shards": {n: p.dtype for n, p in model.named_parameters()},
+            "grads": {n: p.grad.dtype for n, p in model.named_parameters()}, "computed": computed}
+
+
+def test_a_cast_keeps_a_param_dtype_the_policy_set_and_moves_one_that_followed_the_stored_dtype():
+    for got in run_distributed(cast_policies, 2):
+        assert set(got["shards"].values()) == {torch.float64} and set(got["grads"].values()) == {torch.float64}
+        assert got["computed"] == {0: (torch.float64, torch.float64), 1: (torch.bfloat16, torch.bfloat16)}
+
+
+def refused_casts(rank: int, world_size: int) -> dict:
+    out = {}
+    quantized = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    perparam.fully_shard(quantized, param_policy={"0.weight": perparam.ParamPolicy(
+        requires_grad=False, quant=perparam.QuantPolicy("int8", store_quantized=True))})
+    offloaded = nn.Sequential(nn.Linear(4, 2))
+    perparam.fully_shard(offloaded, offload_policy=perparam.OffloadPolicy("cpu", "all"))
+    held = nn.Sequential(nn.Linear(4, 2))
+    perparam.fully_shard(held)
+    held.set_requires_gradient_sync(False)
+    held(torch.randn(2, 4)).sum().backward()
+    for name, model in (("quantized", quantized), ("offloaded", offloaded), ("held", held)):
+        before = {n: (p.dtype, p.to_local().clone()) for n, p in model.named_parameters()}
+        try:
+            model.double()
+            out[name] = "no error"
+        except perparam.StoredDtypeChangeError as e:
+            out[name] = str(e)
+        assert all(p.dtype == before[n][0] and torch.equal(p.to_local(), before[n][1])
+                   for n, p in model.named_parameters()), name
+    stepped = nn.Sequential(nn.Linear(4, 2))
+    perparam.fully_shard(stepped)
+    opt = torch.optim.AdamW(stepped.parameters())
+    stepped(torch.randn(2, 4)).sum().backward()
+    opt.step()
     try:
-        {"bf16": lambda: model.to(torch.bfloat16), "double": model.double, "half": model.half,
-         "child_half": model[1].half}[how]()  # model[1] is in the root's group, not passed to fully_shard
+        stepped.double()
+        out["stepped"] = "no error"
     except perparam.StoredDtypeChangeError as e:
-        error = str(e)
-    unchanged = all(p.dtype == before[n][0] and torch.equal(p.to_local(), before[n][1])
-                    for n, p in model.named_parameters())
-    model.float()  # no dtype change: allowed
-    model.to("cpu")
-    out = model(torch.randn(2, 3))  # still trains as before
-    F.mse_loss(out, torch.zeros_like(out)).backward()
-    return {"error": error, "unchanged": unchanged, "grad": model[1].weight.grad is not None}
+        out["stepped"] = str(e)
+    for state in opt.state.values():  # the fix the message gives: the state first, then the model
+        state.update({k: v.to(torch.float64) for k, v in state.items() if v.is_floating_point() and v.dim()})
+    stepped.double()
+    stepped(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    out["fp8"] = "no error"
+    try:
+        held.to(torch.float8_e4m3fn)
+    except perparam.StoredDtypeChangeError as e:
+        out["fp8"] = str(e)
+    return out
 
 
-@pytest.mark.parametrize("how", ["bf16", "double", "half", "child_half"])
-def test_changing_the_stored_dtype_after_fully_shard_is_refused_before_anything_changes(how):
-    for got in run_distributed(dtype_change, 2, how):
-        assert got["error"] is not None and "before fully_shard" in got["error"] and "param_dtype" in got["error"]
-        assert got["unchanged"] and got["grad"]
+def test_casts_perparam_cannot_follow_are_refused_naming_the_parameter_before_anything_changes():
+    for got in run_distributed(refused_casts, 2):
+        assert "'0.weight'" in got["quantized"] and "stored quantized" in got["quantized"], got["quantized"]
+        assert "'0.weight'" in got["offloaded"] and "'cpu'" in got["offloaded"], got["offloaded"]
+        assert "accumulated without sync" in got["held"] and "Nothing was changed" in got["held"], got["held"]
+        assert "float8_e4m3fn" in got["fp8"], got["fp8"]
+        assert "'0.weight'" in got["stepped"] and "AdamW holds its state 'exp_avg'" in got["stepped"], got["stepped"]
 
 
 class Packed(nn.Module):

@@ -118,6 +118,21 @@ def _count_step(optimizer) -> None:
                 sp.kept_key = None
 
 
+def state_dtypes(sp) -> list[tuple[str, str, torch.dtype]]:
+    """``(optimizer class, state key, dtype)`` of each floating-point state tensor of the parameter's shape
+    (``exp_avg``, ``momentum_buffer``, ...) that an optimizer holding ``sp`` (one that has stepped) keeps for
+    it: what a cast of the parameters (``perparam.runtime.recast``) leaves in its dtype."""
+    out = []
+    for optimizer, held in list(_held.items()):
+        if sp not in held:
+            continue
+        for key, value in optimizer.state.get(sp.sharded, {}).items():
+            if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and tuple(value.shape) == tuple(sp.sharded.shape)):
+                out.append((type(optimizer).__name__, key, value.dtype))
+    return out
+
+
 def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     key = (_generation, len(optimizer.param_groups))
     if _checked.get(optimizer) == key:

@@ -444,6 +444,15 @@ class ParamGroup:
             layout = self._layouts[key] = GroupLayout(tuple(p.pieces for p in members), self.num_shards)
         return layout
 
+    def relayout(self) -> None:
+        """Derive the all-gather layouts and the plans again after parameters changed dtype
+        (``ShardedParam.recast``, ``perparam.runtime.recast``), on every mesh's part; hpZ rows are dropped."""
+        for part in self.parts:
+            part.layout = GroupLayout(tuple(p.pieces for p in part.gathered), part.num_shards)
+            part._layouts, part._plans, part._reduce_plans, part._hpz_layout = {}, {}, {}, None
+            if part.hpz is not None:
+                part.hpz.drop(part.pool)
+
     def _gather_plan(self, members: list[ShardedParam], layout: GroupLayout) -> _GatherPlan:
         """What never changes for an all-gather of ``members`` (a sub-list of ``gathered``; ``layout`` from
         ``_layout_for``, one object per member set): built once per member set, as the layouts are. The

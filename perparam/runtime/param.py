@@ -12,6 +12,7 @@ dim first; the unsharded parameter is a view of it (``narrow`` then ``movedim`` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -220,6 +221,27 @@ class ShardedParam:
                 self.unsharded.register_post_accumulate_grad_hook(lambda _t: self.on_grad_ready(self))
                 self.unsharded.requires_grad_(self.sharded.requires_grad)
         self.free()
+
+    def recast(self) -> bool:
+        """Follow a cast of the sharded DTensor to another floating-point dtype (``module.to(dtype)``,
+        ``perparam.runtime.recast``): the stored dtype becomes the shard's, a ``param_dtype`` / ``reduce_dtype``
+        equal to the old stored / compute dtype follows it, the layout and wire pieces are derived again and
+        the unsharded buffers dropped (made again in the new compute dtype at the next unshard; a stage-1/2
+        kept copy is gathered again). Returns whether anything changed."""
+        new, pol = self.local_shard().dtype, self.policy
+        if new == pol.stored_dtype or self.stored_quantized:
+            return False
+        param = new if pol.param_dtype == pol.stored_dtype else pol.param_dtype
+        reduce = param if pol.reduce_dtype == pol.param_dtype else pol.reduce_dtype
+        self.policy = dataclasses.replace(pol, stored_dtype=new, param_dtype=param, reduce_dtype=reduce)
+        self.layout, self.pieces = shard_layout(self.layout.global_shape, self.policy, self.layout.num_shards)
+        self.free()
+        self._padded = self._padded_data = self._padded_write = self._regions = self.unsharded = None
+        self._padded_nbytes = 0
+        self._grad_spec = None  # (its tensor meta holds the dtype)
+        self.kept_key = None
+        registration.bump()  # the unsharded parameter object is gone
+        return True
 
     # -- storage ----------------------------------------------------------------------------------------
     @property

@@ -139,6 +139,12 @@ def _lookup(tensor) -> tuple | None:
     return group, sp
 
 
+def group_holding(sp):
+    """The group (a ``fully_shard`` call's) that manages ``sp``, or ``None``."""
+    hit = _lookup(sp.sharded)
+    return hit[0] if hit is not None and hit[1] is sp else None
+
+
 def _at_slot(sp, module: nn.Module, name: str) -> bool:
     return any(m is module and n == name for m, n in sp.slots)
 
@@ -374,12 +380,11 @@ def replaced_message(sp, module: nn.Module, name: str, removed: bool = False) ->
     what = f"parameter '{sp.fqn}' ({class_name(module)}.{name})"
     if sp.local_shard().is_meta:
         return (f"{what} of a sharded model still on the meta device was {'removed' if removed else 'replaced'}: "
-                "loading into a model on meta assigns new tensors (load_state_dict(assign=True), which "
-                "set_model_state_dict(..., StateDictOptions(full_state_dict=True)) uses when the model is on meta), "
-                "and those would replace the sharded parameters fully_shard created. Materialise the shards in "
-                "place first, model.to_empty(device=...) (then set_model_state_dict or load_state_dict copy into "
-                "them), or load with perparam.full_state.load_full_state_dict(model, full_state_dict), which "
-                "materialises and loads")
+                "a new tensor there would replace the sharded parameter fully_shard created. Load the values "
+                "instead: load_state_dict(sd, assign=True) or set_model_state_dict(..., StateDictOptions("
+                "full_state_dict=True)) take them into the sharded parameters, as does "
+                "perparam.full_state.load_full_state_dict(model, full_state_dict); or materialise the shards in "
+                "place, model.to_empty(device=...), and initialise them")
     if removed:
         return (f"{what} was removed after fully_shard (del module.{name}, or a torch utility such as "
                 "parametrize.register_parametrization, weight_norm, spectral_norm or prune run after fully_shard); "
