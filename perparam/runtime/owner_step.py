@@ -1,0 +1,319 @@
+"""The owner path of whole-matrix optimizers (``ParamPolicy(update="owner")``): one rank steps each whole
+parameter with the stock optimizer; the others skip it.
+
+Gradients are reduce-scattered after backward as for every parameter. Then, inside the optimizer's step
+(perparam's step pre-hook and post-hook on that optimizer, ``local_step.install``), for the parameters it
+holds under the owner policy:
+
+1. the owners come from ``perparam.sharding.owners.owner_plan`` over the optimizer's owner parameters of
+   each shard axis, in the optimizer's parameter order (the same on every rank), planned when
+   ``perparam.runtime.adopt`` first checks the optimizer (again when its parameters change);
+2. per bucket (the parameters of one shard-axis process group and dtype, consecutive in that order, at
+   most ``BUCKET_BYTES`` of whole gradient plus parameter), one all-to-all brings each rank's rows of the
+   reduced gradient and of the parameter to the owner (``exchange_uneven``), which assembles the whole
+   tensors (``layout.local_piece`` of each source rank);
+3. in the optimizer's ``param_groups`` the owner puts the whole parameter (``.grad``: the whole gradient;
+   its state re-keyed to it) in place of the sharded one, and the other ranks leave the parameter out;
+   the stock ``step`` then runs unchanged, so the owner's update is bit for bit the step the optimizer
+   takes on one device from the same gradient and state;
+4. after the step the parameters and state are put back (the state keyed by the sharded parameter, whole,
+   on the owner only: about 1/K of the matrices' momentum per rank), and one all-to-all per bucket sends
+   each rank its rows of the updated parameter, copied into its shard in place. The step is counted on the
+   parameters as any step (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
+
+Bytes on the wire per ``m x n`` matrix: ``2 (K-1)/K m n`` elements in (gradient and parameter rows) and
+``(K-1)/K m n`` out, ``3 (K-1)/K m n`` in all. Every rank issues the same all-to-alls, in the same order,
+whatever it owns (a rank with empty shards sends empty pieces); a parameter without a gradient (no rank used
+it: ``None`` on every rank alike) is left out of the exchange on every rank.
+
+Left for later: no whole tensor needed by one bucket's step stays alive past it (today every owned
+parameter's whole copy lives through the one stock step), and a stage-1 parameter's gradient, whole on every
+rank already, still travels.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..comm.collectives import exchange_uneven
+from ..sharding.errors import ShardingError
+from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
+from . import registration
+
+#: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
+BUCKET_BYTES = 64 * 2**20
+
+_ATTR = "_perparam_owner_step"  # on the optimizer: the routed step in progress, or None
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Routing
+
+
+class OwnerStepError(ShardingError, RuntimeError):
+    """A step the owner path cannot route (a ``step(closure)``, a gradient of another dtype or placement)."""
+
+
+class WholeMatrixShardError(ShardingError, RuntimeError):
+    """A whole-matrix optimizer (``is_whole_matrix``) holds a parameter sharded over more than one rank
+    without ``ParamPolicy(update="owner")``: its step would be computed on row shards, silently wrong."""
+
+
+#: the optimizers of ``torch.optim`` (2.13) whose update of a tensor reads the whole tensor, not each
+#: element alone: Muon (Newton-Schulz on the matrix) and Adafactor (row and column means, the parameter's
+#: and the update's norms). The others (SGD, Adam, AdamW, Adadelta, Adagrad, Adamax, ASGD, NAdam, RAdam,
+#: RMSprop, Rprop, SparseAdam) are elementwise; LBFGS flattens every tensor (``adopt.FLATTENING_OPTIMIZERS``)
+WHOLE_MATRIX_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name))
+
+#: the class attribute a user's optimizer sets to declare its kind: ``True`` (its step reads whole
+#: tensors: refused on sharded parameters unless they have ``update="owner"``), ``False`` (elementwise)
+DECLARATION = "perparam_whole_matrix"
+
+
+def is_whole_matrix(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step needs whole tensors: its class's ``perparam_whole_matrix`` when set,
+    else whether it is one of ``WHOLE_MATRIX_OPTIMIZERS`` (or a subclass)."""
+    declared = getattr(type(optimizer), DECLARATION, None)
+    if declared is not None:
+        return bool(declared)
+    return isinstance(optimizer, WHOLE_MATRIX_OPTIMIZERS)
+
+
+def check(optimizer: torch.optim.Optimizer, held) -> None:
+    """Raise ``WholeMatrixShardError`` for the first parameter (in ``optimizer``'s order) of ``held``
+    (``ShardedParam``s) a whole-matrix ``optimizer`` would step on a shard: sharded over more than one rank,
+    not under the owner policy. Decided from policies and mesh sizes, the same on every rank."""
+    if not is_whole_matrix(optimizer):
+        return
+    by_id = {id(sp.sharded): sp for sp in held}
+    for sp in (by_id[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in by_id):
+        if sp.policy.update == "owner" or not sp.layout.gathered or sp.layout.num_shards == 1:
+            continue
+        name = type(optimizer).__name__
+        raise WholeMatrixShardError(
+            f"{name} computes each parameter's update from the whole tensor, and parameter '{sp.fqn}' of "
+            f"{registration.class_name(sp.slots[0][0])} (shape {tuple(sp.global_shape)}) is sharded over "
+            f"{sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. Give it an owner "
+            f"rank that steps it whole: fully_shard(..., param_policy="
+            f"{{'{sp.fqn}': ParamPolicy(update='owner')}}) (or a pattern such as '*.weight'), or step it with an "
+            "elementwise optimizer (AdamW). A custom optimizer declares itself elementwise with the class "
+            f"attribute {DECLARATION} = False")
+
+
+@dataclass(frozen=True)
+class Entry:
+    sp: object  # the ShardedParam
+    owner: int  # its owner's rank on the shard axis
+
+
+@dataclass(frozen=True)
+class Bucket:
+    group: object  # the shard axis' ProcessGroup
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class Routing:
+    buckets: tuple[Bucket, ...]
+    by_id: dict  # id(sharded parameter) -> Entry
+    loads: dict  # process group name -> per-rank Newton-Schulz cost (``OwnerPlan.loads``)
+
+
+def shard_group(sp):
+    return sp.dp_mesh.get_group(sp.dp_mesh.ndim - 1)
+
+
+def plan(optimizer: torch.optim.Optimizer, held) -> None:
+    """Plan the owners and buckets of ``optimizer``'s owner parameters (``held``: the ``ShardedParam``s
+    whose sharded parameters it holds); nothing is routed when it holds none."""
+    owned = {id(sp.sharded): sp for sp in held if sp.policy.update == "owner"}
+    if not owned:
+        _plans.pop(optimizer, None)
+        return
+    order, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            sp = owned.get(id(p))
+            if sp is not None and id(p) not in seen:
+                seen.add(id(p))
+                order.append((sp, group.get("ns_steps", NS_STEPS)))
+    per_pg: dict = {}
+    for sp, ns_steps in order:
+        pg = shard_group(sp)
+        per_pg.setdefault(id(pg), (pg, []))[1].append((sp, ns_steps))
+    buckets, by_id, loads = [], {}, {}
+    for pg, items in per_pg.values():
+        result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size())
+        loads[pg.group_name] = result.loads
+        entries = [Entry(sp, owner) for (sp, _), owner in zip(items, result.owners)]
+        by_id.update((id(e.sp.sharded), e) for e in entries)
+        open_: dict = {}  # dtype -> (entries, bytes) of the bucket being filled
+        for e in entries:
+            dtype = e.sp.sharded.dtype
+            nbytes = 2 * e.sp.sharded.numel() * dtype.itemsize
+            current, size = open_.get(dtype, ([], 0))
+            if current and size + nbytes > BUCKET_BYTES:
+                buckets.append(Bucket(pg, tuple(current)))
+                current, size = [], 0
+            open_[dtype] = (current + [e], size + nbytes)
+        buckets.extend(Bucket(pg, tuple(current)) for current, _ in open_.values())
+    _plans[optimizer] = Routing(tuple(buckets), by_id, loads)
+
+
+def routing(optimizer: torch.optim.Optimizer) -> Routing | None:
+    """``optimizer``'s plan (``None``: it holds no owner parameter)."""
+    return _plans.get(optimizer)
+
+
+def _local_grad(sp) -> torch.Tensor:
+    p = sp.sharded
+    grad = p.grad
+    if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.dtype != p.dtype:
+        raise OwnerStepError(f"parameter '{sp.fqn}' has update='owner' but its .grad is not a DTensor of its "
+                             f"placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad to perparam's "
+                             "reduction, or assign a DTensor like the parameter")
+    return grad._local_tensor
+
+
+def _gather(bucket: Bucket, entries: list[Entry]):
+    """Post the all-to-all bringing gradient and parameter rows to the owners: ``(work, recv)``."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    for dest in range(k):
+        for e in entries:
+            if e.owner != dest:
+                continue
+            pieces += [_local_grad(e.sp).reshape(-1), e.sp.sharded._local_tensor.reshape(-1)]
+            send_splits[dest] += 2 * e.sp.layout.local_numel(me)
+    for e in entries:
+        if e.owner == me:
+            for src in range(k):
+                recv_splits[src] += 2 * e.sp.layout.local_numel(src)
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    logical = sum(2 * e.sp.sharded.numel() for e in entries) * dtype.itemsize
+    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params")
+
+
+def _assemble(bucket: Bucket, entries: list[Entry], recv: torch.Tensor) -> dict:
+    """id(sharded parameter) -> (sharded parameter, whole parameter with its whole ``.grad``) for the
+    parameters of ``entries`` this rank owns."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    mine = [e for e in entries if e.owner == me]
+    out = {}
+    for e in mine:
+        p = e.sp.sharded
+        whole = torch.empty(p.shape, dtype=p.dtype, device=recv.device)
+        whole.grad = torch.empty_like(whole)
+        out[id(p)] = (p, whole)
+    offset = 0
+    for src in range(k):
+        for e in mine:
+            lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
+            n, shape = lay.local_numel(src), lay.local_shape(src)
+            for target in (whole.grad, whole):
+                lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
+                offset += n
+    return out
+
+
+def _scatter(bucket: Bucket, entries: list[Entry], wholes: dict):
+    """Post the all-to-all sending each rank its rows of the updated whole parameters: ``(work, recv)``."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    for dest in range(k):
+        for e in entries:
+            if e.owner == me:
+                pieces.append(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest).reshape(-1))
+                send_splits[dest] += e.sp.layout.local_numel(dest)
+    for e in entries:
+        recv_splits[e.owner] += e.sp.layout.local_numel(me)
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    logical = sum(e.sp.sharded.numel() for e in entries) * dtype.itemsize
+    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner scatter of {len(entries)} params")
+
+
+def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
+    """Before the stock step: gather the owners' whole tensors, swap them into ``param_groups``."""
+    if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
+        _restore(optimizer)
+    route = _plans.get(optimizer)
+    if route is None:
+        return
+    live = [(b, [e for e in b.entries if e.sp.sharded.grad is not None]) for b in route.buckets]
+    live = [(b, es) for b, es in live if es]
+    if not live:
+        return
+    if closure:
+        raise OwnerStepError(f"{type(optimizer).__name__}.step(closure) computes gradients inside the step, after "
+                             "perparam has brought the update='owner' parameters' gradients to their owners; call "
+                             "the closure (forward and backward) before step() and then step() without it")
+    posted = [(b, es, _gather(b, es)) for b, es in live]
+    wholes: dict = {}
+    with torch.no_grad():
+        for b, es, (work, recv) in posted:
+            if work is not None:
+                work.wait()
+            wholes.update(_assemble(b, es, recv))
+    records = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if not any(id(p) in route.by_id for p in params):
+            continue
+        routed = []
+        for p in params:
+            if id(p) not in route.by_id or p.grad is None:
+                routed.append(p)
+            elif id(p) in wholes:
+                whole = wholes[id(p)][1]
+                routed.append(whole)
+                state = optimizer.state.pop(p, None)
+                if state is not None:
+                    optimizer.state[whole] = state
+        records.append((group, params))
+        group["params"] = routed
+    setattr(optimizer, _ATTR, (records, live, wholes))
+
+
+def _restore(optimizer) -> tuple | None:
+    pending = getattr(optimizer, _ATTR, None)
+    if pending is None:
+        return None
+    setattr(optimizer, _ATTR, None)
+    records, _, wholes = pending
+    for group, params in records:
+        group["params"] = params
+    for p, whole in wholes.values():
+        state = optimizer.state.pop(whole, None)
+        if state is not None:
+            optimizer.state[p] = state
+    return pending
+
+
+def step_out(optimizer: torch.optim.Optimizer) -> None:
+    """After the stock step: put ``param_groups`` and state back, send the updated rows to their shards."""
+    pending = _restore(optimizer)
+    if pending is None:
+        return
+    _, live, wholes = pending
+    posted = [(b, es, _scatter(b, es, wholes)) for b, es in live]
+    with torch.no_grad():
+        for b, es, (work, recv) in posted:
+            if work is not None:
+                work.wait()
+            me, offset = b.group.rank(), 0
+            counts = {e: e.sp.layout.local_numel(me) for e in es}
+            for owner in range(b.group.size()):
+                for e in es:
+                    if e.owner == owner:
+                        local = e.sp.sharded._local_tensor
+                        local.copy_(recv[offset:offset + counts[e]].view(local.shape))
+                        offset += counts[e]

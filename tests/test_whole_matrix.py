@@ -1,0 +1,181 @@
+"""Whole-matrix optimizers (``torch.optim.Muon``, ``torch.optim.Adafactor``) on sharded parameters: the
+owner path (``ParamPolicy(update="owner")``, ``perparam.runtime.owner_step``) steps each matrix whole on one
+rank, bit for bit the stock step; training matches one process; an unrouted whole-matrix optimizer is
+refused at its first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import perparam
+from perparam import CommCounter, ParamPolicy
+from perparam.runtime import owner_step
+from tests.distributed import one_process, run_distributed
+from tests.models import TinyNet, full_params, make_batches
+
+OWNER = ParamPolicy(update="owner")
+
+
+def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
+    """Linear(8, 6), Linear(6, 5), Linear(5, 3) without bias (3 ranks: rows 2/2/2, 2/2/1, 1/1/1; 4 ranks:
+    2/2/2/0, 2/2/1/0, 1/1/1/0): uneven and empty shards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False), nn.Linear(5, 3, bias=False))
+    if world_size:
+        for layer in model:
+            perparam.fully_shard(layer, param_policy=policy)
+        perparam.fully_shard(model, param_policy=policy)
+    return model
+
+
+def _bitwise(rank: int, world_size: int, **muon) -> list[float]:
+    """Each step: the sharded Muon against ``torch.optim.Muon`` on one device fed the gathered gradient
+    (its own state carried along); returns the largest difference per step (0.0: bitwise)."""
+    model = _matrices(rank, world_size)
+    opt = torch.optim.Muon(model.parameters(), lr=0.02, **muon)
+    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+    ref_opt = torch.optim.Muon(ref, lr=0.02, **muon)
+    g = torch.Generator().manual_seed(1)
+    diffs = []
+    for _ in range(3):
+        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+        model(x).pow(2).sum().backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.full_tensor()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)))
+    return diffs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_size):
+    for diffs in run_distributed(_bitwise, world_size):
+        assert diffs == [0.0, 0.0, 0.0]
+
+
+def _hidden_owner(name: str, param) -> ParamPolicy | None:
+    """The owner policy for the blocks' hidden matrices (names relative to each block's fully_shard call)."""
+    return OWNER if name in ("fc1.weight", "fc2.weight") else None
+
+
+def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
+    """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
+    the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
+    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all)."""
+    torch.manual_seed(0)
+    model = TinyNet(d=6)
+    policy = _hidden_owner if kind.startswith("muon") else OWNER
+    if world_size:
+        mesh = None
+        if mesh_shape:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            perparam.fully_shard(block, mesh=mesh, param_policy=policy)
+        perparam.fully_shard(model, mesh=mesh, param_policy=policy)
+    named = dict(model.named_parameters())
+    if kind == "adafactor":
+        opts = [torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)]
+    else:
+        hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
+        rest = [p for p in named.values() if all(p is not h for h in hidden)]
+        extra = {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"} if kind == "muon_match" else {}
+        opts = [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, **extra),
+                torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
+    k = world_size or 1
+    comm = None
+    for i, (idx, y) in enumerate(make_batches(10, 12)):
+        if world_size:
+            share = 12 // k if not mesh_shape else 12 // world_size
+            idx, y = idx[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        F.mse_loss(model(idx), y).backward()
+        with CommCounter() as counter:
+            for opt in opts:
+                opt.step()
+        if i == 1:
+            comm = counter
+        for opt in opts:
+            opt.zero_grad()
+    out = {"params": full_params(model)}
+    if world_size:
+        out["all_to_all"] = (comm.count("all_to_all"), comm.bytes("all_to_all"))
+        out["state"] = sum(len(opts[0].state.get(p, {})) for p in opts[0].param_groups[0]["params"])
+    return out
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+@pytest.mark.parametrize("kind", ["muon", "muon_match", "adafactor"])
+def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
+    want = one_process(_train, kind)["params"]
+    for world_size in (1, 2, 3, 4):
+        results = run_distributed(_train, world_size, kind)
+        for r in results:
+            assert _max_diff(r["params"], want) <= 1e-5, (kind, world_size, _max_diff(r["params"], want))
+        counts = {r["all_to_all"][0] for r in results}
+        assert len(counts) == 1  # the same collectives on every rank
+
+
+def test_muon_on_hsdp_2x2_trains_like_one_process():
+    want = one_process(_train, "muon")["params"]
+    for r in run_distributed(_train, 4, "muon", (2, 2)):
+        assert _max_diff(r["params"], want) <= 1e-5
+
+
+def test_the_owner_exchange_is_one_all_to_all_each_way_per_bucket_with_3_k_minus_1_over_k_m_n_bytes():
+    # Muon's 2 hidden matrices of 13 x 6 per block, 2 blocks: 4 x 78 fp32 elements in one bucket
+    for world_size in (2, 4):
+        results = run_distributed(_train, world_size, "muon")
+        counts = [r["all_to_all"][0] for r in results]
+        assert counts == [2] * world_size  # the gather and the scatter of the one bucket
+        wire = sum(r["all_to_all"][1] for r in results)
+        # exact: each non-owner sends its rows of gradient and parameter, each owner the others' rows back
+        assert wire == 3 * (4 * 78 * 4) - 3 * sum(_owner_rows_bytes(world_size))
+        assert sum(r["state"] for r in results) == 4  # each matrix's momentum on its owner only
+
+
+def _owner_rows_bytes(world_size: int) -> list[int]:
+    """Bytes of the rows each matrix's owner holds itself (they never travel), in the plan's order."""
+    from torch.distributed.tensor import Shard
+
+    from perparam.sharding.layout import ShardLayout
+    from perparam.sharding.owners import plan_shapes
+
+    shapes = [(13, 6), (6, 13), (13, 6), (6, 13)]
+    owners = plan_shapes(shapes, world_size).owners
+    return [ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o) for s, o in zip(shapes, owners)]
+
+
+def _refused(rank: int, world_size: int, name: str) -> str:
+    model = _matrices(rank, world_size, policy=None)
+    opt = {"Muon": lambda ps: torch.optim.Muon(ps, lr=0.02), "Adafactor": torch.optim.Adafactor,
+           "_Mine": lambda ps: _Mine(ps, lr=0.1), "AdamW": torch.optim.AdamW}[name](model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except owner_step.WholeMatrixShardError as e:
+        assert all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+        return str(e)
+    return "stepped"
+
+
+class _Mine(torch.optim.SGD):
+    perparam_whole_matrix = True
+
+
+def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_at_its_first_step():
+    for name in ("Muon", "Adafactor", "_Mine"):
+        for message in run_distributed(_refused, 2, name):
+            assert message.startswith(f"{name} computes each parameter's update from the whole tensor"), message
+            assert "parameter 'weight' of Linear (shape (6, 8))" in message and "ParamPolicy(update='owner')" in message
+    # elementwise optimizers, and any optimizer on one rank, are untouched
+    assert run_distributed(_refused, 2, "AdamW") == ["stepped"] * 2
+    assert run_distributed(_refused, 1, "Muon") == ["stepped"]
