@@ -60,7 +60,7 @@ from .full_state import (  # all but per_rank_keys re-exported (__all__)
     per_rank_keys,
 )
 from .offload import tier as offload_tier
-from .runtime import adopt, zero
+from .runtime import adopt, owner_step, zero
 
 PendingSave = background.PendingSave  # re-exported (__all__)
 
@@ -144,6 +144,14 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
     adopt._retarget(optimizer, (), {})  # built before fully_shard: point it at the sharded parameters now
     names = {id(p): n for n, p in model.named_parameters()}
+    route = owner_step.routing(optimizer)
+    if route is not None:  # its owner parameters' state is whole, on their owners only
+        first = next(n for n, p in model.named_parameters() if id(p) in route.by_id)
+        raise CheckpointError(f"{type(optimizer).__name__} steps parameter '{first}' (and others) under "
+                              "ParamPolicy(update='owner'), whose optimizer state lives whole on its owner rank "
+                              "only; checkpoints of that state are not supported yet: save the model alone "
+                              "(save(path, model)), or train those parameters with update='shard' and an "
+                              "elementwise optimizer")
     groups = []
     for group in optimizer.param_groups:
         named = []

@@ -179,3 +179,96 @@ def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_
     # elementwise optimizers, and any optimizer on one rank, are untouched
     assert run_distributed(_refused, 2, "AdamW") == ["stepped"] * 2
     assert run_distributed(_refused, 1, "Muon") == ["stepped"]
+
+
+def _compose(rank: int, world_size: int, case: str) -> dict:
+    """TinyNet with Muon on the blocks' hidden matrices (owner) and AdamW on the rest, 4 steps, composed
+    with ``case``: "accumulate" (2 micro-batches, the first without sync), "clip" (clip_grad_norm_ to 0.5
+    before the step), "stages" (fc1 at stage 1, fc2 at stage 2, the rest stage 3), "frozen" (the head
+    frozen), "dtensor_adamw" (``configure(local_optimizer_step=False)``), "adamw_owner" (an owner
+    parameter in AdamW). Returns the full parameters and the Newton-Schulz calls per step."""
+    import torch.optim._muon as muon_module
+
+    calls = []
+    original = muon_module._zeropower_via_newtonschulz
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    muon_module._zeropower_via_newtonschulz = counting
+    previous = perparam.configure(local_optimizer_step=case != "dtensor_adamw")
+    try:
+        torch.manual_seed(0)
+        model = TinyNet(d=6)
+        if case == "frozen":
+            model.head.requires_grad_(False)
+
+        def policy(name, param):
+            if name not in ("fc1.weight", "fc2.weight", "embed.weight"):
+                return None
+            if name == "embed.weight":
+                return OWNER if case == "adamw_owner" else None
+            stage = {"fc1.weight": 1, "fc2.weight": 2}[name] if case == "stages" else None
+            return ParamPolicy(update="owner", zero_stage=stage)
+
+        if world_size:
+            for block in model.blocks:
+                perparam.fully_shard(block, param_policy=policy)
+            perparam.fully_shard(model, param_policy=policy)
+        named = dict(model.named_parameters())
+        hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
+        rest = [p for p in named.values() if all(p is not h for h in hidden) and p.requires_grad]
+        opts = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
+        per_step = []
+        k = world_size or 1
+        for idx, y in make_batches(4, 12):
+            if world_size:
+                idx, y = idx[rank * 12 // k:(rank + 1) * 12 // k], y[rank * 12 // k:(rank + 1) * 12 // k]
+            chunks = 2 if case == "accumulate" else 1
+            for i, (xm, ym) in enumerate(zip(idx.chunk(chunks), y.chunk(chunks))):
+                if world_size and chunks > 1:
+                    model.set_requires_gradient_sync(i == chunks - 1)
+                (F.mse_loss(model(xm), ym) / chunks).backward()
+            if case == "clip":
+                params = [p for p in model.parameters() if p.grad is not None]
+                (perparam.clip_grad_norm_ if world_size else torch.nn.utils.clip_grad_norm_)(params, 0.5)
+            before = len(calls)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            per_step.append(len(calls) - before)
+        return {"params": full_params(model), "ns_calls": per_step}
+    finally:
+        perparam.configure(local_optimizer_step=previous.local_optimizer_step)
+        muon_module._zeropower_via_newtonschulz = original
+
+
+@pytest.mark.parametrize("case", ["accumulate", "clip", "stages", "frozen", "dtensor_adamw", "adamw_owner"])
+def test_the_owner_path_composes_and_trains_like_one_process(case):
+    want = one_process(_compose, case)
+    for world_size in (2, 3):
+        results = run_distributed(_compose, world_size, case)
+        for r in results:
+            assert _max_diff(r["params"], want["params"]) <= 1e-5, (case, world_size)
+            assert r["ns_calls"] == r["ns_calls"][:1] * 4
+        # Newton-Schulz once per matrix per optimizer step (never per micro-batch), on its owner only
+        assert sum(r["ns_calls"][0] for r in results) == 4 == want["ns_calls"][0]
+
+
+def _checkpoint(rank: int, world_size: int, path: str) -> str:
+    model = _matrices(rank, world_size)
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    perparam.checkpoint.save(path, model)  # the model alone is fine
+    try:
+        perparam.checkpoint.save(path + "-opt", model, opt)
+    except perparam.checkpoint.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_checkpoint_of_owner_optimizer_state_is_refused_naming_the_parameter(tmp_path):
+    for message in run_distributed(_checkpoint, 2, str(tmp_path / "ckpt")):
+        assert message.startswith("Muon steps parameter '0.weight' (and others) under ParamPolicy(update='owner')")
