@@ -511,3 +511,13 @@ def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
     return (work if async_op else None), recv
+
+
+def all_gather_objects(obj, group: dist.ProcessGroup) -> list:
+    """Every rank's picklable ``obj`` over ``group``, in rank order (``dist.all_gather_object``): for small
+    metadata outside the training step (a checkpoint's owner-state descriptions). Not recorded."""
+    if group.size() == 1:
+        return [obj]
+    out: list = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
