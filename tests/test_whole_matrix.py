@@ -32,9 +32,13 @@ def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
     return model
 
 
-def _bitwise(rank: int, world_size: int, **muon) -> list[float]:
+def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: dict | None = None) -> list[float]:
     """Each step: the sharded Muon against ``torch.optim.Muon`` on one device fed the gathered gradient
-    (its own state carried along); returns the largest difference per step (0.0: bitwise)."""
+    (its own state carried along); returns the largest difference per step (0.0: bitwise), then the
+    all-to-alls of the last step. ``bucket_bytes``: ``owner_step.BUCKET_BYTES`` for this run."""
+    if bucket_bytes is not None:
+        owner_step.BUCKET_BYTES = bucket_bytes
+    muon = muon or {}
     model = _matrices(rank, world_size)
     opt = torch.optim.Muon(model.parameters(), lr=0.02, **muon)
     ref = [p.detach().full_tensor().clone() for p in model.parameters()]
@@ -46,17 +50,22 @@ def _bitwise(rank: int, world_size: int, **muon) -> list[float]:
         model(x).pow(2).sum().backward()
         for r, p in zip(ref, model.parameters()):
             r.grad = p.grad.full_tensor()
-        opt.step()
+        with CommCounter() as comm:
+            opt.step()
         ref_opt.step()
         opt.zero_grad()
         diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)))
-    return diffs
+    return diffs + [comm.count("all_to_all")]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_size):
     for diffs in run_distributed(_bitwise, world_size):
-        assert diffs == [0.0, 0.0, 0.0]
+        assert diffs == [0.0, 0.0, 0.0, 2]
+    # buckets bounded at 400 bytes of gradient + parameter: [6x8 (384 B)], [5x6, 3x5 (360 B)], each
+    # gathered while the one before is stepped: two all-to-alls per bucket, still bitwise
+    for diffs in run_distributed(_bitwise, world_size, 400, {"nesterov": False, "weight_decay": 0.05}):
+        assert diffs == [0.0, 0.0, 0.0, 4]
 
 
 def _hidden_owner(name: str, param) -> ParamPolicy | None:

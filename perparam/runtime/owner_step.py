@@ -12,23 +12,24 @@ holds under the owner policy:
    most ``BUCKET_BYTES`` of whole gradient plus parameter), one all-to-all brings each rank's rows of the
    reduced gradient and of the parameter to the owner (``exchange_uneven``), which assembles the whole
    tensors (``layout.local_piece`` of each source rank);
-3. in the optimizer's ``param_groups`` the owner puts the whole parameter (``.grad``: the whole gradient;
-   its state re-keyed to it) in place of the sharded one, and the other ranks leave the parameter out;
-   the stock ``step`` then runs unchanged, so the owner's update is bit for bit the step the optimizer
-   takes on one device from the same gradient and state;
-4. after the step the parameters and state are put back (the state keyed by the sharded parameter, whole,
-   on the owner only: about 1/K of the matrices' momentum per rank), and one all-to-all per bucket sends
-   each rank its rows of the updated parameter, copied into its shard in place. The step is counted on the
-   parameters as any step (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
+3. the owner runs the optimizer's own step function (the class's ``step`` without torch's hook wrapper) on
+   that bucket's whole tensors alone (each group narrowed to them, their state re-keyed to them), while
+   the next bucket's all-to-all is in flight; the other ranks skip the bucket. The owner's update is bit
+   for bit the step the optimizer takes on one device from the same gradient and state;
+4. one all-to-all per bucket sends each rank its rows of the updated parameters, copied into its shard in
+   place, and the bucket's whole tensors are dropped (at most two buckets' alive). The step proper then
+   runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
+   an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
+   matrices' momentum per rank); the step is counted on the parameters as any step
+   (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
 
 Bytes on the wire per ``m x n`` matrix: ``2 (K-1)/K m n`` elements in (gradient and parameter rows) and
 ``(K-1)/K m n`` out, ``3 (K-1)/K m n`` in all. Every rank issues the same all-to-alls, in the same order,
 whatever it owns (a rank with empty shards sends empty pieces); a parameter without a gradient (no rank used
 it: ``None`` on every rank alike) is left out of the exchange on every rank.
 
-Left for later: no whole tensor needed by one bucket's step stays alive past it (today every owned
-parameter's whole copy lives through the one stock step), and a stage-1 parameter's gradient, whole on every
-rank already, still travels.
+Left for later: a stage-1 parameter's gradient, whole on every rank already, still travels; a bucket's
+scatter is not overlapped with the next bucket's step.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from . import registration
 BUCKET_BYTES = 64 * 2**20
 
 _ATTR = "_perparam_owner_step"  # on the optimizer: the routed step in progress, or None
+_BUSY = "_perparam_owner_stepping"  # on the optimizer: True while its own step runs on whole tensors
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Routing
 
 
@@ -242,7 +244,11 @@ def _scatter(bucket: Bucket, entries: list[Entry], wholes: dict):
 
 
 def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
-    """Before the stock step: gather the owners' whole tensors, swap them into ``param_groups``."""
+    """Before the stock step: per bucket, gather the owners' whole tensors (the next bucket's gather posted
+    before this one's step), run the optimizer's own step function on them alone on their owners, send the
+    rows back; then leave the routed parameters out of ``param_groups`` for the step itself."""
+    if getattr(optimizer, _BUSY, False):  # a subclass's step calling its parent's (hooked) step
+        return
     if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
         _restore(optimizer)
     route = _plans.get(optimizer)
@@ -256,64 +262,73 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
         raise OwnerStepError(f"{type(optimizer).__name__}.step(closure) computes gradients inside the step, after "
                              "perparam has brought the update='owner' parameters' gradients to their owners; call "
                              "the closure (forward and backward) before step() and then step() without it")
-    posted = [(b, es, _gather(b, es)) for b, es in live]
-    wholes: dict = {}
+    stock = type(optimizer).step.__wrapped__  # the class's step without torch's hook wrapper
+    groups = [(group, group["params"]) for group in optimizer.param_groups]
+    routed = {id(e.sp.sharded) for _, es in live for e in es}
     with torch.no_grad():
-        for b, es, (work, recv) in posted:
+        posted = _gather(*live[0])
+        for i, (bucket, entries) in enumerate(live):
+            work, recv = posted
             if work is not None:
                 work.wait()
-            wholes.update(_assemble(b, es, recv))
-    records = []
-    for group in optimizer.param_groups:
-        params = group["params"]
-        if not any(id(p) in route.by_id for p in params):
-            continue
-        routed = []
-        for p in params:
-            if id(p) not in route.by_id or p.grad is None:
-                routed.append(p)
-            elif id(p) in wholes:
-                whole = wholes[id(p)][1]
-                routed.append(whole)
-                state = optimizer.state.pop(p, None)
-                if state is not None:
-                    optimizer.state[whole] = state
-        records.append((group, params))
-        group["params"] = routed
-    setattr(optimizer, _ATTR, (records, live, wholes))
+            wholes = _assemble(bucket, entries, recv)
+            del recv
+            if i + 1 < len(live):
+                posted = _gather(*live[i + 1])
+            if wholes:
+                _step_whole(optimizer, groups, wholes, stock)
+            _send_back(bucket, entries, wholes)
+            del wholes
+    for group, params in groups:
+        group["params"] = [p for p in params if id(p) not in routed]
+    setattr(optimizer, _ATTR, groups)
 
 
-def _restore(optimizer) -> tuple | None:
-    pending = getattr(optimizer, _ATTR, None)
-    if pending is None:
-        return None
-    setattr(optimizer, _ATTR, None)
-    records, _, wholes = pending
-    for group, params in records:
-        group["params"] = params
+def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
+    """The optimizer's own step on the whole tensors of ``wholes`` alone (each group narrowed to its own
+    ones, their state re-keyed to them and back); ``param_groups`` as before afterwards."""
+    for group, params in groups:
+        group["params"] = [wholes[id(p)][1] for p in params if id(p) in wholes]
     for p, whole in wholes.values():
-        state = optimizer.state.pop(whole, None)
+        state = optimizer.state.pop(p, None)
         if state is not None:
-            optimizer.state[p] = state
-    return pending
+            optimizer.state[whole] = state
+    setattr(optimizer, _BUSY, True)
+    try:
+        stock(optimizer)
+    finally:
+        setattr(optimizer, _BUSY, False)
+        for group, params in groups:
+            group["params"] = params
+        for p, whole in wholes.values():
+            state = optimizer.state.pop(whole, None)
+            if state is not None:
+                optimizer.state[p] = state
+
+
+def _send_back(bucket: Bucket, entries: list[Entry], wholes: dict) -> None:
+    """Send each rank its rows of the updated whole parameters; copy them into the shards."""
+    work, recv = _scatter(bucket, entries, wholes)
+    if work is not None:
+        work.wait()
+    me, offset = bucket.group.rank(), 0
+    for owner in range(bucket.group.size()):
+        for e in entries:
+            if e.owner == owner:
+                local = e.sp.sharded._local_tensor
+                n = e.sp.layout.local_numel(me)
+                local.copy_(recv[offset:offset + n].view(local.shape))
+                offset += n
+
+
+def _restore(optimizer) -> None:
+    groups = getattr(optimizer, _ATTR, None)
+    setattr(optimizer, _ATTR, None)
+    for group, params in groups or ():
+        group["params"] = params
 
 
 def step_out(optimizer: torch.optim.Optimizer) -> None:
-    """After the stock step: put ``param_groups`` and state back, send the updated rows to their shards."""
-    pending = _restore(optimizer)
-    if pending is None:
-        return
-    _, live, wholes = pending
-    posted = [(b, es, _scatter(b, es, wholes)) for b, es in live]
-    with torch.no_grad():
-        for b, es, (work, recv) in posted:
-            if work is not None:
-                work.wait()
-            me, offset = b.group.rank(), 0
-            counts = {e: e.sp.layout.local_numel(me) for e in es}
-            for owner in range(b.group.size()):
-                for e in es:
-                    if e.owner == owner:
-                        local = e.sp.sharded._local_tensor
-                        local.copy_(recv[offset:offset + counts[e]].view(local.shape))
-                        offset += counts[e]
+    """After the stock step: the routed parameters back in ``param_groups``."""
+    if not getattr(optimizer, _BUSY, False):
+        _restore(optimizer)
