@@ -74,3 +74,14 @@ def test_perparam_plan_reports_the_owner_plan_the_runtime_computes():
     assert [p.name for p in plan.owner_params] == ["0.weight", "1.weight", "2.weight"]
     assert plan.owners() == plan_shapes([(16, 8), (16, 16), (4, 16)], 3)
     assert plan.owners().owners == (1, 0, 2)
+
+
+def test_perparam_plan_json_and_param_policy_token_give_the_owner_plan():
+    from perparam.memory.plan import plan_to_json
+    from perparam.memory.policy_args import parse_param_policy
+
+    pattern, policy = parse_param_policy("*.weight=owner")
+    assert pattern == "*.weight" and policy == ParamPolicy(update="owner")
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 16, bias=False))
+    owners = plan_to_json(plan_module(model, 2, param_policy={pattern: policy}))["owners"]
+    assert owners["params"] == {"0.weight": 1, "1.weight": 0} and owners["max_over_mean"] == pytest.approx(1.6)  # 20480 of 25600

@@ -375,3 +375,23 @@ def test_a_checkpoint_of_adafactor_owner_state_loads_bit_exact_on_another_world_
         assert sorted(before[name]) == ["col_var", "row_var", "step"]
         for k in before[name]:
             assert torch.equal(before[name][k], after[name][k])
+
+
+def _closure(rank: int, world_size: int) -> str:
+    model = _matrices(rank, world_size)
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    model(torch.randn(2, 8)).sum().backward()
+
+    def closure():
+        return model(torch.randn(2, 8)).sum()
+
+    try:
+        opt.step(closure)
+    except owner_step.OwnerStepError as e:
+        return str(e)
+    return "stepped"
+
+
+def test_a_step_with_a_closure_on_owner_parameters_is_refused():
+    for message in run_distributed(_closure, 2):
+        assert message.startswith("Muon.step(closure) computes gradients inside the step"), message
