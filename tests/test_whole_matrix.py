@@ -73,13 +73,16 @@ def _hidden_owner(name: str, param) -> ParamPolicy | None:
     return OWNER if name in ("fc1.weight", "fc2.weight") else None
 
 
-def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
-    """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
-    the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
-    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all)."""
+def _recipe(rank: int, world_size: int, policy=None, mesh_shape=None, muon: dict | None = None,
+            freeze_head: bool = False) -> tuple[nn.Module, list]:
+    """TinyNet sharded per block then at the root (``policy``: default ``_hidden_owner``; ``mesh_shape``:
+    an HSDP mesh), Muon (weight decay 0.1, ``muon``'s options) on the blocks' hidden matrices and AdamW
+    (weight decay 0.01) on the rest that is trainable."""
     torch.manual_seed(0)
     model = TinyNet(d=6)
-    policy = _hidden_owner if kind.startswith("muon") else OWNER
+    if freeze_head:
+        model.head.requires_grad_(False)
+    policy = policy or _hidden_owner
     if world_size:
         mesh = None
         if mesh_shape:
@@ -89,19 +92,27 @@ def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
             perparam.fully_shard(block, mesh=mesh, param_policy=policy)
         perparam.fully_shard(model, mesh=mesh, param_policy=policy)
     named = dict(model.named_parameters())
+    hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
+    rest = [p for p in named.values() if all(p is not h for h in hidden) and p.requires_grad]
+    return model, [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, **(muon or {})),
+                   torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
+
+
+def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
+    """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
+    the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
+    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all)."""
     if kind == "adafactor":
+        model, _ = _recipe(rank, world_size, OWNER, mesh_shape)
         opts = [torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)]
     else:
-        hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
-        rest = [p for p in named.values() if all(p is not h for h in hidden)]
         extra = {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"} if kind == "muon_match" else {}
-        opts = [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, **extra),
-                torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
+        model, opts = _recipe(rank, world_size, None, mesh_shape, extra)
     k = world_size or 1
     comm = None
     for i, (idx, y) in enumerate(make_batches(10, 12)):
         if world_size:
-            share = 12 // k if not mesh_shape else 12 // world_size
+            share = 12 // k
             idx, y = idx[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
         F.mse_loss(model(idx), y).backward()
         with CommCounter() as counter:
@@ -209,11 +220,6 @@ def _compose(rank: int, world_size: int, case: str) -> dict:
     muon_module._zeropower_via_newtonschulz = counting
     previous = perparam.configure(local_optimizer_step=case != "dtensor_adamw")
     try:
-        torch.manual_seed(0)
-        model = TinyNet(d=6)
-        if case == "frozen":
-            model.head.requires_grad_(False)
-
         def policy(name, param):
             if name not in ("fc1.weight", "fc2.weight", "embed.weight"):
                 return None
@@ -222,14 +228,7 @@ def _compose(rank: int, world_size: int, case: str) -> dict:
             stage = {"fc1.weight": 1, "fc2.weight": 2}[name] if case == "stages" else None
             return ParamPolicy(update="owner", zero_stage=stage)
 
-        if world_size:
-            for block in model.blocks:
-                perparam.fully_shard(block, param_policy=policy)
-            perparam.fully_shard(model, param_policy=policy)
-        named = dict(model.named_parameters())
-        hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
-        rest = [p for p in named.values() if all(p is not h for h in hidden) and p.requires_grad]
-        opts = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
+        model, opts = _recipe(rank, world_size, policy, freeze_head=case == "frozen")
         per_step = []
         k = world_size or 1
         for idx, y in make_batches(4, 12):
@@ -264,20 +263,6 @@ def test_the_owner_path_composes_and_trains_like_one_process(case):
             assert r["ns_calls"] == r["ns_calls"][:1] * 4
         # Newton-Schulz once per matrix per optimizer step (never per micro-batch), on its owner only
         assert sum(r["ns_calls"][0] for r in results) == 4 == want["ns_calls"][0]
-
-
-def _recipe(rank: int, world_size: int) -> tuple[nn.Module, list]:
-    """TinyNet, Muon (owner) on the blocks' hidden matrices and AdamW on the rest."""
-    torch.manual_seed(0)
-    model = TinyNet(d=6)
-    if world_size:
-        for block in model.blocks:
-            perparam.fully_shard(block, param_policy=_hidden_owner)
-        perparam.fully_shard(model, param_policy=_hidden_owner)
-    named = dict(model.named_parameters())
-    hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
-    rest = [p for p in named.values() if all(p is not h for h in hidden)]
-    return model, [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
 
 
 def _steps(model, opts, rank: int, world_size: int, first: int, last: int) -> None:
