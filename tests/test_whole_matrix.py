@@ -380,3 +380,31 @@ def _closure(rank: int, world_size: int) -> str:
 def test_a_step_with_a_closure_on_owner_parameters_is_refused():
     for message in run_distributed(_closure, 2):
         assert message.startswith("Muon.step(closure) computes gradients inside the step"), message
+
+
+def _experts(rank: int, world_size: int) -> list:
+    """Three experts under the owner policy in one group: rank 0 uses the first, the others the second,
+    no rank the third (its gradient stays None everywhere). Debug mode checks that every rank issues the
+    same collectives; returns the difference from torch.optim.Muon on the gathered gradients."""
+    perparam.set_debug(True)
+    torch.manual_seed(0)
+    experts = [nn.Linear(3, 4, bias=False), nn.Linear(3, 5, bias=False), nn.Linear(3, 2, bias=False)]
+    perparam.fully_shard(experts, param_policy=OWNER)
+    params = [e.weight for e in experts]
+    opt = torch.optim.Muon(params, lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in params]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    experts[0 if rank == 0 else 1](torch.ones(2, 3) * (rank + 1)).pow(2).sum().backward()
+    for r, p in zip(ref, params):
+        r.grad = None if p.grad is None else p.grad.full_tensor()
+    with CommCounter() as comm:
+        opt.step()
+    ref_opt.step()
+    return [max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)), params[2].grad is None,
+            comm.count("all_to_all"), len(opt.state)]
+
+
+def test_ranks_using_different_experts_take_the_same_owner_exchange_and_the_stock_step():
+    results = run_distributed(_experts, 3)
+    assert [r[:3] for r in results] == [[0.0, True, 2]] * 3  # the unused expert left out on every rank
+    assert sum(r[3] for r in results) == 2  # two experts stepped, each on its owner only
