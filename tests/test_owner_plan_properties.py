@@ -41,6 +41,10 @@ def test_the_owner_plan_is_deterministic_and_balanced_within_the_lpt_bound(shape
 def test_the_owner_plan_puts_the_largest_matrix_first_onto_the_least_loaded_rank():
     assert owner_plan([1, 5, 3, 3], 2).owners == (0, 0, 1, 1)  # 5 -> 0, 3 -> 1, 3 -> 1 (3 < 5), 1 -> 0 (5 < 6)
     assert ns_cost((13, 6), ns_steps=5) == 5 * 13 * 6 * 6
+    # owners kept (they hold state) and the rest filled in by LPT onto the loads they leave
+    assert owner_plan([5, 3, 1], 2, fixed={1: 0, 2: 0}).owners == (1, 0, 0)
+    with pytest.raises(ValueError, match="fixed owners must be ranks"):
+        owner_plan([1], 2, fixed={0: 2})
     with pytest.raises(ValueError, match="num_ranks must be >= 1"):
         owner_plan([1], 0)
 

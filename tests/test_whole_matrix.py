@@ -32,20 +32,27 @@ def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
     return model
 
 
-def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: dict | None = None) -> list[float]:
+def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: dict | None = None,
+             add_later: bool = False) -> list[float]:
     """Each step: the sharded Muon against ``torch.optim.Muon`` on one device fed the gathered gradient
     (its own state carried along); returns the largest difference per step (0.0: bitwise), then the
-    all-to-alls of the last step. ``bucket_bytes``: ``owner_step.BUCKET_BYTES`` for this run."""
+    all-to-alls of the last step. ``bucket_bytes``: ``owner_step.BUCKET_BYTES`` for this run.
+    ``add_later``: the optimizers start with the 6x5 and 3x5 matrices and gain the largest, 8x6, by
+    ``add_param_group`` after the first step (a fresh plan would move the 6x5 matrix and its momentum)."""
     if bucket_bytes is not None:
         owner_step.BUCKET_BYTES = bucket_bytes
     muon = muon or {}
     model = _matrices(rank, world_size)
-    opt = torch.optim.Muon(model.parameters(), lr=0.02, **muon)
+    first = 1 if add_later else 0
+    opt = torch.optim.Muon(list(model.parameters())[first:], lr=0.02, **muon)
     ref = [p.detach().full_tensor().clone() for p in model.parameters()]
-    ref_opt = torch.optim.Muon(ref, lr=0.02, **muon)
+    ref_opt = torch.optim.Muon(ref[first:], lr=0.02, **muon)
     g = torch.Generator().manual_seed(1)
     diffs = []
-    for _ in range(3):
+    for step in range(3):
+        if add_later and step == 1:
+            opt.add_param_group({"params": [model[0].weight]})
+            ref_opt.add_param_group({"params": [ref[0]]})
         x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
         model(x).pow(2).sum().backward()
         for r, p in zip(ref, model.parameters()):
@@ -66,6 +73,9 @@ def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_s
     # gathered while the one before is stepped: two all-to-alls per bucket, still bitwise
     for diffs in run_distributed(_bitwise, world_size, 400, {"nesterov": False, "weight_decay": 0.05}):
         assert diffs == [0.0, 0.0, 0.0, 4]
+    # a parameter group added after a step: the owners holding momentum keep it, the new matrix fills in
+    for diffs in run_distributed(_bitwise, world_size, None, None, True):
+        assert diffs == [0.0, 0.0, 0.0, 2]
 
 
 def _hidden_owner(name: str, param) -> ParamPolicy | None:

@@ -7,7 +7,8 @@ holds under the owner policy:
 
 1. the owners come from ``perparam.sharding.owners.owner_plan`` over the optimizer's owner parameters of
    each shard axis, in the optimizer's parameter order (the same on every rank), planned when
-   ``perparam.runtime.adopt`` first checks the optimizer (again when its parameters change);
+   ``perparam.runtime.adopt`` first checks the optimizer (again when its parameters change: parameters
+   planned before keep their owners, which hold their state, and new ones fill in by LPT);
 2. per bucket (the parameters of one shard-axis process group and dtype, consecutive in that order, at
    most ``BUCKET_BYTES`` of whole gradient plus parameter), one all-to-all brings each rank's rows of the
    reduced gradient and of the parameter to the owner (``exchange_uneven``), which assembles the whole
@@ -146,8 +147,12 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
         pg = shard_group(sp)
         per_pg.setdefault(id(pg), (pg, []))[1].append((sp, ns_steps))
     buckets, by_id, loads = [], {}, {}
+    before = _plans.get(optimizer)
+    kept = before.by_id if before is not None else {}  # owners already holding state stay where they are
     for pg, items in per_pg.values():
-        result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size())
+        fixed = {i: kept[id(sp.sharded)].owner for i, (sp, _) in enumerate(items)
+                 if id(sp.sharded) in kept and shard_group(kept[id(sp.sharded)].sp) is pg}
+        result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed)
         loads[pg.group_name] = result.loads
         entries = [Entry(sp, owner) for (sp, _), owner in zip(items, result.owners)]
         by_id.update((id(e.sp.sharded), e) for e in entries)

@@ -18,7 +18,7 @@ and ``perparam plan`` both call it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 #: Newton-Schulz iterations of ``torch.optim.Muon`` by default (its ``ns_steps``)
@@ -49,16 +49,25 @@ class OwnerPlan:
         return max(self.loads) * len(self.loads) / total if total else 1.0
 
 
-def owner_plan(costs: Sequence[int], num_ranks: int) -> OwnerPlan:
+def owner_plan(costs: Sequence[int], num_ranks: int, fixed: Mapping[int, int] | None = None) -> OwnerPlan:
     """The LPT plan of ``costs`` (one non-negative cost per parameter, e.g. ``ns_cost(shape)``) over
-    ``num_ranks`` ranks. Raises ``ValueError`` for ``num_ranks < 1`` or a negative cost."""
+    ``num_ranks`` ranks. ``fixed``: index -> rank for parameters whose owner is kept (they hold state
+    there: the runtime's earlier plan when an optimizer gains parameters); the others are placed by LPT
+    onto the loads these leave. Raises ``ValueError`` for ``num_ranks < 1``, a negative cost or a fixed
+    rank out of range."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if any(c < 0 for c in costs):
         raise ValueError(f"costs must be >= 0, got {list(costs)}")
+    fixed = dict(fixed or {})
+    if any(not 0 <= r < num_ranks for r in fixed.values()):
+        raise ValueError(f"fixed owners must be ranks in [0, {num_ranks}), got {fixed}")
     loads = [0] * num_ranks
     owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for i, r in fixed.items():
+        owners[i] = r
+        loads[r] += costs[i]
+    for i in sorted((i for i in range(len(costs)) if i not in fixed), key=lambda i: (-costs[i], i)):
         r = min(range(num_ranks), key=lambda r: (loads[r], r))
         owners[i] = r
         loads[r] += costs[i]
