@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate
 from perparam import ParamPolicy
 from perparam.memory.plan import plan_module
 from perparam.sharding.owners import ns_cost, owner_plan, plan_shapes
-from perparam.sharding.policy import MixedPrecisionPolicy, OffloadPolicy, PolicyError, resolve
+from perparam.sharding.policy import MixedPrecisionPolicy, PolicyError, resolve
 
 shapes = st.lists(st.tuples(st.integers(0, 64), st.integers(1, 64)), min_size=0, max_size=7)
 
@@ -69,7 +69,6 @@ def test_an_owner_policy_resolves_to_owner_for_a_sharded_parameter_and_to_shard_
     from perparam.sharding.resolution import resolve_param
     assert resolve_param("b", tiny, MixedPrecisionPolicy(), ParamPolicy(update="owner", placement="auto"), 4).update \
         == "shard"
-    assert OffloadPolicy().offloaded is False
 
 
 def test_perparam_plan_reports_the_owner_plan_the_runtime_computes():
