@@ -418,3 +418,37 @@ def test_ranks_using_different_experts_take_the_same_owner_exchange_and_the_stoc
     results = run_distributed(_experts, 3)
     assert [r[:3] for r in results] == [[0.0, True, 2]] * 3  # the unused expert left out on every rank
     assert sum(r[3] for r in results) == 2  # two experts stepped, each on its owner only
+
+
+def _expert_mesh(rank: int, world_size: int) -> list:
+    """A dense Linear(6, 5) on the 4-rank mesh and an expert Linear(6, 7) on its own 2-rank mesh
+    (``ParamPolicy(mesh=edp)``), both under the owner policy in one call: one bucket per mesh, each
+    matrix stepped by an owner of its own mesh, bitwise torch.optim.Muon on the gathered gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    dp = init_device_mesh("cpu", (4,))
+    edp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))["edp"]
+    model = nn.Sequential(nn.Linear(6, 5, bias=False), nn.Linear(5, 7, bias=False))
+    perparam.fully_shard(model, mesh=dp, param_policy={"0.weight": OWNER,
+                                                       "1.weight": ParamPolicy(update="owner", mesh=edp)})
+    params = list(model.parameters())
+    opt = torch.optim.Muon(params, lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in params]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    diffs = []
+    for step in range(2):
+        model(torch.randn(2, 6, generator=torch.Generator().manual_seed(rank + 10 * step))).pow(2).sum().backward()
+        for r, p in zip(ref, params):
+            r.grad = p.grad.full_tensor()
+        with CommCounter() as comm:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)))
+    return diffs + [comm.count("all_to_all"), sorted({r.group_size for r in comm.records})]
+
+
+def test_an_expert_on_its_own_mesh_is_stepped_by_an_owner_of_that_mesh():
+    for r in run_distributed(_expert_mesh, 4):
+        assert r == [0.0, 0.0, 4, [2, 4]]  # one bucket per mesh, two all-to-alls each
