@@ -33,7 +33,7 @@ def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
 
 
 def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: dict | None = None,
-             add_later: bool = False) -> list[float]:
+             add_later: bool = False, policy: ParamPolicy = OWNER) -> list[float]:
     """Each step: the sharded Muon against ``torch.optim.Muon`` on one device fed the gathered gradient
     (its own state carried along); returns the largest difference per step (0.0: bitwise), then the
     all-to-alls of the last step. ``bucket_bytes``: ``owner_step.BUCKET_BYTES`` for this run.
@@ -42,7 +42,7 @@ def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: 
     if bucket_bytes is not None:
         owner_step.BUCKET_BYTES = bucket_bytes
     muon = muon or {}
-    model = _matrices(rank, world_size)
+    model = _matrices(rank, world_size, policy)
     first = 1 if add_later else 0
     opt = torch.optim.Muon(list(model.parameters())[first:], lr=0.02, **muon)
     ref = [p.detach().full_tensor().clone() for p in model.parameters()]
@@ -76,6 +76,11 @@ def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_s
     # a parameter group added after a step: the owners holding momentum keep it, the new matrix fills in
     for diffs in run_distributed(_bitwise, world_size, None, None, True):
         assert diffs == [0.0, 0.0, 0.0, 2]
+    # gradients reduce-scattered in bf16 or int8 blocks (qgZ), at stage 2: the step from them is still torch's
+    for grad_quant in ("bf16", "int8"):
+        policy = ParamPolicy(update="owner", grad_quant=grad_quant, zero_stage=2)
+        for diffs in run_distributed(_bitwise, world_size, None, None, False, policy):
+            assert diffs == [0.0, 0.0, 0.0, 2]
 
 
 def _hidden_owner(name: str, param) -> ParamPolicy | None:
