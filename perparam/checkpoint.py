@@ -60,7 +60,7 @@ from .full_state import (  # all but per_rank_keys re-exported (__all__)
     per_rank_keys,
 )
 from .offload import tier as offload_tier
-from .runtime import adopt, zero
+from .runtime import adopt, owner_state, zero
 
 PendingSave = background.PendingSave  # re-exported (__all__)
 
@@ -255,12 +255,14 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
     if optimizer is not None:
         offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
         groups, opt_state = [], {}
-        for group, named in zip(optimizer.param_groups, _optimizer_params(model, optimizer)):
+        named_groups = _optimizer_params(model, optimizer)
+        owned = owner_state.sharded_state(optimizer)  # update="owner": whole on the owner -> sharded like p
+        for group, named in zip(optimizer.param_groups, named_groups):
             options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
             groups.append({"params": [n for n, _ in named], "options": _json(options, "optimizer options")})
             for name, p in named:
                 entries = {}
-                for key, value in optimizer.state.get(p, {}).items():
+                for key, value in owned.get(id(p), optimizer.state.get(p, {})).items():
                     if isinstance(value, torch.Tensor):
                         state[f"optim.{name}.{key}"] = value
                         entries[key] = _info(value)
@@ -483,6 +485,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             _local(v).copy_(_local(targets[f"model.{k}"]))
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
     if optimizer is not None:
+        owner_state.own_state(optimizer, restore)  # update="owner": onto the owners of the current plan
         for p, state in restore:
             if state:
                 optimizer.state[p] = state

@@ -6,7 +6,9 @@ moved with the layout's prediction.
 
 Byte convention (per rank): an all-gather records the bytes of the gathered output
 (``K * input_bytes``), a reduce-scatter the bytes of its input (``K * output_bytes``), an all-reduce the
-bytes of the tensor. A ring implementation sends ``(K - 1) / K`` of that figure from each rank.
+bytes of the tensor. A ring implementation sends ``(K - 1) / K`` of that figure from each rank. An
+all-to-all (``exchange_uneven``: the owner path of whole-matrix optimizers) records the bytes this rank
+sends to *other* ranks, so the records summed over the ranks are the bytes on the wire.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all"
     nbytes: int  # see the module docstring for the convention
     group_size: int
     group_name: str
@@ -489,3 +491,33 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     if group.size() == 1:
         return None
     return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    group: dist.ProcessGroup, logical_bytes: int, what: str = "", async_op: bool = True):
+    """One all-to-all of uneven pieces over ``group`` (``perparam.runtime.owner_step``): elements
+    ``send_splits[r]`` of ``send`` (1-D, in rank order) go to rank r, ``recv_splits[r]`` elements arrive
+    from rank r. Returns ``(work, recv)``: ``recv`` a new 1-D tensor of ``sum(recv_splits)`` elements of
+    ``send``'s dtype, valid once ``work`` (``None`` for K = 1) is waited on. Recorded as an
+    ``"all_to_all"`` of the bytes sent to the other ranks; ``logical_bytes`` (the same on every rank: the
+    bucket's whole bytes) is what the debug mode compares, since the pieces differ per rank."""
+    k, me = group.size(), group.rank()
+    if debug.debug_enabled():
+        debug.check("all_to_all", send[:0], logical_bytes, group, what)
+    item = send.element_size()
+    _record("all_to_all", (sum(send_splits) - send_splits[me]) * item, group, send.dtype)
+    if k == 1:
+        return None, send
+    recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
+    return (work if async_op else None), recv
+
+
+def all_gather_objects(obj, group: dist.ProcessGroup) -> list:
+    """Every rank's picklable ``obj`` over ``group``, in rank order (``dist.all_gather_object``): for small
+    metadata outside the training step (a checkpoint's owner-state descriptions). Not recorded."""
+    if group.size() == 1:
+        return [obj]
+    out: list = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -35,6 +35,7 @@ from perparam.memory.presets import PRESETS
 from perparam.memory.tp_plan import tp_local_shape, tp_placements
 from perparam.sharding.grad_quant import wire_bytes
 from perparam.sharding.layout import ShardLayout
+from perparam.sharding.owners import NS_STEPS, OwnerPlan, plan_shapes
 from perparam.sharding.placement import placement_str as one_placement_str
 from perparam.sharding.resolution import ParamResolution, aliases_of, buffer_dtypes, resolve_params
 
@@ -138,6 +139,18 @@ class ModelPlan:
     #: ranks of the tensor-parallel axis; ``per_rank[r]`` is then what each of the T ranks of dp shard
     #: rank ``r`` holds (tp splits evenly, so they hold the same)
     tp: int = 1
+
+    # -- owners ----------------------------------------------------------------------------------------
+    @property
+    def owner_params(self) -> tuple[ParamPlan, ...]:
+        """The parameters under ``ParamPolicy(update="owner")`` (one rank steps each whole)."""
+        return tuple(p for p in self.params if p.resolution.policy.update == "owner")
+
+    def owners(self, ns_steps: int = NS_STEPS) -> OwnerPlan:
+        """Their owner ranks and per-rank Newton-Schulz cost: ``perparam.sharding.owners.plan_shapes`` in
+        ``named_parameters`` order, the plan the runtime computes for an optimizer holding them in that
+        order on a 1D mesh of ``world_size`` ranks."""
+        return plan_shapes([p.layout.global_shape for p in self.owner_params], self.world_size, ns_steps)
 
     # -- counts ----------------------------------------------------------------------------------------
     @property
@@ -412,6 +425,11 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
     out["imbalance"] = {"max_rank": plan.max_rank.rank, "max_rank_bytes": as_json_number(plan.max_rank.total),
                         "mean_bytes": as_json_number(_whole(mean)),
                         "max_over_mean": float(plan.max_rank.total / mean - 1) if mean else 0.0}
+    owned = plan.owner_params
+    if owned:
+        owners = plan.owners()
+        out["owners"] = {"params": {p.name: r for p, r in zip(owned, owners.owners)},
+                         "ns_cost_per_rank": list(owners.loads), "max_over_mean": owners.balance}
     if params_table:
         out["params"] = [
             {

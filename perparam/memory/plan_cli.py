@@ -103,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"imbalance: the largest rank (rank {plan.max_rank.rank}) holds {plan.max_rank.total / GB:.6f} GB, "
                   f"{float(plan.max_rank.total / mean - 1) * 100 if mean else 0:.2f}% above the mean "
                   f"{float(mean) / GB:.6f} GB")
+    if plan.owner_params:
+        owners = plan.owners()
+        console.print(f"owners: {len(plan.owner_params)} update='owner' parameters; the busiest rank's Newton-Schulz "
+                      f"work is {owners.balance:.3f}x the mean (per rank: {list(owners.loads)} multiply-adds)")
     if args.budget is not None:
         return budget_cli.run(args, plan, console)
     return 0

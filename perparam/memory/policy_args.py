@@ -51,6 +51,8 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
             fields[f"{key}_dtype"] = DTYPES[value]
         elif token == "frozen":
             fields["requires_grad"] = False
+        elif token == "owner":
+            fields["update"] = "owner"  # one rank steps the whole tensor (Muon, Adafactor)
         elif token in QUANTIZERS:
             quantizer = token
         elif token == "stored":
@@ -65,7 +67,7 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
             fields["zero_stage"] = int(token[5:])  # 1, 2, 3: checked where fully_shard checks it
         else:
             raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, reduce=DTYPE, "
-                             "master=DTYPE, frozen, int8/fp8/nf4, stored, replicate, shardD, auto, stageN, grad=int8/bf16")
+                             "master=DTYPE, frozen, owner, int8/fp8/nf4, stored, replicate, shardD, auto, stageN, grad=int8/bf16")
     if stored and quantizer is None:
         raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token (int8, fp8 or nf4)")
     if quantizer is not None:

@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..sharding.errors import ShardingError
 from ..sharding.placement import placement_str
-from . import local_step
+from . import local_step, owner_step
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -156,10 +156,13 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     mine = weakref.WeakSet(sp for sp in list(_OWNERS) if id(sp.sharded) in held)
     if isinstance(optimizer, FLATTENING_OPTIMIZERS):
         _check_flattenable(optimizer, mine)
+    owner_step.check(optimizer, mine)  # a whole-matrix optimizer on shards: refused, never silently wrong
+    owner_step.plan(optimizer, mine)  # the owners of its update="owner" parameters
     _held[optimizer] = mine
     if optimizer not in _counted and mine:
         _counted.add(optimizer)
-        # one hook pair: the post-hook counts the step; SGD/Adam/AdamW also step on the local shards
+        # one hook pair: the post-hook counts the step; update="owner" parameters are routed to their
+        # owners (``owner_step``); SGD/Adam/AdamW also step on the local shards
         local_step.install(optimizer, lambda opt: _held.get(opt, ()), _count_step)
     _checked[optimizer] = key
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..sharding.policy import OffloadPolicy
-from . import config
+from . import config, owner_step
 
 #: the optimizers whose update is elementwise (plus scalars): exact on local shards
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -43,19 +43,29 @@ _NO_OFFLOAD = OffloadPolicy()
 
 
 def install(optimizer: torch.optim.Optimizer, owners_of, count) -> None:
-    """Register perparam's step hooks on ``optimizer``, once: a post-hook that calls ``count(optimizer)``
-    after each step and, when ``optimizer`` is one of ``ELEMENTWISE``, a pre-hook that swaps the local
-    shards in and the post-hook swaps them back first (one hook pair for both jobs). ``owners_of``: a
-    callable giving, for an optimizer, the ``ShardedParam``s whose sharded parameters it holds."""
+    """Register perparam's step hooks on ``optimizer``, once: a pre-hook that routes its
+    ``update="owner"`` parameters to their owners (``owner_step.step_in``) and, when ``optimizer`` is one
+    of ``ELEMENTWISE``, swaps the local shards in; a post-hook that undoes both (the local swap first, then
+    the owners send the updated rows back) and calls ``count(optimizer)``. ``owners_of``: a callable
+    giving, for an optimizer, the ``ShardedParam``s whose sharded parameters it holds."""
     if hasattr(optimizer, _ATTR):
         return
     setattr(optimizer, _ATTR, None)
-    if type(optimizer) not in ELEMENTWISE:
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: count(opt))
-        return
-    pre = optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: _swap_in(opt, owners_of(opt), _has_closure(args, kwargs), pre.id))
-    post = optimizer.register_step_post_hook(lambda opt, args, kwargs: (_swap_out(opt, pre.id), count(opt)))
+    elementwise = type(optimizer) in ELEMENTWISE
+
+    def pre_hook(opt, args, kwargs) -> None:
+        closure = _has_closure(args, kwargs)
+        owner_step.step_in(opt, closure)
+        if elementwise:
+            _swap_in(opt, owners_of(opt), closure, pre.id)
+
+    def post_hook(opt, args, kwargs) -> None:
+        _swap_out(opt, pre.id)
+        owner_step.step_out(opt)
+        count(opt)
+
+    pre = optimizer.register_step_pre_hook(pre_hook)
+    post = optimizer.register_step_post_hook(post_hook)
     # the swap must be invisible to the user's hooks (zero_grad() or an EMA in a post-hook, clipping in a
     # pre-hook): the swap-out is the first post-hook, the swap-in the last pre-hook (see ``_swap_in``)
     optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)

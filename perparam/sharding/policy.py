@@ -174,7 +174,17 @@ class ParamPolicy:
     #: in ``reduce_dtype`` on the receiving rank (``perparam.runtime.grad_quant``; ``docs/grad-quant.md``).
     #: ``None``: the reduce dtype on the wire. Refused for frozen, replicated and stage-1 parameters.
     grad_quant: str | torch.dtype | QuantPolicy | BlockQuantizer | None = None
+    #: who steps the parameter: ``"shard"`` (``None``, the default: every rank's optimizer steps its own
+    #: shard, right for elementwise optimizers: SGD, Adam, AdamW, ...) or ``"owner"`` (one rank of its shard
+    #: axis, planned by ``perparam.sharding.owners``, steps the whole tensor with the stock optimizer and sends
+    #: the updated rows back: what whole-matrix optimizers need, ``torch.optim.Muon``, ``torch.optim.Adafactor``;
+    #: ``docs/whole-matrix-optimizers.md``). ``"owner"`` is refused for a frozen, 0-dim, explicitly replicated
+    #: or offloaded parameter.
+    update: str | None = None
 
+
+#: the values a ``ParamPolicy.update`` may name
+UPDATES = ("shard", "owner")
 
 #: the ZeRO stages a ``ParamPolicy.zero_stage`` may name
 ZERO_STAGES = (1, 2, 3)
@@ -204,6 +214,9 @@ class ResolvedPolicy:
     mesh: DeviceMesh | None = None
     #: its gradient's reduce-scatter wire format (``ParamPolicy.grad_quant``); ``None``: ``reduce_dtype``
     grad_quant: GradQuant | None = None
+    #: ``"owner"``: one rank steps the whole parameter (``ParamPolicy.update``); ``"shard"`` otherwise,
+    #: including a parameter ``placement="auto"`` replicated (whole on every rank: nothing to route)
+    update: str = "shard"
 
     @cached_property  # a pure function of the fields, read per parameter per reduction
     def keeps_unsharded(self) -> bool:
@@ -426,5 +439,36 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
     if pp.mesh is not None and not isinstance(pp.mesh, DeviceMesh):
         raise PolicyError(f"ParamPolicy.mesh of '{name}' must be a torch.distributed.device_mesh.DeviceMesh "
                           f"(1D, or 2D (replicate, shard)) or None for the call's mesh, got {type(pp.mesh).__name__}")
+    update = _check_update(name, pp, ndim, requires_grad, gathered, tier)
     return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage,
-                          tier, pp.mesh, grad_quant)
+                          tier, pp.mesh, grad_quant, update)
+
+
+def _check_update(name: str, pp: ParamPolicy, ndim: int, requires_grad: bool, gathered: bool,
+                  tier: OffloadPolicy) -> str:
+    """``pp.update`` made concrete (``"shard"`` or ``"owner"``); ``PolicyError`` naming ``name`` for a
+    value or a combination the owner path cannot run."""
+    update = "shard" if pp.update is None else pp.update
+    if update not in UPDATES:
+        raise PolicyError(f"parameter '{name}' has update={pp.update!r}; use 'shard' (each rank steps its shard, "
+                          "the default) or 'owner' (one rank steps the whole tensor: Muon, Adafactor)")
+    if update == "shard":
+        return update
+    if ndim == 0:
+        raise PolicyError(f"parameter '{name}' is 0-dim, so it is replicated and whole on every rank: drop "
+                          "update='owner' for it")
+    if not requires_grad:
+        raise PolicyError(f"parameter '{name}' is frozen, so no optimizer steps it: drop update='owner' for it "
+                          "(e.g. narrow the pattern to the trainable matrices)")
+    if not gathered:
+        if isinstance(pp.placement, Placement):
+            raise PolicyError(f"parameter '{name}' has placement Replicate() and update='owner': a replicated "
+                              "parameter is whole on every rank, so every rank steps it exactly; drop "
+                              "update='owner' for it, or shard it (Shard(d) or 'auto')")
+        return "shard"  # "auto" replicated a tiny parameter: whole everywhere, nothing to route
+    if tier.offloaded:
+        raise PolicyError(f"parameter '{name}' has update='owner' and offload tier {tier.tier!r}: the owner keeps "
+                          "the whole parameter's optimizer state, which the offload tiers (per-shard files and "
+                          "host copies) do not move; drop offload for it (ParamPolicy(offload='device')) or "
+                          "drop update='owner'")
+    return update

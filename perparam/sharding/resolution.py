@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
 from .layout import ShardLayout, WirePiece, ceil_div, wire_pieces
-from .placement import AUTO_REPLICATE_BYTES, auto_placement
+from .placement import AUTO_REPLICATE_BYTES, auto_placement, rule
 from .policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -76,7 +76,9 @@ def _auto(name: str, pp: ParamPolicy, p: torch.Tensor, num_shards: int, replicat
         dp_shape(p), p.dtype.itemsize, num_shards, replicate_below=replicate_below,
         dims=[0] if store_quantized else None, allow_replicate=q is None and pp.grad_quant is None,
     )
-    return dataclasses.replace(pp, placement=placement)
+    # a tiny parameter "auto" replicates is whole on every rank: nothing for an owner to do
+    update = pp.update if rule(placement).gathered else None
+    return dataclasses.replace(pp, placement=placement, update=update)
 
 
 def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_policy, num_shards: int, *,

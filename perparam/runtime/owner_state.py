@@ -1,0 +1,126 @@
+"""Checkpoints of the optimizer state of ``ParamPolicy(update="owner")`` parameters.
+
+Between steps that state is whole and lives on the parameter's owner only (``owner_step``). A checkpoint
+stores it in the form every other parameter's state has, so that it loads on any world size and under
+any owner plan: a tensor of the parameter's shape (Muon's momentum) as a DTensor sharded like the
+parameter, any other tensor (Adafactor's step count and row/column factors) as a plain tensor that every
+rank holds, any other value as it is. ``sharded_state`` makes that form from the owners' state (the owner
+sends each rank its rows, or the whole tensor); ``own_state`` turns a loaded one back (each rank sends its
+rows to the parameter's owner under the current plan, the others drop the state). Both are collectives over
+each bucket's shard axis, issued in the plan's order on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..comm.collectives import all_gather_objects, exchange_uneven
+from . import owner_step
+
+
+def _rows_from_owner(pg, e, whole: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """This rank's rows of the owner's ``whole`` (``None`` on the other ranks), a new tensor."""
+    k, me, lay = pg.size(), pg.rank(), e.sp.layout
+    send_splits = [lay.local_numel(r) if e.owner == me else 0 for r in range(k)]
+    pieces = [lay.local_piece(whole, r).reshape(-1) for r in range(k)] if e.owner == me else []
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    recv_splits = [lay.local_numel(me) if r == e.owner else 0 for r in range(k)]
+    work, recv = exchange_uneven(send, send_splits, recv_splits, pg, e.sp.sharded.numel() * dtype.itemsize,
+                                 f"owner state rows of {e.sp.fqn}", async_op=False)
+    return recv.view(lay.local_shape(me)).clone()
+
+
+def _whole_from_owner(pg, e, whole: torch.Tensor | None, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """The owner's ``whole`` on every rank."""
+    k, me, n = pg.size(), pg.rank(), int(torch.Size(shape).numel())
+    send = whole.reshape(-1).repeat(k) if e.owner == me else torch.empty(0, dtype=dtype, device=device)
+    send_splits = [n if e.owner == me else 0 for _ in range(k)]
+    recv_splits = [n if r == e.owner else 0 for r in range(k)]
+    work, recv = exchange_uneven(send, send_splits, recv_splits, pg, n * dtype.itemsize,
+                                 f"owner state of {e.sp.fqn}", async_op=False)
+    return recv.view(shape).clone()
+
+
+def _rows_to_owner(pg, e, local: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor from every rank's rows ``local``, on the owner (``None`` elsewhere)."""
+    k, me, lay = pg.size(), pg.rank(), e.sp.layout
+    send_splits = [local.numel() if r == e.owner else 0 for r in range(k)]
+    recv_splits = [lay.local_numel(r) if e.owner == me else 0 for r in range(k)]
+    work, recv = exchange_uneven(local.reshape(-1), send_splits, recv_splits, pg,
+                                 e.sp.sharded.numel() * local.element_size(), f"owner state rows of {e.sp.fqn}",
+                                 async_op=False)
+    if e.owner != me:
+        return None
+    whole = torch.empty(e.sp.sharded.shape, dtype=local.dtype, device=local.device)
+    offset = 0
+    for r in range(k):
+        n = lay.local_numel(r)
+        lay.local_piece(whole, r).copy_(recv[offset:offset + n].view(lay.local_shape(r)))
+        offset += n
+    return whole
+
+
+def sharded_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """id(sharded parameter) -> its state in checkpoint form, for ``optimizer``'s owner parameters, the
+    same keys on every rank (a collective; empty when it routes none)."""
+    route = owner_step.routing(optimizer)
+    out: dict[int, dict] = {}
+    if route is None:
+        return out
+    for bucket in route.buckets:
+        pg = bucket.group
+        me = pg.rank()
+        mine = {}
+        for i, e in enumerate(bucket.entries):
+            if e.owner == me:
+                shape = tuple(e.sp.sharded.shape)
+                mine[i] = {k: (("rows" if tuple(v.shape) == shape else "whole"), tuple(v.shape), v.dtype)
+                           if isinstance(v, torch.Tensor) else ("value", v)
+                           for k, v in optimizer.state.get(e.sp.sharded, {}).items()}
+        described: dict = {}
+        for theirs in all_gather_objects(mine, pg):
+            described.update(theirs)
+        for i, e in enumerate(bucket.entries):
+            p = e.sp.sharded
+            held = optimizer.state.get(p, {}) if e.owner == me else {}
+            state = {}
+            for key in sorted(described.get(i, {})):
+                kind, *rest = described[i][key]
+                if kind == "value":
+                    state[key] = rest[0]
+                    continue
+                shape, dtype = rest
+                device = p._local_tensor.device
+                if kind == "rows":
+                    local = _rows_from_owner(pg, e, held.get(key), dtype, device)
+                    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), dtype))
+                    state[key] = DTensor(local, spec, requires_grad=False)
+                else:
+                    state[key] = _whole_from_owner(pg, e, held.get(key), shape, dtype, device)
+            out[id(p)] = state
+    return out
+
+
+def own_state(optimizer: torch.optim.Optimizer, restore: list[tuple[torch.Tensor, dict]]) -> None:
+    """Turn the loaded checkpoint-form states of ``restore`` (``(sharded parameter, state)`` pairs, the same
+    keys on every rank) of ``optimizer``'s owner parameters into owner form, in place: whole on the
+    owner under the current plan, empty elsewhere (a collective)."""
+    route = owner_step.routing(optimizer)
+    if route is None:
+        return
+    states = {id(p): state for p, state in restore}
+    for bucket in route.buckets:
+        pg = bucket.group
+        for e in bucket.entries:
+            state = states.get(id(e.sp.sharded))
+            if state is None:
+                continue
+            mine = e.owner == pg.rank()
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, DTensor):
+                    state[key] = _rows_to_owner(pg, e, value._local_tensor)
+            if not mine:
+                state.clear()

@@ -1,0 +1,339 @@
+"""The owner path of whole-matrix optimizers (``ParamPolicy(update="owner")``): one rank steps each whole
+parameter with the stock optimizer; the others skip it.
+
+Gradients are reduce-scattered after backward as for every parameter. Then, inside the optimizer's step
+(perparam's step pre-hook and post-hook on that optimizer, ``local_step.install``), for the parameters it
+holds under the owner policy:
+
+1. the owners come from ``perparam.sharding.owners.owner_plan`` over the optimizer's owner parameters of
+   each shard axis, in the optimizer's parameter order (the same on every rank), planned when
+   ``perparam.runtime.adopt`` first checks the optimizer (again when its parameters change: parameters
+   planned before keep their owners, which hold their state, and new ones fill in by LPT);
+2. per bucket (the parameters of one shard-axis process group and dtype, consecutive in that order, at
+   most ``BUCKET_BYTES`` of whole gradient plus parameter), one all-to-all brings each rank's rows of the
+   reduced gradient and of the parameter to the owner (``exchange_uneven``), which assembles the whole
+   tensors (``layout.local_piece`` of each source rank);
+3. the owner runs the optimizer's own step function (the class's ``step`` without torch's hook wrapper) on
+   that bucket's whole tensors alone (each group narrowed to them, their state re-keyed to them), while
+   the next bucket's all-to-all is in flight; the other ranks skip the bucket. The owner's update is bit
+   for bit the step the optimizer takes on one device from the same gradient and state;
+4. one all-to-all per bucket sends each rank its rows of the updated parameters, copied into its shard in
+   place, and the bucket's whole tensors are dropped (at most two buckets' alive). The step proper then
+   runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
+   an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
+   matrices' momentum per rank); the step is counted on the parameters as any step
+   (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
+
+Bytes on the wire per ``m x n`` matrix: ``2 (K-1)/K m n`` elements in (gradient and parameter rows) and
+``(K-1)/K m n`` out, ``3 (K-1)/K m n`` in all. Every rank issues the same all-to-alls, in the same order,
+whatever it owns (a rank with empty shards sends empty pieces); a parameter without a gradient (no rank used
+it: ``None`` on every rank alike) is left out of the exchange on every rank.
+
+Left for later: a stage-1 parameter's gradient, whole on every rank already, still travels; a bucket's
+scatter is not overlapped with the next bucket's step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..comm.collectives import exchange_uneven
+from ..sharding.errors import ShardingError
+from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
+from . import registration
+
+#: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
+BUCKET_BYTES = 64 * 2**20
+
+_ATTR = "_perparam_owner_step"  # on the optimizer: the routed step in progress, or None
+_BUSY = "_perparam_owner_stepping"  # on the optimizer: True while its own step runs on whole tensors
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Routing
+
+
+class OwnerStepError(ShardingError, RuntimeError):
+    """A step the owner path cannot route (a ``step(closure)``, a gradient of another dtype or placement)."""
+
+
+class WholeMatrixShardError(ShardingError, RuntimeError):
+    """A whole-matrix optimizer (``is_whole_matrix``) holds a parameter sharded over more than one rank
+    without ``ParamPolicy(update="owner")``: its step would be computed on row shards, silently wrong."""
+
+
+#: the optimizers of ``torch.optim`` (2.13) whose update of a tensor reads the whole tensor, not each
+#: element alone: Muon (Newton-Schulz on the matrix) and Adafactor (row and column means, the parameter's
+#: and the update's norms). The others (SGD, Adam, AdamW, Adadelta, Adagrad, Adamax, ASGD, NAdam, RAdam,
+#: RMSprop, Rprop, SparseAdam) are elementwise; LBFGS flattens every tensor (``adopt.FLATTENING_OPTIMIZERS``)
+WHOLE_MATRIX_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name))
+
+#: the class attribute a user's optimizer sets to declare its kind: ``True`` (its step reads whole
+#: tensors: refused on sharded parameters unless they have ``update="owner"``), ``False`` (elementwise)
+DECLARATION = "perparam_whole_matrix"
+
+
+def is_whole_matrix(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step needs whole tensors: its class's ``perparam_whole_matrix`` when set,
+    else whether it is one of ``WHOLE_MATRIX_OPTIMIZERS`` (or a subclass)."""
+    declared = getattr(type(optimizer), DECLARATION, None)
+    if declared is not None:
+        return bool(declared)
+    return isinstance(optimizer, WHOLE_MATRIX_OPTIMIZERS)
+
+
+def check(optimizer: torch.optim.Optimizer, held) -> None:
+    """Raise ``WholeMatrixShardError`` for the first parameter (in ``optimizer``'s order) of ``held``
+    (``ShardedParam``s) a whole-matrix ``optimizer`` would step on a shard: sharded over more than one rank,
+    not under the owner policy. Decided from policies and mesh sizes, the same on every rank."""
+    if not is_whole_matrix(optimizer):
+        return
+    by_id = {id(sp.sharded): sp for sp in held}
+    for sp in (by_id[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in by_id):
+        if sp.policy.update == "owner" or not sp.layout.gathered or sp.layout.num_shards == 1:
+            continue
+        name = type(optimizer).__name__
+        raise WholeMatrixShardError(
+            f"{name} computes each parameter's update from the whole tensor, and parameter '{sp.fqn}' of "
+            f"{registration.class_name(sp.slots[0][0])} (shape {tuple(sp.global_shape)}) is sharded over "
+            f"{sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. Give it an owner "
+            f"rank that steps it whole: fully_shard(..., param_policy="
+            f"{{'{sp.fqn}': ParamPolicy(update='owner')}}) (or a pattern such as '*.weight'), or step it with an "
+            "elementwise optimizer (AdamW). A custom optimizer declares itself elementwise with the class "
+            f"attribute {DECLARATION} = False")
+
+
+@dataclass(frozen=True)
+class Entry:
+    sp: object  # the ShardedParam
+    owner: int  # its owner's rank on the shard axis
+
+
+@dataclass(frozen=True)
+class Bucket:
+    group: object  # the shard axis' ProcessGroup
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class Routing:
+    buckets: tuple[Bucket, ...]
+    by_id: dict  # id(sharded parameter) -> Entry
+    loads: dict  # process group name -> per-rank Newton-Schulz cost (``OwnerPlan.loads``)
+
+
+def shard_group(sp):
+    return sp.dp_mesh.get_group(sp.dp_mesh.ndim - 1)
+
+
+def plan(optimizer: torch.optim.Optimizer, held) -> None:
+    """Plan the owners and buckets of ``optimizer``'s owner parameters (``held``: the ``ShardedParam``s
+    whose sharded parameters it holds); nothing is routed when it holds none."""
+    owned = {id(sp.sharded): sp for sp in held if sp.policy.update == "owner"}
+    if not owned:
+        _plans.pop(optimizer, None)
+        return
+    order, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            sp = owned.get(id(p))
+            if sp is not None and id(p) not in seen:
+                seen.add(id(p))
+                order.append((sp, group.get("ns_steps", NS_STEPS)))
+    per_pg: dict = {}
+    for sp, ns_steps in order:
+        pg = shard_group(sp)
+        per_pg.setdefault(id(pg), (pg, []))[1].append((sp, ns_steps))
+    buckets, by_id, loads = [], {}, {}
+    before = _plans.get(optimizer)
+    kept = before.by_id if before is not None else {}  # owners already holding state stay where they are
+    for pg, items in per_pg.values():
+        fixed = {i: kept[id(sp.sharded)].owner for i, (sp, _) in enumerate(items)
+                 if id(sp.sharded) in kept and shard_group(kept[id(sp.sharded)].sp) is pg}
+        result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed)
+        loads[pg.group_name] = result.loads
+        entries = [Entry(sp, owner) for (sp, _), owner in zip(items, result.owners)]
+        by_id.update((id(e.sp.sharded), e) for e in entries)
+        open_: dict = {}  # dtype -> (entries, bytes) of the bucket being filled
+        for e in entries:
+            dtype = e.sp.sharded.dtype
+            nbytes = 2 * e.sp.sharded.numel() * dtype.itemsize
+            current, size = open_.get(dtype, ([], 0))
+            if current and size + nbytes > BUCKET_BYTES:
+                buckets.append(Bucket(pg, tuple(current)))
+                current, size = [], 0
+            open_[dtype] = (current + [e], size + nbytes)
+        buckets.extend(Bucket(pg, tuple(current)) for current, _ in open_.values())
+    _plans[optimizer] = Routing(tuple(buckets), by_id, loads)
+
+
+def routing(optimizer: torch.optim.Optimizer) -> Routing | None:
+    """``optimizer``'s plan (``None``: it holds no owner parameter)."""
+    return _plans.get(optimizer)
+
+
+def _local_grad(sp) -> torch.Tensor:
+    p = sp.sharded
+    grad = p.grad
+    if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.dtype != p.dtype:
+        raise OwnerStepError(f"parameter '{sp.fqn}' has update='owner' but its .grad is not a DTensor of its "
+                             f"placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad to perparam's "
+                             "reduction, or assign a DTensor like the parameter")
+    return grad._local_tensor
+
+
+def _gather(bucket: Bucket, entries: list[Entry]):
+    """Post the all-to-all bringing gradient and parameter rows to the owners: ``(work, recv)``."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    for dest in range(k):
+        for e in entries:
+            if e.owner != dest:
+                continue
+            pieces += [_local_grad(e.sp).reshape(-1), e.sp.sharded._local_tensor.reshape(-1)]
+            send_splits[dest] += 2 * e.sp.layout.local_numel(me)
+    for e in entries:
+        if e.owner == me:
+            for src in range(k):
+                recv_splits[src] += 2 * e.sp.layout.local_numel(src)
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    logical = sum(2 * e.sp.sharded.numel() for e in entries) * dtype.itemsize
+    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params")
+
+
+def _assemble(bucket: Bucket, entries: list[Entry], recv: torch.Tensor) -> dict:
+    """id(sharded parameter) -> (sharded parameter, whole parameter with its whole ``.grad``) for the
+    parameters of ``entries`` this rank owns."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    mine = [e for e in entries if e.owner == me]
+    out = {}
+    for e in mine:
+        p = e.sp.sharded
+        whole = torch.empty(p.shape, dtype=p.dtype, device=recv.device)
+        whole.grad = torch.empty_like(whole)
+        out[id(p)] = (p, whole)
+    offset = 0
+    for src in range(k):
+        for e in mine:
+            lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
+            n, shape = lay.local_numel(src), lay.local_shape(src)
+            for target in (whole.grad, whole):
+                lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
+                offset += n
+    return out
+
+
+def _scatter(bucket: Bucket, entries: list[Entry], wholes: dict):
+    """Post the all-to-all sending each rank its rows of the updated whole parameters: ``(work, recv)``."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    for dest in range(k):
+        for e in entries:
+            if e.owner == me:
+                pieces.append(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest).reshape(-1))
+                send_splits[dest] += e.sp.layout.local_numel(dest)
+    for e in entries:
+        recv_splits[e.owner] += e.sp.layout.local_numel(me)
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    logical = sum(e.sp.sharded.numel() for e in entries) * dtype.itemsize
+    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner scatter of {len(entries)} params")
+
+
+def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
+    """Before the stock step: per bucket, gather the owners' whole tensors (the next bucket's gather posted
+    before this one's step), run the optimizer's own step function on them alone on their owners, send the
+    rows back; then leave the routed parameters out of ``param_groups`` for the step itself."""
+    if getattr(optimizer, _BUSY, False):  # a subclass's step calling its parent's (hooked) step
+        return
+    if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
+        _restore(optimizer)
+    route = _plans.get(optimizer)
+    if route is None:
+        return
+    live = [(b, [e for e in b.entries if e.sp.sharded.grad is not None]) for b in route.buckets]
+    live = [(b, es) for b, es in live if es]
+    if not live:
+        return
+    if closure:
+        raise OwnerStepError(f"{type(optimizer).__name__}.step(closure) computes gradients inside the step, after "
+                             "perparam has brought the update='owner' parameters' gradients to their owners; call "
+                             "the closure (forward and backward) before step() and then step() without it")
+    stock = type(optimizer).step.__wrapped__  # the class's step without torch's hook wrapper
+    groups = [(group, group["params"]) for group in optimizer.param_groups]
+    routed = {id(e.sp.sharded) for _, es in live for e in es}
+    with torch.no_grad():
+        posted = _gather(*live[0])
+        for i, (bucket, entries) in enumerate(live):
+            work, recv = posted
+            if work is not None:
+                work.wait()
+            wholes = _assemble(bucket, entries, recv)
+            del recv
+            if i + 1 < len(live):
+                posted = _gather(*live[i + 1])
+            if wholes:
+                _step_whole(optimizer, groups, wholes, stock)
+            _send_back(bucket, entries, wholes)
+            del wholes
+    for group, params in groups:
+        group["params"] = [p for p in params if id(p) not in routed]
+    setattr(optimizer, _ATTR, groups)
+
+
+def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
+    """The optimizer's own step on the whole tensors of ``wholes`` alone (each group narrowed to its own
+    ones, their state re-keyed to them and back); ``param_groups`` as before afterwards."""
+    for group, params in groups:
+        group["params"] = [wholes[id(p)][1] for p in params if id(p) in wholes]
+    for p, whole in wholes.values():
+        state = optimizer.state.pop(p, None)
+        if state is not None:
+            optimizer.state[whole] = state
+    setattr(optimizer, _BUSY, True)
+    try:
+        stock(optimizer)
+    finally:
+        setattr(optimizer, _BUSY, False)
+        for group, params in groups:
+            group["params"] = params
+        for p, whole in wholes.values():
+            state = optimizer.state.pop(whole, None)
+            if state is not None:
+                optimizer.state[p] = state
+
+
+def _send_back(bucket: Bucket, entries: list[Entry], wholes: dict) -> None:
+    """Send each rank its rows of the updated whole parameters; copy them into the shards."""
+    work, recv = _scatter(bucket, entries, wholes)
+    if work is not None:
+        work.wait()
+    me, offset = bucket.group.rank(), 0
+    for owner in range(bucket.group.size()):
+        for e in entries:
+            if e.owner == owner:
+                local = e.sp.sharded._local_tensor
+                n = e.sp.layout.local_numel(me)
+                local.copy_(recv[offset:offset + n].view(local.shape))
+                offset += n
+
+
+def _restore(optimizer) -> None:
+    groups = getattr(optimizer, _ATTR, None)
+    setattr(optimizer, _ATTR, None)
+    for group, params in groups or ():
+        group["params"] = params
+
+
+def step_out(optimizer: torch.optim.Optimizer) -> None:
+    """After the stock step: the routed parameters back in ``param_groups``."""
+    if not getattr(optimizer, _BUSY, False):
+        _restore(optimizer)

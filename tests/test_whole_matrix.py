@@ -1,0 +1,459 @@
+"""Whole-matrix optimizers (``torch.optim.Muon``, ``torch.optim.Adafactor``) on sharded parameters: the
+owner path (``ParamPolicy(update="owner")``, ``perparam.runtime.owner_step``) steps each matrix whole on one
+rank, bit for bit the stock step; training matches one process; an unrouted whole-matrix optimizer is
+refused at its first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import perparam
+from perparam import CommCounter, ParamPolicy
+from perparam.runtime import owner_step
+from tests.distributed import one_process, run_distributed
+from tests.models import TinyNet, full_params, make_batches
+
+OWNER = ParamPolicy(update="owner")
+
+
+def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
+    """Linear(8, 6), Linear(6, 5), Linear(5, 3) without bias (3 ranks: rows 2/2/2, 2/2/1, 1/1/1; 4 ranks:
+    2/2/2/0, 2/2/1/0, 1/1/1/0): uneven and empty shards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False), nn.Linear(5, 3, bias=False))
+    if world_size:
+        for layer in model:
+            perparam.fully_shard(layer, param_policy=policy)
+        perparam.fully_shard(model, param_policy=policy)
+    return model
+
+
+def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: dict | None = None,
+             add_later: bool = False, policy: ParamPolicy = OWNER) -> list[float]:
+    """Each step: the sharded Muon against ``torch.optim.Muon`` on one device fed the gathered gradient
+    (its own state carried along); returns the largest difference per step (0.0: bitwise), then the
+    all-to-alls of the last step. ``bucket_bytes``: ``owner_step.BUCKET_BYTES`` for this run.
+    ``add_later``: the optimizers start with the 6x5 and 3x5 matrices and gain the largest, 8x6, by
+    ``add_param_group`` after the first step (a fresh plan would move the 6x5 matrix and its momentum)."""
+    if bucket_bytes is not None:
+        owner_step.BUCKET_BYTES = bucket_bytes
+    muon = muon or {}
+    model = _matrices(rank, world_size, policy)
+    first = 1 if add_later else 0
+    opt = torch.optim.Muon(list(model.parameters())[first:], lr=0.02, **muon)
+    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+    ref_opt = torch.optim.Muon(ref[first:], lr=0.02, **muon)
+    g = torch.Generator().manual_seed(1)
+    diffs = []
+    for step in range(3):
+        if add_later and step == 1:
+            opt.add_param_group({"params": [model[0].weight]})
+            ref_opt.add_param_group({"params": [ref[0]]})
+        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+        model(x).pow(2).sum().backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.full_tensor()
+        with CommCounter() as comm:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)))
+    return diffs + [comm.count("all_to_all")]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_size):
+    for diffs in run_distributed(_bitwise, world_size):
+        assert diffs == [0.0, 0.0, 0.0, 2]
+    # buckets bounded at 400 bytes of gradient + parameter: [6x8 (384 B)], [5x6, 3x5 (360 B)], each
+    # gathered while the one before is stepped: two all-to-alls per bucket, still bitwise
+    for diffs in run_distributed(_bitwise, world_size, 400, {"nesterov": False, "weight_decay": 0.05}):
+        assert diffs == [0.0, 0.0, 0.0, 4]
+    # a parameter group added after a step: the owners holding momentum keep it, the new matrix fills in
+    for diffs in run_distributed(_bitwise, world_size, None, None, True):
+        assert diffs == [0.0, 0.0, 0.0, 2]
+    # gradients reduce-scattered in bf16 or int8 blocks (qgZ), at stage 2: the step from them is still torch's
+    for grad_quant in ("bf16", "int8"):
+        policy = ParamPolicy(update="owner", grad_quant=grad_quant, zero_stage=2)
+        for diffs in run_distributed(_bitwise, world_size, None, None, False, policy):
+            assert diffs == [0.0, 0.0, 0.0, 2]
+
+
+def _hidden_owner(name: str, param) -> ParamPolicy | None:
+    """The owner policy for the blocks' hidden matrices (names relative to each block's fully_shard call)."""
+    return OWNER if name in ("fc1.weight", "fc2.weight") else None
+
+
+def _recipe(rank: int, world_size: int, policy=None, mesh_shape=None, muon: dict | None = None,
+            freeze_head: bool = False) -> tuple[nn.Module, list]:
+    """TinyNet sharded per block then at the root (``policy``: default ``_hidden_owner``; ``mesh_shape``:
+    an HSDP mesh), Muon (weight decay 0.1, ``muon``'s options) on the blocks' hidden matrices and AdamW
+    (weight decay 0.01) on the rest that is trainable."""
+    torch.manual_seed(0)
+    model = TinyNet(d=6)
+    if freeze_head:
+        model.head.requires_grad_(False)
+    policy = policy or _hidden_owner
+    if world_size:
+        mesh = None
+        if mesh_shape:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            perparam.fully_shard(block, mesh=mesh, param_policy=policy)
+        perparam.fully_shard(model, mesh=mesh, param_policy=policy)
+    named = dict(model.named_parameters())
+    hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
+    rest = [p for p in named.values() if all(p is not h for h in hidden) and p.requires_grad]
+    return model, [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, **(muon or {})),
+                   torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
+
+
+def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
+    """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
+    the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
+    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all)."""
+    if kind == "adafactor":
+        model, _ = _recipe(rank, world_size, OWNER, mesh_shape)
+        opts = [torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)]
+    else:
+        extra = {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"} if kind == "muon_match" else {}
+        model, opts = _recipe(rank, world_size, None, mesh_shape, extra)
+    k = world_size or 1
+    comm = None
+    for i, (idx, y) in enumerate(make_batches(10, 12)):
+        if world_size:
+            share = 12 // k
+            idx, y = idx[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        F.mse_loss(model(idx), y).backward()
+        with CommCounter() as counter:
+            for opt in opts:
+                opt.step()
+        if i == 1:
+            comm = counter
+        for opt in opts:
+            opt.zero_grad()
+    out = {"params": full_params(model)}
+    if world_size:
+        out["all_to_all"] = (comm.count("all_to_all"), comm.bytes("all_to_all"))
+        out["state"] = sum(len(opts[0].state.get(p, {})) for p in opts[0].param_groups[0]["params"])
+    return out
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+@pytest.mark.parametrize("kind", ["muon", "muon_match", "adafactor"])
+def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
+    want = one_process(_train, kind)["params"]
+    for world_size in (1, 2, 3, 4):
+        results = run_distributed(_train, world_size, kind)
+        for r in results:
+            assert _max_diff(r["params"], want) <= 1e-5, (kind, world_size, _max_diff(r["params"], want))
+        counts = {r["all_to_all"][0] for r in results}
+        assert len(counts) == 1  # the same collectives on every rank
+
+
+def test_muon_on_hsdp_2x2_trains_like_one_process():
+    want = one_process(_train, "muon")["params"]
+    for r in run_distributed(_train, 4, "muon", (2, 2)):
+        assert _max_diff(r["params"], want) <= 1e-5
+
+
+def test_the_owner_exchange_is_one_all_to_all_each_way_per_bucket_with_3_k_minus_1_over_k_m_n_bytes():
+    # Muon's 2 hidden matrices of 13 x 6 per block, 2 blocks: 4 x 78 fp32 elements in one bucket
+    for world_size in (2, 4):
+        results = run_distributed(_train, world_size, "muon")
+        counts = [r["all_to_all"][0] for r in results]
+        assert counts == [2] * world_size  # the gather and the scatter of the one bucket
+        wire = sum(r["all_to_all"][1] for r in results)
+        # exact: each non-owner sends its rows of gradient and parameter, each owner the others' rows back
+        assert wire == 3 * (4 * 78 * 4) - 3 * sum(_owner_rows_bytes(world_size))
+        assert sum(r["state"] for r in results) == 4  # each matrix's momentum on its owner only
+
+
+def _owner_rows_bytes(world_size: int) -> list[int]:
+    """Bytes of the rows each matrix's owner holds itself (they never travel), in the plan's order."""
+    from torch.distributed.tensor import Shard
+
+    from perparam.sharding.layout import ShardLayout
+    from perparam.sharding.owners import plan_shapes
+
+    shapes = [(13, 6), (6, 13), (13, 6), (6, 13)]
+    owners = plan_shapes(shapes, world_size).owners
+    return [ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o) for s, o in zip(shapes, owners)]
+
+
+def _refused(rank: int, world_size: int, name: str) -> str:
+    model = _matrices(rank, world_size, policy=None)
+    opt = {"Muon": lambda ps: torch.optim.Muon(ps, lr=0.02), "Adafactor": torch.optim.Adafactor,
+           "_Mine": lambda ps: _Mine(ps, lr=0.1), "AdamW": torch.optim.AdamW}[name](model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except owner_step.WholeMatrixShardError as e:
+        assert all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+        return str(e)
+    return "stepped"
+
+
+class _Mine(torch.optim.SGD):
+    perparam_whole_matrix = True
+
+
+def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_at_its_first_step():
+    for name in ("Muon", "Adafactor", "_Mine"):
+        for message in run_distributed(_refused, 2, name):
+            assert message.startswith(f"{name} computes each parameter's update from the whole tensor"), message
+            assert "parameter 'weight' of Linear (shape (6, 8))" in message and "ParamPolicy(update='owner')" in message
+    # elementwise optimizers, and any optimizer on one rank, are untouched
+    assert run_distributed(_refused, 2, "AdamW") == ["stepped"] * 2
+    assert run_distributed(_refused, 1, "Muon") == ["stepped"]
+
+
+def _compose(rank: int, world_size: int, case: str) -> dict:
+    """TinyNet with Muon on the blocks' hidden matrices (owner) and AdamW on the rest, 4 steps, composed
+    with ``case``: "accumulate" (2 micro-batches, the first without sync), "clip" (clip_grad_norm_ to 0.5
+    before the step), "stages" (fc1 at stage 1, fc2 at stage 2, the rest stage 3), "frozen" (the head
+    frozen), "dtensor_adamw" (``configure(local_optimizer_step=False)``), "adamw_owner" (an owner
+    parameter in AdamW). Returns the full parameters and the Newton-Schulz calls per step."""
+    import torch.optim._muon as muon_module
+
+    calls = []
+    original = muon_module._zeropower_via_newtonschulz
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    muon_module._zeropower_via_newtonschulz = counting
+    previous = perparam.configure(local_optimizer_step=case != "dtensor_adamw")
+    try:
+        def policy(name, param):
+            if name not in ("fc1.weight", "fc2.weight", "embed.weight"):
+                return None
+            if name == "embed.weight":
+                return OWNER if case == "adamw_owner" else None
+            stage = {"fc1.weight": 1, "fc2.weight": 2}[name] if case == "stages" else None
+            return ParamPolicy(update="owner", zero_stage=stage)
+
+        model, opts = _recipe(rank, world_size, policy, freeze_head=case == "frozen")
+        per_step = []
+        k = world_size or 1
+        for idx, y in make_batches(4, 12):
+            if world_size:
+                idx, y = idx[rank * 12 // k:(rank + 1) * 12 // k], y[rank * 12 // k:(rank + 1) * 12 // k]
+            chunks = 2 if case == "accumulate" else 1
+            for i, (xm, ym) in enumerate(zip(idx.chunk(chunks), y.chunk(chunks))):
+                if world_size and chunks > 1:
+                    model.set_requires_gradient_sync(i == chunks - 1)
+                (F.mse_loss(model(xm), ym) / chunks).backward()
+            if case == "clip":
+                params = [p for p in model.parameters() if p.grad is not None]
+                (perparam.clip_grad_norm_ if world_size else torch.nn.utils.clip_grad_norm_)(params, 0.5)
+            before = len(calls)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            per_step.append(len(calls) - before)
+        return {"params": full_params(model), "ns_calls": per_step}
+    finally:
+        perparam.configure(local_optimizer_step=previous.local_optimizer_step)
+        muon_module._zeropower_via_newtonschulz = original
+
+
+@pytest.mark.parametrize("case", ["accumulate", "clip", "stages", "frozen", "dtensor_adamw", "adamw_owner"])
+def test_the_owner_path_composes_and_trains_like_one_process(case):
+    want = one_process(_compose, case)
+    for world_size in (2, 3):
+        results = run_distributed(_compose, world_size, case)
+        for r in results:
+            assert _max_diff(r["params"], want["params"]) <= 1e-5, (case, world_size)
+            assert r["ns_calls"] == r["ns_calls"][:1] * 4
+        # Newton-Schulz once per matrix per optimizer step (never per micro-batch), on its owner only
+        assert sum(r["ns_calls"][0] for r in results) == 4 == want["ns_calls"][0]
+
+
+def _steps(model, opts, rank: int, world_size: int, first: int, last: int) -> None:
+    k = world_size or 1
+    for idx, y in make_batches(6, 12)[first:last]:
+        share = 12 // k
+        F.mse_loss(model(idx[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share]).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def _owned_state(model, opt) -> dict:
+    """name -> state key -> tensor this rank holds whole (an owner's), or the full tensor of a DTensor."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                           for k, v in state.items() if isinstance(v, torch.Tensor)}
+            for p, state in opt.state.items() if state}
+
+
+def _uninterrupted(rank: int, world_size: int) -> dict:
+    model, opts = _recipe(rank, world_size)
+    _steps(model, opts, rank, world_size, 0, 6)
+    return full_params(model)
+
+
+def _save(rank: int, world_size: int, path: str) -> dict:
+    model, opts = _recipe(rank, world_size)
+    _steps(model, opts, rank, world_size, 0, 3)
+    perparam.checkpoint.save(path + "/muon", model, opts[0])
+    perparam.checkpoint.save(path + "/adamw", model, opts[1])
+    return {"muon": _owned_state(model, opts[0]), "adamw": _owned_state(model, opts[1])}
+
+
+def _resume(rank: int, world_size: int, path: str) -> dict:
+    model, opts = _recipe(rank, world_size)
+    perparam.checkpoint.load(path + "/muon", model, opts[0])
+    perparam.checkpoint.load(path + "/adamw", model, opts[1])
+    loaded = {"muon": _owned_state(model, opts[0]), "adamw": _owned_state(model, opts[1])}
+    _steps(model, opts, rank, world_size, 3, 6)
+    return {"loaded": loaded, "params": full_params(model)}
+
+
+def _merged(results: list[dict], key: str) -> dict:
+    out: dict = {}
+    for r in results:
+        for name, state in r[key].items():
+            out.setdefault(name, {}).update(state)
+    return out
+
+
+def test_a_checkpoint_of_muon_and_adamw_state_round_trips_bit_exact_and_loads_on_another_world_size(tmp_path):
+    want = one_process(_uninterrupted)
+    for saved_k, loaded_k in ((2, 2), (4, 3)):
+        path = str(tmp_path / f"ckpt-{saved_k}")
+        saved = run_distributed(_save, saved_k, path)
+        resumed = run_distributed(_resume, loaded_k, path)
+        for which in ("muon", "adamw"):
+            before = _merged(saved, which)
+            after = _merged([r["loaded"] for r in resumed], which)
+            assert before.keys() == after.keys() and before  # owners re-planned: each state on one owner
+            for name in before:
+                for k in before[name]:
+                    assert torch.equal(before[name][k], after[name][k]), (saved_k, loaded_k, which, name, k)
+        momentum_holders = [len(r["loaded"]["muon"]) for r in resumed]
+        assert sum(momentum_holders) == 4  # four matrices' momentum, each on its owner only
+        for r in resumed:
+            assert _max_diff(r["params"], want) <= 1e-5, (saved_k, loaded_k)
+
+
+def _adafactor_save(rank: int, world_size: int, path: str, load: bool) -> dict:
+    """_matrices under the owner policy and Adafactor (state: a step count and row/column factors, none
+    of the parameter's shape): 2 steps then save, or load; returns the state this rank holds."""
+    model = _matrices(rank, world_size)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    if load:
+        perparam.checkpoint.load(path, model, opt)
+    else:
+        for _ in range(2):
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        perparam.checkpoint.save(path, model, opt)
+    return _owned_state(model, opt)
+
+
+def test_a_checkpoint_of_adafactor_owner_state_loads_bit_exact_on_another_world_size(tmp_path):
+    path = str(tmp_path / "ada")
+    before = _merged([{"s": r} for r in run_distributed(_adafactor_save, 2, path, False)], "s")
+    loaded = run_distributed(_adafactor_save, 3, path, True)
+    after = _merged([{"s": r} for r in loaded], "s")
+    assert sorted(before) == sorted(after) == ["0.weight", "1.weight", "2.weight"]
+    assert sum(len(r) for r in loaded) == 3  # each parameter's factors on its new owner only
+    for name in before:
+        assert sorted(before[name]) == ["col_var", "row_var", "step"]
+        for k in before[name]:
+            assert torch.equal(before[name][k], after[name][k])
+
+
+def _closure(rank: int, world_size: int) -> str:
+    model = _matrices(rank, world_size)
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    model(torch.randn(2, 8)).sum().backward()
+
+    def closure():
+        return model(torch.randn(2, 8)).sum()
+
+    try:
+        opt.step(closure)
+    except owner_step.OwnerStepError as e:
+        return str(e)
+    return "stepped"
+
+
+def test_a_step_with_a_closure_on_owner_parameters_is_refused():
+    for message in run_distributed(_closure, 2):
+        assert message.startswith("Muon.step(closure) computes gradients inside the step"), message
+
+
+def _experts(rank: int, world_size: int) -> list:
+    """Three experts under the owner policy in one group: rank 0 uses the first, the others the second,
+    no rank the third (its gradient stays None everywhere). Debug mode checks that every rank issues the
+    same collectives; returns the difference from torch.optim.Muon on the gathered gradients."""
+    perparam.set_debug(True)
+    torch.manual_seed(0)
+    experts = [nn.Linear(3, 4, bias=False), nn.Linear(3, 5, bias=False), nn.Linear(3, 2, bias=False)]
+    perparam.fully_shard(experts, param_policy=OWNER)
+    params = [e.weight for e in experts]
+    opt = torch.optim.Muon(params, lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in params]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    experts[0 if rank == 0 else 1](torch.ones(2, 3) * (rank + 1)).pow(2).sum().backward()
+    for r, p in zip(ref, params):
+        r.grad = None if p.grad is None else p.grad.full_tensor()
+    with CommCounter() as comm:
+        opt.step()
+    ref_opt.step()
+    return [max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)), params[2].grad is None,
+            comm.count("all_to_all"), len(opt.state)]
+
+
+def test_ranks_using_different_experts_take_the_same_owner_exchange_and_the_stock_step():
+    results = run_distributed(_experts, 3)
+    assert [r[:3] for r in results] == [[0.0, True, 2]] * 3  # the unused expert left out on every rank
+    assert sum(r[3] for r in results) == 2  # two experts stepped, each on its owner only
+
+
+def _expert_mesh(rank: int, world_size: int) -> list:
+    """A dense Linear(6, 5) on the 4-rank mesh and an expert Linear(6, 7) on its own 2-rank mesh
+    (``ParamPolicy(mesh=edp)``), both under the owner policy in one call: one bucket per mesh, each
+    matrix stepped by an owner of its own mesh, bitwise torch.optim.Muon on the gathered gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    dp = init_device_mesh("cpu", (4,))
+    edp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))["edp"]
+    model = nn.Sequential(nn.Linear(6, 5, bias=False), nn.Linear(5, 7, bias=False))
+    perparam.fully_shard(model, mesh=dp, param_policy={"0.weight": OWNER,
+                                                       "1.weight": ParamPolicy(update="owner", mesh=edp)})
+    params = list(model.parameters())
+    opt = torch.optim.Muon(params, lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in params]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    diffs = []
+    for step in range(2):
+        model(torch.randn(2, 6, generator=torch.Generator().manual_seed(rank + 10 * step))).pow(2).sum().backward()
+        for r, p in zip(ref, params):
+            r.grad = p.grad.full_tensor()
+        with CommCounter() as comm:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)))
+    return diffs + [comm.count("all_to_all"), sorted({r.group_size for r in comm.records})]
+
+
+def test_an_expert_on_its_own_mesh_is_stepped_by_an_owner_of_that_mesh():
+    for r in run_distributed(_expert_mesh, 4):
+        assert r == [0.0, 0.0, 4, [2, 4]]  # one bucket per mesh, two all-to-alls each
