@@ -1,0 +1,203 @@
+"""Hugging Face ``Trainer`` with a perparam-sharded model (``perparam.hf_trainer.ShardedTrainer``): the same
+script on 2 gloo ranks and in one process (plain ``Trainer``, unsharded) gives the same losses and parameters
+with gradient accumulation, clipping and evaluation; a run saved at step 3 and resumed ends where the
+uninterrupted run ends; ``save_model`` writes what ``from_pretrained`` loads; the private trainer methods the
+piece overrides are pinned. ``transformers`` is imported inside the functions only (its import costs seconds):
+every distributed case runs in one 2-rank launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import tempfile
+
+import pytest
+import torch
+
+from tests.distributed import one_process, run_distributed
+
+pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "accelerate")),
+                                reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
+
+WORLD = 2
+GLOBAL_BATCH = 4
+ACCUMULATION = 2
+STEPS = 6  # saved at step 3, resumed to 6
+MAX_GRAD_NORM = 0.05  # below every step's gradient norm: every step clips
+
+
+def make_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=33, hidden_size=16, intermediate_size=25, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` sequences of 7 random ids (seeded): every label counts, so each micro-batch has the same tokens."""
+
+    def __init__(self, n: int, seed: int):
+        self.ids = torch.randint(0, 33, (n, 7), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _args(out: str, world: int, **overrides):
+    from transformers import TrainingArguments
+
+    kwargs = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // max(world, 1) // ACCUMULATION,
+                  per_device_eval_batch_size=2, gradient_accumulation_steps=ACCUMULATION, max_grad_norm=MAX_GRAD_NORM,
+                  learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="linear", max_steps=STEPS,
+                  eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3, logging_steps=1,
+                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def _recording(cls):
+    """``cls`` that records each micro-batch's loss as ``training_step`` returns it (a test's instrument)."""
+
+    class Recording(cls):
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.recorded.append(float(loss))
+            return loss
+
+    Recording.recorded = None
+    return Recording
+
+
+def _train(world: int, out: str, resume: str | None = None, stop_at: int | None = None):
+    from transformers import Trainer, TrainerCallback
+
+    from perparam import fully_shard
+    from perparam.hf_trainer import ShardedTrainer
+
+    class Stop(TrainerCallback):  # an interruption after the checkpoint of step `stop_at`
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == stop_at
+
+    model = make_llama()
+    if world:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    cls = _recording(ShardedTrainer if world else Trainer)
+    trainer = cls(model=model, args=_args(out, world), train_dataset=Tokens(GLOBAL_BATCH * STEPS, 1),
+                  eval_dataset=Tokens(4, 2), callbacks=[Stop()] if stop_at else None)
+    trainer.recorded = []
+    trainer.train(resume_from_checkpoint=resume)
+    evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    return trainer, evals, norms
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    from perparam.full_state import full_state_dict
+
+    state = full_state_dict(model)
+    return None if state is None else {k: v.clone() for k, v in state.items()}
+
+
+def _launched(rank: int, world: int) -> None:
+    """What torchrun sets, which transformers and accelerate read to see a distributed run (the harness has
+    initialised the process group already; they use it)."""
+    if world:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="29500")  # unused: the process group exists
+
+
+def trainer_run(rank: int, world: int, folder: str):
+    _launched(rank, world)
+    out = os.path.join(folder, f"run-{world}")
+    trainer, evals, norms = _train(world, out)
+    losses = trainer.recorded
+    params = _full(trainer.model)
+    result = {"losses": losses, "evals": evals, "norms": norms, "params": params}
+    if not world:
+        return result
+    # the same run stopped at step 3 (its checkpoint-3 holds everything) and resumed to the end in a new trainer
+    short = os.path.join(folder, "interrupted")
+    _train(world, short, stop_at=3)
+    resumed, resumed_evals, _ = _train(world, os.path.join(folder, "resumed"),
+                                       resume=os.path.join(short, "checkpoint-3"))
+    result["resumed"] = _full(resumed.model)
+    result["resumed_losses"] = resumed.recorded
+    # save_model writes what from_pretrained loads, to the same logits
+    saved = os.path.join(folder, "saved")
+    trainer.save_model(saved)
+    torch.distributed.barrier()
+    ids = torch.arange(7).reshape(1, 7)
+    with torch.no_grad():
+        sharded_logits = trainer.model(input_ids=ids).logits
+        from transformers import LlamaForCausalLM
+
+        loaded_logits = LlamaForCausalLM.from_pretrained(saved)(input_ids=ids).logits
+    result["logits_error"] = (sharded_logits - loaded_logits).abs().max().item()
+    result["checkpoint_files"] = sorted(os.listdir(os.path.join(short, "checkpoint-3")))
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as folder:
+        sharded = run_distributed(trainer_run, WORLD, folder, timeout=240)
+        reference = one_process(trainer_run, folder)
+    return sharded, reference
+
+
+def test_sharded_trainer_matches_one_process_with_accumulation_clipping_and_evaluation(runs):
+    sharded, ref = runs
+    r0, r1 = sharded
+    assert len(ref["losses"]) == STEPS * ACCUMULATION
+    # each rank's loss is its half of the global token mean, times the world size (transformers averages
+    # tokens across devices): their mean is the one process's loss
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+    assert max(abs(a - b) for a, b in zip(mean, ref["losses"])) < 1e-5
+    assert min(ref["norms"]) > MAX_GRAD_NORM  # every step clipped
+    assert max(abs(a - b) for a, b in zip(r0["norms"], ref["norms"])) < 1e-5
+    assert len(ref["evals"]) == 2 and max(abs(a - b) for a, b in zip(r0["evals"], ref["evals"])) < 1e-5
+    assert r1["params"] is None
+    assert r0["params"].keys() == ref["params"].keys()
+    assert max((r0["params"][k] - v).abs().max().item() for k, v in ref["params"].items()) < 1e-5
+
+
+def test_sharded_trainer_resumed_at_step_3_ends_where_the_uninterrupted_run_ends(runs):
+    (r0, _), _ = runs
+    assert "perparam_state" in r0["checkpoint_files"] and "scheduler.pt" in r0["checkpoint_files"]
+    assert len(r0["resumed_losses"]) == (STEPS - 3) * ACCUMULATION
+    assert r0["resumed_losses"] == pytest.approx(r0["losses"][3 * ACCUMULATION:], abs=1e-6)
+    assert max((r0["resumed"][k] - v).abs().max().item() for k, v in r0["params"].items()) < 1e-6
+
+
+def test_sharded_trainer_save_model_loads_with_from_pretrained_to_the_same_logits(runs):
+    (r0, r1), _ = runs
+    assert r0["logits_error"] < 1e-5 and r1["logits_error"] < 1e-5
+
+
+def test_the_private_trainer_methods_the_piece_overrides_are_unchanged():
+    """transformers 5.24.0's private extension points ``ShardedTrainer`` relies on: the names, the signatures
+    and where the trainer reads ``is_distributed_loading_by_transformers``. A failure here means the pinned
+    transformers changed them: update perparam/hf_trainer.py and docs/huggingface.md."""
+    from transformers import Trainer
+
+    signatures = {name: str(inspect.signature(getattr(Trainer, name))) for name in (
+        "_defer_fsdp_gradient_reduction", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_save")}
+    assert signatures == {
+        "_defer_fsdp_gradient_reduction": "(self)",
+        "_save_optimizer_and_scheduler": "(self, output_dir: str) -> None",
+        "_load_optimizer_and_scheduler": "(self, checkpoint: str | None) -> None",
+        "_save": "(self, output_dir: str | None = None, state_dict: dict | None = None) -> None",
+    }
+    for method in ("_prepare_for_training", "_run_epoch", "_save"):
+        assert "self.is_distributed_loading_by_transformers" in inspect.getsource(getattr(Trainer, method)), method
+    assert "self._defer_fsdp_gradient_reduction" in inspect.getsource(Trainer._run_epoch)
