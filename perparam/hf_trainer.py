@@ -36,46 +36,14 @@ from torch import nn
 from transformers import Trainer
 
 from . import checkpoint
-from .errors import ShardingError
 from .full_state import full_state_dict
+from .hf_entry import check_sharded, sharded_roots
 from .module import ShardedModule
-from .runtime.group import group_of
 
 #: the folder, inside each ``checkpoint-N``, of the perparam checkpoint (model and optimizer shards)
 STATE_DIR = "perparam_state"
 #: the stock trainer's scheduler file name (``transformers.trainer.SCHEDULER_NAME``)
 SCHEDULER_NAME = "scheduler.pt"
-
-
-def sharded_roots(model: nn.Module) -> list[ShardedModule]:
-    """The sharded modules of ``model``'s tree that no other sharded module contains (``model`` itself when
-    it is the root ``fully_shard`` was called on last), in ``modules()`` order."""
-    roots: list[ShardedModule] = []
-    inside: set[int] = set()
-    for m in model.modules():
-        if id(m) in inside or not isinstance(m, ShardedModule):
-            continue
-        roots.append(m)
-        inside.update(id(sub) for sub in m.modules())
-    return roots
-
-
-def check_sharded(model: nn.Module | None, where: str) -> None:
-    """Raise ``ShardingError`` unless every trainable parameter of ``model`` is managed by a ``fully_shard``
-    call (the piece would otherwise train some of it unsharded and unreduced), naming the first that is not."""
-    if not isinstance(model, nn.Module):
-        raise ShardingError(f"{where} takes a model sharded by perparam.fully_shard (model_init is not supported: "
-                            f"build and shard the model, then pass it), got {type(model).__name__}")
-    if not sharded_roots(model):
-        raise ShardingError(f"{where}: {type(model).__name__} is not sharded by perparam; call fully_shard on each "
-                            "decoder layer, then on the model (docs/huggingface.md), or use transformers' Trainer "
-                            "for an unsharded model")
-    managed = {id(sp.sharded) for m in model.modules() if (g := group_of(m)) is not None for sp in g.params}
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in managed:
-            raise ShardingError(f"{where}: trainable parameter '{name}' is not managed by any fully_shard call, so "
-                                "it would train without being sharded or reduced across ranks; call fully_shard on "
-                                "the model after adding it (adapters: before sharding), or freeze it")
 
 
 def _optimizer(optimizer) -> torch.optim.Optimizer:
