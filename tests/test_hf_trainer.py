@@ -144,6 +144,19 @@ def trainer_run(rank: int, world: int, folder: str):
         loaded_logits = LlamaForCausalLM.from_pretrained(saved)(input_ids=ids).logits
     result["logits_error"] = (sharded_logits - loaded_logits).abs().max().item()
     result["checkpoint_files"] = sorted(os.listdir(os.path.join(short, "checkpoint-3")))
+    # plain Trainer would wrap the sharded model in DDP: refused naming the route that works
+    from transformers import Trainer
+
+    from perparam import ShardingError, fully_shard
+
+    fresh = make_llama()
+    fully_shard(fresh)
+    try:
+        Trainer(model=fresh, args=_args(os.path.join(folder, "plain"), world), train_dataset=Tokens(8, 1),
+                eval_dataset=Tokens(4, 2)).train()
+        result["plain_trainer"] = None
+    except ShardingError as e:
+        result["plain_trainer"] = str(e)
     return result
 
 
@@ -182,6 +195,22 @@ def test_sharded_trainer_resumed_at_step_3_ends_where_the_uninterrupted_run_ends
 def test_sharded_trainer_save_model_loads_with_from_pretrained_to_the_same_logits(runs):
     (r0, r1), _ = runs
     assert r0["logits_error"] < 1e-5 and r1["logits_error"] < 1e-5
+
+
+def test_plain_trainer_given_a_sharded_model_is_refused_naming_sharded_trainer(runs):
+    (r0, r1), _ = runs
+    for r in (r0, r1):
+        assert r["plain_trainer"] is not None and "perparam.hf_trainer.ShardedTrainer" in r["plain_trainer"]
+
+
+def test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call_manages():
+    from perparam import ShardingError
+    from perparam.hf_entry import check_sharded
+
+    with pytest.raises(ShardingError, match="is not sharded by perparam; call fully_shard on each decoder layer"):
+        check_sharded(torch.nn.Linear(3, 5), "ShardedTrainer")
+    with pytest.raises(ShardingError, match="model_init is not supported"):
+        check_sharded(None, "ShardedTrainer")
 
 
 def test_the_private_trainer_methods_the_piece_overrides_are_unchanged():
