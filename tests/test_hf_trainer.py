@@ -108,6 +108,36 @@ def _full(model) -> dict[str, torch.Tensor]:
     return None if state is None else {k: v.clone() for k, v in state.items()}
 
 
+def _peft(world: int, folder: str) -> dict:
+    """peft LoRA under the trainer: the layers (frozen base + adapters) then the inner model sharded; 4 steps
+    with accumulation and clipping; ``save_model`` writes the adapter; the merged model's full state."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer
+
+    from perparam import fully_shard
+    from perparam.hf_trainer import ShardedTrainer
+
+    model = get_peft_model(make_llama(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    if world:
+        inner = model.base_model.model
+        for layer in inner.model.layers:
+            fully_shard(layer)
+        fully_shard(inner)
+    out = os.path.join(folder, f"peft-{world}")
+    cls = _recording(ShardedTrainer if world else Trainer)
+    trainer = cls(model=model, args=_args(out, world, max_steps=4, learning_rate=5e-2, eval_strategy="no",
+                                          save_strategy="no"), train_dataset=Tokens(GLOBAL_BATCH * 4, 1))
+    trainer.recorded = []
+    trainer.train()
+    state = _full(model)
+    adapter = None if state is None else {k: v for k, v in state.items() if "lora_" in k}
+    trainer.save_model(os.path.join(out, "adapter"))
+    files = sorted(os.listdir(os.path.join(out, "adapter"))) if os.path.isdir(os.path.join(out, "adapter")) else []
+    merged = _full(model.merge_and_unload())
+    return {"losses": trainer.recorded, "adapter": adapter, "files": files,
+            "merged": None if merged is None else {k: v for k, v in merged.items() if "q_proj" in k}}
+
+
 def _launched(rank: int, world: int) -> None:
     """What torchrun sets, which transformers and accelerate read to see a distributed run (the harness has
     initialised the process group already; they use it)."""
@@ -122,7 +152,7 @@ def trainer_run(rank: int, world: int, folder: str):
     trainer, evals, norms = _train(world, out)
     losses = trainer.recorded
     params = _full(trainer.model)
-    result = {"losses": losses, "evals": evals, "norms": norms, "params": params}
+    result = {"losses": losses, "evals": evals, "norms": norms, "params": params, "peft": _peft(world, folder)}
     if not world:
         return result
     # the same run stopped at step 3 (its checkpoint-3 holds everything) and resumed to the end in a new trainer
@@ -195,6 +225,18 @@ def test_sharded_trainer_resumed_at_step_3_ends_where_the_uninterrupted_run_ends
 def test_sharded_trainer_save_model_loads_with_from_pretrained_to_the_same_logits(runs):
     (r0, r1), _ = runs
     assert r0["logits_error"] < 1e-5 and r1["logits_error"] < 1e-5
+
+
+def test_peft_lora_under_sharded_trainer_matches_one_process_and_saves_the_adapter_and_the_merged_model(runs):
+    (r0, r1), ref = runs
+    got, want = r0["peft"], ref["peft"]
+    mean = [(a + b) / 2 for a, b in zip(got["losses"], r1["peft"]["losses"])]
+    assert len(mean) == 4 * ACCUMULATION and max(abs(a - b) for a, b in zip(mean, want["losses"])) < 1e-5
+    assert got["adapter"].keys() == want["adapter"].keys() and len(got["adapter"]) == 8
+    assert max((got["adapter"][k] - v).abs().max().item() for k, v in want["adapter"].items()) < 1e-5
+    assert "adapter_model.safetensors" in got["files"] and "adapter_config.json" in got["files"]
+    assert got["merged"].keys() == want["merged"].keys() and not any("lora" in k for k in got["merged"])
+    assert max((got["merged"][k] - v).abs().max().item() for k, v in want["merged"].items()) < 1e-5
 
 
 def test_plain_trainer_given_a_sharded_model_is_refused_naming_sharded_trainer(runs):
