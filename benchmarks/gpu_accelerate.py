@@ -9,8 +9,9 @@
   parameter differences;
 * ``fsdp2_plugin``: accelerate's FSDP2 plugin (``FullyShardedDataParallelPlugin(fsdp_version=2)``, reachable
   only on GPU backends) given torch's FSDP2 (the baseline: its losses against the plain run) and given a
-  model perparam sharded first (what happens: perparam modules are not ``FSDPModule``s, so accelerate
-  shards again and torch's ``fully_shard`` refuses; recorded as the message).
+  model perparam sharded first, without and with ``perparam.hf_accelerate.as_fsdp2_module`` (without it
+  perparam modules are not ``FSDPModule``s, so accelerate shards again and torch's ``fully_shard`` refuses;
+  with it accelerate takes the model as sharded): the differences against the plain run, or the error.
 
 The functions take the device, so ``tests/test_gpu_accelerate.py`` runs ``policies`` and ``loop`` on CPU.
 """
@@ -97,6 +98,7 @@ def fsdp2_plugin(device: str) -> dict:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from perparam import fully_shard
+    from perparam.hf_accelerate import as_fsdp2_module
 
     out: dict = {}
     plain = _train(Accelerator(gradient_accumulation_steps=ACCUMULATION), make_llama(device), device)
@@ -110,14 +112,17 @@ def fsdp2_plugin(device: str) -> dict:
         out["torch_fsdp2"] = _diff(_train(plugin_accelerator(), make_llama(device), device), plain)
     except Exception:  # recorded: the section reports what happens
         out["torch_fsdp2"] = {"error": traceback.format_exc(limit=3)}
-    model = make_llama(device)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    try:
-        out["perparam_presharded"] = _diff(_train(plugin_accelerator(), model, device), plain)
-    except Exception as e:
-        out["perparam_presharded"] = {"error": f"{type(e).__name__}: {e}"[:600]}
+    for name, opt_in in (("perparam_presharded", False), ("perparam_as_fsdp2_module", True)):
+        model = make_llama(device)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if opt_in:
+            as_fsdp2_module(model)
+        try:
+            out[name] = _diff(_train(plugin_accelerator(), model, device), plain)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
     return out
 
 

@@ -31,8 +31,42 @@ from torch import nn
 from . import checkpoint
 from .full_state import full_state_dict
 from .hf_entry import check_sharded, sharded_roots
+from .module import ShardedModule
 
 STATE_DIR = "perparam_state_{}"
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def as_fsdp2_module(model: nn.Module) -> nn.Module:
+    """Opt-in, for accelerate's FSDP2 plugin (``fsdp_version: 2``, active on GPU backends only): make every
+    sharded module of ``model`` also an instance of torch's ``FSDPModule``, so accelerate's
+    ``fsdp2_prepare_model`` takes the model as already sharded (it returns it unchanged instead of sharding
+    again, which torch's ``fully_shard`` refuses for a module perparam sharded). perparam's methods of
+    FSDP2's names come first (``reshard``, ``unshard``, ``set_requires_gradient_sync``, ...); FSDP2's others
+    (``set_post_optim_event``, ``set_unshard_in_backward``, ``register_fsdp_forward_method``'s wrapper) read
+    FSDP2's private state, which a perparam module does not have, and fail. torch's code paths that find an
+    ``FSDPModule`` and read that state (torch's pipelining stage: use ``perparam.pipelining.PipelineStage``)
+    fail likewise, which is why ``fully_shard`` does not do this by itself. Returns ``model`` (changed in
+    place: each module's class is swapped for a subclass of its sharded class and ``FSDPModule``, with the
+    same name). Raises ``ShardingError`` when ``model`` is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .runtime.registration import BASE_ATTR
+
+    check_sharded(model, "as_fsdp2_module")
+    for m in model.modules():
+        cls = type(m)
+        if not isinstance(m, ShardedModule) or isinstance(m, FSDPModule):
+            continue
+        fsdp_cls = _FSDP_CLASSES.get(cls)
+        if fsdp_cls is None:
+            base = cls.__dict__.get(BASE_ATTR, cls)
+            fsdp_cls = type(cls.__name__, (cls, FSDPModule), {"__module__": cls.__module__, BASE_ATTR: base})
+            fsdp_cls._orig_cls_mro_index = fsdp_cls.__mro__.index(base)  # what FSDPModule.__new__ builds
+            fsdp_cls = _FSDP_CLASSES.setdefault(cls, fsdp_cls)
+        m.__class__ = fsdp_cls
+    return model
 
 
 def _inner(obj):

@@ -44,11 +44,44 @@ def torch_policies_and_loop(rank: int, world: int):
         refused = None
     except ShardingError as e:
         refused = str(e)
-    return {"dtype": dtype, "refused": refused, "loop": loop("cpu")}
+    return {"dtype": dtype, "refused": refused, "loop": loop("cpu"), "fsdp2": _as_fsdp2_module()}
 
 
-def test_fully_shard_takes_torch_policies_and_the_sharded_accelerator_loop_matches_on_one_rank():
+def _as_fsdp2_module() -> dict:
+    """The opt-in for accelerate's FSDP2 plugin: the checks it and Trainer make, on CPU."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
+
+    from benchmarks.gpu_accelerate import make_llama
+    from perparam import ShardedModule, fully_shard
+    from perparam.hf_accelerate import as_fsdp2_module
+
+    model = make_llama("cpu")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    names = [type(m).__name__ for m in model.modules()]
+    as_fsdp2_module(model)
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    before = model.model.layers[0].self_attn.q_proj.weight.full_tensor().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.set_requires_gradient_sync(False)  # perparam's method, under FSDP2's name
+    model(input_ids=torch.arange(7)[None], labels=torch.arange(7)[None]).loss.backward()
+    model.set_requires_gradient_sync(True)
+    model(input_ids=torch.arange(7)[None], labels=torch.arange(7)[None]).loss.backward()
+    opt.step()
+    for m in fsdp:  # Trainer's loop before creating its optimizer
+        m.reshard()
+    return {"count": len(fsdp), "same_names": names == [type(m).__name__ for m in model.modules()],
+            "accelerate_keeps_it": fsdp2_prepare_model(object(), model) is model,
+            "perparam_methods": type(model).set_requires_gradient_sync is ShardedModule.set_requires_gradient_sync,
+            "stepped": not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight.full_tensor())}
+
+
+def test_torch_policies_the_sharded_accelerator_loop_and_the_fsdp2_module_opt_in_on_one_rank():
     [got] = run_distributed(torch_policies_and_loop, 1, timeout=180)
     assert got["dtype"] == torch.bfloat16
     assert "torch's torch.distributed.fsdp.MixedPrecisionPolicy, got dict" in got["refused"]
     assert got["loop"]["loss_max_diff"] < 1e-5 and got["loop"]["param_max_diff"] < 1e-5
+    assert got["fsdp2"] == {"count": 3, "same_names": True, "accelerate_keeps_it": True, "perparam_methods": True,
+                            "stepped": True}
