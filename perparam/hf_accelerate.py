@@ -22,7 +22,6 @@ Imports ``accelerate``: import it as ``perparam.hf_accelerate``, never from ``pe
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from accelerate import Accelerator
@@ -30,7 +29,7 @@ from torch import nn
 
 from . import checkpoint
 from .full_state import full_state_dict
-from .hf_entry import check_sharded, sharded_roots
+from .hf_entry import check_sharded, deferred_reduction, sharded_roots
 from .module import ShardedModule
 
 STATE_DIR = "perparam_state_{}"
@@ -117,22 +116,11 @@ class ShardedAccelerator(Accelerator):
                     self.prepared_optimizers.append(out[-1])
         return out[0] if len(out) == 1 else tuple(out)
 
-    @contextlib.contextmanager
     def no_sync(self, model):
         """Accelerate's ``no_sync``; for a sharded model: gradients accumulate unsharded, without reduction,
         until a backward outside this context reduces them once."""
         roots = sharded_roots(self.unwrap_model(model))
-        if not roots:
-            with super().no_sync(model):
-                yield
-            return
-        for root in roots:
-            root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            for root in roots:
-                root.set_requires_gradient_sync(True)
+        return deferred_reduction(roots) if roots else super().no_sync(model)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """The full (unsharded) state dict of a sharded model on rank 0 (``None`` on the others; every rank

@@ -4,6 +4,9 @@ neither ``transformers`` nor ``accelerate``."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 
 from .errors import ShardingError
@@ -40,3 +43,17 @@ def check_sharded(model: nn.Module | None, where: str) -> None:
             raise ShardingError(f"{where}: trainable parameter '{name}' is not managed by any fully_shard call, so "
                                 "it would train without being sharded or reduced across ranks; call fully_shard on "
                                 "the model after adding it (adapters: before sharding), or freeze it")
+
+
+@contextlib.contextmanager
+def deferred_reduction(roots: list[ShardedModule]) -> Iterator[None]:
+    """The micro-batches before the last of an accumulation window: backwards inside accumulate unsharded
+    gradients without reducing them; the next backward outside reduces them once
+    (``set_requires_gradient_sync`` on each of ``roots``, put back on the way out)."""
+    for root in roots:
+        root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.set_requires_gradient_sync(True)

@@ -28,7 +28,6 @@ transformers 5.24.0, used here only, and pinned by ``tests/test_hf_trainer.py``
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -37,7 +36,7 @@ from transformers import Trainer
 
 from . import checkpoint
 from .full_state import full_state_dict
-from .hf_entry import check_sharded, sharded_roots
+from .hf_entry import check_sharded, deferred_reduction, sharded_roots
 from .module import ShardedModule
 
 #: the folder, inside each ``checkpoint-N``, of the perparam checkpoint (model and optimizer shards)
@@ -75,18 +74,10 @@ class ShardedTrainer(Trainer):
                 m.reshard()
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
-    @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
         """The micro-batches before the last of an accumulation window: no reduction (gradients accumulate
         unsharded); the window's last backward reduces them once."""
-        roots = sharded_roots(self.model)
-        for root in roots:
-            root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            for root in roots:
-                root.set_requires_gradient_sync(True)
+        return deferred_reduction(sharded_roots(self.model))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Gather the full state dict on every rank and write it from the writing rank, so

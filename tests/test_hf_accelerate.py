@@ -15,7 +15,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import one_process, run_distributed
+from tests.distributed import run_distributed
+from tests.hf_helpers import ddp_refusal, launched, make_llama, sharded_llama
 
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "accelerate")),
                                 reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
@@ -28,36 +29,14 @@ SAVED_AT = 3
 MAX_GRAD_NORM = 0.05
 
 
-def make_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=33, hidden_size=16, intermediate_size=25, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="eager")
-    return LlamaForCausalLM(cfg)
-
-
-def _launched(rank: int, world: int) -> None:
-    """What torchrun sets, which accelerate reads to see a distributed run (the process group exists)."""
-    if world:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="29500")
-
-
 def _loop(world: int, folder: str | None, resume: bool = False):
     """The user's loop; with ``world`` the model is sharded and the accelerator is perparam's. Returns the
     per-step losses (this rank's micro-batches), the pre-clip gradient norms and the accelerator and model."""
     from accelerate import Accelerator
 
-    from perparam import fully_shard
     from perparam.hf_accelerate import ShardedAccelerator
 
-    model = make_llama()
-    if world:
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+    model = sharded_llama() if world else make_llama()
     ids = torch.randint(0, 33, (GLOBAL_BATCH * STEPS, 7), generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.DataLoader([{"input_ids": x, "labels": x} for x in ids],
                                        batch_size=GLOBAL_BATCH // ACCUMULATION // max(world, 1))
@@ -93,8 +72,11 @@ def _full(accelerator, model):
     return None if state is None else {k: v.clone() for k, v in state.items()}
 
 
-def accelerate_run(rank: int, world: int, folder: str):
-    _launched(rank, world)
+def accelerate_run(rank: int, world: int, folder: str, shard: bool = True):
+    """One rank of the sharded run, or (``shard=False``, 1 rank) the one-process reference: in a process of
+    its own, so no accelerate singleton state of an earlier test in this process reaches it."""
+    world = world if shard else 0
+    launched(rank, world)
     losses, norms, accelerator, model = _loop(world, folder if world else None)
     result = {"losses": losses, "norms": norms, "params": _full(accelerator, model)}
     if not world:
@@ -105,15 +87,7 @@ def accelerate_run(rank: int, world: int, folder: str):
     # plain Accelerator.prepare would wrap the sharded model in DDP: refused, nothing trains unsharded
     from accelerate import Accelerator
 
-    from perparam import ShardingError, fully_shard
-
-    fresh = make_llama()
-    fully_shard(fresh)
-    try:
-        Accelerator(cpu=True).prepare(fresh)
-        result["plain_prepare"] = None
-    except ShardingError as e:
-        result["plain_prepare"] = str(e)
+    result["plain_prepare"] = ddp_refusal(Accelerator(cpu=True).prepare)
     return result
 
 
@@ -121,7 +95,7 @@ def accelerate_run(rank: int, world: int, folder: str):
 def runs():
     with tempfile.TemporaryDirectory() as folder:
         sharded = run_distributed(accelerate_run, WORLD, folder, timeout=240)
-        reference = one_process(accelerate_run, folder)
+        [reference] = run_distributed(accelerate_run, 1, folder, False, timeout=240)
     return sharded, reference
 
 

@@ -16,7 +16,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import one_process, run_distributed
+from tests.distributed import run_distributed
+from tests.hf_helpers import Tokens, ddp_refusal, launched, make_llama, sharded_llama
 
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "accelerate")),
                                 reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
@@ -26,29 +27,6 @@ GLOBAL_BATCH = 4
 ACCUMULATION = 2
 STEPS = 6  # saved at step 3, resumed to 6
 MAX_GRAD_NORM = 0.05  # below every step's gradient norm: every step clips
-
-
-def make_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=33, hidden_size=16, intermediate_size=25, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="eager")
-    return LlamaForCausalLM(cfg)
-
-
-class Tokens(torch.utils.data.Dataset):
-    """``n`` sequences of 7 random ids (seeded): every label counts, so each micro-batch has the same tokens."""
-
-    def __init__(self, n: int, seed: int):
-        self.ids = torch.randint(0, 33, (n, 7), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _args(out: str, world: int, **overrides):
@@ -79,18 +57,13 @@ def _recording(cls):
 def _train(world: int, out: str, resume: str | None = None, stop_at: int | None = None):
     from transformers import Trainer, TrainerCallback
 
-    from perparam import fully_shard
     from perparam.hf_trainer import ShardedTrainer
 
     class Stop(TrainerCallback):  # an interruption after the checkpoint of step `stop_at`
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step == stop_at
 
-    model = make_llama()
-    if world:
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+    model = sharded_llama() if world else make_llama()
     cls = _recording(ShardedTrainer if world else Trainer)
     trainer = cls(model=model, args=_args(out, world), train_dataset=Tokens(GLOBAL_BATCH * STEPS, 1),
                   eval_dataset=Tokens(4, 2), callbacks=[Stop()] if stop_at else None)
@@ -161,16 +134,11 @@ def _bf16(world: int, folder: str) -> dict:
     return {"losses": trainer.recorded, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
-def _launched(rank: int, world: int) -> None:
-    """What torchrun sets, which transformers and accelerate read to see a distributed run (the harness has
-    initialised the process group already; they use it)."""
-    if world:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="29500")  # unused: the process group exists
-
-
-def trainer_run(rank: int, world: int, folder: str):
-    _launched(rank, world)
+def trainer_run(rank: int, world: int, folder: str, shard: bool = True):
+    """One rank of the sharded run, or (``shard=False``, 1 rank) the one-process reference: in a process of
+    its own, so no accelerate singleton state of an earlier test in this process reaches it."""
+    world = world if shard else 0
+    launched(rank, world)
     out = os.path.join(folder, f"run-{world}")
     trainer, evals, norms = _train(world, out)
     losses = trainer.recorded
@@ -201,16 +169,9 @@ def trainer_run(rank: int, world: int, folder: str):
     # plain Trainer would wrap the sharded model in DDP: refused naming the route that works
     from transformers import Trainer
 
-    from perparam import ShardingError, fully_shard
-
-    fresh = make_llama()
-    fully_shard(fresh)
-    try:
-        Trainer(model=fresh, args=_args(os.path.join(folder, "plain"), world), train_dataset=Tokens(8, 1),
-                eval_dataset=Tokens(4, 2)).train()
-        result["plain_trainer"] = None
-    except ShardingError as e:
-        result["plain_trainer"] = str(e)
+    result["plain_trainer"] = ddp_refusal(lambda m: Trainer(
+        model=m, args=_args(os.path.join(folder, "plain"), world), train_dataset=Tokens(8, 1),
+        eval_dataset=Tokens(4, 2)).train())
     return result
 
 
@@ -218,7 +179,7 @@ def trainer_run(rank: int, world: int, folder: str):
 def runs():
     with tempfile.TemporaryDirectory() as folder:
         sharded = run_distributed(trainer_run, WORLD, folder, timeout=240)
-        reference = one_process(trainer_run, folder)
+        [reference] = run_distributed(trainer_run, 1, folder, False, timeout=240)
     return sharded, reference
 
 
