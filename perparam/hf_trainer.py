@@ -37,7 +37,6 @@ from transformers import Trainer
 from . import checkpoint
 from .full_state import full_state_dict
 from .hf_entry import check_sharded, deferred_reduction, sharded_roots
-from .module import ShardedModule
 
 #: the folder, inside each ``checkpoint-N``, of the perparam checkpoint (model and optimizer shards)
 STATE_DIR = "perparam_state"
@@ -65,14 +64,6 @@ class ShardedTrainer(Trainer):
         # transformers' own switch for a model that owns its placement and gradient reduction: accelerate
         # prepares autocast only (no DDP wrap, no second sharding), every rank joins save_model's gathers
         self.is_distributed_loading_by_transformers = True
-
-    def create_optimizer(self, model=None):
-        """The stock optimizer over the sharded parameters: every sharded module is resharded first (a
-        forward before training, e.g. ``evaluate``, may have left parameters gathered)."""
-        for m in (model or self.model).modules():
-            if isinstance(m, ShardedModule):
-                m.reshard()
-        return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
     def _defer_fsdp_gradient_reduction(self):
         """The micro-batches before the last of an accumulation window: no reduction (gradients accumulate
