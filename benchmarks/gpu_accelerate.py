@@ -126,22 +126,32 @@ def fsdp2_plugin(device: str) -> dict:
     return out
 
 
-def run(out: dict) -> None:
-    """The section: needs one CUDA GPU; starts (and ends) a 1-rank NCCL group unless one exists."""
+def run(out: dict, args=None) -> None:
+    """The section (``gpu_check.py`` runs it as ``accelerate``): on ``args.device`` (default ``"cuda"``, one
+    GPU); starts (and ends) a 1-rank process group (NCCL on CUDA, gloo on CPU) unless one exists. On CPU the
+    FSDP2 plugin is not active (accelerate keeps it for GPU backends only): ``fsdp2_plugin`` is skipped."""
+    device = getattr(args, "device", None) or "cuda"
     own = not dist.is_initialized()
     if own:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29531")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-        torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+        if device == "cuda":
+            torch.cuda.set_device(0)
     try:
         out["policies"] = policies()
-        for name, fn in (("loop", loop), ("fsdp2_plugin", fsdp2_plugin)):
+        sections = [("loop", loop)] + ([("fsdp2_plugin", fsdp2_plugin)] if device == "cuda" else [])
+        for name, fn in sections:
             try:
-                out[name] = fn("cuda")
+                out[name] = fn(device)
             except Exception:
                 out[name] = {"error": traceback.format_exc(limit=4)}
+        if device != "cuda":
+            out["fsdp2_plugin"] = {"skipped": "accelerate's FSDP2 plugin is active on GPU backends only"}
+        errors = [name for name in ("loop", "fsdp2_plugin") if "error" in out[name]]
+        if errors:
+            raise RuntimeError(f"gpu_accelerate: {errors} failed (their tracebacks are in the section's output)")
     finally:
         if own:
             import gc

@@ -85,3 +85,13 @@ def test_torch_policies_the_sharded_accelerator_loop_and_the_fsdp2_module_opt_in
     assert got["loop"]["loss_max_diff"] < 1e-5 and got["loop"]["param_max_diff"] < 1e-5
     assert got["fsdp2"] == {"count": 3, "same_names": True, "accelerate_keeps_it": True, "perparam_methods": True,
                             "stepped": True}
+
+
+def test_gpu_check_runs_the_accelerate_section_on_cpu_and_skips_the_plugin_there(tmp_path):
+    from benchmarks.gpu_check import main
+
+    result = main(["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch", "2",
+                   "--sections", "accelerate", "--json", str(tmp_path / "gpu.json")])
+    out = result["accelerate"]
+    assert out["ok"], out.get("traceback")
+    assert out["loop"]["loss_max_diff"] < 1e-5 and "skipped" in out["fsdp2_plugin"]
