@@ -37,7 +37,14 @@ from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
 from .runtime.param import ShardedParam
 from .runtime.tp import CompositionError, TensorParallel, compose
-from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, as_offload
+from .sharding.policy import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ParamPolicy,
+    PolicyError,
+    as_mp_policy,
+    as_offload,
+)
 from .sharding.resolution import ParamError, buffer_dtypes, resolve_params
 
 #: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
@@ -78,6 +85,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             backward all-gather runs over k' consecutive shard ranks (e.g. those of one node) instead of
             K (``perparam.runtime.hpz``, ``docs/hpz.md``).
         mp_policy, param_policy: mixed precision and per-parameter policies; see ``perparam.sharding.policy``.
+            torch's FSDP2 ``MixedPrecisionPolicy`` is accepted too (its four fields, same meaning).
             ``ParamPolicy(mesh=...)`` shards a parameter on its own data-parallel mesh (e.g. experts on an
             expert-data-parallel mesh): one all-gather per mesh per unshard and one reduce-scatter per
             (mesh, reduce dtype) per reduction (``perparam.runtime.meshes``, ``docs/mixture-of-experts.md``).
@@ -139,9 +147,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         raise ShardingError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
     if len({id(m) for m in modules}) != len(modules):
         raise ShardingError("fully_shard got the same module twice in its list; list each module once")
-    mp_policy = mp_policy or MixedPrecisionPolicy()
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ShardingError(f"mp_policy must be a perparam.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    try:  # perparam's policy, or torch's FSDP2 one converted (accelerate's FSDP2 plugin passes torch's)
+        mp_policy = as_mp_policy(mp_policy, "fully_shard(mp_policy=...)")
+    except PolicyError as e:
+        raise ShardingError(str(e)) from None
     if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping)) or callable(param_policy)):
         raise ShardingError(f"param_policy must be a ParamPolicy, a mapping from glob patterns to ParamPolicy, or a "
                             f"callable (name, param) -> ParamPolicy | None; got {type(param_policy).__name__}")

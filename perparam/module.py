@@ -64,6 +64,17 @@ class ShardedModule:
                 raise
             raise explained from e
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """Read by ``DistributedDataParallel`` at its construction (``hasattr``): a sharded model wrapped in DDP
+        (directly, or by accelerate's ``prepare`` or transformers' ``Trainer``) is refused here, naming the
+        routes that work, instead of failing in DTensor's ops at DDP's first broadcast."""
+        raise ShardingError(
+            f"perparam: DistributedDataParallel cannot wrap {type(self).__name__}, which fully_shard sharded: perparam "
+            "already reduces its gradients. Train the sharded model as it is; under transformers' Trainer use "
+            "perparam.hf_trainer.ShardedTrainer, under accelerate perparam.hf_accelerate.ShardedAccelerator (or do "
+            "not pass the model to Accelerator.prepare) (docs/huggingface.md)")
+
     @untraced
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the group's parameters and register them as plain tensors, until ``reshard()``, the

@@ -135,6 +135,9 @@ FAST = (
     "test_zero_stages.py::test_a_frozen_parameter_an_optimizer_still_steps_has_its_kept_copy_refreshed",
     "test_torch_versions.py", "test_device_selection.py",
     "test_host_syncs.py::test_only_a_rank_that_lacked_a_gradient_reads_the_summed_flags_back",
+    "test_hf_trainer.py::test_the_private_trainer_methods_the_piece_overrides_are_unchanged",
+    "test_hf_trainer.py::test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call_manages",
+    "test_gpu_accelerate.py::test_torch_fsdp2_policies_convert_to_perparams",
 )
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import one_process, run_distributed
+from tests.hf_helpers import make_llama
 
 #: found without importing them (collecting this file must not cost transformers' import time)
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "peft")),
@@ -26,17 +27,6 @@ WORLD = 2
 STEPS = 3
 TARGETS = ["q_proj", "v_proj"]
 NF4 = {"self_attn.q_proj.base_layer.weight", "self_attn.v_proj.base_layer.weight"}
-
-
-def make_llama():
-    """4 x 7 tokens over 33 ids: 33 vocabulary rows and 25 MLP rows split unevenly over 2 ranks."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=33, hidden_size=16, intermediate_size=25, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="eager")
-    return LlamaForCausalLM(cfg)
 
 
 def make_lora(model=None):

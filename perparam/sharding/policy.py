@@ -42,6 +42,23 @@ class MixedPrecisionPolicy:
     master_dtype: torch.dtype | None = None
 
 
+def as_mp_policy(value, what: str) -> MixedPrecisionPolicy:
+    """``value`` as perparam's ``MixedPrecisionPolicy``: one itself, ``None`` (the default policy), or torch's
+    FSDP2 ``torch.distributed.fsdp.MixedPrecisionPolicy`` (the same four fields and meaning; accelerate's
+    FSDP2 plugin always passes one), recognised without importing FSDP. Raises ``PolicyError`` naming
+    ``what`` otherwise."""
+    if value is None:
+        return MixedPrecisionPolicy()
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    cls = type(value)
+    if cls.__name__ == "MixedPrecisionPolicy" and cls.__module__.startswith("torch."):
+        return MixedPrecisionPolicy(param_dtype=value.param_dtype, reduce_dtype=value.reduce_dtype,
+                                    output_dtype=value.output_dtype, cast_forward_inputs=value.cast_forward_inputs)
+    raise PolicyError(f"{what} must be a perparam.MixedPrecisionPolicy or torch's "
+                      f"torch.distributed.fsdp.MixedPrecisionPolicy, got {cls.__name__}")
+
+
 @dataclass(frozen=True)
 class QuantPolicy:
     """Block-wise quantization of a parameter's all-gather, and optionally of its stored shard.
