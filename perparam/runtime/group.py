@@ -19,11 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm import collectives
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index, reduce_group
-from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, grad_quant, partial, registration, zero, zero_copy, zero_copy_reduce
+from ..sharding.layout import GroupLayout
+from . import config, partial, registration, zero, zero_copy, zero_copy_reduce
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .reduction import PendingReduce, ReducePlan, pack_reduce_scatter_input, reduce_plan, used_flags
+from .paths import choose
+from .paths.gather import GatherFacts
+from .paths.reduce import ReduceFacts
+from .reduction import PendingReduce, ReducePlan, reduce_plan
 from .state import ALLOWED, StateError, TrainingState
 
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
@@ -37,6 +40,9 @@ class _GatherPlan(NamedTuple):
     sizes: list[int]  # bytes of each piece, in ``GroupLayout.order``
     scattered: list[bool]  # per member: plain ``Shard(d > 0)``, copied into slices of the unsharded tensor
     any_scattered: bool
+    quantized: bool  # some member's pieces are quantized (not ``ShardedParam.plain``)
+    #: the path chosen for this member set (``paths.choose.gather_path``), per ``GatherFacts`` of an unshard
+    paths: dict
 
 
 class ParamGroup:
@@ -128,6 +134,11 @@ class ParamGroup:
         self.companions = [ParamGroup(modules, members, other, reshard_after_forward, mp_policy, driver=self)
                            for other, members in others]
         self.parts = [self, *self.companions]  # every mesh's group, in the fixed order
+
+    @property
+    def call(self) -> ParamGroup:
+        """The ``fully_shard`` call's group, whose settings every mesh's part reads."""
+        return self.driver
 
     # A companion uses its driver's context and pool (``IterationContext.take`` hands them to the driver).
     @property
@@ -239,24 +250,17 @@ class ParamGroup:
         return sum(part._pool_bytes() for part in self.parts)
 
     def _pool_bytes(self) -> int:
-        k = self.num_shards
-        if k == 1:
+        if self.num_shards == 1:
             return 0
-        gather = self.layout.slot_bytes * (k if k == 2 else 2 * k - 1) if self.gathered else 0
-        if zero_copy.applies(self.gathered, self.shard_pg, config.current().gloo_all_gather, self.driver.all_gather_comm,
-                             self.hpz):
-            gather = 0  # straight into the parameters' buffers (runtime/zero_copy.py)
-        by_dtype: dict[torch.dtype, list] = defaultdict(list)
-        for p in self.gathered:
-            by_dtype[p.policy.reduce_dtype].append(p)
+        gather = 0
+        if self.gathered:  # the path the forward all-gather of every member takes
+            plan = self._gather_plan(self.gathered, self.layout)
+            gather = self._gather_path(plan, False).pool_bytes(self, self.gathered, self.layout)
+        cpu = all(p.local_shard().device.type == "cpu" for p in self.gathered)
         reduce = 0
-        for dtype, params in by_dtype.items():
-            rows = k if k == 2 else 2 * k  # the packed input (and for K > 2 the [K, n] received pieces)
-            plain = all(p.policy.grad_quant is None for p in params)
-            if plain and zero_copy_reduce.applies(params, self.reduce_shard_pg, config.current().gloo_reduce_scatter,
-                                                  self.driver.reduce_scatter_comm, self.hpz):
-                rows = 0 if k == 2 else k  # no packed input; for K > 2 the [K, n] staging buffer
-            reduce += reduce_scatter_offsets([p.layout for p in params])[1] * dtype.itemsize * rows
+        for (whole, dtype, wire), params in self._reduce_sets(self.gathered).items():
+            plan = None if whole else self._reduce_plan(tuple(params), wire)
+            reduce += self._reduce_path(plan, whole, wire, cpu).pool_bytes(self, params, dtype, wire)
         return gather + reduce
 
     def trainable(self) -> list[ShardedParam]:
@@ -314,37 +318,19 @@ class ParamGroup:
         layout = self._layout_for(members)
         # hpZ: the rows kept after forward serve only an all-gather of the same members (same layout)
         secondary = self.hpz is not None and self.hpz.usable(fresh and layout is self._hpz_layout, self.pool)
-        if secondary:  # hpZ: the rows kept after forward, all-gathered over the secondary group
-            rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather,
-                                   self.driver.all_gather_comm)
-            self._pending_gather = (None, rows, members, layout)
-            return
-        if self.offload_hook is not None:
+        path = self._gather_path(self._gather_plan(members, layout), secondary)
+        if path.reads_shards and self.offload_hook is not None:
             self.offload_hook()
-        algorithm = config.current().gloo_all_gather
-        if (zero_copy.wanted(algorithm, self.driver.all_gather_comm, self.hpz)
-                and self._gather_plan(members, layout).zero_copy):
-            rows = zero_copy.start(members, self.shard_pg, layout.slot_bytes, self._what)
-            if rows is not None:  # None: a local shard is not on the CPU (the row path below)
-                self._pending_gather = (None, rows, members, layout)
-                return
-        device = members[0].local_shard().device
-        pool = self.pool
-        send = pool.take(layout.slot_bytes, device)
-        dsts, srcs = [], []
-        for p, offsets in zip(members, layout.offsets):
-            if p.plain:  # the local shard in the parameter's own dim order (padding left as it is)
-                pair = p.send_pair(send.narrow(0, offsets[0], p.pieces[0].nbytes).view(p.pieces[0].dtype))
-                if pair is not None:
-                    dsts.append(pair[0])
-                    srcs.append(pair[1])
-            else:
-                p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
-                                           gloo=algorithm, comm=self.driver.all_gather_comm)
-        self._pending_gather = (send, rows, members, layout)
+        self._pending_gather = path.start(self, members, layout)
+
+    def _gather_path(self, plan: _GatherPlan, secondary: bool):
+        """The all-gather path of ``plan``'s member set now (``paths.choose``), chosen once per facts."""
+        facts = GatherFacts(secondary, self.call.all_gather_comm is not None, config.current().gloo_all_gather,
+                            self.hpz is not None, plan.zero_copy, plan.quantized)
+        path = plan.paths.get(facts)
+        if path is None:
+            path = plan.paths[facts] = choose.gather_path(facts)
+        return path
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
@@ -356,54 +342,17 @@ class ParamGroup:
     def _wait_unshard(self) -> None:
         if self._pending_gather is None:
             return
-        send, rows, members, layout = self._pending_gather
-        self._pending_gather = None
-        rows.wait()
-        if rows.segments is None:  # zero-copy (runtime/zero_copy.py): the pieces arrived in the buffers
-            self._alive = True
-            return
-        # hpZ: the secondary shard, for the backward all-gather; useless when the gather refreshed stage-1/2
-        # copies (the backward's members, the stage-3 ones, then have another layout)
+        gather, self._pending_gather = self._pending_gather, None
+        gather.path.finish(self, gather)
+        self._alive = True
+
+    def keep_secondary(self, rows, members: list[ShardedParam], layout: GroupLayout) -> None:
+        """hpZ: keep this rank's secondary rows of a finished forward all-gather (``rows``), for the backward
+        all-gather; useless when the gather refreshed stage-1/2 copies (the backward's members, the stage-3
+        ones, then have another layout)."""
         if self.hpz is not None and self.state is TrainingState.FORWARD and not any(p.kept for p in members):
             self.hpz.keep(rows.segments, self.pool)
             self._hpz_layout = layout
-        k = self.num_shards
-        targets: list[list[torch.Tensor]] = []
-        for p in members:
-            if p.plain:
-                targets.append([p.alloc()])
-            else:
-                targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
-        order = layout.order
-        _, sizes, scattered, any_scattered = self._gather_plan(members, layout)
-        for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
-            if not any_scattered:  # every piece lands as bytes: one split copy
-                torch.split_with_sizes_copy(seg, sizes, dim=1,
-                                            out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
-                continue
-            # Shard(d > 0) pieces are copied into their slices of the contiguous unsharded tensor: as many
-            # bytes as the split copy, strided; all pieces in one foreach copy
-            dsts, srcs = [], []
-            for i, j in order:
-                src = seg.narrow(1, layout.offsets[i][j], layout.pieces[i][j].nbytes)
-                if scattered[i]:
-                    dtype = layout.pieces[i][j].dtype
-                    if src.stride(0) % dtype.itemsize:  # a slot of quantized bytes left the rows unaligned
-                        src = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
-                    pairs = members[i].copy_out_pairs(src.view(dtype), first)
-                else:
-                    pairs = [(targets[i][j].narrow(0, first, seg.shape[0]), src)]
-                dsts += [d for d, _ in pairs]
-                srcs += [s for _, s in pairs]
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-        for p, pieces in zip(members, targets):
-            if not p.plain:
-                p.unpack(pieces)
-        for buffer in (send, *rows.buffers):
-            if buffer is not None:
-                self.pool.give_back(buffer)
-        self._alive = True
 
     # -- which parameters an all-gather carries (ZeRO stages, perparam/runtime/zero.py) ----------------------
     def _gather_members(self, versions: tuple[int, ...], fresh: bool) -> list[ShardedParam] | None:
@@ -465,7 +414,7 @@ class ParamGroup:
             scattered = [p.plain and not p.layout.wire_is_layout for p in members]
             plan = self._plans[id(layout)] = _GatherPlan(
                 zero_copy.eligible(members, self.shard_pg), [layout.pieces[i][j].nbytes for i, j in layout.order],
-                scattered, any(scattered))
+                scattered, any(scattered), any(not p.plain for p in members), {})
         return plan
 
     def free(self, keep_secondary: bool = False) -> None:
@@ -556,57 +505,47 @@ class ParamGroup:
         held = self.driver.held_unsynced
         return [p for p in self.mesh_params if p.sharded.requires_grad or (held and id(p) in held)]
 
+    def _reduce_sets(self, params) -> dict[tuple, list[ShardedParam]]:
+        """``params`` split into the sets reduced together, in order: keyed (whole, reduce dtype, wire
+        format); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter per
+        (reduce dtype, ``grad_quant``; none on one rank: nothing on the wire to quantize)."""
+        sets: dict[tuple, list] = defaultdict(list)
+        for p in params:
+            whole = not p.layout.gathered or p.policy.whole_grad
+            wire = None if whole or self.num_shards == 1 else p.policy.grad_quant
+            sets[whole, p.policy.reduce_dtype, wire].append(p)
+        return sets
+
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
-        """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""
-        sharded: dict[tuple, list] = defaultdict(list)  # (reduce dtype, grad_quant): one reduce-scatter each
-        replicated: dict[torch.dtype, list] = defaultdict(list)
+        """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``): the reduce-scatters first,
+        then the whole-gradient all-reduces, each through its path (``paths.choose``)."""
+        grads = {}
         for p in trainable:
             grad = p.take_unsharded_grad(keep=False)
-            used = grad is not None
-            if not used:
-                grad = p.zero_grad_for_reduce()
-            whole = not p.layout.gathered or p.policy.whole_grad  # replicated, or stage 1: all-reduced
-            if whole:
-                replicated[p.policy.reduce_dtype].append((p, grad, used))
-            else:  # one rank: nothing on the wire to quantize
-                sharded[p.policy.reduce_dtype, p.policy.grad_quant if self.num_shards > 1 else None].append(
-                    (p, grad, used))
+            grads[id(p)] = (grad, True) if grad is not None else (p.zero_grad_for_reduce(), False)
+        sets = sorted(self._reduce_sets(trainable).items(), key=lambda item: item[0][0])  # stable: whole last
         pending = []
-        for (dtype, wire), items in sharded.items():
-            params, grads, used = zip(*items)
-            if wire is not None:  # low-precision reduce-scatter (ZeRO++ qgZ): perparam/runtime/grad_quant.py
-                item = grad_quant.issue(self, params, grads, used, dtype, wire)
-                item.part = self
-                pending.append(item)
-                continue
-            comm = self.driver.reduce_scatter_comm
-            plan = self._reduce_plan(params)
-            if (plan.zero_copy and zero_copy_reduce.wanted(config.current().gloo_reduce_scatter, comm, self.hpz)
-                    and zero_copy_reduce.on_cpu(grads)):  # no packing: perparam/runtime/zero_copy_reduce.py
-                item = zero_copy_reduce.issue(self, params, grads, used, dtype, plan)
-                item.part = self
-                pending.append(item)
-                continue
-            flags = used_flags(used, dtype, grads[0].device)
-            # [K, sum(padded_local_numel) + len(params)]
-            send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
-            offsets, total = plan.offsets, plan.total
-            recv = (comm.allocate((total,), dtype=dtype, device=send.device) if comm is not None
-                    else send.new_empty(total))
-            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
-                                                  what=f"{self._what} [{dtype}]", pool=self.pool,
-                                                  gloo=config.current().gloo_reduce_scatter, comm=comm)
-            pending.append(PendingReduce(work, send, recv, params, offsets, part=self, used=used))
-        for dtype, items in replicated.items():
-            params, grads, used = zip(*items)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), used_flags(used, dtype, grads[0].device)])
-            # asynchronous like the reduce-scatters, and queued with them: a rank must never wait for a
-            # reduction in backward, and the all-reduce over the replicate axis that follows is issued
-            # from the queue in issue order, as the sharded reductions' are (same order on every rank)
-            work = collectives.all_reduce_sum(flat, self.reduce_shard_pg, async_op=True,
-                                              what=f"{self._what} replicated [{dtype}]")
-            pending.append(PendingReduce(work, None, flat, params, (), replicated=True, part=self, used=used))
+        for (whole, dtype, wire), members in sets:
+            params = tuple(members)
+            tensors, used = zip(*(grads[id(p)] for p in params))
+            plan = None if whole else self._reduce_plan(params, wire)
+            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors))
+            item = path.issue(self, params, tensors, used, dtype, plan)
+            item.part = self
+            pending.append(item)
         return pending
+
+    def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool):
+        """The reduction path of ``plan``'s parameter set now (``paths.choose``), chosen once per facts."""
+        facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
+                            config.current().gloo_reduce_scatter, self.hpz is not None,
+                            plan is not None and plan.zero_copy, cpu)
+        if plan is None:
+            return choose.reduce_path(facts)
+        path = plan.paths.get(facts)
+        if path is None:
+            path = plan.paths[facts] = choose.reduce_path(facts)
+        return path
 
     @torch.no_grad()
     def advance_reduce(self, item: PendingReduce, block: bool) -> bool:
@@ -621,7 +560,7 @@ class ParamGroup:
         part = item.part if item.part is not None else self
         return part._advance(item, block)
 
-    def _reduce_plan(self, params: tuple[ShardedParam, ...]) -> ReducePlan:
+    def _reduce_plan(self, params: tuple[ShardedParam, ...], wire=None) -> ReducePlan:
         """What never changes for a reduction of ``params`` (a sub-tuple of ``mesh_params``, in order; one
         reduce dtype): offsets, this rank's views of the output, zero-copy eligibility and per-rank row
         sizes. Built once per parameter set (the trainable set may change between steps: another key); the
@@ -632,7 +571,7 @@ class ParamGroup:
         plan = self._reduce_plans.get(params)
         if plan is None:
             zero = self.num_shards > 1 and zero_copy_reduce.eligible(params, self.reduce_shard_pg)
-            plan = self._reduce_plans[params] = reduce_plan(params, zero, collectives.zero_gaps)
+            plan = self._reduce_plans[params] = reduce_plan(params, zero, collectives.zero_gaps, wire)
         return plan
 
     def _advance(self, item: PendingReduce, block: bool) -> bool:

@@ -82,6 +82,9 @@ class ReducePlan(NamedTuple):
     rank_numels: tuple[tuple[int, ...], ...]
     #: zero-copy only: the output's runs of padding, ``(start, length)`` (``collectives.zero_gaps``)
     gaps: tuple[tuple[int, int], ...]
+    wire: object = None  # the ``GradQuant`` of a low-precision reduction (qgZ), or None
+    #: the path chosen for this set (``paths.choose.reduce_path``), per ``ReduceFacts`` read at a reduction
+    paths: dict | None = None
 
     def targets(self, recv: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``recv`` (the reduction's output, ``[total]``): each parameter's rows on this rank, in
@@ -89,11 +92,11 @@ class ReducePlan(NamedTuple):
         return [recv.narrow(0, offset, numel).view(shape) for offset, numel, shape in self.views]
 
 
-def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None) -> ReducePlan:
+def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None, wire=None) -> ReducePlan:
     """The ``ReducePlan`` of ``params`` (in the reduction's order); ``zero_copy``: their reduction may run
     zero-copy (``zero_copy_reduce.eligible``: every parameter plain ``Shard(0)``), so the per-rank row
     sizes are worked out too; ``gaps``: a function of (offsets, this rank's numels, total) giving the
-    output's padding runs (``collectives.zero_gaps``), for the zero-copy path."""
+    output's padding runs (``collectives.zero_gaps``), for the zero-copy path; ``wire``: qgZ's format."""
     offsets, total = reduce_scatter_offsets([p.layout for p in params])
     views = []
     for p, offset in zip(params, offsets):
@@ -110,7 +113,7 @@ def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None) ->
         if gaps is not None:
             own = [numel for _, numel, _ in views] + [len(params)]
             runs = tuple(gaps([*offsets, total - len(params)], own, total))
-    return ReducePlan(offsets, total, tuple(views), zero_copy, tuple(rank_numels), runs)
+    return ReducePlan(offsets, total, tuple(views), zero_copy, tuple(rank_numels), runs, wire, {})
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,
