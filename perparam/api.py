@@ -270,7 +270,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         islands.install(island)
     group.islands = island_list
     registration.watch(group, ignored, on_move=_set_up_places)
-    offload_tier.attach(sharded_params, modules, owner, scratches)
+    group.offload_hook = offload_tier.attach(sharded_params, modules, owner, scratches)
     return module
 
 

@@ -38,7 +38,7 @@ def _parts(rank: int, world_size: int) -> dict:
     perparam.fully_shard(experts, mesh=dp, param_policy={"*": ParamPolicy(mesh=edp)})
     group = group_of(experts)
     calls = []
-    group.offload_hook = lambda: calls.append(1)
+    group.offload_hook = calls.append  # called with RuntimeConfig.gather_read_ahead
     group.unshard()
     group.reshard()
     out = {"sizes": [len(part.mesh_params) for part in group.parts], "hook_calls": len(calls),

@@ -67,7 +67,9 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None
-        self.offload_hook = None  # perparam.offload.tier: reads disk-tier shards in before an all-gather packs them
+        #: ``hook(read_ahead)`` from ``perparam.offload.tier.attach``: reads disk-tier shards in before an
+        #: all-gather of any mesh packs them (``RuntimeConfig.gather_read_ahead`` groups ahead too)
+        self.offload_hook = None
         self.registered_unsharded = False
         self.hpz_given = None  # the one fully_shard made (set_reshard_after_forward(None) restores it)
         self.name = ", ".join(type(m).__name__ for m in modules)

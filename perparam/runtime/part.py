@@ -152,7 +152,7 @@ class MeshPart(Reductions):
         secondary = self.hpz is not None and self.hpz.usable(fresh and layout is self._hpz_layout, self.pool)
         path = self._gather_path(self._gather_plan(members, layout), secondary)
         if path.reads_shards and self.call.offload_hook is not None:
-            self.call.offload_hook()
+            self.call.offload_hook(config.current().gather_read_ahead)
         self._pending_gather = path.start(self, members, layout)
 
     def _gather_path(self, plan: _GatherPlan, secondary: bool):
