@@ -100,7 +100,7 @@ class MeshPart(Reductions):
     @property
     def _what(self) -> str:
         """How collectives and errors name the part: the call's index, path below the root and classes, the
-        mesh (a companion's), the parameters (the index tells apart groups of equal classes and shapes in
+        mesh (another mesh's part), the parameters (the index tells apart groups of equal classes and shapes in
         debug mode). Built again only when the path is set or a parameter moved (``registration.move``
         renames it and bumps the registration generation): every collective names its group."""
         call = self.call

@@ -32,7 +32,7 @@ class PendingReduce:
     stage: int = 0  # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
-    part: object = None  # the ParamGroup of the mesh it runs on (a companion, for a parameter's own mesh)
+    part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
     used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
 
@@ -68,7 +68,7 @@ def used_flags(used: tuple[bool, ...], dtype: torch.dtype, device: torch.device)
 
 
 class ReducePlan(NamedTuple):
-    """What never changes for the reduction of one set of parameters (``ParamGroup._reduce_plan``): pure
+    """What never changes for the reduction of one set of parameters (``MeshPart._reduce_plan``): pure
     functions of their layouts and shard ranks, fixed at ``fully_shard``, so built once per parameter set
     (the set itself may change between steps: a parameter frozen or unfrozen makes another set)."""
 
