@@ -51,8 +51,6 @@ class ParamGroup:
         self.params = params
         self.mesh = mesh
         self.mp_policy = mp_policy
-        self.num_shards = mesh.size(mesh.ndim - 1)
-        self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.reshard_after_forward = reshard_after_forward
         # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -93,7 +91,16 @@ class ParamGroup:
         self.parts = [MeshPart(self, mesh, own, self.index),
                       *(MeshPart(self, other, members, next_group_index()) for other, members in others)]
 
-    # The call's own mesh's part, as the call's: what it gathers, its layout, its stage-1/2 copies, hpZ.
+    # The call's own mesh's part, as the call's: its mesh's sizes, what it gathers, its layout, its stage-1/2
+    # copies, hpZ.
+    @property
+    def num_shards(self) -> int:
+        return self.parts[0].num_shards
+
+    @property
+    def num_replicas(self) -> int:
+        return self.parts[0].num_replicas
+
     @property
     def gathered(self) -> list[ShardedParam]:
         return self.parts[0].gathered

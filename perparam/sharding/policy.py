@@ -317,14 +317,15 @@ def check_zero_stage(name: str, pp: ParamPolicy) -> int:
     return stage
 
 
-def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
+def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, ndim: int,
             offload: OffloadPolicy | None = None) -> ResolvedPolicy:
     """Combine the call's ``MixedPrecisionPolicy`` (and ``offload``, the call's ``offload_policy``) with
-    ``param``'s ``ParamPolicy`` override.
+    ``param``'s ``ParamPolicy`` override ``pp``, already picked from the call's ``param_policy``
+    (``_pick``, by ``resolution.resolve_param``: the one place a policy is picked); ``None``: none.
 
     Raises ``PolicyError`` naming ``name`` for a policy that cannot apply.
     """
-    pp = _pick(name, param, param_policy) or ParamPolicy()
+    pp = pp or ParamPolicy()
     if not isinstance(pp, ParamPolicy):
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
     zero_stage = 3 if pp.zero_stage is None else pp.zero_stage  # checked by resolution.resolve_param
