@@ -8,8 +8,8 @@ buffers (``gather_zero_copy.ZeroCopyGather``). A reduction (``reduce.ReducePath`
 (``CustomReduceScatter``), the zero-copy one (``reduce_zero_copy.ZeroCopyReduceScatter``), qgZ's all-to-all
 (``reduce_qgz.QgzAllToAll``) or the whole-gradient all-reduce (``reduce_whole.WholeAllReduce``).
 
-``gather.choose`` and ``reduce.choose`` are the only places a path is picked: each walks its table of
-``(rule, path)`` rows (``GATHER_RULES``, ``REDUCE_RULES``), first match wins, over the facts of one set of
+``choose.gather_path`` and ``choose.reduce_path`` are the only places a path is picked: each walks its
+table of ``(rule, path)`` rows (``GATHER_RULES``, ``REDUCE_RULES``), first match wins, over the facts of one set of
 parameters (what is fixed at ``fully_shard``, kept in the group's plans) and of the moment (settings,
 devices). A new path is one file plus one row of a table. What a path never does: choose the members of
 an all-gather (the ZeRO stages, ``MeshPart._gather_members``) or finish a reduction (HSDP all-reduce,
