@@ -18,7 +18,6 @@ reported with the rank that holds it.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from perparam.sharding.placement import placement_str as one_placement_str
 from perparam.sharding.resolution import ParamResolution, aliases_of, buffer_dtypes, resolve_params
 
 from .factory import build_on_meta, call_factory, import_object, resolve_factory  # noqa: F401 (re-exported)
+from .formulas import kept_bytes
 
 #: Dtype names accepted by ``--dtype`` ("model" keeps each parameter's own dtype).
 DTYPES = {
@@ -296,16 +296,6 @@ def plan_module(
     )
     return ModelPlan(model_name, world_size, tuple(plans), grad_bytes, optim_bytes, per_rank, unsharded,
                      nominal_params, tp)
-
-
-def kept_bytes(layout: ShardLayout, policy) -> int:
-    """Bytes of the unsharded copy a stage-1/2 parameter keeps on every rank (``ParamPolicy.zero_stage``):
-    its padded buffer (``layout.buffer_shape``, K chunks) in ``param_dtype``; 0 for stage 3 and
-    replicated parameters. Counted in the P row: with it, a stage-1/2 rank holds P (this copy, in the
-    compute dtype) plus its shard, the optimizer's copy (P/K in the stored dtype)."""
-    if not policy.keeps_unsharded:
-        return 0
-    return math.prod(layout.buffer_shape) * policy.param_dtype.itemsize
 
 
 def plan_model(
