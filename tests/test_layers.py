@@ -221,8 +221,8 @@ DIST_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_g
                     "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
                     "scatter_object_list", "send"}
 #: perparam.comm's issuing functions
-COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_reduce_sum", "exchange_rows", "reduce_scatter_in_place",
-                "reduce_scatter_sum"}
+COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", "all_reduce_sum", "exchange_rows",
+                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum"}
 #: where a collective may be issued (CONTRIBUTING, "Where collectives are issued"): comm/ issues them
 #: through torch.distributed; the paths (runtime/paths/) and the path mechanisms they call, and the common
 #: tail of a reduction (the HSDP all-reduce), issue them through comm/; the face's exceptions talk to
@@ -236,7 +236,9 @@ ISSUE_COMM = {"perparam.runtime.paths": "the paths",
               "perparam.runtime.grad_quant": "qgZ (paths.reduce_qgz)",
               "perparam.runtime.hpz": "hpZ's secondary all-gather (paths.gather_rows.HpzSecondary)",
               "perparam.runtime.part_reduce": "a reduction's common tail: the HSDP all-reduce",
-              "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced"}
+              "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced",
+              "perparam.runtime.owner_step": "whole-matrix optimizers: the owner gather and scatter at the step",
+              "perparam.runtime.owner_state": "whole-matrix optimizers: their state moved for a checkpoint"}
 #: module-level names a core function rebinds (``global``): state, none of them a switch of how perparam
 #: runs; the switches are ``RuntimeConfig`` fields (``perparam.configure``), and ``set_debug`` the one
 #: exception (comm/ is below the runtime's config; the checks change no result)
@@ -255,10 +257,14 @@ def _within(module: str, homes) -> bool:
 
 
 def collectives_issued(tree: ast.AST) -> list[tuple[str, int]]:
-    """``dist.X(...)`` / ``torch.distributed.X(...)`` for a collective X, and ``collectives.Y(...)`` for one of
-    comm's issuing functions, with their lines."""
+    """``dist.X(...)`` / ``torch.distributed.X(...)`` for a collective X, and ``collectives.Y(...)`` (or ``Y(...)``
+    imported from it) for one of comm's issuing functions, with their lines."""
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").split(".")[-1] == "collectives" for a in node.names if a.name in COMM_ISSUERS}
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported:
+            found.append((f"collectives.{node.func.id}", node.lineno))
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         owner, name = ast.unparse(node.func.value), node.func.attr
@@ -281,8 +287,10 @@ def test_collectives_are_issued_only_in_comm_the_paths_and_the_stated_exceptions
 
 
 def test_the_collective_reader_sees_both_spellings():
-    tree = ast.parse("def f(x, g):\n    dist.all_reduce(x)\n    collectives.all_reduce_sum(x, g)\n    x.sum()\n")
-    assert collectives_issued(tree) == [("dist.all_reduce", 2), ("collectives.all_reduce_sum", 3)]
+    tree = ast.parse("from ..comm.collectives import exchange_uneven\ndef f(x, g):\n    dist.all_reduce(x)\n"
+                     "    collectives.all_reduce_sum(x, g)\n    exchange_uneven(x)\n    x.sum()\n")
+    assert sorted(collectives_issued(tree), key=lambda c: c[1]) == [
+        ("dist.all_reduce", 3), ("collectives.all_reduce_sum", 4), ("collectives.exchange_uneven", 5)]
 
 
 def _rebinds(tree: ast.AST) -> set[str]:
