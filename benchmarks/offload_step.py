@@ -7,7 +7,7 @@ time of each and, for the disk runs, the I/O thread's read and write-back second
 seconds per step the training thread waited for them (hidden = 1 - waited / (read + write-back)), and the
 seconds per step spent issuing all-gathers (``ParamGroup.start_unshard``: packing the shards, where an
 evicted shard is read, by a page fault or by waiting for the tier's read-ahead). "disk all, no gather
-read-ahead" is "disk all" with ``perparam.offload.tier.GATHER_READ_AHEAD = 0`` (the shards read by page
+read-ahead" is "disk all" with ``perparam.configure(gather_read_ahead=0)`` (the shards read by page
 faults when the backward all-gathers pack them): the pair gives what the read-ahead behind the backward
 prefetch saves.
 
@@ -49,10 +49,9 @@ def _timed_start_unshard():
 def run(offload, args, read_ahead: int = 2) -> tuple[list[float], dict]:
     import perparam
     from perparam import fully_shard
-    from perparam.offload import tier
 
     _timed_start_unshard()
-    tier.GATHER_READ_AHEAD = read_ahead
+    perparam.configure(gather_read_ahead=read_ahead)
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))

@@ -73,6 +73,8 @@ FAST = (
     "test_cast_preserves_inputs.py", "test_finetune_units.py", "test_finetune_gguf.py",
     "test_quantizers.py",
     "test_memory_plan.py::test_plan_matches_layout_per_parameter",
+    "test_paths.py::test_the_all_gather_chooser_takes_the_first_rule_that_holds",
+    "test_paths.py::test_the_reduction_chooser_takes_the_first_rule_that_holds",
     # one process per rank through torch's fake process group
     "test_empty_shard_properties.py",
     # one parity (or count) test per feature, on gloo ranks

@@ -207,3 +207,124 @@ def test_the_checks_see_an_upward_import_hidden_in_a_function():
     tree = ast.parse("def f():\n    from ..runtime import group\n")
     assert imports_of("perparam.sharding.layout", tree) == [("perparam.runtime.group", 2)]
     assert "runtime" not in ALLOWED[part_of("perparam.sharding.layout")]
+
+
+# -- CONTRIBUTING's rules, read from the source ---------------------------------------------------------
+#: the core: every file of perparam/ but the main job's (perparam/finetune/, a user of perparam)
+CORE = {m: p for m, p in MODULES.items() if part_of(m) != "finetune"}
+MAX_CORE_LINES = 400
+
+#: torch.distributed calls that move bytes between ranks
+DIST_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
+                    "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
+                    "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "monitored_barrier", "recv",
+                    "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
+                    "scatter_object_list", "send"}
+#: perparam.comm's issuing functions
+COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", "all_reduce_sum", "exchange_rows",
+                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum"}
+#: where a collective may be issued (CONTRIBUTING, "Where collectives are issued"): comm/ issues them
+#: through torch.distributed; the paths (runtime/paths/) and the path mechanisms they call, and the common
+#: tail of a reduction (the HSDP all-reduce), issue them through comm/; the face's exceptions talk to
+#: torch.distributed themselves, each for a reason of its own
+ISSUE_DIST = {"perparam.comm": "the collectives",
+              "perparam.checkpoint": "ranks agree on what a save writes (all_gather_object), barriers",
+              "perparam.full_state": "a full state dict gathered or broadcast one tensor at a time"}
+ISSUE_COMM = {"perparam.runtime.paths": "the paths",
+              "perparam.runtime.zero_copy": "the zero-copy all-gather (paths.gather_zero_copy)",
+              "perparam.runtime.zero_copy_reduce": "the zero-copy reduce-scatter (paths.reduce_zero_copy)",
+              "perparam.runtime.grad_quant": "qgZ (paths.reduce_qgz)",
+              "perparam.runtime.hpz": "hpZ's secondary all-gather (paths.gather_rows.HpzSecondary)",
+              "perparam.runtime.part_reduce": "a reduction's common tail: the HSDP all-reduce",
+              "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced",
+              "perparam.runtime.owner_step": "whole-matrix optimizers: the owner gather and scatter at the step",
+              "perparam.runtime.owner_state": "whole-matrix optimizers: their state moved for a checkpoint"}
+#: module-level names a core function rebinds (``global``): state, none of them a switch of how perparam
+#: runs; the switches are ``RuntimeConfig`` fields (``perparam.configure``), and ``set_debug`` the one
+#: exception (comm/ is below the runtime's config; the checks change no result)
+REBOUND = {("perparam.runtime.config", "_current"): "the RuntimeConfig itself",
+           ("perparam.comm.debug", "_enabled"): "set_debug", ("perparam.comm.debug", "_timeout_s"): "set_debug",
+           ("perparam.runtime.adopt", "_generation"): "a counter", ("perparam.runtime.adopt", "_pre_hook"): "a hook handle",
+           ("perparam.api", "_WARNED_LOW_PRECISION"): "warned once",
+           ("perparam.checkpoint_async", "_GROUP"): "the writer's process group",
+           ("perparam.checkpoint_async", "_EXECUTOR"): "the writer thread",
+           ("perparam.offload.tier", "_order"): "the last forward's order", ("perparam.offload.tier", "_current"): "this one's",
+           ("perparam.offload.mapped", "_EXECUTORS"): "the I/O threads", ("perparam.offload.mapped", "_libc"): "libc"}
+
+
+def _within(module: str, homes) -> bool:
+    return any(module == h or module.startswith(h + ".") for h in homes)
+
+
+def collectives_issued(tree: ast.AST) -> list[tuple[str, int]]:
+    """``dist.X(...)`` / ``torch.distributed.X(...)`` for a collective X, and ``collectives.Y(...)`` (or ``Y(...)``
+    imported from it) for one of comm's issuing functions, with their lines."""
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").split(".")[-1] == "collectives" for a in node.names if a.name in COMM_ISSUERS}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported:
+            found.append((f"collectives.{node.func.id}", node.lineno))
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner, name = ast.unparse(node.func.value), node.func.attr
+        if owner in ("dist", "torch.distributed") and name in DIST_COLLECTIVES:
+            found.append((f"dist.{name}", node.lineno))
+        elif owner == "collectives" and name in COMM_ISSUERS:
+            found.append((f"collectives.{name}", node.lineno))
+    return found
+
+
+def test_collectives_are_issued_only_in_comm_the_paths_and_the_stated_exceptions():
+    wrong = []
+    for module, path in CORE.items():
+        for call, line in collectives_issued(ast.parse(path.read_text())):
+            homes = ISSUE_DIST if call.startswith("dist.") else ISSUE_COMM
+            if not _within(module, homes):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {call}")
+    assert not wrong, ("collectives issued outside comm/ and the paths (CONTRIBUTING lists the exceptions):\n"
+                       + "\n".join(wrong))
+
+
+def test_the_collective_reader_sees_both_spellings():
+    tree = ast.parse("from ..comm.collectives import exchange_uneven\ndef f(x, g):\n    dist.all_reduce(x)\n"
+                     "    collectives.all_reduce_sum(x, g)\n    exchange_uneven(x)\n    x.sum()\n")
+    assert sorted(collectives_issued(tree), key=lambda c: c[1]) == [
+        ("dist.all_reduce", 3), ("collectives.all_reduce_sum", 4), ("collectives.exchange_uneven", 5)]
+
+
+def _rebinds(tree: ast.AST) -> set[str]:
+    return {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
+
+
+def _module_constants_set_from_outside(tree: ast.AST) -> list[tuple[str, int]]:
+    """``alias.NAME = ...`` with an upper-case ``NAME``: a module's constant changed from outside it."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.attr.lstrip("_").isupper():
+                found.append((ast.unparse(t), node.lineno))
+    return found
+
+
+def test_no_module_level_runtime_switch_outside_runtime_config():
+    rebound = sorted((m, n) for m, p in CORE.items() for n in _rebinds(ast.parse(p.read_text())))
+    assert [r for r in rebound if r not in REBOUND] == [], "module-level names rebound: make a switch a RuntimeConfig field"
+    benchmarks = PACKAGE.parent / "benchmarks"
+    set_outside = [f"{p.relative_to(PACKAGE.parent)}:{line}: {what}"
+                   for p in [*CORE.values(), *sorted(benchmarks.rglob("*.py"))]
+                   for what, line in _module_constants_set_from_outside(ast.parse(p.read_text()))]
+    assert not set_outside, "module constants set from outside (use perparam.configure):\n" + "\n".join(set_outside)
+
+
+def test_the_switch_reader_sees_a_constant_set_from_outside():
+    assert _module_constants_set_from_outside(ast.parse("tier.GATHER_READ_AHEAD = 0\nx.y = 1\n")) == [
+        ("tier.GATHER_READ_AHEAD", 1)]
+
+
+def test_core_files_are_under_400_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in CORE.values()
+            if (n := len(p.read_text().splitlines())) > MAX_CORE_LINES}
+    assert not long, f"core files over {MAX_CORE_LINES} lines (split them by responsibility): {long}"

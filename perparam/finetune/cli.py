@@ -29,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+from perparam import quant
 from perparam.finetune import lifecycle, loop_flags, lora, offload_flags
 from perparam.finetune.errors import FinetuneInputError, check_output_path
 from perparam.finetune.peers import PEER_LOST  # error texts of a collective whose peer died or timed out
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
                         "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora, unless this machine emulates bf16 "
                         "matmuls: then fp32, said in one line)")
-    parser.add_argument("--quant", choices=("none", "int8", "fp8", "nf4"), default="none", help="quantize the "
+    parser.add_argument("--quant", choices=("none", *quant.names()), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
     parser.add_argument("--grad-quant", default=None, metavar="[PATTERN=]KIND", help="send the gradient "
                         "reduce-scatter of the decoder layers' Linear weights (or the layer parameters PATTERN "

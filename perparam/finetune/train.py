@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from perparam import quant as _quant
 from perparam.finetune.errors import FinetuneInputError
 from perparam.finetune.model import Llama, LlamaConfig
 from perparam.memory.measure import shard_factor  # noqa: F401 (re-exported for the job's tests)
@@ -37,7 +38,7 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: ``--quant``: the quantizer (``perparam.quant``) of the decoder layers' Linear weights on the all-gather
 #: wire (communication only: the stored shards, the compute and the gradients are unchanged); nf4 sends
 #: 0.5625 bytes per element (4-bit codes + an fp32 scale per 64).
-QUANT_DTYPES = {"none": None, "int8": "int8", "fp8": "fp8", "nf4": "nf4"}
+QUANT_DTYPES = {"none": None, **{name: name for name in _quant.names()}}  # the registry's names
 #: The Linear weights of one decoder layer, named relative to the layer (the module of one
 #: ``fully_shard`` call): ``attn.{q,k,v,o}_proj.weight`` and ``mlp.{gate,up,down}_proj.weight``. Used only
 #: on the layers' calls (the root's call holds the embedding and final norm, which it would not match).

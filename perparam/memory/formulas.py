@@ -29,8 +29,13 @@ sends.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from perparam.sharding.layout import ShardLayout
 
 #: Bytes in one GB (decimal, as in the ZeRO paper and the textbook tables).
 GB = 10**9
@@ -337,3 +342,13 @@ def communication_table(
 ) -> list[StageCommunication]:
     """``stage_communication`` for every stage in ``STAGES``."""
     return [stage_communication(s, num_params, world_size, bytes_per_param) for s in STAGES]
+
+
+def kept_bytes(layout: ShardLayout, policy) -> int:
+    """Bytes of the unsharded copy a stage-1/2 parameter keeps on every rank (``ParamPolicy.zero_stage``):
+    its padded buffer (``layout.buffer_shape``, K chunks) in ``param_dtype``; 0 for stage 3 and
+    replicated parameters. Counted in the P row: with it, a stage-1/2 rank holds P (this copy, in the
+    compute dtype) plus its shard, the optimizer's copy (P/K in the stored dtype)."""
+    if not policy.keeps_unsharded:
+        return 0
+    return math.prod(layout.buffer_shape) * policy.param_dtype.itemsize

@@ -18,10 +18,8 @@ reported with the rank that holds it.
 
 from __future__ import annotations
 
-import importlib
-import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -38,6 +36,9 @@ from perparam.sharding.layout import ShardLayout
 from perparam.sharding.owners import NS_STEPS, OwnerPlan, plan_shapes
 from perparam.sharding.placement import placement_str as one_placement_str
 from perparam.sharding.resolution import ParamResolution, aliases_of, buffer_dtypes, resolve_params
+
+from .factory import build_on_meta, call_factory, import_object, resolve_factory  # noqa: F401 (re-exported)
+from .formulas import kept_bytes
 
 #: Dtype names accepted by ``--dtype`` ("model" keeps each parameter's own dtype).
 DTYPES = {
@@ -295,64 +296,6 @@ def plan_module(
     )
     return ModelPlan(model_name, world_size, tuple(plans), grad_bytes, optim_bytes, per_rank, unsharded,
                      nominal_params, tp)
-
-
-def kept_bytes(layout: ShardLayout, policy) -> int:
-    """Bytes of the unsharded copy a stage-1/2 parameter keeps on every rank (``ParamPolicy.zero_stage``):
-    its padded buffer (``layout.buffer_shape``, K chunks) in ``param_dtype``; 0 for stage 3 and
-    replicated parameters. Counted in the P row: with it, a stage-1/2 rank holds P (this copy, in the
-    compute dtype) plus its shard, the optimizer's copy (P/K in the stored dtype)."""
-    if not policy.keeps_unsharded:
-        return 0
-    return math.prod(layout.buffer_shape) * policy.param_dtype.itemsize
-
-
-def import_object(spec: str, flag: str, takes: str = "package.module:factory") -> object:
-    """The object ``package.module:attr`` (dotted attributes allowed) names, for command-line flag ``flag``.
-    Raises ``ValueError`` (saying what ``flag`` takes) when it cannot be imported or found, ``TypeError``
-    when it is not callable."""
-    hint = f"{flag} takes {takes}, importable from the current environment (check PYTHONPATH)"
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{flag} {spec!r}: expected {takes}; {hint}")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r} for {flag} {spec} ({exc}): {hint}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r} for {flag} {spec}: {hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{spec} ({flag}) is not callable")
-    return obj
-
-
-def resolve_factory(spec: str) -> tuple[Callable[[], nn.Module], str, int | None]:
-    """``(factory, description, nominal_params)`` for a preset name or a ``package.module:attr`` path."""
-    if spec in PRESETS:
-        preset = PRESETS[spec]
-        return preset.factory, preset.description, preset.nominal_params
-    if ":" not in spec:
-        raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) nor package.module:factory")
-    return import_object(spec, "--model"), spec, None
-
-
-def call_factory(spec: str, flag: str, want: type, what: str):
-    """Import ``spec`` (``import_object``), call it with no arguments and check it returned a ``want``."""
-    out = import_object(spec, flag)()
-    if not isinstance(out, want):
-        raise TypeError(f"{spec} ({flag}) returned {type(out).__name__}; it must return {what}")
-    return out
-
-
-def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    """Call ``factory()`` with the meta device as default: shapes and dtypes only, no storage."""
-    with torch.device("meta"):
-        module = factory()
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"the factory returned {type(module).__name__}, not an nn.Module")
-    return module
 
 
 def plan_model(

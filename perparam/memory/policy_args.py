@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from perparam.sharding import quant, quant_nf4  # noqa: F401 (importing quant_nf4 registers "nf4")
 from perparam.sharding.policy import ParamPolicy, QuantPolicy
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
-QUANTIZERS = ("int8", "fp8", "nf4")
+QUANTIZERS = tuple(quant.names())  # the registry's (``perparam.quant``)
 
 
 def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
@@ -67,9 +68,10 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
             fields["zero_stage"] = int(token[5:])  # 1, 2, 3: checked where fully_shard checks it
         else:
             raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, reduce=DTYPE, "
-                             "master=DTYPE, frozen, owner, int8/fp8/nf4, stored, replicate, shardD, auto, stageN, grad=int8/bf16")
+                             f"master=DTYPE, frozen, owner, {'/'.join(QUANTIZERS)}, stored, replicate, shardD, auto, stageN, "
+                             "grad=int8/bf16")
     if stored and quantizer is None:
-        raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token (int8, fp8 or nf4)")
+        raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token ({', '.join(QUANTIZERS)})")
     if quantizer is not None:
         fields["quant"] = QuantPolicy(quantizer, store_quantized=stored)
     return pattern, ParamPolicy(**fields)

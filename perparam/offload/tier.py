@@ -14,7 +14,7 @@ parameter's ``ParamOffload`` and installs:
   shards are fetched (and the next group's, in the last forward's order), after its forward evicted; and
   the group's ``ParamGroup.offload_hook``, called by every all-gather of the group (forward, backward,
   prefetch) before it packs the shards: it starts their reads and those of the next
-  ``GATHER_READ_AHEAD`` groups in the all-gathers' direction (backward: reverse forward order), so the
+  ``RuntimeConfig.gather_read_ahead`` groups in the all-gathers' direction (backward: reverse forward order), so the
   backward all-gathers find their shards read in behind the runtime's prefetch;
 * for ``state="all"`` on disk, the gradient shard of a trainable stage-2/3 parameter: a file reserved at
   ``fully_shard`` (``GradSlot``). The reduction (``ShardedParam.accumulate_sharded_grad``) makes a new
@@ -49,13 +49,6 @@ _hooks: list = []
 _STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
 _order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
-#: where ``fully_shard`` keeps a module's ``ParamGroup`` (``perparam.runtime.group.GROUP_ATTR``; read, not
-#: imported: this floor imports ``perparam.sharding`` only)
-_GROUP_ATTR = "_perparam_group"
-#: how many groups ahead (in the direction the all-gathers go) a group's all-gather starts the shard reads:
-#: the runtime prefetches one group ahead, so two keeps a read in flight behind each prefetch. 0: none
-#: (the kernel reads the pages when the all-gather packs them)
-GATHER_READ_AHEAD = 2
 
 
 class _Group(list):
@@ -206,14 +199,17 @@ def has_grad_file(policy) -> bool:
             and not policy.whole_grad)
 
 
-def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch]) -> None:
-    """File the offloaded parameters of one group (``params``: its ``ShardedParam``s) and install the
-    hooks; the disk tier's stored shards move into their files now (``check`` made sure they fit).
-    Raises ``OffloadError`` when a file cannot be made all the same."""
+def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch]):
+    """File the offloaded parameters of one group (``params``: its ``ShardedParam``s, every mesh's; each
+    gets its ``ShardedParam.offload``) and install the hooks; the disk tier's stored shards move into their
+    files now (``check`` made sure they fit). Returns the group's before-all-gather hook,
+    ``hook(read_ahead)`` (``fully_shard`` sets it as ``ParamGroup.offload_hook``; every mesh part calls it
+    before it packs shards, with ``RuntimeConfig.gather_read_ahead``), or ``None`` when no stored shard is
+    offloaded. Raises ``OffloadError`` when a file cannot be made all the same."""
     offloaded = [sp for sp in params if sp.policy.offload.tier == "disk"
                  or (sp.policy.offload.tier == "cpu" and sp.mesh_device.type != "cpu")]
     if not offloaded:
-        return
+        return None
     _install()
     group = _Group()
     for sp in offloaded:
@@ -232,12 +228,11 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
             group.append(po)
     if group:
         _groups[id(group)] = group
-        pg = next((m.__dict__[_GROUP_ATTR] for m in modules if _GROUP_ATTR in m.__dict__), None)
-        if pg is not None:
-            pg.offload_hook = lambda g=group: _before_gather(g)
         for m in modules:
             m.register_forward_pre_hook(lambda *_, g=group: _before_forward(g), prepend=True)
             m.register_forward_hook(lambda *_, g=group: _after_forward(g), always_call=True)
+        return lambda read_ahead, g=group: _before_gather(g, read_ahead)
+    return None
 
 
 def _read_ahead(po: ParamOffload) -> None:
@@ -269,24 +264,25 @@ def _fetch_shards(group) -> None:
             po.shard_slot.fetch()
 
 
-def _before_gather(group: _Group) -> None:
+def _before_gather(group: _Group, read_ahead: int) -> None:
     """Called by the group's all-gather before it packs the shards (forward, backward, prefetches): start
-    the reads of the group's stored shards (when none is on its way) and of the next ``GATHER_READ_AHEAD``
-    groups the all-gathers will reach: in backward the ones that ran before it in this iteration's
+    the reads of the group's stored shards (when none is on its way) and of the next ``read_ahead``
+    groups the all-gathers will reach (``RuntimeConfig.gather_read_ahead``; 0: none, the kernel reads the
+    pages when the all-gather packs them): in backward the ones that ran before it in this iteration's
     forward, in forward the ones that ran after it in the last forward. Nothing waits here: a page the
     packing touches before its read is done is read by the kernel (waiting behind the one I/O thread's
     queue of write-backs was measured slower than that)."""
-    if GATHER_READ_AHEAD <= 0:
+    if read_ahead <= 0:
         return
     key = id(group)
     backward = torch._C._current_graph_task_id() != -1
     if backward and key in _current:
         i = _current.index(key)
-        ahead = _current[max(0, i - GATHER_READ_AHEAD):i][::-1]
+        ahead = _current[max(0, i - read_ahead):i][::-1]
     else:
         order = _order if key in _order else _current
         i = order.index(key) if key in order else len(order)
-        ahead = order[i + 1:i + 1 + GATHER_READ_AHEAD]
+        ahead = order[i + 1:i + 1 + read_ahead]
     _fetch_shards(group)
     for other in ahead:
         _fetch_shards(_groups.get(other, ()))

@@ -39,6 +39,10 @@ class RuntimeConfig:
     native ones.
     ``local_optimizer_step``: ``torch.optim.SGD``/``Adam``/``AdamW`` steps on perparam parameters run on
     their local shards, without DTensor dispatch (bitwise the same update; ``perparam.runtime.local_step``).
+    ``gather_read_ahead``: how many groups ahead (in the direction the all-gathers go) a disk-tier group's
+    all-gather starts the shard reads (``perparam.offload.tier``): the runtime prefetches one group ahead,
+    so 2 keeps a read in flight behind each prefetch; 0: none (the kernel reads the pages when the
+    all-gather packs them).
 
     Raises ``ValueError`` naming the field for a value outside these."""
 
@@ -46,11 +50,15 @@ class RuntimeConfig:
     gloo_all_gather: str = "zero_copy"
     gloo_reduce_scatter: str = "zero_copy"
     local_optimizer_step: bool = True
+    gather_read_ahead: int = 2
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "local_optimizer_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"perparam.configure: {name} must be True or False, got {getattr(self, name)!r}")
+        ahead = self.gather_read_ahead
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"perparam.configure: gather_read_ahead must be an int >= 0, got {ahead!r}")
         for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
                               ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS)):
             value = getattr(self, name)

@@ -206,10 +206,8 @@ def issue(group, params: tuple[ShardedParam, ...], grads: tuple[torch.Tensor, ..
           used: tuple[bool, ...], dtype: torch.dtype, gq: GradQuant) -> PendingReduce:
     """Start the low-precision reduce-scatter of ``params`` (their gradients ``grads`` in ``dtype``, the
     reduce dtype, shard dim first; ``used``: this rank had a gradient for it) over the group's shard axis;
-    the reduction's ``recv`` is the plain reduce-scatter's ``[n + flags]`` piece, filled at ``wait()``."""
-    if group.reduce_scatter_comm is not None:  # set_custom_reduce_scatter checks it too
-        raise RuntimeError(f"perparam: {group._what} has a custom reduce-scatter and grad_quant parameters "
-                           f"({', '.join(p.fqn for p in params)}); drop one of the two")
+    the reduction's ``recv`` is the plain reduce-scatter's ``[n + flags]`` piece, filled at ``wait()``. A
+    custom reduce-scatter is refused before (``paths.reduce_qgz``)."""
     k, pool = group.num_shards, group.pool
     layouts = [p.layout for p in params]
     wire = grad_wire([lay.padded_local_numel for lay in layouts], gq)

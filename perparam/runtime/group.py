@@ -1,5 +1,7 @@
-"""One ``fully_shard`` call's parameters: one all-gather per mesh per unshard whatever the mix of dtypes,
-quantizations and placements; one reduce-scatter per (mesh, reduce dtype).
+"""One ``fully_shard`` call (``ParamGroup``): its modules, settings, state and iteration bookkeeping, and
+its mesh parts (``perparam.runtime.part.MeshPart``: the call's mesh first, then one per other
+``ParamPolicy.mesh``), which it drives from each entry point: one all-gather per mesh per unshard whatever
+the mix of dtypes, quantizations and placements; one reduce-scatter per (mesh, reduce dtype, wire format).
 
 The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` is in
 ``perparam.runtime.state``; its iteration context (``perparam.runtime.context``, which hands the group its buffer pool) is
@@ -9,82 +11,46 @@ above it. Beside that state: the padded unsharded storage is *alive* or *freed*;
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import NamedTuple
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import collectives
 from ..comm.buffers import BufferPool
-from ..comm.process_groups import next_group_index, reduce_group
-from ..sharding.layout import GroupLayout, reduce_scatter_offsets
-from . import config, grad_quant, partial, registration, zero, zero_copy, zero_copy_reduce
+from ..comm.process_groups import next_group_index
+from ..sharding.layout import GroupLayout
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .reduction import PendingReduce, ReducePlan, pack_reduce_scatter_input, reduce_plan, used_flags
+from .part import MeshPart
+from .reduction import PendingReduce
 from .state import ALLOWED, StateError, TrainingState
 
 #: where ``fully_shard`` keeps a module's group (in its ``__dict__``)
 GROUP_ATTR = "_perparam_group"
 
 
-class _GatherPlan(NamedTuple):
-    """What never changes for an all-gather of one set of parameters (``ParamGroup._gather_plan``)."""
-
-    zero_copy: bool  # ``zero_copy.eligible``: K > 1 on gloo, every member plain ``Shard(0)``
-    sizes: list[int]  # bytes of each piece, in ``GroupLayout.order``
-    scattered: list[bool]  # per member: plain ``Shard(d > 0)``, copied into slices of the unsharded tensor
-    any_scattered: bool
-
-
 class ParamGroup:
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
-    ``modules``: the module(s) given to the call. Two lists of parameters, not to be mixed up:
-
-    * ``params``: every managed parameter of the call in registration order, *whatever its mesh* (on a
-      companion, below: its mesh's). What the operations on the modules walk: registering the sharded
-      or unsharded tensors, the slot checks, ``trainable()``, gradient accumulation without sync.
-    * ``mesh_params``: the parameters on *this group's* ``mesh`` (a sub-list of ``params``; ``gathered``,
-      ``replicated`` and ``kept`` are sub-lists of it), the ones its own collectives carry; the other
-      meshes' are their companions' ``mesh_params``. What one mesh's all-gather, version check and
-      reduction (``trainable_mesh_params()``) walk.
+    ``modules``: the module(s) given to the call; ``params``: every managed parameter of the call in
+    registration order, *whatever its mesh*: what the operations on the modules walk (registering the
+    sharded or unsharded tensors, the slot checks, ``trainable()``, gradient accumulation without sync).
+    ``parts``: one ``MeshPart`` per mesh, the call's mesh's first (its ``mesh_params`` may be empty), the
+    others in ``perparam.runtime.meshes``' fixed order; what one mesh's all-gather, version check and
+    reduction walk is its part's. The settings (divide factor, hooks, custom collectives,
+    ``requires_all_reduce``, the offload hook), the pool and the context are the call's alone.
 
     The all-gather runs over the shard axis; on a 2D mesh gradients are reduce-scattered over the shard
     axis and then all-reduced over the replicate axis (HSDP). Replicated parameters are never gathered;
     their gradients are all-reduced over every data-parallel rank.
-
-    Parameters on another mesh (``ParamPolicy.mesh``) belong to a *companion* group per mesh
-    (``companions``, in ``perparam.runtime.meshes``' fixed order), which this group drives from each entry
-    point (``start_unshard``, ``wait_unshard``, ``free``, ``reduce_grads``, ``advance_reduce``, ``stale``,
-    ``pool_bytes``, ...): one all-gather per mesh, one reduce-scatter per (mesh, reduce dtype). A
-    companion's ``driver`` is this group, whose settings (divide factor, hooks, custom collectives,
-    ``requires_all_reduce``), pool and context it uses.
     """
 
     def __init__(self, modules: list[nn.Module], params: list[ShardedParam], mesh: DeviceMesh,
                  reshard_after_forward: bool, mp_policy, gradient_divide_factor: float | None = None,
-                 auto_reshard_after_forward: bool = False, driver: ParamGroup | None = None) -> None:
+                 auto_reshard_after_forward: bool = False) -> None:
         self.modules = modules
         self.params = params
         self.mesh = mesh
         self.mp_policy = mp_policy
-        self.driver = driver or self
-        own, others = split_by_mesh(params, mesh)
-        self.mesh_params = own  # this mesh's parameters: the ones this group's own collectives carry
-        self.num_shards = mesh.size(mesh.ndim - 1)
-        self.num_replicas = mesh.size(0) if mesh.ndim == 2 else 1
-        self.gathered = [p for p in own if p.layout.gathered]
-        self.replicated = [p for p in own if not p.layout.gathered]
-        self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
-        self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
-        self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
-        self._plans: dict[int, _GatherPlan] = {}  # id(layout) of ``layout``/``_layouts`` -> its ``_gather_plan``
-        self._reduce_plans: dict[tuple[ShardedParam, ...], ReducePlan] = {}  # a reduction's params -> its plan
-        self._versioned = [p for p in own if not p.kept]  # what ``_versions`` reads (``kept`` is fixed)
-        self._what_cache: tuple | None = None  # ((path, registration generation), ``_what``)
         self.reshard_after_forward = reshard_after_forward
         # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -97,22 +63,18 @@ class ParamGroup:
         self.requires_gradient_sync = True
         # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
         self.requires_all_reduce = True
-        self.partial_reduce: dict[tuple, torch.Tensor] = {}
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
-        self.offload_hook = None  # perparam.offload.tier: reads disk-tier shards in before an all-gather packs them
         self.reduce_scatter_comm = None
+        #: ``hook(read_ahead)`` from ``perparam.offload.tier.attach``: reads disk-tier shards in before an
+        #: all-gather of any mesh packs them (``RuntimeConfig.gather_read_ahead`` groups ahead too)
+        self.offload_hook = None
         self.registered_unsharded = False
-        self._alive = False  # the unsharded storage holds the gathered parameters
-        self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
-        self._pending_gather = None  # (send buffer, collectives.GatheredRows) of an all-gather in flight
-        self.hpz = None  # hpz.Secondary: the secondary partition kept after forward (reshard_after_forward=int)
-        self._hpz_layout: GroupLayout | None = None  # the layout of the all-gather the hpZ rows came from
         self.hpz_given = None  # the one fully_shard made (set_reshard_after_forward(None) restores it)
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
-        self._ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
-        self._pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
+        self.ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
+        self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
         self.islands: list = []  # perparam.runtime.islands.Island: modules computing in their own dtype
@@ -125,62 +87,47 @@ class ParamGroup:
         self.reduced = False  # this backward's reduction of the group has been issued
         self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
-        self.companions = [ParamGroup(modules, members, other, reshard_after_forward, mp_policy, driver=self)
-                           for other, members in others]
-        self.parts = [self, *self.companions]  # every mesh's group, in the fixed order
+        own, others = split_by_mesh(params, mesh)
+        self.parts = [MeshPart(self, mesh, own, self.index),
+                      *(MeshPart(self, other, members, next_group_index()) for other, members in others)]
 
-    # A companion uses its driver's context and pool (``IterationContext.take`` hands them to the driver).
+    # The call's own mesh's part, as the call's: its mesh's sizes, what it gathers, its layout, its stage-1/2
+    # copies, hpZ.
     @property
-    def ctx(self):
-        return self.driver._ctx
-
-    @ctx.setter
-    def ctx(self, value) -> None:
-        self._ctx = value
+    def num_shards(self) -> int:
+        return self.parts[0].num_shards
 
     @property
-    def pool(self) -> BufferPool:
-        return self.driver._pool
-
-    @pool.setter
-    def pool(self, value: BufferPool) -> None:
-        self._pool = value
-
-    # The process groups are looked up in the mesh each time, never stored: a ProcessGroup kept alive past
-    # destroy_process_group() (the module tree holds groups until interpreter exit) was seen to abort the
-    # process at exit ("terminate called without an active exception").
-    @property
-    def shard_pg(self):
-        return self.mesh.get_group(self.mesh.ndim - 1)
+    def num_replicas(self) -> int:
+        return self.parts[0].num_replicas
 
     @property
-    def replicate_pg(self):
-        return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
-
-    # Gradient reductions run on process groups of their own (``perparam.comm.process_groups``): their order
-    # on every rank then never depends on how they interleave with the all-gathers.
-    @property
-    def reduce_shard_pg(self):
-        return reduce_group(self.shard_pg)
+    def gathered(self) -> list[ShardedParam]:
+        return self.parts[0].gathered
 
     @property
-    def reduce_replicate_pg(self):
-        return reduce_group(self.replicate_pg)
+    def kept(self) -> list[ShardedParam]:
+        return self.parts[0].kept
+
+    @property
+    def layout(self):
+        return self.parts[0].layout
+
+    @property
+    def _reduce_plans(self) -> dict:
+        return self.parts[0]._reduce_plans
+
+    @property
+    def hpz(self):
+        return self.parts[0].hpz
+
+    @hpz.setter
+    def hpz(self, value) -> None:
+        self.parts[0].hpz = value
 
     @property
     def _what(self) -> str:
-        """How collectives and errors name the group: creation index, path below the root, classes,
-        parameters (the index tells apart groups of equal classes and shapes in debug mode). Built again
-        only when the path is set or a parameter moved (``registration.move`` renames it and bumps the
-        registration generation): every collective names its group."""
-        key = (self.path, registration.generation())
-        if self._what_cache is not None and self._what_cache[0] == key:
-            return self._what_cache[1]
-        where = f" '{self.path}'" if self.path else ""
-        on = "" if self.driver is self else f" on mesh {self.mesh.mesh.tolist()} of group #{self.driver.index}"
-        what = f"group #{self.index}{where} [{self.name}]{on} ({', '.join(p.fqn for p in self.mesh_params)})"
-        self._what_cache = (key, what)
-        return what
+        return self.parts[0]._what
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
@@ -211,15 +158,6 @@ class ParamGroup:
         """The all-gather in flight (an opaque token: the first mesh's in flight), or ``None``."""
         return next((part._pending_gather for part in self.parts if part._pending_gather is not None), None)
 
-    def _versions(self) -> tuple[int, ...]:
-        versions = []
-        for p in self._versioned:  # the wrapper (DTensor in-place ops), the local shard (to_local().sub_())
-            # and the steps of the optimizers holding it (foreach updates bump neither version); kept copies
-            # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
-            sharded = p.sharded
-            versions += (sharded._version, sharded._local_tensor._version, p.optimizer_steps)
-        return tuple(versions)
-
     def stale(self) -> bool:
         """The gathered storage may no longer match the shards: a ``torch.optim`` optimizer holding perparam
         parameters stepped (foreach updates do not bump a DTensor's version) or an in-place update
@@ -238,30 +176,9 @@ class ParamGroup:
         trainable or not (an upper bound). With parameters on several meshes: the sum over the meshes."""
         return sum(part._pool_bytes() for part in self.parts)
 
-    def _pool_bytes(self) -> int:
-        k = self.num_shards
-        if k == 1:
-            return 0
-        gather = self.layout.slot_bytes * (k if k == 2 else 2 * k - 1) if self.gathered else 0
-        if zero_copy.applies(self.gathered, self.shard_pg, config.current().gloo_all_gather, self.driver.all_gather_comm,
-                             self.hpz):
-            gather = 0  # straight into the parameters' buffers (runtime/zero_copy.py)
-        by_dtype: dict[torch.dtype, list] = defaultdict(list)
-        for p in self.gathered:
-            by_dtype[p.policy.reduce_dtype].append(p)
-        reduce = 0
-        for dtype, params in by_dtype.items():
-            rows = k if k == 2 else 2 * k  # the packed input (and for K > 2 the [K, n] received pieces)
-            plain = all(p.policy.grad_quant is None for p in params)
-            if plain and zero_copy_reduce.applies(params, self.reduce_shard_pg, config.current().gloo_reduce_scatter,
-                                                  self.driver.reduce_scatter_comm, self.hpz):
-                rows = 0 if k == 2 else k  # no packed input; for K > 2 the [K, n] staging buffer
-            reduce += reduce_scatter_offsets([p.layout for p in params])[1] * dtype.itemsize * rows
-        return gather + reduce
-
     def trainable(self) -> list[ShardedParam]:
         """The trainable parameters of every mesh (``params``), and those holding gradients accumulated
-        without sync (``held_unsynced``); ``trainable_mesh_params()``: of this mesh."""
+        without sync (``held_unsynced``); ``MeshPart.trainable()``: of one mesh."""
         held = self.held_unsynced
         return [p for p in self.params if p.sharded.requires_grad or (held and id(p) in held)]
 
@@ -277,11 +194,10 @@ class ParamGroup:
     @property
     def divisor(self) -> float | int:
         """What a reduced gradient (the sum over the mesh's ranks) is divided by: the gradient divide factor,
-        by default the call's mesh size (``num_shards * num_replicas`` of the driver), also for the
-        parameters on another mesh: the number of ranks whose losses are averaged."""
-        driver = self.driver
-        factor = driver.gradient_divide_factor
-        return driver.num_shards * driver.num_replicas if factor is None else factor
+        by default the call's mesh size (``num_shards * num_replicas``), also for the parameters on another
+        mesh: the number of ranks whose losses are averaged."""
+        factor = self.gradient_divide_factor
+        return self.num_shards * self.num_replicas if factor is None else factor
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -300,52 +216,6 @@ class ParamGroup:
         for part in self.parts:
             part._start_unshard()
 
-    def _start_unshard(self) -> None:
-        if not self.mesh_params or self._pending_gather is not None:
-            return
-        versions = self._versions()  # one pass over the parameters per unshard
-        fresh = versions == self._gathered_versions  # the shards unchanged since last gathered
-        members = self._gather_members(versions, fresh)
-        if members is None:
-            return
-        if not members:
-            self._alive = True
-            return
-        layout = self._layout_for(members)
-        # hpZ: the rows kept after forward serve only an all-gather of the same members (same layout)
-        secondary = self.hpz is not None and self.hpz.usable(fresh and layout is self._hpz_layout, self.pool)
-        if secondary:  # hpZ: the rows kept after forward, all-gathered over the secondary group
-            rows = self.hpz.gather(self.pool, self._what, config.current().gloo_all_gather,
-                                   self.driver.all_gather_comm)
-            self._pending_gather = (None, rows, members, layout)
-            return
-        if self.offload_hook is not None:
-            self.offload_hook()
-        algorithm = config.current().gloo_all_gather
-        if (zero_copy.wanted(algorithm, self.driver.all_gather_comm, self.hpz)
-                and self._gather_plan(members, layout).zero_copy):
-            rows = zero_copy.start(members, self.shard_pg, layout.slot_bytes, self._what)
-            if rows is not None:  # None: a local shard is not on the CPU (the row path below)
-                self._pending_gather = (None, rows, members, layout)
-                return
-        device = members[0].local_shard().device
-        pool = self.pool
-        send = pool.take(layout.slot_bytes, device)
-        dsts, srcs = [], []
-        for p, offsets in zip(members, layout.offsets):
-            if p.plain:  # the local shard in the parameter's own dim order (padding left as it is)
-                pair = p.send_pair(send.narrow(0, offsets[0], p.pieces[0].nbytes).view(p.pieces[0].dtype))
-                if pair is not None:
-                    dsts.append(pair[0])
-                    srcs.append(pair[1])
-            else:
-                p.pack([send.narrow(0, off, piece.nbytes) for off, piece in zip(offsets, p.pieces)])
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)  # casts to the compute dtype on the way
-        rows = collectives.all_gather_rows(send, self.shard_pg, pool, async_op=True, what=self._what,
-                                           gloo=algorithm, comm=self.driver.all_gather_comm)
-        self._pending_gather = (send, rows, members, layout)
-
     @torch.no_grad()
     def wait_unshard(self) -> None:
         """Wait for the all-gathers in flight and copy their rows out, rank by rank: straight into the padded
@@ -353,96 +223,11 @@ class ParamGroup:
         for part in self.parts:
             part._wait_unshard()
 
-    def _wait_unshard(self) -> None:
-        if self._pending_gather is None:
-            return
-        send, rows, members, layout = self._pending_gather
-        self._pending_gather = None
-        rows.wait()
-        if rows.segments is None:  # zero-copy (runtime/zero_copy.py): the pieces arrived in the buffers
-            self._alive = True
-            return
-        # hpZ: the secondary shard, for the backward all-gather; useless when the gather refreshed stage-1/2
-        # copies (the backward's members, the stage-3 ones, then have another layout)
-        if self.hpz is not None and self.state is TrainingState.FORWARD and not any(p.kept for p in members):
-            self.hpz.keep(rows.segments, self.pool)
-            self._hpz_layout = layout
-        k = self.num_shards
-        targets: list[list[torch.Tensor]] = []
-        for p in members:
-            if p.plain:
-                targets.append([p.alloc()])
-            else:
-                targets.append([rows.segments[0][1].new_empty(k, piece.nbytes) for piece in p.pieces])
-        order = layout.order
-        _, sizes, scattered, any_scattered = self._gather_plan(members, layout)
-        for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
-            if not any_scattered:  # every piece lands as bytes: one split copy
-                torch.split_with_sizes_copy(seg, sizes, dim=1,
-                                            out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
-                continue
-            # Shard(d > 0) pieces are copied into their slices of the contiguous unsharded tensor: as many
-            # bytes as the split copy, strided; all pieces in one foreach copy
-            dsts, srcs = [], []
-            for i, j in order:
-                src = seg.narrow(1, layout.offsets[i][j], layout.pieces[i][j].nbytes)
-                if scattered[i]:
-                    dtype = layout.pieces[i][j].dtype
-                    if src.stride(0) % dtype.itemsize:  # a slot of quantized bytes left the rows unaligned
-                        src = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
-                    pairs = members[i].copy_out_pairs(src.view(dtype), first)
-                else:
-                    pairs = [(targets[i][j].narrow(0, first, seg.shape[0]), src)]
-                dsts += [d for d, _ in pairs]
-                srcs += [s for _, s in pairs]
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-        for p, pieces in zip(members, targets):
-            if not p.plain:
-                p.unpack(pieces)
-        for buffer in (send, *rows.buffers):
-            if buffer is not None:
-                self.pool.give_back(buffer)
-        self._alive = True
-
-    # -- which parameters an all-gather carries (ZeRO stages, perparam/runtime/zero.py) ----------------------
-    def _gather_members(self, versions: tuple[int, ...], fresh: bool) -> list[ShardedParam] | None:
-        """The parameters the next all-gather carries, in group order: the stage-3 ones unless their
-        storage is alive and ``fresh`` (``versions``, the parameters' versions now, equal those when last
-        gathered; else the replicated ones are copied again too), plus the stage-1/2
-        ones whose kept copy needs a refresh (``zero.needs_refresh``: decided by counts every rank shares,
-        so every rank gathers the same set). ``None``: nothing to do. Marks the kept copies refreshed.
-        Storage kept as it is whose shard was written since (``zero.check_unwritten``) is compared with it
-        first."""
-        refresh = [p for p in self.kept if zero.needs_refresh(p)]
-        refreshed = {id(p) for p in refresh}
-        current = self._alive and fresh
-        for p in self.gathered:  # storage kept as it is: written since by a route that does not refresh it?
-            if p.write_sig is not None and (id(p) not in refreshed if p.kept else current):
-                zero.check_unwritten(p)  # raises before anything is issued, never computes on a stale copy
-        if current and not refresh:
-            return None
-        if not current:
-            self._alive = False
-            self._gathered_versions = versions
-            for p in self.replicated:
-                p.fill_replicated()
-        if refresh:  # (stage 3 alone: no kept copy, no count to read)
-            zero.mark_gathered(refresh)
-        members = refresh if current else [p for p in self.gathered if not p.kept or id(p) in refreshed]
-        zero.note_gathered(members)
-        return members
-
-    def _layout_for(self, members: list[ShardedParam]) -> GroupLayout:
-        """The packed all-gather layout of ``members`` (a sub-list of ``gathered``), built once per set."""
-        if len(members) == len(self.gathered):
-            return self.layout
-        index = {id(p): i for i, p in enumerate(self.gathered)}
-        key = tuple(index[id(p)] for p in members)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = GroupLayout(tuple(p.pieces for p in members), self.num_shards)
-        return layout
+    def free(self, keep_secondary: bool = False) -> None:
+        """Release the unsharded storage (no communication; an all-gather in flight is finished first).
+        ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
+        for part in self.parts:
+            part.free(keep_secondary)
 
     def relayout(self) -> None:
         """Derive the all-gather layouts and the plans again after parameters changed dtype
@@ -452,34 +237,6 @@ class ParamGroup:
             part._layouts, part._plans, part._reduce_plans, part._hpz_layout = {}, {}, {}, None
             if part.hpz is not None:
                 part.hpz.drop(part.pool)
-
-    def _gather_plan(self, members: list[ShardedParam], layout: GroupLayout) -> _GatherPlan:
-        """What never changes for an all-gather of ``members`` (a sub-list of ``gathered``; ``layout`` from
-        ``_layout_for``, one object per member set): built once per member set, as the layouts are. The
-        member sets, their placements and quantization and the mesh's process group are fixed at
-        ``fully_shard``; what may change between unshards is read at each one instead: the settings
-        (``config``, a custom all-gather, hpZ: ``zero_copy.wanted``) and the local shards' device
-        (``to_empty``, ``.to``, a ``.data`` swap: ``zero_copy.start``)."""
-        plan = self._plans.get(id(layout))
-        if plan is None:
-            scattered = [p.plain and not p.layout.wire_is_layout for p in members]
-            plan = self._plans[id(layout)] = _GatherPlan(
-                zero_copy.eligible(members, self.shard_pg), [layout.pieces[i][j].nbytes for i, j in layout.order],
-                scattered, any(scattered))
-        return plan
-
-    def free(self, keep_secondary: bool = False) -> None:
-        """Release the unsharded storage (no communication; an all-gather in flight is finished first).
-        ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
-        for part in self.parts:
-            if part._pending_gather is not None:
-                part._wait_unshard()
-            if part.hpz is not None and not keep_secondary:
-                part.hpz.drop(part.pool)
-            for p in part.mesh_params:
-                if not p.kept:  # stage 1/2 keep theirs across steps
-                    p.free()
-            part._alive = False
 
     def check_slots(self) -> None:
         """Raise ``ReplacedAfterShardingError`` naming the first parameter whose slot holds an object perparam
@@ -534,7 +291,7 @@ class ParamGroup:
         the gradients into the reduce-dtype accumulators (gradient accumulation without communication).
         ``defer=True`` returns the reductions still in flight, for ``finish_reduce``; otherwise they are
         finished here. Parameters on other meshes: the same per mesh, mesh after mesh in the fixed order,
-        each reduction knowing its mesh's group (``PendingReduce.part``).
+        each reduction knowing its mesh's part (``PendingReduce.part``).
         """
         if not sync:
             trainable = self.trainable()
@@ -542,70 +299,12 @@ class ParamGroup:
                 p.take_unsharded_grad(keep=True)
             self.held_unsynced.update(id(p) for p in trainable)
             return []
-        pending = [item for part in self.parts for item in part._reduce(part.trainable_mesh_params())]
+        pending = [item for part in self.parts for item in part._reduce(part.trainable())]
         self.held_unsynced = set()
         if not defer:
             for item in pending:
                 self.finish_reduce(item)
             return []
-        return pending
-
-    def trainable_mesh_params(self) -> list[ShardedParam]:
-        """The trainable parameters of this group's mesh (``mesh_params``), and those holding gradients
-        accumulated without sync (the driver's ``held_unsynced``); ``trainable()``: of every mesh."""
-        held = self.driver.held_unsynced
-        return [p for p in self.mesh_params if p.sharded.requires_grad or (held and id(p) in held)]
-
-    def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
-        """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``)."""
-        sharded: dict[tuple, list] = defaultdict(list)  # (reduce dtype, grad_quant): one reduce-scatter each
-        replicated: dict[torch.dtype, list] = defaultdict(list)
-        for p in trainable:
-            grad = p.take_unsharded_grad(keep=False)
-            used = grad is not None
-            if not used:
-                grad = p.zero_grad_for_reduce()
-            whole = not p.layout.gathered or p.policy.whole_grad  # replicated, or stage 1: all-reduced
-            if whole:
-                replicated[p.policy.reduce_dtype].append((p, grad, used))
-            else:  # one rank: nothing on the wire to quantize
-                sharded[p.policy.reduce_dtype, p.policy.grad_quant if self.num_shards > 1 else None].append(
-                    (p, grad, used))
-        pending = []
-        for (dtype, wire), items in sharded.items():
-            params, grads, used = zip(*items)
-            if wire is not None:  # low-precision reduce-scatter (ZeRO++ qgZ): perparam/runtime/grad_quant.py
-                item = grad_quant.issue(self, params, grads, used, dtype, wire)
-                item.part = self
-                pending.append(item)
-                continue
-            comm = self.driver.reduce_scatter_comm
-            plan = self._reduce_plan(params)
-            if (plan.zero_copy and zero_copy_reduce.wanted(config.current().gloo_reduce_scatter, comm, self.hpz)
-                    and zero_copy_reduce.on_cpu(grads)):  # no packing: perparam/runtime/zero_copy_reduce.py
-                item = zero_copy_reduce.issue(self, params, grads, used, dtype, plan)
-                item.part = self
-                pending.append(item)
-                continue
-            flags = used_flags(used, dtype, grads[0].device)
-            # [K, sum(padded_local_numel) + len(params)]
-            send = pack_reduce_scatter_input(list(grads), self.num_shards, self.pool, flags)
-            offsets, total = plan.offsets, plan.total
-            recv = (comm.allocate((total,), dtype=dtype, device=send.device) if comm is not None
-                    else send.new_empty(total))
-            work = collectives.reduce_scatter_sum(recv, send.view(-1), self.reduce_shard_pg, async_op=True,
-                                                  what=f"{self._what} [{dtype}]", pool=self.pool,
-                                                  gloo=config.current().gloo_reduce_scatter, comm=comm)
-            pending.append(PendingReduce(work, send, recv, params, offsets, part=self, used=used))
-        for dtype, items in replicated.items():
-            params, grads, used = zip(*items)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), used_flags(used, dtype, grads[0].device)])
-            # asynchronous like the reduce-scatters, and queued with them: a rank must never wait for a
-            # reduction in backward, and the all-reduce over the replicate axis that follows is issued
-            # from the queue in issue order, as the sharded reductions' are (same order on every rank)
-            work = collectives.all_reduce_sum(flat, self.reduce_shard_pg, async_op=True,
-                                              what=f"{self._what} replicated [{dtype}]")
-            pending.append(PendingReduce(work, None, flat, params, (), replicated=True, part=self, used=used))
         return pending
 
     @torch.no_grad()
@@ -616,88 +315,9 @@ class ParamGroup:
         rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
         stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
         returns whether the reduction is complete. Callers advance reductions in the order they were
-        issued, so the all-reduces are issued in the same order on every rank. A reduction of another mesh
-        is advanced by that mesh's group (``item.part``)."""
-        part = item.part if item.part is not None else self
-        return part._advance(item, block)
-
-    def _reduce_plan(self, params: tuple[ShardedParam, ...]) -> ReducePlan:
-        """What never changes for a reduction of ``params`` (a sub-tuple of ``mesh_params``, in order; one
-        reduce dtype): offsets, this rank's views of the output, zero-copy eligibility and per-rank row
-        sizes. Built once per parameter set (the trainable set may change between steps: another key); the
-        layouts, shard ranks, placements and the mesh's process group are fixed at ``fully_shard``. What
-        may change is read at each reduction instead, as for ``_gather_plan``: the settings (``config``, a
-        custom reduce-scatter, hpZ: ``zero_copy_reduce.wanted``) and the gradients' device (``to_empty``,
-        ``.to``, a ``.data`` swap: ``zero_copy_reduce.on_cpu``)."""
-        plan = self._reduce_plans.get(params)
-        if plan is None:
-            zero = self.num_shards > 1 and zero_copy_reduce.eligible(params, self.reduce_shard_pg)
-            plan = self._reduce_plans[params] = reduce_plan(params, zero, collectives.zero_gaps)
-        return plan
-
-    def _advance(self, item: PendingReduce, block: bool) -> bool:
-        if item.stage == 0:
-            if item.work is not None and not (block or item.work.is_completed()):
-                return False
-            if item.work is not None:
-                item.work.wait()
-            if item.send is not None:
-                self.pool.give_back(item.send)
-            item.work = None
-            if self.replicate_pg is not None:
-                if partial.hold(self, item):  # set_requires_all_reduce(False): all-reduced by a later reduction
-                    item.stage = 2
-                    return True
-                partial.merge(self, item)
-                item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
-                                                       what=f"{self._what} [{item.recv.dtype}]")
-            item.stage = 1
-        if item.work is not None:
-            if not (block or item.work.is_completed()):
-                return False
-            item.work.wait()
-            item.work = None
-        if item.stage == 1 and not item.discard:
-            if self.driver.all_reduce_hook is not None and not block:
-                return False  # a user hook may issue collectives: it runs in the final callback, in issue order
-            self._accumulate(item)
-        item.stage = 2
-        return True
-
-    def _accumulate(self, item: PendingReduce) -> None:
-        """Divide the summed gradients by ``divisor`` (after the all-reduce hook, if any) and add each
-        parameter's piece to its sharded ``.grad``; a parameter some rank had a gradient for is queued for
-        its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward)."""
-        recv, n = item.recv, len(item.params)
-        flags = item.summed_flags()  # before any hook or division; read back only where this rank lacked one
-        grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
-        if self.driver.all_reduce_hook is not None:
-            self.driver.all_reduce_hook(grads)
-        divisor = self.divisor
-        if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
-            grads.div_(divisor)
-            divided = range(n)
-            pieces = grads.split([p.layout.numel for p in item.params])
-            targets = [piece if p.policy.whole_grad else piece.view(p.layout.global_shape)  # (tp-local)
-                       for p, piece in zip(item.params, pieces)]
-        else:
-            targets = self._reduce_plan(item.params).targets(recv)
-            # divided on the way into .grad, only where some rank had a gradient: pieces that become a new
-            # .grad of their own dtype in one foreach division here, the rest in their accumulation's pass
-            fresh = [i for i, (p, flag) in enumerate(zip(item.params, flags))
-                     if flag > 0 and p.sharded.grad is None and p.sharded.dtype == recv.dtype]
-            if fresh:
-                torch._foreach_div_([targets[i] for i in fresh], divisor)
-            divided = set(fresh)
-        due = self.ctx.grad_hooks_due
-        for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
-            if flag <= 0:  # no rank had a gradient for it
-                continue
-            if p.policy.whole_grad:
-                p.accumulate_whole_grad(local)
-            else:
-                p.accumulate_sharded_grad(local, None if i in divided else divisor)
-            due.append((item.seq, i, p))
+        issued, so the all-reduces are issued in the same order on every rank. A reduction is advanced by
+        the part of the mesh it runs on (``item.part``)."""
+        return item.part._advance(item, block)
 
     def finish_reduce(self, item: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result."""

@@ -44,19 +44,16 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from ..sharding.errors import ShardingError
 from . import config, prefetch, readers
 from .cast import cast_floating, replace_tensors, tensors_in
 from .context import IterationContext
+from .entry_checks import TransformError, _check_materialized, _check_transforms  # noqa: F401 (re-exported)
 from .group import ParamGroup, group_of
 from .state import TrainingState
 from .untraced import untraced
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 PRE_BACKWARD, POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
-
-class TransformError(RuntimeError):
-    """A sharded module was called inside a ``torch.func`` transform."""
 
 
 def tree_of(group: ParamGroup) -> list[ParamGroup]:
@@ -92,31 +89,6 @@ def _init_root(group: ParamGroup) -> None:
 def _recomputing() -> bool:
     """A forward run inside backward: activation checkpointing recomputing a region."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _check_transforms(group: ParamGroup) -> None:
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is not None:
-        raise TransformError(
-            f"perparam: sharded module [{group.name}] was called inside a torch.func transform "
-            f"({interpreter.key()}); its parameters are all-gathered by hooks that torch.func cannot "
-            "transform. Run the transform on an unsharded copy of the model, or use torch.autograd "
-            "(torch.autograd.grad(..., create_graph=True) and double backward are supported)")
-
-
-def _check_materialized(ctx: IterationContext) -> None:
-    """Raise ``ShardingError`` naming the parameter when a shard of the tree is still on the meta device
-    (a model built under ``torch.device("meta")`` and never given storage), before any collective: every
-    rank built the same model, so every rank raises here."""
-    for g in ctx.groups:
-        for p in g.params:
-            if p.sharded.device.type == "meta":
-                owner = ", ".join(type(m).__name__ for m in g.modules)
-                raise ShardingError(
-                    f"parameter '{p.fqn}' of {owner} is on the meta device: a model built under "
-                    "torch.device('meta') has no values yet; before the first forward call "
-                    "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
-                    "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")
 
 
 def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:

@@ -1,8 +1,8 @@
 """Per-parameter meshes (``ParamPolicy.mesh``): one ``fully_shard`` call's parameters split by the mesh
 they are sharded on, in an order every rank shares.
 
-A call's group (``perparam.runtime.group.ParamGroup``) owns the parameters on the call's mesh and one
-*companion* group per other mesh, which it drives from each of its entry points (unshard, free, reduce,
+A call's group (``perparam.runtime.group.ParamGroup``) has one part per mesh
+(``perparam.runtime.part.MeshPart``), which it drives from each of its entry points (unshard, free, reduce,
 ...) in this order: the call's mesh first, then the other meshes in the order their first parameter
 appears in registration order. The order is the same on every rank even where the meshes differ between
 ranks (rank 0's expert mesh holds rank 0, rank 1's holds rank 1): position i names "the i-th mesh" on

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .reduction import PendingReduce
 
-# ``group`` below is a ``perparam.runtime.group.ParamGroup`` (not imported: the group imports this module)
+# ``group`` below is a ``perparam.runtime.part.MeshPart`` (not imported: the part imports this module)
 
 
 def _key(item: PendingReduce) -> tuple:
@@ -29,7 +29,7 @@ def hold(group, item: PendingReduce) -> bool:
     """After ``item``'s shard-axis reduction finished on an HSDP group: when the group does not all-reduce
     now, add its output to the held sum and return ``True`` (the reduction is complete: nothing is
     accumulated into ``.grad``); otherwise return ``False``."""
-    if group.driver.requires_all_reduce or item.discard:
+    if group.call.requires_all_reduce or item.discard:
         return False
     held = group.partial_reduce.get(_key(item))
     if held is None:

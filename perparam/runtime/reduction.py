@@ -32,7 +32,7 @@ class PendingReduce:
     stage: int = 0  # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
-    part: object = None  # the ParamGroup of the mesh it runs on (a companion, for a parameter's own mesh)
+    part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
     used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
 
@@ -68,7 +68,7 @@ def used_flags(used: tuple[bool, ...], dtype: torch.dtype, device: torch.device)
 
 
 class ReducePlan(NamedTuple):
-    """What never changes for the reduction of one set of parameters (``ParamGroup._reduce_plan``): pure
+    """What never changes for the reduction of one set of parameters (``MeshPart._reduce_plan``): pure
     functions of their layouts and shard ranks, fixed at ``fully_shard``, so built once per parameter set
     (the set itself may change between steps: a parameter frozen or unfrozen makes another set)."""
 
@@ -82,6 +82,9 @@ class ReducePlan(NamedTuple):
     rank_numels: tuple[tuple[int, ...], ...]
     #: zero-copy only: the output's runs of padding, ``(start, length)`` (``collectives.zero_gaps``)
     gaps: tuple[tuple[int, int], ...]
+    wire: object = None  # the ``GradQuant`` of a low-precision reduction (qgZ), or None
+    #: the path chosen for this set (``paths.choose.reduce_path``), per ``ReduceFacts`` read at a reduction
+    paths: dict | None = None
 
     def targets(self, recv: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``recv`` (the reduction's output, ``[total]``): each parameter's rows on this rank, in
@@ -89,11 +92,11 @@ class ReducePlan(NamedTuple):
         return [recv.narrow(0, offset, numel).view(shape) for offset, numel, shape in self.views]
 
 
-def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None) -> ReducePlan:
+def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None, wire=None) -> ReducePlan:
     """The ``ReducePlan`` of ``params`` (in the reduction's order); ``zero_copy``: their reduction may run
     zero-copy (``zero_copy_reduce.eligible``: every parameter plain ``Shard(0)``), so the per-rank row
     sizes are worked out too; ``gaps``: a function of (offsets, this rank's numels, total) giving the
-    output's padding runs (``collectives.zero_gaps``), for the zero-copy path."""
+    output's padding runs (``collectives.zero_gaps``), for the zero-copy path; ``wire``: qgZ's format."""
     offsets, total = reduce_scatter_offsets([p.layout for p in params])
     views = []
     for p, offset in zip(params, offsets):
@@ -110,7 +113,7 @@ def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None) ->
         if gaps is not None:
             own = [numel for _, numel, _ in views] + [len(params)]
             runs = tuple(gaps([*offsets, total - len(params)], own, total))
-    return ReducePlan(offsets, total, tuple(views), zero_copy, tuple(rank_numels), runs)
+    return ReducePlan(offsets, total, tuple(views), zero_copy, tuple(rank_numels), runs, wire, {})
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,

@@ -8,7 +8,7 @@ buffer's rows, in rank order) runs as per-parameter point-to-point sends and rec
 own rows of the buffer, sends those rows to every peer and receives each peer's rows in place. Bytes moved:
 the local shards, once to each peer; copies: the copy-in only (the row path also copies every gathered
 row out). Every other all-gather (quantized pieces, ``Shard(d > 0)``, a custom all-gather, hpZ, which keeps
-the gathered rows, other backends, K = 1) takes the packed row path of ``ParamGroup.start_unshard``.
+the gathered rows, other backends, K = 1) takes the packed row path (``perparam.runtime.paths.gather_rows``).
 Why per-parameter transfers and not one collective: in one collective each rank's contribution lands in
 one contiguous region, so only a group of one parameter could get contiguous unsharded parameters from it;
 the measurements are in ``benchmarks/README.md``.
@@ -32,8 +32,8 @@ def wanted(algorithm: str, comm, hpz) -> bool:
 
 def eligible(members: list[ShardedParam], group: dist.ProcessGroup) -> bool:
     """What never changes for one set of parameters: K > 1 on gloo and every member plain ``Shard(0)``
-    (``ShardedParam.plain`` and ``layout.wire_is_layout``). ``ParamGroup`` asks once per member set and
-    keeps the answer (``ParamGroup._gather_plan``)."""
+    (``ShardedParam.plain`` and ``layout.wire_is_layout``). ``MeshPart`` asks once per member set and
+    keeps the answer (``MeshPart._gather_plan``)."""
     if group.size() == 1 or dist.get_backend(group) != "gloo":
         return False
     return all(p.plain and p.layout.wire_is_layout for p in members)

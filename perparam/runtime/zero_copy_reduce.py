@@ -33,7 +33,7 @@ def wanted(algorithm: str, comm, hpz) -> bool:
 
 def eligible(params, group: dist.ProcessGroup) -> bool:
     """What never changes for one set of parameters: K > 1 on gloo and every parameter plain ``Shard(0)``
-    without TP. ``ParamGroup`` asks once per parameter set and keeps the answer in its ``ReducePlan``."""
+    without TP. ``MeshPart`` asks once per parameter set and keeps the answer in its ``ReducePlan``."""
     if group.size() == 1 or dist.get_backend(group) != "gloo":
         return False
     return all(p.plain and p.layout.wire_is_layout and p.tp is None for p in params)

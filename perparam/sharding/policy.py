@@ -6,8 +6,6 @@ overrides them for single parameters; ``None`` in any field inherits the call's 
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,6 +14,7 @@ from torch.distributed.tensor import DeviceMesh, Placement, Shard  # (DeviceMesh
 
 from . import quant as registry
 from .grad_quant import BF16, GradQuant
+from .offload_policy import STATES, TIERS, OffloadPolicy, PolicyError, as_offload  # noqa: F401 (re-exported)
 from .placement import normalize, placement_str, rule
 from .quant import BlockQuantizer
 
@@ -77,68 +76,6 @@ class QuantPolicy:
     block_size: int | None = None
     store_quantized: bool = False
     dtype: torch.dtype | None = None
-
-
-#: where a parameter's persistent state can live (``OffloadPolicy.tier``)
-TIERS = ("device", "cpu", "disk")
-#: which of its persistent state goes there (``OffloadPolicy.state``)
-STATES = ("optimizer", "all")
-
-
-@dataclass(frozen=True)
-class OffloadPolicy:
-    """Where one parameter's persistent state lives between uses (ZeRO-Offload, ZeRO-Infinity).
-
-    ``tier``: ``"device"`` (the mesh's device: no offload), ``"cpu"`` (host memory: on a CPU mesh the same
-    memory as ``"device"``, accepted so a policy runs on both; on a CUDA mesh pinned host memory when
-    ``pin_memory``), ``"disk"`` (files in a folder of ``path``, read ahead on a background thread before
-    use and written back after the optimizer step). ``state``: ``"optimizer"`` (the optimizer's state
-    tensors only: two fp32 tensors per parameter under Adam, most of the bytes) or ``"all"`` (also the
-    stored shard and its gradient). ``path``: the folder (needed by ``"disk"``; ``perparam`` makes a
-    scratch folder inside it per process, removed at exit; stale ones of a killed run are removed at the
-    next start). FSDP2's ``CPUOffloadPolicy(pin_memory=...)`` is ``OffloadPolicy("cpu", "all",
-    pin_memory=...)``; ``fully_shard(offload_policy=...)`` accepts either.
-    """
-
-    tier: str = "device"
-    state: str = "optimizer"
-    path: str | None = None
-    pin_memory: bool = True
-
-    @property
-    def offloaded(self) -> bool:
-        """Whether anything leaves the device memory (``tier`` other than ``"device"``)."""
-        return self.tier != "device"
-
-
-def as_offload(value, what: str) -> OffloadPolicy | None:
-    """``value`` as an ``OffloadPolicy``: one itself, ``None``, a tier name (``"device"``, ``"cpu"``;
-    ``"disk"`` needs ``OffloadPolicy("disk", path=...)``), or torch's FSDP2 ``OffloadPolicy`` /
-    ``CPUOffloadPolicy``. Raises ``PolicyError`` naming ``what`` otherwise."""
-    if value is None or isinstance(value, OffloadPolicy):
-        policy = value
-    elif isinstance(value, str):
-        policy = OffloadPolicy(value)
-    elif type(value).__name__ == "CPUOffloadPolicy":  # torch's FSDP2 spelling, without importing FSDP
-        policy = OffloadPolicy("cpu", "all", pin_memory=bool(getattr(value, "pin_memory", True)))
-    elif type(value).__name__ == "OffloadPolicy":
-        policy = OffloadPolicy()
-    else:
-        raise PolicyError(f"{what} must be a perparam OffloadPolicy, a tier name {TIERS} or torch's "
-                          f"CPUOffloadPolicy, got {value!r}")
-    if policy is None:
-        return None
-    if policy.tier not in TIERS:
-        raise PolicyError(f"{what} has tier {policy.tier!r}; use one of {TIERS}")
-    if policy.state not in STATES:
-        raise PolicyError(f"{what} has state {policy.state!r}; use 'optimizer' (optimizer state only) or 'all' "
-                          "(stored shard, gradient and optimizer state)")
-    if not isinstance(policy.pin_memory, bool):
-        raise PolicyError(f"{what} has pin_memory={policy.pin_memory!r}; pass True or False")
-    if policy.tier == "disk" and not policy.path:
-        raise PolicyError(f"{what} puts state on disk but names no folder: pass "
-                          "OffloadPolicy('disk', path='/a/fast/local/disk')")
-    return policy
 
 
 @dataclass(frozen=True)
@@ -246,47 +183,6 @@ class ResolvedPolicy:
         return self.zero_stage == 1 and rule(self.placement).gathered
 
 
-def _pick(name: str, param, param_policy, names: Sequence[str] = ()) -> ParamPolicy | None:
-    """The ``ParamPolicy`` ``param_policy`` gives parameter ``name``. A mapping's patterns match any of the
-    parameter's names (``names``: all of them, tied aliases included; default ``(name,)``), first match
-    wins per name; a callable is called with ``name``. Raises ``PolicyError`` when two aliases of one tied
-    parameter get different policies."""
-    if param_policy is None or isinstance(param_policy, ParamPolicy):
-        return param_policy
-    if callable(param_policy) and not isinstance(param_policy, Mapping):
-        return param_policy(name, param)
-    hits = []  # (alias, pattern, policy): the first pattern matching each alias
-    for alias in names or (name,):
-        hit = next(((pattern, policy) for pattern, policy in param_policy.items()
-                    if fnmatch.fnmatchcase(alias, pattern)), None)
-        if hit is not None:
-            hits.append((alias, *hit))
-    for alias, pattern, policy in hits[1:]:
-        if policy != hits[0][2]:
-            raise PolicyError(f"parameter '{name}' is tied: param_policy pattern '{hits[0][1]}' matches its name "
-                              f"'{hits[0][0]}' and pattern '{pattern}' its name '{alias}', with different policies; "
-                              "give one policy to the parameter (one pattern, or equal policies)")
-    return hits[0][2] if hits else None
-
-
-def check_patterns(names: list[str], param_policy) -> None:
-    """Raise ``PolicyError`` for a pattern of a mapping ``param_policy`` that matches no parameter
-    (``names``: every name of every parameter, tied aliases included)."""
-    if not isinstance(param_policy, Mapping):
-        return
-    for pattern in param_policy:
-        if not isinstance(pattern, str):
-            raise PolicyError(f"param_policy pattern {pattern!r} is a {type(pattern).__name__}; patterns are glob "
-                              f"strings on the parameter names (e.g. {names[:3]}), such as '*.weight'")
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise PolicyError(f"param_policy pattern '{pattern}' matches no parameter of this fully_shard call "
-                              f"(names are relative to the module given, e.g. {names[:3]}); fix the pattern")
-
-
-class PolicyError(ValueError):
-    """A policy that cannot apply to a parameter; the message names the parameter and the fix."""
-
-
 def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise PolicyError(f"{what} must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
@@ -380,14 +276,15 @@ def check_zero_stage(name: str, pp: ParamPolicy) -> int:
     return stage
 
 
-def resolve(name: str, param, mp: MixedPrecisionPolicy, param_policy, ndim: int,
+def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, ndim: int,
             offload: OffloadPolicy | None = None) -> ResolvedPolicy:
     """Combine the call's ``MixedPrecisionPolicy`` (and ``offload``, the call's ``offload_policy``) with
-    ``param``'s ``ParamPolicy`` override.
+    ``param``'s ``ParamPolicy`` override ``pp``, already picked from the call's ``param_policy``
+    (``policy_pick._pick``, by ``resolution.resolve_param``: the one place a policy is picked); ``None``: none.
 
     Raises ``PolicyError`` naming ``name`` for a policy that cannot apply.
     """
-    pp = _pick(name, param, param_policy) or ParamPolicy()
+    pp = pp or ParamPolicy()
     if not isinstance(pp, ParamPolicy):
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
     zero_stage = 3 if pp.zero_stage is None else pp.zero_stage  # checked by resolution.resolve_param

@@ -32,11 +32,10 @@ from .policy import (
     ParamPolicy,
     PolicyError,
     ResolvedPolicy,
-    _pick,
-    check_patterns,
     check_zero_stage,
     resolve,
 )
+from .policy_pick import _pick, check_patterns
 
 #: The ``ParamPolicy.placement`` value that asks for ``auto_placement``.
 AUTO = "auto"

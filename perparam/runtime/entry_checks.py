@@ -1,0 +1,43 @@
+"""What a root's forward checks before anything is issued (``perparam.runtime.hooks`` calls them): not inside a
+``torch.func`` transform (``TransformError``), no shard of the tree left on the meta device."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..sharding.errors import ShardingError
+
+if TYPE_CHECKING:
+    from .context import IterationContext
+    from .group import ParamGroup
+
+
+class TransformError(RuntimeError):
+    """A sharded module was called inside a ``torch.func`` transform."""
+
+
+def _check_transforms(group: ParamGroup) -> None:
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is not None:
+        raise TransformError(
+            f"perparam: sharded module [{group.name}] was called inside a torch.func transform "
+            f"({interpreter.key()}); its parameters are all-gathered by hooks that torch.func cannot "
+            "transform. Run the transform on an unsharded copy of the model, or use torch.autograd "
+            "(torch.autograd.grad(..., create_graph=True) and double backward are supported)")
+
+
+def _check_materialized(ctx: IterationContext) -> None:
+    """Raise ``ShardingError`` naming the parameter when a shard of the tree is still on the meta device
+    (a model built under ``torch.device("meta")`` and never given storage), before any collective: every
+    rank built the same model, so every rank raises here."""
+    for g in ctx.groups:
+        for p in g.params:
+            if p.sharded.device.type == "meta":
+                owner = ", ".join(type(m).__name__ for m in g.modules)
+                raise ShardingError(
+                    f"parameter '{p.fqn}' of {owner} is on the meta device: a model built under "
+                    "torch.device('meta') has no values yet; before the first forward call "
+                    "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
+                    "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")

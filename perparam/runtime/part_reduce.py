@@ -1,0 +1,149 @@
+"""A mesh part's reductions (``Reductions``, a base of ``MeshPart``): its trainable parameters split into
+the sets reduced together, each issued through its path (``perparam.runtime.paths``), and the common
+tail of every path, in one place: the HSDP all-reduce over the replicate axis, the partial hold
+(``set_requires_all_reduce(False)``), the all-reduce hook, the division and the accumulation into the
+sharded ``.grad``s."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..comm import collectives
+from . import config, partial, zero_copy_reduce
+from .param import ShardedParam
+from .paths import choose
+from .paths.reduce import ReduceFacts
+from .reduction import PendingReduce, ReducePlan, reduce_plan
+
+
+class Reductions:
+    """The reduction side of a ``MeshPart`` (its fields: ``mesh_params``, ``num_shards``, ``hpz``,
+    ``_reduce_plans``, ``partial_reduce``, the process groups, ``call``)."""
+
+    def trainable(self) -> list[ShardedParam]:
+        """The trainable parameters of this mesh (``mesh_params``), and those holding gradients accumulated
+        without sync (the call's ``held_unsynced``); ``ParamGroup.trainable()``: of every mesh."""
+        held = self.call.held_unsynced
+        return [p for p in self.mesh_params if p.sharded.requires_grad or (held and id(p) in held)]
+
+    def _reduce_sets(self, params) -> dict[tuple, list[ShardedParam]]:
+        """``params`` split into the sets reduced together, in order: keyed (whole, reduce dtype, wire
+        format); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter per
+        (reduce dtype, ``grad_quant``; none on one rank: nothing on the wire to quantize)."""
+        sets: dict[tuple, list] = defaultdict(list)
+        for p in params:
+            whole = not p.layout.gathered or p.policy.whole_grad
+            wire = None if whole or self.num_shards == 1 else p.policy.grad_quant
+            sets[whole, p.policy.reduce_dtype, wire].append(p)
+        return sets
+
+    def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
+        """Issue this mesh's reductions of ``trainable`` (see ``reduce_grads``): the reduce-scatters first,
+        then the whole-gradient all-reduces, each through its path (``paths.choose``)."""
+        grads = {}
+        for p in trainable:
+            grad = p.take_unsharded_grad(keep=False)
+            grads[id(p)] = (grad, True) if grad is not None else (p.zero_grad_for_reduce(), False)
+        sets = sorted(self._reduce_sets(trainable).items(), key=lambda item: item[0][0])  # stable: whole last
+        pending = []
+        for (whole, dtype, wire), members in sets:
+            params = tuple(members)
+            tensors, used = zip(*(grads[id(p)] for p in params))
+            plan = None if whole else self._reduce_plan(params, wire)
+            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors))
+            item = path.issue(self, params, tensors, used, dtype, plan)
+            item.part = self
+            pending.append(item)
+        return pending
+
+    def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool):
+        """The reduction path of ``plan``'s parameter set now (``paths.choose``), chosen once per facts."""
+        facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
+                            config.current().gloo_reduce_scatter, self.hpz is not None,
+                            plan is not None and plan.zero_copy, cpu)
+        if plan is None:
+            return choose.reduce_path(facts)
+        path = plan.paths.get(facts)
+        if path is None:
+            path = plan.paths[facts] = choose.reduce_path(facts)
+        return path
+
+    def _reduce_plan(self, params: tuple[ShardedParam, ...], wire=None) -> ReducePlan:
+        """What never changes for a reduction of ``params`` (a sub-tuple of ``mesh_params``, in order; one
+        reduce dtype): offsets, this rank's views of the output, zero-copy eligibility and per-rank row
+        sizes. Built once per parameter set (the trainable set may change between steps: another key); the
+        layouts, shard ranks, placements and the mesh's process group are fixed at ``fully_shard``. What
+        may change is read at each reduction instead, as for ``_gather_plan``: the settings (``config``, a
+        custom reduce-scatter, hpZ: ``zero_copy_reduce.wanted``) and the gradients' device (``to_empty``,
+        ``.to``, a ``.data`` swap: ``zero_copy_reduce.on_cpu``)."""
+        plan = self._reduce_plans.get(params)
+        if plan is None:
+            zero = self.num_shards > 1 and zero_copy_reduce.eligible(params, self.reduce_shard_pg)
+            plan = self._reduce_plans[params] = reduce_plan(params, zero, collectives.zero_gaps, wire)
+        return plan
+
+    def _advance(self, item: PendingReduce, block: bool) -> bool:
+        if item.stage == 0:
+            if item.work is not None and not (block or item.work.is_completed()):
+                return False
+            if item.work is not None:
+                item.work.wait()
+            if item.send is not None:
+                self.pool.give_back(item.send)
+            item.work = None
+            if self.replicate_pg is not None:
+                if partial.hold(self, item):  # set_requires_all_reduce(False): all-reduced by a later reduction
+                    item.stage = 2
+                    return True
+                partial.merge(self, item)
+                item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
+                                                       what=f"{self._what} [{item.recv.dtype}]")
+            item.stage = 1
+        if item.work is not None:
+            if not (block or item.work.is_completed()):
+                return False
+            item.work.wait()
+            item.work = None
+        if item.stage == 1 and not item.discard:
+            if self.call.all_reduce_hook is not None and not block:
+                return False  # a user hook may issue collectives: it runs in the final callback, in issue order
+            self._accumulate(item)
+        item.stage = 2
+        return True
+
+    def _accumulate(self, item: PendingReduce) -> None:
+        """Divide the summed gradients by ``divisor`` (after the all-reduce hook, if any) and add each
+        parameter's piece to its sharded ``.grad``; a parameter some rank had a gradient for is queued for
+        its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward)."""
+        recv, n = item.recv, len(item.params)
+        flags = item.summed_flags()  # before any hook or division; read back only where this rank lacked one
+        grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
+        if self.call.all_reduce_hook is not None:
+            self.call.all_reduce_hook(grads)
+        divisor = self.call.divisor
+        if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
+            grads.div_(divisor)
+            divided = range(n)
+            pieces = grads.split([p.layout.numel for p in item.params])
+            targets = [piece if p.policy.whole_grad else piece.view(p.layout.global_shape)  # (tp-local)
+                       for p, piece in zip(item.params, pieces)]
+        else:
+            targets = self._reduce_plan(item.params).targets(recv)
+            # divided on the way into .grad, only where some rank had a gradient: pieces that become a new
+            # .grad of their own dtype in one foreach division here, the rest in their accumulation's pass
+            fresh = [i for i, (p, flag) in enumerate(zip(item.params, flags))
+                     if flag > 0 and p.sharded.grad is None and p.sharded.dtype == recv.dtype]
+            if fresh:
+                torch._foreach_div_([targets[i] for i in fresh], divisor)
+            divided = set(fresh)
+        due = self.ctx.grad_hooks_due
+        for i, (p, local, flag) in enumerate(zip(item.params, targets, flags)):
+            if flag <= 0:  # no rank had a gradient for it
+                continue
+            if p.policy.whole_grad:
+                p.accumulate_whole_grad(local)
+            else:
+                p.accumulate_sharded_grad(local, None if i in divided else divisor)
+            due.append((item.seq, i, p))

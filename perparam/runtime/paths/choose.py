@@ -1,0 +1,44 @@
+"""The only place a path is picked: one chooser per seam, each a table of ``(rule, path)`` rows walked in
+order (first match wins) over the facts of one all-gather or reduction. Adding a path: its file, and one
+row here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .gather import GatherFacts, GatherPath
+from .gather_rows import CUSTOM, HPZ_SECONDARY, PACKED, QUANTIZED
+from .gather_zero_copy import ZERO_COPY
+from .reduce import ReduceFacts, ReducePath
+from .reduce_packed import CUSTOM_REDUCE_SCATTER, PACKED_REDUCE_SCATTER
+from .reduce_qgz import QGZ
+from .reduce_whole import WHOLE
+from .reduce_zero_copy import ZERO_COPY_REDUCE_SCATTER
+
+#: the all-gather paths' precedence
+GATHER_RULES: list[tuple[Callable[[GatherFacts], bool], GatherPath]] = [
+    (lambda f: f.secondary, HPZ_SECONDARY),  # kept rows serve only an all-gather of the same members
+    (lambda f: f.custom, CUSTOM),  # the user's collective carries every row
+    (lambda f: f.algorithm == "zero_copy" and not f.hpz and f.zero_copy, ZERO_COPY),  # hpZ keeps rows
+    (lambda f: f.quantized, QUANTIZED),
+    (lambda f: True, PACKED),
+]
+
+#: the reduction paths' precedence
+REDUCE_RULES: list[tuple[Callable[[ReduceFacts], bool], ReducePath]] = [
+    (lambda f: f.whole, WHOLE),  # replicated and stage-1 parameters: all-reduced whole
+    (lambda f: f.wire is not None, QGZ),  # refuses a custom reduce-scatter
+    (lambda f: f.custom, CUSTOM_REDUCE_SCATTER),
+    (lambda f: f.algorithm == "zero_copy" and not f.hpz and f.zero_copy and f.cpu, ZERO_COPY_REDUCE_SCATTER),
+    (lambda f: True, PACKED_REDUCE_SCATTER),
+]
+
+
+def gather_path(facts: GatherFacts) -> GatherPath:
+    """The path an all-gather with ``facts`` takes: the first row of ``GATHER_RULES`` whose rule holds."""
+    return next(path for rule, path in GATHER_RULES if rule(facts))
+
+
+def reduce_path(facts: ReduceFacts) -> ReducePath:
+    """The path a reduction with ``facts`` takes: the first row of ``REDUCE_RULES`` whose rule holds."""
+    return next(path for rule, path in REDUCE_RULES if rule(facts))
