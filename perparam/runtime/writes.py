@@ -23,7 +23,8 @@ Two writes are also given the meaning one process gives them:
   ``normal_``, ``bernoulli_`` ..., i.e. ``reset_parameters()``): the full tensor is drawn on every rank as
   one process draws it (the generator advances by the whole tensor, so later parameters match too) and
   this rank's rows kept: bitwise the unsharded model's values at any number of ranks. Memory: one full
-  parameter at a time. ``nn.init.orthogonal_`` and ``sparse_`` (which draw into a new DTensor) warn.
+  parameter at a time. Initializers that draw into new tensors (``trunc_normal_``'s rejection sampling
+  into ``torch.empty_like(p)``) draw into scratch DTensors tracked the same way.
 
 Not seen (rank-local, detected by ``runtime.zero.check_unwritten``): writes into ``p.to_local()`` or into
 the tensors ``state_dict()`` handed out (``dcp.load``); after those call ``mark_shards_written()`` on the
@@ -32,16 +33,18 @@ sharded module on every rank.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..sharding.errors import ShardingError
 
 #: the ``__dict__`` key of a tracked tensor's owner
 OWNER_KEY = "_perparam_shard_owner"
+#: the ``__dict__`` key of a window, ``p[index]`` of a sharded parameter: ``(p, index)``. DTensor makes it a
+#: copy (a row of a ``Shard(0)`` parameter lies on one rank); an in-place write to it is written back
+_WINDOW_KEY = "_perparam_window_of"
 
 #: in-place methods that change no values
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "_fix_weakref", "pin_memory"})
@@ -51,8 +54,16 @@ _INPLACE_OPERATORS = frozenset({
 #: ``Tensor`` methods that draw random values in place: drawn as the full tensor, this rank's rows kept
 _RANDOM = frozenset({"uniform_", "normal_", "bernoulli_", "cauchy_", "exponential_", "geometric_",
                      "log_normal_", "random_"})
-#: ``torch.nn.init`` functions that draw into a new DTensor (``tensor.new_empty``): not the unsharded values
-_UNMATCHED_INITS = frozenset({"orthogonal_", "sparse_"})
+#: calls making an uninitialized DTensor from a tracked one: a scratch tensor, tracked without an owner
+#: (``trunc_normal_``'s rejection sampling draws into ``torch.empty_like(tensor)``; ``orthogonal_`` into
+#: ``tensor.new_empty(...)``); what is computed from a scratch tensor is scratch too
+_SCRATCH_FROM = frozenset({"empty_like", "new_empty", "new_empty_strided"})
+#: comparisons of a tracked tensor: their masks are scratch, so that a Python decision on them
+#: (``if not mask.any()``: ``trunc_normal_``'s rejection loop) is taken on the whole tensor, the same on
+#: every rank, not on this rank's partial result (DTensor's ``bool()`` of a ``Partial`` reads the local value)
+_MASKS = frozenset({"lt", "gt", "le", "ge", "eq", "ne", "__lt__", "__gt__", "__le__", "__ge__", "__eq__", "__ne__",
+                    "isnan", "isinf", "isfinite", "isposinf", "isneginf"})
+_DECISIONS = frozenset({"__bool__", "item", "tolist", "__float__", "__int__"})
 _DATA_SET = torch.Tensor.data.__set__
 _DATA_GET = torch.Tensor.data.__get__
 
@@ -140,22 +151,43 @@ class TrackedDTensor(DTensor):
         if name.endswith("_"):
             if kwargs and "tensor" in kwargs and getattr(func, "__module__", None) == "torch.nn.init":
                 args, kwargs = (kwargs["tensor"], *args), {k: v for k, v in kwargs.items() if k != "tensor"}
-            sp = owner_of(args[0]) if args else None
-            if sp is not None and (name in _RANDOM and func is getattr(torch.Tensor, name, None)
-                                   or getattr(func, "__module__", None) == "torch.nn.init"):
-                drawn = _draw_full(sp, args[0], func, args, kwargs or {})
+            if args and isinstance(args[0], TrackedDTensor) and (
+                    name in _RANDOM and func is getattr(torch.Tensor, name, None)
+                    or getattr(func, "__module__", None) == "torch.nn.init"):
+                drawn = _draw_full(owner_of(args[0]), args[0], func, args, kwargs or {})
                 if drawn is not None:
                     return drawn
+        if name == "__setitem__" and owner_of(args[0]) is not None:
+            return _set_items(owner_of(args[0]), *args)
+        out = kwargs.get("out") if kwargs else None
+        if (isinstance(out, TrackedDTensor) and owner_of(out) is not None and out.is_floating_point()
+                and not any(isinstance(a, torch.Tensor) for a in args)):  # a factory into p: torch.eye(..., out=p)
+            drawn = _draw_full(owner_of(out), out, lambda full, **kw: func(*args, **kw, out=full), (out,),
+                               {k: v for k, v in kwargs.items() if k != "out"})
+            if drawn is not None:
+                return drawn
+        if name in _DECISIONS and _is_scratch(args[0]) and any(p.is_partial() for p in args[0].placements):
+            t = args[0]
+            args = (t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **(kwargs or {}))
         for t in _targets(name, args, kwargs):
             sp = owner_of(t)
             if sp is not None:
                 sp._writes += 1
-        if name == "detach" or (name == "__get__" and func == _DATA_GET):
-            sp = owner_of(args[0])
-            if sp is not None and isinstance(result, DTensor):
-                _track(result, sp)  # an alias sharing the shard: its writes are the parameter's
+            window = t.__dict__.get(_WINDOW_KEY) if isinstance(t, TrackedDTensor) else None
+            if window is not None:
+                _write_back(t, *window)
+        if isinstance(result, DTensor) and type(result) is DTensor:
+            if name == "detach" or (name == "__get__" and func == _DATA_GET):
+                sp = owner_of(args[0])
+                if sp is not None or _is_scratch(args[0]):
+                    _track(result, sp)  # an alias sharing the shard: its writes are the parameter's
+            elif name == "__getitem__" and owner_of(args[0]) is not None:
+                _track(result, None)  # (never a parameter: its random draws are drawn as its own shape)
+                result.__dict__[_WINDOW_KEY] = (args[0], args[1])
+            elif name in _SCRATCH_FROM or name in _MASKS or any(_is_scratch(a) for a in args):
+                _track(result, None)
         return result
 
     def __deepcopy__(self, memo):
@@ -172,25 +204,56 @@ class TrackedDTensor(DTensor):
         return new
 
 
+def _write_back(window, base, index) -> None:
+    """An in-place write to ``window`` (``base[index]``): put its values into ``base``'s shard, as one process's
+    view would have. Two all-gathers (``full_tensor``), issued on every rank alike (the write runs on every
+    rank); for initialization-time writes such as ``Embedding``'s zeroed ``padding_idx`` row."""
+    with torch.no_grad():
+        full = base.full_tensor()
+        full[index] = window.full_tensor()
+        base._local_tensor.copy_(distribute_tensor(full, base.device_mesh, base.placements,
+                                                   src_data_rank=None)._local_tensor)
+    sp = owner_of(base)
+    if sp is not None:
+        sp._writes += 1
+
+
+def _set_items(sp, base, index, value) -> None:
+    """``base[index] = value`` on a sharded parameter, one process's meaning (DTensor writes a replicated copy
+    for a row that lies on one rank): the full tensor, written, and this rank's piece kept (two
+    all-gathers, issued on every rank alike)."""
+    with torch.no_grad():
+        full = base.full_tensor()
+        full[index] = value.full_tensor() if isinstance(value, DTensor) else value
+        base._local_tensor.copy_(distribute_tensor(full, base.device_mesh, base.placements,
+                                                   src_data_rank=None)._local_tensor)
+    sp._writes += 1
+
+
+def _is_scratch(t) -> bool:
+    return type(t) is TrackedDTensor and owner_of(t) is None
+
+
 def _draw_full(sp, tensor, func, args, kwargs):
-    """Run the random initializer ``func`` on a full tensor of ``tensor``'s global shape and dtype (every rank
-    draws what one process draws) and copy this rank's rows into the shard. ``None``: not applicable (a
-    stored-quantized parameter, an alias of another shape, an initializer that draws into a new tensor)."""
-    name = func.__name__
-    if name in _UNMATCHED_INITS:
-        warnings.warn(f"perparam: torch.nn.init.{name} on the sharded parameter '{sp.fqn}' draws into a new "
-                      "DTensor, not as one process draws: the values differ from the unsharded model's. "
-                      "Initialize before fully_shard, or load the values (load_state_dict)", stacklevel=3)
-        return None
+    """Run the initializer ``func`` on a full tensor of ``tensor``'s global shape and dtype (every rank draws
+    what one process draws) and copy this rank's piece into ``tensor``'s local tensor (DTensor's own split,
+    ``distribute_tensor(..., src_data_rank=None)``: no communication). ``tensor``: a sharded parameter (``sp``
+    its ``ShardedParam``), an alias of one, or a scratch tensor made from one (``sp`` ``None``). ``None``:
+    not applicable (a stored-quantized parameter, a meta tensor, a tensor-valued argument): DTensor's own
+    random op runs."""
     local = tensor._local_tensor
-    if (sp.stored_quantized or tuple(tensor.shape) != sp.global_shape or local.is_meta
-            or tuple(local.shape) != tuple(sp.local_shard().shape)):
+    if ((sp is not None and sp.stored_quantized) or local.is_meta or not tensor.is_floating_point()
+            or any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))):
         return None
-    full = torch.empty(sp.global_shape, dtype=tensor.dtype, device=local.device)
+    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
     with torch.no_grad():
         func(full, *args[1:], **kwargs)
-        local.copy_(sp.shard_of(full))
-    sp._writes += 1
+        if sp is not None and tuple(tensor.shape) == sp.global_shape:  # the parameter or an alias: its own split
+            local.copy_(sp.shard_of(full))
+            sp._writes += 1
+        else:
+            local.copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements,
+                                          src_data_rank=None)._local_tensor)
     return tensor
 
 
