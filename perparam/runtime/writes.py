@@ -14,7 +14,7 @@ rank with an empty shard included: it may decide the next all-gather's size (``r
 ``load_state_dict`` in place, optimizer steps, EMA and averaging utilities (``torch.optim.swa_utils``,
 which write through ``detach()``).
 
-Two writes are also given the meaning one process gives them:
+Some writes are also given the meaning one process gives them (DTensor's differs):
 
 * ``p.data = x`` (torch would swap the DTensor's metadata and keep the old shard): a tensor of the
   parameter's global shape, or a DTensor of its mesh, placements and shape, is copied into the shard (the
@@ -24,7 +24,13 @@ Two writes are also given the meaning one process gives them:
   one process draws it (the generator advances by the whole tensor, so later parameters match too) and
   this rank's rows kept: bitwise the unsharded model's values at any number of ranks. Memory: one full
   parameter at a time. Initializers that draw into new tensors (``trunc_normal_``'s rejection sampling
-  into ``torch.empty_like(p)``) draw into scratch DTensors tracked the same way.
+  into ``torch.empty_like(p)``, ``orthogonal_`` into ``p.new_empty(...)``) draw into scratch DTensors
+  tracked the same way, and a Python decision on a mask of one (``if not mask.any()``) is taken on the whole
+  tensor (DTensor's ``bool()`` of a ``Partial`` reads this rank's part); factories into ``out=p``
+  (``eye_``) fill the full tensor too;
+* ``p[index] = x`` and in-place writes to ``p[index]`` (``Embedding``'s zeroed ``padding_idx`` row; DTensor
+  writes a copy when the row lies on one rank): written into the full tensor (two all-gathers, every rank
+  alike) and this rank's rows kept.
 
 Not seen (rank-local, detected by ``runtime.zero.check_unwritten``): writes into ``p.to_local()`` or into
 the tensors ``state_dict()`` handed out (``dcp.load``); after those call ``mark_shards_written()`` on the
@@ -146,6 +152,9 @@ class TrackedDTensor(DTensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name == "__get__" and func != _DATA_GET:  # attribute reads (requires_grad, grad, ...): the fast path
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args)
         if name == "__set__" and func == _DATA_SET and owner_of(args[0]) is not None:
             return _assign_data(owner_of(args[0]), args[0], args[1])
         if name.endswith("_"):
@@ -171,7 +180,7 @@ class TrackedDTensor(DTensor):
             args = (t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **(kwargs or {}))
-        for t in _targets(name, args, kwargs):
+        for t in (_targets(name, args, kwargs) if name[-1:] == "_" or name in _INPLACE_OPERATORS or kwargs else ()):
             sp = owner_of(t)
             if sp is not None:
                 sp._writes += 1
