@@ -10,8 +10,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-#: storage kept across the write, and how it is filled before it
+#: storage kept across the write, and how it is filled before it; and hpZ's rows kept after a forward
+#: (``reshard_after_forward=2``: on 4 ranks only)
 MODES = ("stage3", "stage1", "stage2", "kept_after_forward", "kept_after_backward", "eval_kept", "offload")
+HPZ = "hpz"
 METHODS = ("mul_", "foreach_mul_", "ema_foreach_lerp_", "data_full", "data_dtensor", "data_mul_", "copy_",
            "init_normal_", "init_trunc_normal_", "reset_parameters", "load_state_dict", "set_model_state_dict",
            "sgd_foreach", "adam_fused", "adamw_for_loop", "averaged_model", "to_local", "to_local_marked")
@@ -146,8 +148,8 @@ def _cell(world_size: int, method: str, mode: str, comm: _Issued):
         if mode == "offload":
             kw["offload_policy"] = "cpu"
         for root in (model,) if ema is None else (model, ema.module):
-            for sub in root:
-                perparam.fully_shard(sub, **kw)
+            for sub in root:  # hpz: the Linears keep 2-rank rows after forward (4 ranks)
+                perparam.fully_shard(sub, **kw, **({"reshard_after_forward": 2} if mode == "hpz" else {}))
             perparam.fully_shard(root, **kw)
     if ema is not None:  # evaluated between updates
         model(x).sum().backward()
