@@ -26,6 +26,7 @@ from .runtime.prefetch import PrefetchError
 from .runtime.readers import UsedWhileShardedError
 from .runtime.registration import ShardedTreeChangeError
 from .runtime.state import StateError
+from .runtime.writes import ShardDataAssignmentError
 from .runtime.zero import UnseenShardWriteError
 from .session import distributed_session
 from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, QuantPolicy
@@ -45,6 +46,7 @@ __all__ = [
     "ReplacedParameterError",
     "RuntimeConfig",
     "ShardedModule",
+    "ShardDataAssignmentError",
     "ShardedTreeChangeError",
     "ShardingError",
     "StateError",

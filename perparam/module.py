@@ -12,7 +12,7 @@ from torch.nn.utils import parametrize
 from . import hf_methods
 from .errors import ShardingError
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
-from .runtime import hooks, recast, zero
+from .runtime import hooks, recast, writes, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
 from .runtime.untraced import untraced
@@ -51,6 +51,7 @@ class ShardedModule(ShardedModuleSettings):
         zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
         out = super()._apply(fn, recurse)
         recast.follow(owned)
+        writes.rebind(owned)  # torch's _apply swapped new DTensors in: track their writes again
         return out
 
     def __call__(self, *args, **kwargs):
@@ -94,6 +95,19 @@ class ShardedModule(ShardedModuleSettings):
     def reshard(self) -> None:
         """Register the sharded DTensors again and free the unsharded storage (no communication)."""
         group_of(self).reshard()
+
+    def mark_shards_written(self, *, recurse: bool = True) -> None:
+        """Tell perparam that the shards of this module's parameters (and, with ``recurse``, of every sharded
+        module below) were written by a route it cannot see: into ``p.to_local()``, or into the tensors
+        ``state_dict()`` handed out (``dcp.load(model.state_dict())`` without ``model.load_state_dict``).
+        Unsharded storage kept across the write (ZeRO stage 1/2 copies, ``reshard_after_forward=False``,
+        ``set_reshard_after_backward(False)``, parameters kept gathered for evaluation) is all-gathered
+        afresh at its next use. Call it on every rank: it decides the size of the next all-gathers. Writes
+        through the parameters themselves (in-place ops, ``torch._foreach_*``, ``.data =``, ``torch.nn.init``,
+        optimizer steps, ``load_state_dict``) are seen without it (``perparam/runtime/writes.py``)."""
+        for group in _groups_below(self, recurse):
+            for sp in group.params:
+                sp._writes += 1
 
     @untraced
     def reset(self) -> None:
@@ -186,6 +200,7 @@ def _guarded_apply(self, fn, recurse=True):
     zero.invalidate()
     out = type(self)._apply(self, fn, recurse)
     recast.follow(owned)
+    writes.rebind(owned)
     return out
 
 

@@ -77,8 +77,12 @@ FAST = (
     "test_paths.py::test_the_reduction_chooser_takes_the_first_rule_that_holds",
     # one process per rank through torch's fake process group
     "test_empty_shard_properties.py",
+    "test_writes_seen.py::test_what_a_write_makes_stale_is_the_same_on_every_rank",
+    "test_kept_copy_bookkeeping.py",
     # one parity (or count) test per feature, on gloo ranks
     "test_fully_shard_parity.py::test_nested_uneven_and_empty_shards_match_single_process[3]",
+    "test_writes_seen.py::test_writes_are_seen_at_other_world_sizes_with_empty_shards",
+    "test_init_matches_unsharded.py::test_initialization_after_to_empty_is_the_unsharded_models_at_any_world_size[trunc_normal]",
     "test_collective_counts.py::test_one_all_gather_per_group_and_one_reduce_scatter_per_group",
     "test_policies.py::test_mixed_policy_group_trains_like_a_reference_with_the_same_casts[bf16]",
     "test_hsdp.py::test_hsdp_2x2_equals_fsdp_and_single_process",

@@ -160,9 +160,9 @@ class ParamGroup:
 
     def stale(self) -> bool:
         """The gathered storage may no longer match the shards: a ``torch.optim`` optimizer holding perparam
-        parameters stepped (foreach updates do not bump a DTensor's version) or an in-place update
-        bumped a sharded parameter's or its local shard's version since the all-gather. Not detected:
-        ``torch._foreach_*`` called by hand on DTensors and writes through ``.data``."""
+        parameters stepped (foreach updates do not bump a DTensor's version), a write to a sharded parameter
+        was seen (``ShardedParam.writes``: ``torch._foreach_*``, ``.data``, ``runtime/writes.py``) or an
+        in-place update bumped a sharded parameter's or its local shard's version since the all-gather."""
         return any(part._alive and part._versions() != part._gathered_versions for part in self.parts)
 
     def pool_bytes(self) -> int:

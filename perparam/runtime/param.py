@@ -25,7 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from ..sharding.errors import ShardingError
 from ..sharding.policy import ResolvedPolicy
 from ..sharding.resolution import shard_layout
-from . import registration
+from . import registration, writes
 from .param_grads import ParamGradients, _dtensor, _spec, contiguous_stride  # noqa: F401 (contiguous_stride: used by others)
 from .tp import TensorParallel
 
@@ -66,6 +66,9 @@ class ShardedParam(ParamGradients):
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)
+        #: writes to the sharded parameter seen on every rank alike (``runtime/writes.py``)
+        self._writes = 0
+        writes.bind(self)
         #: ``layout.buffer_shape`` in the compute dtype: (K * chunk, *other dims) for Shard(0), the global
         #: shape for Shard(d > 0) and Replicate(); ``_padded_data`` is its ``.data`` (see ``_ensure_buffers``)
         self._padded: torch.Tensor | None = None
@@ -83,18 +86,30 @@ class ShardedParam(ParamGradients):
         self._whole_version = -1
         #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
         self.kept = policy.keeps_unsharded
-        #: (optimizer steps, load generation, trainable) when the kept copy was gathered (``runtime.zero``)
-        self.kept_key: tuple[int, int, bool] | None = None
+        #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was gathered (``runtime.zero``)
+        self.kept_key: tuple | None = None
         #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
         self.optimizer_steps = 0
         #: the offload tier's record of this parameter (``perparam.offload.tier.ParamOffload``: its disk or
         #: host slots), set by ``offload.tier.attach`` at ``fully_shard``; ``None``: not offloaded
         self.offload = None
-        #: weak references to the tensors ``state_dict()`` handed out for the shard (they share its storage)
-        #: and the writes seen when the unsharded storage was last gathered (``runtime.zero.check_unwritten``)
+        #: (weak reference, version) of each live tensor ``state_dict()`` handed out for the shard (they share
+        #: its storage), whether one died since the baseline, and (id, version) of the local shard when the
+        #: unsharded storage was last gathered (``runtime.zero.check_unwritten``)
         self.aliases: list = []
-        self.write_sig: tuple | None = None
+        self.aliases_lost = False
+        self.write_sig: tuple[int, int] | None = None
+
+    @property
+    def writes(self) -> int:
+        """The writes to the sharded parameter seen so far (``runtime/writes.py``), the same count on every
+        rank. A sharded object no longer tracked for this parameter (swapped in by ``to_empty``, a
+        ``copy.deepcopy`` of the model) is tracked again and counts as written."""
+        if not writes.bound(self):
+            writes.bind(self)
+            self._writes += 1
+        return self._writes
 
     @property
     def plain(self) -> bool:

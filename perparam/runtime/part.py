@@ -119,7 +119,7 @@ class MeshPart(Reductions):
             # and the steps of the optimizers holding it (foreach updates bump neither version); kept copies
             # (stage 1/2) are refreshed by step and load counts only (runtime/zero.py)
             sharded = p.sharded
-            versions += (sharded._version, sharded._local_tensor._version, p.optimizer_steps)
+            versions += (sharded._version, sharded._local_tensor._version, p.optimizer_steps, p.writes)
         return tuple(versions)
 
     def _pool_bytes(self) -> int:
