@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 from collections import OrderedDict
 
@@ -12,7 +14,7 @@ from torch.nn.utils import parametrize
 from . import hf_methods
 from .errors import ShardingError
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
-from .runtime import hooks, recast, writes, zero
+from .runtime import hooks, readers, recast, writes, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
 from .runtime.untraced import untraced
@@ -235,10 +237,32 @@ def sharded_class(cls: type) -> type:
     """The subclass of ``cls`` that also derives from ``ShardedModule`` (one per class)."""
     sharded_cls = _CLASS_CACHE.get(cls)
     if sharded_cls is None:
-        sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__, BASE_ATTR: cls})
+        body = {"__module__": cls.__module__, BASE_ATTR: cls}
+        if cls.forward is not nn.Module.forward:
+            body["forward"] = _checked_forward(cls)
+        sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), body)
         # setdefault: ranks that are threads of one process get one class per class, as processes do
         sharded_cls = _CLASS_CACHE.setdefault(cls, sharded_cls)
     return sharded_cls
+
+
+def _checked_forward(cls: type):
+    """``cls.forward`` (looked up at each call: a class patched later is followed), raising
+    ``UsedWhileShardedError`` with the fix where DTensor's mixing error comes out of a forward called without
+    the module's hooks (``readers.forward_called_directly``). A ``try`` costs nothing while nothing raises; the
+    signature is ``cls.forward``'s (``inspect.signature``, which Hugging Face reads, follows ``__wrapped__``)."""
+
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
+        try:
+            return cls.forward(self, *args, **kwargs)
+        except RuntimeError as e:  # the error path only
+            explained = readers.forward_called_directly(self, group_of(self), e, sys._getframe(1))
+            if explained is None:
+                raise
+            raise explained from e
+
+    return forward
 
 
 def mark_fully_sharded(module: nn.Module) -> None:
