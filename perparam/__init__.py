@@ -9,6 +9,7 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
+from .comm.sequence import CollectiveTimeoutError
 from .full_state import CheckpointError
 from .module import (
     ShardedModule,
@@ -34,6 +35,7 @@ from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, P
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CommCounter",
     "MixedPrecisionPolicy",
     "OffloadError",

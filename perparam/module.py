@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import hf_methods
+from .comm import sequence
 from .errors import ShardingError
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
 from .runtime import hooks, readers, recast, writes, zero
@@ -61,6 +62,10 @@ class ShardedModule(ShardedModuleSettings):
             return super().__call__(*args, **kwargs)
         except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
             explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
+            if explained is None:
+                group = group_of(self)
+                path = f" '{group.path}'" if group is not None and group.path else ""
+                explained = sequence.explain_wait(e, f"the forward of {class_name(self)}{path}")
             if explained is None:
                 raise
             raise explained from e
