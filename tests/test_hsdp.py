@@ -5,7 +5,6 @@ and their bytes against the layout's prediction."""
 from __future__ import annotations
 
 import math
-
 from collections import Counter
 
 import pytest
