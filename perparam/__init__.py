@@ -12,6 +12,7 @@ from .comm.debug import CollectiveMismatchError, set_debug
 from .comm.sequence import CollectiveTimeoutError
 from .full_state import CheckpointError
 from .module import (
+    DeepcopyError,
     ShardedModule,
     StoredDtypeChangeError,
     UnshardedApplyError,
@@ -30,6 +31,7 @@ from .runtime.state import StateError
 from .runtime.writes import ShardDataAssignmentError
 from .runtime.zero import UnseenShardWriteError
 from .session import distributed_session
+from .sharding.errors import MetaParameterError
 from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, QuantPolicy
 
 __all__ = [
@@ -37,6 +39,8 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommCounter",
+    "DeepcopyError",
+    "MetaParameterError",
     "MixedPrecisionPolicy",
     "OffloadError",
     "OffloadPolicy",

@@ -30,6 +30,11 @@ class StoredDtypeChangeError(ShardingError, TypeError):
     ``nn.Module.to`` raises for a dtype it does not take."""
 
 
+class DeepcopyError(ShardingError, AssertionError):
+    """``copy.deepcopy`` of a sharded module: refused. A ``ShardingError`` and an ``AssertionError``, the type
+    FSDP2 raises for it."""
+
+
 class UnshardedApplyError(RuntimeError):
     """``module.to(device)`` / ``to_empty`` ... while the unsharded parameters are registered: refused."""
 
@@ -56,6 +61,17 @@ class ShardedModule(ShardedModuleSettings):
         recast.follow(owned)
         writes.rebind(owned)  # torch's _apply swapped new DTensors in: track their writes again
         return out
+
+    def __deepcopy__(self, memo):
+        """Refused with ``DeepcopyError`` (as FSDP2 refuses it, with its ``AssertionError``): a copy would share
+        the original's group, hooks and process groups, so its forward would all-gather the original's
+        parameters and leave its own sharded."""
+        raise DeepcopyError(
+            f"copy.deepcopy of {class_name(self)}, a module sharded by fully_shard, is not supported: the copy would "
+            "keep the original's group and hooks (its forward would all-gather the original's parameters). "
+            "Deepcopy the model before fully_shard and shard the copy with calls of its own, or build it again "
+            "and load the values: state = perparam.full_state.full_state_dict(model) on every rank, then "
+            "perparam.full_state.load_full_state_dict(new_sharded_model, state)")
 
     def __call__(self, *args, **kwargs):
         try:

@@ -121,7 +121,8 @@ def composition_error(rank: int, world_size: int, case: str) -> str:
     ("unnamed", ["'weight'", "axis names"]),
     ("on_dp", ["'weight'", "already a DTensor on the data-parallel mesh", "('dp',)", "full_tensor()"]),
     ("on_dp_unnamed", ["'weight'", "already a DTensor on the data-parallel mesh", "the same mesh", "full_tensor()"]),
-    ("indivisible", ["'weight'", "size 5", "tp axis of size 2", "multiple of 2"]),
+    ("indivisible", ["'weight'", "size 5", "tp axis of size 2", "multiple of 2", "(3, 2 per tp rank)",
+                     "refused rather than laid out wrong", "e.g. 6", "out of the tensor-parallel plan"]),
 ])
 def test_bad_tensor_parallel_compositions_fail_at_fully_shard_time(case, fragments):
     for message in run_distributed(composition_error, 4, case):

@@ -147,7 +147,7 @@ def forward_called_directly(module: nn.Module, group, error: BaseException, call
         return None
     owner = caller.f_locals.get("self") if caller is not None else None
     by = ""
-    if isinstance(owner, nn.Module) and caller.f_code.co_name not in ("_call_impl", "_wrapped_call_impl"):
+    if isinstance(owner, nn.Module) and not str(caller.f_globals.get("__name__", "")).startswith("torch."):
         by = f" by {class_name(owner)}.{caller.f_code.co_name}"
     method = caller.f_code.co_name if owner is module and caller.f_code.co_name != "forward" else "generate"
     first = str(error).splitlines()[0]

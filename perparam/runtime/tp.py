@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..sharding.placement import rule
+from ..sharding.placement import chunk_extent, rule
 
 
 class CompositionError(ValueError):
@@ -77,9 +77,14 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
         if isinstance(placement, Shard):
             size, parts = param.shape[placement.dim], tp_mesh.size(axis)
             if size % parts:
-                raise CompositionError(f"parameter '{name}' dim {placement.dim} has size {size}, which does not "
-                                       f"divide over the tp axis of size {parts}; pad the layer to a multiple "
-                                       f"of {parts}")
+                local = [chunk_extent(size, parts, i)[1] for i in range(parts)]
+                raise CompositionError(
+                    f"parameter '{name}' dim {placement.dim} has size {size}, which does not divide over the tp axis "
+                    f"of size {parts}: DTensor (and FSDP2) shard it unevenly ({', '.join(map(str, local))} per tp "
+                    "rank), but perparam lays out the dp shards, the all-gather slots and the _StridedShard placement "
+                    "once for all tp ranks of the combined mesh, from one tp-local shape, so uneven tp shards are "
+                    f"refused rather than laid out wrong. Pad the layer to a multiple of {parts} (e.g. "
+                    f"{-(-size // parts) * parts}), or leave '{name}' out of the tensor-parallel plan (replicated on tp)")
         elif not isinstance(placement, Replicate):
             raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and Replicate "
                                    "can be composed with data parallelism")
