@@ -159,3 +159,53 @@ def test_a_deepcopy_of_a_sharded_model_is_refused_with_fsdp2s_type_and_the_fix_t
         for which in ("twin", "model"):
             for name, value in want[which].items():
                 torch.testing.assert_close(got[which][name], value, rtol=0, atol=1e-5, msg=f"{which} {name}")
+
+
+class Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 5)
+        self.d = nn.ModuleDict({"a": nn.Linear(5, 4)})
+        self.l = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)])  # 2 rows: an empty shard on 3 ranks
+
+    def forward(self, x):  # [batch, 3] -> [batch, 2]
+        x = self.d["a"](torch.tanh(self.inp(x)))
+        for layer in self.l:
+            x = layer(torch.tanh(x))
+        return x
+
+
+def containers(rank: int, world_size: int) -> dict:
+    """A ModuleList/ModuleDict given to fully_shard is refused (FSDP2's ValueError: no forward, so no hook
+    would all-gather); the fix it names (its modules as a list) trains like one process (3 SGD steps)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = Containers()
+    out = {}
+    if world_size:
+        out["list"] = _caught(lambda: perparam.fully_shard(model.l), perparam.ShardingError, ValueError)
+        out["dict"] = _caught(lambda: perparam.fully_shard(model.d), perparam.ShardingError, ValueError)
+        perparam.fully_shard(list(model.d.values()))
+        perparam.fully_shard(list(model.l))
+        perparam.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(6, 3, generator=g), torch.randn(6, 2, generator=g)
+        if world_size:
+            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: (p.full_tensor() if world_size else p).detach() for n, p in model.named_parameters()}
+    return out
+
+
+def test_a_module_list_or_dict_given_as_a_module_is_refused_and_its_modules_as_a_list_match_one_process():
+    want = containers(0, 0)["params"]
+    for got in run_distributed(containers, 3):
+        assert got["list"].startswith("ShardingError") and "fully_shard(list(container))" in got["list"], got["list"]
+        assert got["dict"].startswith("ShardingError") and "list(container.values())" in got["dict"], got["dict"]
+        for name, value in want.items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-5, msg=name)
