@@ -126,7 +126,8 @@ def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
             "loop or branch, an extra forward on some ranks, different numbers of batches). Every rank must call "
             "the same sharded modules in the same order; perparam.set_debug(True) names each rank's collective, "
             "and docs/evaluation.md shows how to evaluate different numbers of batches per rank") from e
-    posts = [p.decode() for p in store.multi_get(keys)]
+    many = getattr(store, "multi_get", None)  # one round trip where the store has it
+    posts = [p.decode() for p in (many(keys) if many is not None else [store.get(k) for k in keys])]
     if any(p != described for p in posts):
         lines = "\n".join(f"  rank {r}: {p}" for r, p in zip(ranks, posts))
         raise CollectiveMismatchError(
