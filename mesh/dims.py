@@ -252,10 +252,10 @@ class Meshes:
 def check_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """Check that ``mesh`` can be a data-parallel mesh for ``fully_shard``; returns it unchanged.
 
-    1D: the shard axis. 2D: (replicate, shard), and its axes must be named (an unnamed 2D mesh may be the
-    wrong pair, or the right pair in the wrong order; nothing can tell). With this package's names the
-    axes must be ``("dp_replicate", "dp_shard")`` in that order; a ``"tp"`` axis is never data-parallel.
-    Other names are accepted as given (outer = replicate, inner = shard).
+    1D: the shard axis. 2D: (replicate, shard) by position, as FSDP2 takes it: an unnamed 2D mesh, or one
+    with names other than this package's, is taken as given (outer = replicate, inner = shard). With this
+    package's names the axes must be ``("dp_replicate", "dp_shard")`` in that order; a ``"tp"`` axis is
+    never data-parallel.
 
     Raises ``MeshNamesError`` (a ``MeshError``, a ``ValueError``).
     """
@@ -263,8 +263,6 @@ def check_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         raise MeshNamesError(f"expected a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     names = mesh.mesh_dim_names
     shape = tuple(mesh.shape)
-    hint = ("build it with mesh.ParallelDims(...).build().dp_mesh, or name the axes: "
-            "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('dp_replicate', 'dp_shard'))")
     if mesh.ndim > 2:
         raise MeshNamesError(f"a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard); got a {mesh.ndim}D "
                              f"mesh of shape {shape} (axes {names}): pass the data-parallel sub-mesh, e.g. "
@@ -273,10 +271,7 @@ def check_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         raise MeshNamesError(f"the mesh of shape {shape} has axes {names}: 'tp' is the tensor-parallel axis, "
                              "not a data-parallel one; pass the data-parallel sub-mesh (Meshes.dp_mesh)")
     if mesh.ndim == 2:
-        if names is None:
-            raise MeshNamesError(f"the 2D mesh of shape {shape} has no axis names, so its replicate and shard "
-                                 f"axes cannot be told apart; {hint}")
-        if set(names) <= set(AXIS_NAMES) and names != ("dp_replicate", "dp_shard"):
+        if names is not None and set(names) <= set(AXIS_NAMES) and names != ("dp_replicate", "dp_shard"):
             raise MeshNamesError(f"the 2D mesh of shape {shape} has axes {names}; a data-parallel mesh is "
                                  "(replicate, shard): pass world_mesh['dp_replicate', 'dp_shard']")
     elif names == ("dp_replicate",):

@@ -9,8 +9,10 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
+from .comm.sequence import CollectiveTimeoutError
 from .full_state import CheckpointError
 from .module import (
+    DeepcopyError,
     ShardedModule,
     StoredDtypeChangeError,
     UnshardedApplyError,
@@ -29,12 +31,16 @@ from .runtime.state import StateError
 from .runtime.writes import ShardDataAssignmentError
 from .runtime.zero import UnseenShardWriteError
 from .session import distributed_session
+from .sharding.errors import MetaParameterError
 from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, QuantPolicy
 
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CommCounter",
+    "DeepcopyError",
+    "MetaParameterError",
     "MixedPrecisionPolicy",
     "OffloadError",
     "OffloadPolicy",

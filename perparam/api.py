@@ -15,6 +15,7 @@ from .api_checks import (
     _GROUPS,
     _GROUPS_LOCK,
     _TAKEN,
+    _check_containers,
     _check_mesh,
     _check_param,
     _collect,
@@ -199,6 +200,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     found, aliases = _collect(modules)
     ignored = _ignored(ignored_params, found)
     found = [entry for entry in found if id(entry[1]) not in ignored]
+    _check_containers(modules, found)
     for fqn, original, _ in found:
         _check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was

@@ -78,6 +78,20 @@ def _param_mesh(fqn: str, p: nn.Parameter, own: DeviceMesh | None, mesh: DeviceM
     return own
 
 
+def _check_containers(modules: list[nn.Module], found) -> None:
+    """Refuse (``ShardingError``, a ``ValueError``: FSDP2's type) an ``nn.ModuleList``/``nn.ModuleDict`` given
+    as a module when the call would manage parameters: a container has no forward, so the hooks that
+    all-gather them would never run (its children's forwards used the sharded DTensors)."""
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward and found:
+            kind = type(m).__name__
+            values = ".values()" if kind == "ModuleDict" else ""
+            raise ShardingError(
+                f"fully_shard({kind}): a {kind} has no forward, so the hooks that all-gather its parameters would "
+                f"never run. Pass its modules as a list, fully_shard(list(container{values})) (one group, one "
+                "all-gather for them all), or call fully_shard on each of them")
+
+
 def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:
     """The tensor-parallel composition of a parameter that is already a DTensor, else ``None``."""
     if not isinstance(p.data, DTensor):

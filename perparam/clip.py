@@ -23,6 +23,7 @@ over the copies: still the same on every rank.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Collection, Iterable, Sequence
 
 import torch
@@ -142,11 +143,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     (``torch.nn.utils.clip_grads_with_norm_``), in place on the local shards. ``error_if_nonfinite`` and
     ``foreach`` mean what they mean to torch.
 
-    Raises ``ValueError`` unless ``norm_type > 0`` (``inf`` included) or when an axis name is in both
+    Raises ``TypeError`` for a ``norm_type`` or ``max_norm`` that is not a number (a str such as ``"1"``, a
+    bool); ``ValueError`` unless ``norm_type > 0`` (``inf`` included) or when an axis name is in both
     collections; ``ValueError`` on every rank when a rank holds a gradient the rule cannot count (a
     ``Partial`` placement, a mesh cut along an axis in neither collection); ``RuntimeError`` for a
     non-finite norm with ``error_if_nonfinite=True``.
     """
+    for name, value in (("norm_type", norm_type), ("max_norm", max_norm)):
+        # a str would be read as a number by float() ("1", "inf"), a bool as 0 or 1: a typo, refused
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"clip_grad_norm_: {name} must be a number (e.g. 2.0, 1 or float('inf')), got "
+                            f"{value!r} ({type(value).__name__})")
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be > 0 (2.0, 1.0, any p, or float('inf'))")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 from collections import OrderedDict
 
@@ -10,9 +12,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import hf_methods
+from .comm import sequence
 from .errors import ShardingError
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
-from .runtime import hooks, recast, writes, zero
+from .runtime import hooks, readers, recast, writes, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
 from .runtime.registration import BASE_ATTR, OWNED_ATTR, class_name
 from .runtime.untraced import untraced
@@ -25,6 +28,11 @@ class StoredDtypeChangeError(ShardingError, TypeError):
     (``perparam.runtime.recast.problem``: stored-quantized or offloaded parameters, precision islands,
     gradients held between micro-batches). A ``ShardingError`` and a ``TypeError``, the type
     ``nn.Module.to`` raises for a dtype it does not take."""
+
+
+class DeepcopyError(ShardingError, AssertionError):
+    """``copy.deepcopy`` of a sharded module: refused. A ``ShardingError`` and an ``AssertionError``, the type
+    FSDP2 raises for it."""
 
 
 class UnshardedApplyError(RuntimeError):
@@ -54,11 +62,26 @@ class ShardedModule(ShardedModuleSettings):
         writes.rebind(owned)  # torch's _apply swapped new DTensors in: track their writes again
         return out
 
+    def __deepcopy__(self, memo):
+        """Refused with ``DeepcopyError`` (as FSDP2 refuses it, with its ``AssertionError``): a copy would share
+        the original's group, hooks and process groups, so its forward would all-gather the original's
+        parameters and leave its own sharded."""
+        raise DeepcopyError(
+            f"copy.deepcopy of {class_name(self)}, a module sharded by fully_shard, is not supported: the copy would "
+            "keep the original's group and hooks (its forward would all-gather the original's parameters). "
+            "Deepcopy the model before fully_shard and shard the copy with calls of its own, or build it again "
+            "and load the values: state = perparam.full_state.full_state_dict(model) on every rank, then "
+            "perparam.full_state.load_full_state_dict(new_sharded_model, state)")
+
     def __call__(self, *args, **kwargs):
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
             explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
+            if explained is None:
+                group = group_of(self)
+                path = f" '{group.path}'" if group is not None and group.path else ""
+                explained = sequence.explain_wait(e, f"the forward of {class_name(self)}{path}")
             if explained is None:
                 raise
             raise explained from e
@@ -235,10 +258,32 @@ def sharded_class(cls: type) -> type:
     """The subclass of ``cls`` that also derives from ``ShardedModule`` (one per class)."""
     sharded_cls = _CLASS_CACHE.get(cls)
     if sharded_cls is None:
-        sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__, BASE_ATTR: cls})
+        body = {"__module__": cls.__module__, BASE_ATTR: cls}
+        if cls.forward is not nn.Module.forward:
+            body["forward"] = _checked_forward(cls)
+        sharded_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), body)
         # setdefault: ranks that are threads of one process get one class per class, as processes do
         sharded_cls = _CLASS_CACHE.setdefault(cls, sharded_cls)
     return sharded_cls
+
+
+def _checked_forward(cls: type):
+    """``cls.forward`` (looked up at each call: a class patched later is followed), raising
+    ``UsedWhileShardedError`` with the fix where DTensor's mixing error comes out of a forward called without
+    the module's hooks (``readers.forward_called_directly``). A ``try`` costs nothing while nothing raises; the
+    signature is ``cls.forward``'s (``inspect.signature``, which Hugging Face reads, follows ``__wrapped__``)."""
+
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
+        try:
+            return cls.forward(self, *args, **kwargs)
+        except RuntimeError as e:  # the error path only
+            explained = readers.forward_called_directly(self, group_of(self), e, sys._getframe(1))
+            if explained is None:
+                raise
+            raise explained from e
+
+    return forward
 
 
 def mark_fully_sharded(module: nn.Module) -> None:

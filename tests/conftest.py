@@ -107,6 +107,7 @@ FAST = (
     "test_post_accumulate_grad_hooks.py::test_an_optimizer_stepped_in_the_hooks_matches_one_process",
     "test_torch_utilities_after_sharding.py::test_utilities_perparam_cannot_follow_are_refused_at_the_call_leaving_the_model_as_it_was",
     "test_modules_reading_child_weights.py::test_sharding_a_child_its_stock_parent_reads_directly_is_refused_at_fully_shard",
+    "test_fsdp2_refusal_types.py::test_a_module_list_or_dict_given_as_a_module_is_refused_and_its_modules_as_a_list_match_one_process",
     "test_norm_buffers_precision.py::test_norms_with_running_statistics_run_under_bf16_param_dtype_in_fp32",
     "test_finetune_evaluation.py::test_unequal_no_grad_batches_finish_with_the_results_of_one_process",
     "test_finetune_peers.py",

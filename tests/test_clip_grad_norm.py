@@ -129,6 +129,16 @@ def test_a_norm_type_that_is_not_positive_is_refused(norm_type):
         perparam.clip_grad_norm_([p], 1.0, norm_type)
 
 
+@pytest.mark.parametrize("norm_type,max_norm", [("1", 1.0), ("inf", 1.0), (True, 1.0), (None, 1.0), (2.0, "1")])
+def test_a_norm_type_or_max_norm_that_is_not_a_number_is_refused_before_anything_changes(norm_type, max_norm):
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    name = "max_norm" if norm_type == 2.0 else "norm_type"
+    with pytest.raises(TypeError, match=rf"{name} must be a number .* got {max_norm if name == 'max_norm' else norm_type!r}"):
+        perparam.clip_grad_norm_([p], max_norm, norm_type)
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_without_a_process_group_plain_tensors_clip_as_torch_does(norm_type):
     def params():

@@ -194,6 +194,12 @@ def test_bad_inputs_give_one_line_errors(capsys, tmp_path, text_dir, bad_ggufs, 
     assert_one_line_error(capsys, [*tiny, "--nproc", "6", "--dp-replicate", "4"], "pass a --nproc that is a multiple of 4")
     assert_one_line_error(capsys, [*tiny, "--nproc", "2", "--tp", "4"], "multiple of 4")
     assert_one_line_error(capsys, [*tiny, "--tp", "0"], "--tp 0 must be at least 1")
+    missing = tmp_path / "no-such-folder"
+    assert_one_line_error(capsys, [*tiny, "--offload", "*=disk", "--offload-dir", str(missing)],
+                          f"--offload-dir '{missing}' does not exist; create it first")
+    assert not missing.exists()  # refused, never created
+    assert_one_line_error(capsys, [*tiny, "--offload", "*=disk", "--offload-dir", str(bad_ggufs["good"])],
+                          "is not a folder")
     assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "4"], "--tp 4 does not divide the model's 2 key/value")
     assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "2", "--batch-size", "3"],
                           "cannot be split evenly over 2 data-parallel ranks")

@@ -72,3 +72,140 @@ def test_fully_shard_applied_twice_is_refused_as_fsdp2_refuses_it_naming_the_set
     message = got["perparam"]
     assert message.startswith("ShardingError") and "already applied to this Sequential" in message, message
     assert "set_reshard_after_forward" in message and "full_state_dict" in message, message
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def fsdp2_types(rank: int, world_size: int) -> dict:
+    """The refusals FSDP2 users catch by type (FSDP2 2.13: ``ValueError`` for a mesh of 3 axes and for a scalar
+    parameter, ``RuntimeError`` for a parameter still on meta at lazy init; ``NotImplementedError`` for a
+    non-contiguous parameter, which perparam shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def meta_forward():
+        with torch.device("meta"):
+            m = nn.Linear(4, 3)
+        perparam.fully_shard(m)
+        m(torch.randn(2, 4))
+
+    torch.manual_seed(0)
+    transposed = nn.Linear(4, 3)
+    transposed.weight = nn.Parameter(torch.randn(4, 3).t())  # non-contiguous: [3, 4] with strides (1, 3)
+    want = transposed(torch.ones(2, 4)).detach()
+    perparam.fully_shard(transposed)
+    return {
+        "mesh_3d": _caught(lambda: perparam.fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1, 2))),
+                           perparam.ShardingError, ValueError),
+        "scalar": _caught(lambda: perparam.fully_shard(Scalar()), perparam.ShardingError, ValueError),
+        "meta": _caught(meta_forward, perparam.ShardingError, RuntimeError),
+        "non_contiguous": (transposed(torch.ones(2, 4)) - want).abs().max().item(),
+    }
+
+
+def test_refusals_fsdp2_shares_have_fsdp2s_exception_types():
+    for got in run_distributed(fsdp2_types, 2):
+        assert got["mesh_3d"].startswith("ShardingError") and "3D mesh" in got["mesh_3d"], got["mesh_3d"]
+        assert got["scalar"].startswith("ShardingError") and "'scale'" in got["scalar"], got["scalar"]
+        assert got["meta"].startswith("MetaParameterError") and "'weight'" in got["meta"], got["meta"]
+        assert got["non_contiguous"] < 1e-6, got["non_contiguous"]  # FSDP2 refuses it (NotImplementedError); perparam shards it
+
+
+def train_a_deepcopy(rank: int, world_size: int) -> dict:
+    """A TinyNet trained 2 AdamW steps, deep-copied, then the copy and the original 3 more each (the copy on
+    other batches). Sharded (``world_size > 0``): the deepcopy of the sharded model is refused (FSDP2 refuses
+    it too), and the fix the message gives (the full state loaded into a model sharded by its own calls)
+    is the copy; ``world_size == 0``: plain ``copy.deepcopy`` in one process."""
+    import copy
+
+    from perparam.full_state import full_state_dict, load_full_state_dict
+    from tests.models import TinyNet, full_params, make_batches, train_steps
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyNet()
+        if world_size:
+            for block in model.blocks:
+                perparam.fully_shard(block)
+            perparam.fully_shard(model)
+        return model
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, make_batches(2, 12), rank, world_size)
+    refusal = "no error"
+    if world_size:
+        refusal = _caught(lambda: copy.deepcopy(model), perparam.ShardingError, AssertionError)
+        twin = build()
+        load_full_state_dict(twin, full_state_dict(model))
+    else:
+        twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    train_steps(twin, twin_opt, make_batches(3, 12, seed=1), rank, world_size)
+    train_steps(model, opt, make_batches(3, 12, seed=2), rank, world_size)
+    return {"twin": full_params(twin), "model": full_params(model), "refusal": refusal}
+
+
+def test_a_deepcopy_of_a_sharded_model_is_refused_with_fsdp2s_type_and_the_fix_trains_like_one_process():
+    want = train_a_deepcopy(0, 0)
+    for got in run_distributed(train_a_deepcopy, 3):  # 3 ranks: empty shards of Embedding(5, 6)'s, Linear(6, 2)'s rows
+        assert got["refusal"].startswith("DeepcopyError") and "full_state_dict" in got["refusal"], got["refusal"]
+        for which in ("twin", "model"):
+            for name, value in want[which].items():
+                torch.testing.assert_close(got[which][name], value, rtol=0, atol=1e-5, msg=f"{which} {name}")
+
+
+class Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 5)
+        self.d = nn.ModuleDict({"a": nn.Linear(5, 4)})
+        self.l = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)])  # 2 rows: an empty shard on 3 ranks
+
+    def forward(self, x):  # [batch, 3] -> [batch, 2]
+        x = self.d["a"](torch.tanh(self.inp(x)))
+        for layer in self.l:
+            x = layer(torch.tanh(x))
+        return x
+
+
+def containers(rank: int, world_size: int) -> dict:
+    """A ModuleList/ModuleDict given to fully_shard is refused (FSDP2's ValueError: no forward, so no hook
+    would all-gather); the fix it names (its modules as a list) trains like one process (3 SGD steps)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = Containers()
+    out = {}
+    if world_size:
+        out["list"] = _caught(lambda: perparam.fully_shard(model.l), perparam.ShardingError, ValueError)
+        out["dict"] = _caught(lambda: perparam.fully_shard(model.d), perparam.ShardingError, ValueError)
+        perparam.fully_shard(list(model.d.values()))
+        perparam.fully_shard(list(model.l))
+        perparam.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(6, 3, generator=g), torch.randn(6, 2, generator=g)
+        if world_size:
+            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: (p.full_tensor() if world_size else p).detach() for n, p in model.named_parameters()}
+    return out
+
+
+def test_a_module_list_or_dict_given_as_a_module_is_refused_and_its_modules_as_a_list_match_one_process():
+    want = containers(0, 0)["params"]
+    for got in run_distributed(containers, 3):
+        assert got["list"].startswith("ShardingError") and "fully_shard(list(container))" in got["list"], got["list"]
+        assert got["dict"].startswith("ShardingError") and "list(container.values())" in got["dict"], got["dict"]
+        for name, value in want.items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-5, msg=name)

@@ -61,8 +61,6 @@ def _case(name: str) -> None:
     elif name == "mesh_3d":
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
         perparam.fully_shard(nn.Linear(2, 2), mesh=mesh)
-    elif name == "mesh_2d_unnamed":
-        perparam.fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1)))
     elif name == "not_a_mesh":
         perparam.fully_shard(nn.Linear(2, 2), mesh="cpu")
     elif name == "int_requires_grad":
@@ -102,7 +100,6 @@ CASES = {
     "twice": ["already applied", "Linear"],
     "parent_first": ["'weight'", "already sharded", "bottom-up"],
     "mesh_3d": ["3D mesh", "(replicate, shard)"],
-    "mesh_2d_unnamed": ["2D mesh", "no axis names"],
     "not_a_mesh": ["DeviceMesh", "str"],
     "int_requires_grad": ["'codes'", "torch.uint8", "requires_grad=False"],
     "empty_list": ["non-empty list"],
@@ -190,6 +187,14 @@ def meta_forward_and_foreign_mesh(rank: int, world_size: int) -> dict[str, str]:
         out["meta"] = "no error"
     except ShardingError as e:
         out["meta"] = str(e)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    try:
+        opt.step()  # nothing to change on meta: refused rather than silently nothing
+        out["meta_step"] = "no error"
+    except ShardingError as e:
+        out["meta_step"] = str(e)
+    model.to_empty(device="cpu")
+    opt.step()  # once given storage, the same optimizer steps
     mesh = DeviceMesh("cpu", [0])  # every rank builds it; rank 1 is not in it
     if rank == 1:
         try:
@@ -200,10 +205,12 @@ def meta_forward_and_foreign_mesh(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
-def test_meta_model_forward_and_a_mesh_without_this_rank_are_named_on_every_rank():
+def test_meta_model_forward_and_optimizer_step_and_a_mesh_without_this_rank_are_named_on_every_rank():
     results = run_distributed(meta_forward_and_foreign_mesh, 2)
     for out in results:  # every rank raises before any collective: no rank waits for another
         for fragment in ("'1.weight'", "ShardedSequential", "meta device", "to_empty", "load_full_state_dict"):
             assert fragment in out["meta"], (fragment, out["meta"])
+        for fragment in ("AdamW.step()", "'weight'", "meta device", "to_empty", "load_full_state_dict"):
+            assert fragment in out["meta_step"], (fragment, out["meta_step"])
     for fragment in ("fully_shard(Linear)", "rank (1)", "ranks [0]", "mesh=None"):
         assert fragment in results[1]["foreign_mesh"], (fragment, results[1]["foreign_mesh"])

@@ -4,6 +4,7 @@ and their bytes against the layout's prediction."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -25,6 +26,8 @@ NAMES = ("dp_replicate", "dp_shard")
 
 
 def _mesh(shape: tuple[int, ...], via_parallel_dims: bool = False):
+    if via_parallel_dims == "unnamed":  # (replicate, shard) by position, as FSDP2 takes it
+        return init_device_mesh("cpu", shape)
     if via_parallel_dims:  # the 2D dp sub-mesh of the named 3D world mesh (tp=1)
         return ParallelDims(dp_replicate=shape[0], dp_shard=shape[1]).build().dp_mesh
     if len(shape) == 1:
@@ -96,7 +99,7 @@ def train(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None, via_pa
     out["params"] = {n: _full(p) for n, p in model.named_parameters()}
     if mesh_shape is not None and len(mesh_shape) == 2 and mesh.size(0) > 1:
         # the replicas of one shard hold the same bits (full_tensor() only gathers the shard axis)
-        pg = mesh.get_group("dp_replicate")
+        pg = mesh.get_group(0)  # the replicate axis (by position: the unnamed mesh too)
         for n, p in model.named_parameters():
             local = p.to_local().contiguous()
             copies = [torch.empty_like(local) for _ in range(pg.size())]
@@ -151,6 +154,14 @@ def test_replicated_and_dim_1_placements_match_single_process(single_process, me
 def test_dp_mesh_from_parallel_dims_matches(single_process):
     for rank, got in enumerate(run_distributed(train, 4, (2, 2), True)):
         _assert_close(got, single_process, f"ParallelDims(2, 2, 1).build().dp_mesh rank {rank}")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 3)])
+def test_a_2d_mesh_without_axis_names_is_taken_as_replicate_shard_by_position(single_process, mesh_shape):
+    # (1, 3): a shard axis of 3 ranks, empty shards of the 2-row head; (2, 2): 2 replicas of 2 shards
+    for rank, got in enumerate(run_distributed(train, math.prod(mesh_shape), mesh_shape, "unnamed")):
+        _assert_close(got, single_process, f"unnamed {mesh_shape} rank {rank}")
+        assert set(got["placements"].values()) == {(Replicate(), Shard(0))}
 
 
 # -- collectives ---------------------------------------------------------------------------------------

@@ -67,12 +67,15 @@ def test_frozen_parameters_have_no_grads_or_optimizer_state():
 
 def test_communication_ratios():
     g = 3 * GB  # fp16 gradients of 1.5e9 parameters
-    rows = communication_table(N, K)
+    rows = communication_table(N, K)  # as perparam runs each stage, then the paper's ZeRO-1
+    assert [r.stage for r in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 (paper)"]
     assert rows[0].all_reduce == 2 * Fraction(63, 64) * g
-    assert [r.total for r in rows[:3]] == [2 * Fraction(63, 64) * g] * 3
-    assert rows[3].total == 3 * Fraction(63, 64) * g
-    assert [r.volume_vs_ddp for r in rows] == [1, 1, 1, Fraction(3, 2)]
-    assert rows[1].reduce_scatter == rows[1].all_gather == Fraction(63, 64) * g
+    assert [r.total for r in rows] == [x * Fraction(63, 64) * g for x in (2, 3, 2, 3, 2)]
+    assert [r.volume_vs_ddp for r in rows] == [1, Fraction(3, 2), 1, Fraction(3, 2), 1]
+    # perparam's stage 1 all-reduces the gradients (each rank keeps them whole), then refreshes the copy
+    assert rows[1].all_reduce == rows[0].all_reduce and rows[1].all_gather == Fraction(63, 64) * g
+    assert rows[4].reduce_scatter == rows[4].all_gather == Fraction(63, 64) * g
+    assert "not run by perparam" in rows[4].collectives
     assert rows[3].all_gather == 2 * Fraction(63, 64) * g
     # one rank: nothing to send
     assert all(r.total == 0 and r.volume_vs_ddp == 1 for r in communication_table(N, 1))
@@ -124,9 +127,12 @@ def test_formula_properties(n, k, p, g, o):
     assert z1.total == n * (p + g) + n * o / k
     comm = communication_table(n, k, bpp)
     assert comm[0].total == 2 * Fraction(k - 1, k) * n * g
-    assert comm[3].total - comm[1].total == Fraction(k - 1, k) * n * p
+    r = Fraction(k - 1, k)
+    assert comm[3].total - comm[2].total == r * n * p  # the backward all-gather
+    assert comm[1].total - comm[2].total == r * n * g  # stage 1 all-reduces what stage 2 reduce-scatters
+    assert comm[4].total == comm[2].total  # the paper's ZeRO-1 sends what stage 2 sends
     if p == g and n and g and k > 1:
-        assert [c.volume_vs_ddp for c in comm] == [1, 1, 1, Fraction(3, 2)]
+        assert [c.volume_vs_ddp for c in comm] == [1, Fraction(3, 2), 1, Fraction(3, 2), 1]
 
 
 # -- CLI ----------------------------------------------------------------------------------------------
@@ -136,14 +142,16 @@ def test_cli_tables(capsys):
     out = capsys.readouterr().out
     for text in [*TABLE_GB, *TABLE_RATIO, "3.000000", "18.000000", "ZeRO-1", "ZeRO-2", "ZeRO-3"]:
         assert text in out
-    # rows that start with a stage name: four of the per-stage table, then four of the communication table
+    # rows that start with a stage name: four of the per-stage table, then five of the communication table
+    # (perparam's stages, then the paper's ZeRO-1, labelled)
     stages = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in stages]
-    rows = [row for row in rows if row[1] != "="]  # not the formula note under the table
-    assert len(rows) == 8
+    rows = [row for row in rows if row[1] not in ("=", "(perparam's")]  # not the formula notes under the tables
+    assert len(rows) == 9
     assert [row[4] for row in rows[:4]] == TABLE_GB
     assert [row[5] for row in rows[:4]] == TABLE_RATIO
-    assert [row[-1] for row in rows[4:]] == ["1.00", "1.00", "1.00", "1.50"]
+    assert [row[-1] for row in rows[4:]] == ["1.00", "1.50", "1.00", "1.50", "1.00"]
+    assert rows[8][:2] == ["ZeRO-1", "(paper)"] and "not run by perparam" in out
     assert "5.906250" in out and "8.859375" in out
 
 
@@ -155,8 +163,10 @@ def test_cli_json(capsys):
     assert [s["total_bytes"] for s in data["stages"]] == [24 * GB, 6_281_250_000, 3_328_125_000, 375_000_000]
     assert [s["total_gb_str"] for s in data["stages"]] == TABLE_GB
     assert [round(s["ratio_vs_ddp"], 2) for s in data["stages"]] == [1.0, 3.82, 7.21, 64.0]
-    assert [c["total_bytes"] for c in data["communication"]] == [5_906_250_000] * 3 + [8_859_375_000]
-    assert [c["volume_vs_ddp"] for c in data["communication"]] == [1.0, 1.0, 1.0, 1.5]
+    assert [c["total_bytes"] for c in data["communication"]] == [5_906_250_000, 8_859_375_000, 5_906_250_000,
+                                                                  8_859_375_000, 5_906_250_000]
+    assert [c["volume_vs_ddp"] for c in data["communication"]] == [1.0, 1.5, 1.0, 1.5, 1.0]
+    assert data["communication"][4]["stage"] == "ZeRO-1 (paper)"
 
 
 def test_cli_byte_flags(capsys):

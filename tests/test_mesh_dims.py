@@ -131,12 +131,11 @@ def _fake_mesh(shape, names=None) -> DeviceMesh:
 
 def test_check_dp_mesh_accepts():
     for m in [_fake_mesh((4,)), _fake_mesh((4,), ("dp_shard",)), _fake_mesh((2, 2), ("dp_replicate", "dp_shard")),
-              _fake_mesh((2, 2), ("replicate", "shard"))]:
+              _fake_mesh((2, 2), ("replicate", "shard")), _fake_mesh((2, 2))]:  # unnamed: by position, as FSDP2
         assert check_dp_mesh(m) is m
 
 
 @pytest.mark.parametrize("shape, names, match", [
-    ((2, 2), None, "has no axis names"),
     ((2, 2), ("dp_shard", "dp_replicate"), r"is \(replicate, shard\)"),
     ((2, 2), ("dp_shard", "tp"), "'tp' is the tensor-parallel axis"),
     ((2,), ("tp",), "'tp' is the tensor-parallel axis"),

@@ -126,3 +126,59 @@ def test_multihead_attention_sharded_whole_matches_one_process(world):
     for name, value in ref["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-5, msg=name)
     torch.testing.assert_close(got["eval"], ref["eval"], rtol=0, atol=1e-5)
+
+
+class Predicts(nn.Module):
+    """A root whose own parameters (``b``) are used by its forward, and a method of its own that calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(5, 2)  # 2 rows: an empty shard on 3 ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [batch, 3] -> [batch, 2]
+        return self.b(torch.relu(self.a(x)))
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+class CallsChildForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Predicts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(x)
+
+
+def forward_without_hooks(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = CallsChildForward()
+    perparam.fully_shard(model.inner.a)
+    perparam.fully_shard(model.inner)
+    perparam.fully_shard(model)
+    inner, x, out = model.inner, torch.randn(4, 3), {}
+    bound = inner.forward
+    for case, call in (("forward", lambda: inner.forward(x)), ("bound", lambda: bound(x)),
+                       ("method", lambda: inner.predict(x)), ("child", lambda: model(x))):
+        try:
+            call()
+            out[case] = ("no error", "")
+        except RuntimeError as e:
+            out[case] = (type(e).__name__, str(e))
+    inner(x).sum().backward()  # the model works on after each refusal
+    out["signature"] = str(__import__("inspect").signature(inner.forward))
+    return out
+
+
+def test_a_sharded_modules_forward_called_directly_is_named_with_both_fixes():
+    got = run_distributed(forward_without_hooks, 3)[0]
+    # what Hugging Face's signature readers see: the class's own
+    assert got.pop("signature") == str(__import__("inspect").signature(Predicts().forward))
+    for case, (kind, message) in got.items():
+        assert kind == UsedWhileShardedError.__name__, (case, message)
+        assert "Predicts.forward was called directly" in message and "model(x)" in message, (case, message)
+        assert "perparam.register_forward_method(model, " in message, (case, message)
+    assert "by Predicts.predict" in got["method"][1] and "'predict')" in got["method"][1]
+    assert "by CallsChildForward.forward" in got["child"][1]

@@ -22,7 +22,8 @@ def test_error_types_are_exported_from_the_package():
 
     assert perparam.CheckpointError is CheckpointError
     for name in ("StateError", "TransformError", "ReplacedParameterError", "ReplacedAfterShardingError",
-                 "PolicyError", "ShardingError", "StoredDtypeChangeError", "CollectiveMismatchError",
+                 "PolicyError", "ShardingError", "StoredDtypeChangeError", "CollectiveMismatchError", "CollectiveTimeoutError", "MetaParameterError",
+                 "DeepcopyError",
                  "UnflattenableShardError"):
         error = getattr(perparam, name)
         assert issubclass(error, Exception) and name in perparam.__all__, name

@@ -73,3 +73,47 @@ def test_hsdp_accumulation_without_all_reduce_matches_one_process_with_one_all_r
             # replicated LayerNorm); the replicate-axis all-reduces (2: sharded and replicated) at the last only
             assert r[opt]["comm"] == [(1, 1), (1, 1), (1, 3)] * STEPS
             assert r[opt]["refusal"] == "requires_all_reduce must be a bool, got 0"
+
+
+def freeze_mid_accumulation(rank: int, world_size: int, frozen: str, thawed: str) -> dict:
+    """SGD over 2 steps of 3 micro-batches, every micro-batch but the last held without all-reduce; after
+    the first micro-batch of step 0, ``frozen`` (parameter names) are frozen (until step 1) and ``thawed``
+    (frozen until then) unfrozen."""
+    model = _model()
+    if world_size:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        perparam.fully_shard(model[3], mesh=mesh)
+        perparam.fully_shard(model, mesh=mesh, param_policy={"1.*": ParamPolicy(placement=Replicate())})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = dict(model.named_parameters())
+    named = {"frozen": [params[n] for n in frozen.split(",") if n], "thawed": [params[n] for n in thawed.split(",") if n]}
+    for p in named["thawed"]:
+        p.requires_grad_(False)
+    n = GLOBAL_MICRO_BATCH // max(world_size, 1)
+    for step in range(2):
+        for i, (x, y) in enumerate(_batches(step)):
+            if world_size:
+                model.set_requires_all_reduce(i == MICRO_BATCHES - 1)
+                x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+            (F.mse_loss(model(x), y) / MICRO_BATCHES).backward()
+            if step == 0 and i == 0:
+                for p in named["frozen"]:
+                    p.requires_grad_(False)
+                for p in named["thawed"]:
+                    p.requires_grad_(True)
+        opt.step()
+        opt.zero_grad()
+        for p in named["frozen"]:
+            p.requires_grad_(True)
+    return {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_parameter_frozen_or_unfrozen_between_micro_batches_held_without_all_reduce_matches_one_process():
+    # a sharded weight, a replicated LayerNorm weight, a whole group (the last Linear: rank 1's shards are
+    # empty); a weight and a replicated bias unfrozen after the first micro-batch, with another frozen then
+    for frozen, thawed in (("0.weight", ""), ("1.weight", ""), ("3.weight,3.bias", ""), ("", "0.weight,1.bias"),
+                           ("0.bias", "3.weight")):
+        want = one_process(freeze_mid_accumulation, frozen, thawed)
+        for r in run_distributed(freeze_mid_accumulation, 4, frozen, thawed):
+            for name, got in r.items():
+                torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=f"{frozen}/{thawed}: {name}")

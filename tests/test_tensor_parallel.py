@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import perparam
@@ -99,7 +99,11 @@ def composition_error(rank: int, world_size: int, case: str) -> str:
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     lin = nn.Linear(4, 5 if case == "indivisible" else 4)
     parallelize_module(lin, world["tp"], ColwiseParallel())
-    if case == "other_mesh":
+    if case.startswith("on_dp"):  # a DTensor on the dp mesh itself (distribute_tensor, an earlier FSDP2)
+        dp = init_device_mesh("cpu", (4,), mesh_dim_names=None if case == "on_dp_unnamed" else ("dp",))
+        lin = nn.Linear(4, 4)
+        lin.weight = nn.Parameter(distribute_tensor(lin.weight.data, dp, [Shard(0)]))
+    elif case == "other_mesh":
         dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     elif case == "unnamed":
         dp = init_device_mesh("cpu", (4,))
@@ -115,7 +119,10 @@ def composition_error(rank: int, world_size: int, case: str) -> str:
 @pytest.mark.parametrize("case,fragments", [
     ("other_mesh", ["'weight'", "not a sub-mesh", "slice both from one DeviceMesh"]),
     ("unnamed", ["'weight'", "axis names"]),
-    ("indivisible", ["'weight'", "size 5", "tp axis of size 2", "multiple of 2"]),
+    ("on_dp", ["'weight'", "already a DTensor on the data-parallel mesh", "('dp',)", "full_tensor()"]),
+    ("on_dp_unnamed", ["'weight'", "already a DTensor on the data-parallel mesh", "the same mesh", "full_tensor()"]),
+    ("indivisible", ["'weight'", "size 5", "tp axis of size 2", "multiple of 2", "(3, 2 per tp rank)",
+                     "refused rather than laid out wrong", "e.g. 6", "out of the tensor-parallel plan"]),
 ])
 def test_bad_tensor_parallel_compositions_fail_at_fully_shard_time(case, fragments):
     for message in run_distributed(composition_error, 4, case):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import c10d, debug
+from . import c10d, debug, sequence
 from .counter import CollectiveRecord, CommCounter, GatheredRows, _record, _take
 from .point_to_point import all_gather_in_place, reduce_scatter_in_place, zero_gaps
 
@@ -46,6 +46,8 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
     k, slot = group.size(), send.numel()
     if debug.debug_enabled():
         debug.check("all_gather", send, k * slot, group, what)
+    elif k > 1:
+        sequence.expect("all_gather", slot, k * slot, group, what)
     _record("all_gather", k * slot, group, send.dtype)
     if k == 1:
         return GatheredRows(None, [(0, send.view(1, slot))], [])

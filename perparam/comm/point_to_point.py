@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import debug
+from . import debug, sequence
 from .counter import GatheredRows, _record, _take
 
 _lock = threading.Lock()  # the waiters' registry
@@ -72,6 +72,8 @@ def all_gather_in_place(regions: list[list[torch.Tensor]], group: dist.ProcessGr
     if debug.debug_enabled():
         debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes, group,
                     what)
+    elif k > 1:
+        sequence.expect("all_gather", slot_bytes, k * slot_bytes, group, what)
     _record("all_gather", k * slot_bytes, group, torch.uint8)
     works = _post_rotation(group, len(regions), lambda tag, dst: regions[tag][me],
                            lambda tag, src: regions[tag][src])

@@ -8,7 +8,8 @@ lives (``perparam.OffloadPolicy``, ``docs/offload.md``), given per pattern or pl
 - ``--memory-budget BYTES`` (``20e9``, ``16GiB``): ``perparam.memory.budget.plan_budget`` of the model on the
   shard axis's K, fp32 AdamW state (8 bytes per trainable element), then applied: the least traffic that
   keeps each rank's model state (stored shards, gradients, AdamW state; not activations) within BYTES.
-- ``--offload-dir DIR``: the disk tier's folder (default: the system's temporary folder).
+- ``--offload-dir DIR``: the disk tier's folder (default: the system's temporary folder); it must exist and
+  be writable (refused in one line otherwise: never created).
 
 The summary's ``offload`` entry gives, per tier, the bytes planned (by the plan, or by the layouts for
 ``--offload``) and measured (the files this rank's tier holds).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import tempfile
 
 from perparam.finetune.errors import FinetuneInputError
@@ -33,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan which parameters' state goes to disk so each rank's model state fits BYTES "
                              "(e.g. 2e9, 1.5GiB) with the least traffic, then apply it")
     parser.add_argument("--offload-dir", default=None, metavar="DIR",
-                        help="folder of the disk tier (default: the system's temporary folder)")
+                        help="folder of the disk tier, an existing writable one (default: the system's temporary "
+                             "folder)")
 
 
 def parse(specs: list[str] | None) -> list[tuple[str, str, str]]:
@@ -52,6 +55,15 @@ def parse(specs: list[str] | None) -> list[tuple[str, str, str]]:
 def check(args: argparse.Namespace) -> None:
     """The launcher's one-line checks of these flags."""
     parse(args.offload)
+    folder = getattr(args, "offload_dir", None)
+    if folder is not None:  # a typo must not become a new folder on another disk: refused, never created
+        if not os.path.isdir(folder):
+            what = "is not a folder" if os.path.exists(folder) else "does not exist"
+            raise FinetuneInputError(f"--offload-dir {folder!r} {what}; create it first (mkdir -p {folder}) or drop "
+                                     "the flag for the system's temporary folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise FinetuneInputError(f"--offload-dir {folder!r} is not writable by this user; pass a folder you can "
+                                     "write to")
     if (args.offload or args.memory_budget is not None) and getattr(args, "tp", 1) > 1:
         raise FinetuneInputError("--offload and --memory-budget plan per data-parallel shard and do not support "
                                  "--tp above 1 yet; drop one of them")

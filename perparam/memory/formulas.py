@@ -14,7 +14,9 @@ Trillion Parameter Models", SC20.
   parameter on each rank, ZeRO-2 (P_os+g) ``P + (G + O) / N_d``, ZeRO-3 (P_os+g+p) ``(P + G + O) / N_d``.
 * Section 7: DDP's all-reduce moves ``2 Psi`` (a reduce-scatter plus an all-gather), ZeRO-1/2 move the same
   ``2 Psi`` (reduce-scatter of gradients, all-gather of updated parameters), ZeRO-3 ``3 Psi`` (the
-  parameters are all-gathered in forward and again in backward), i.e. 1.5x DDP.
+  parameters are all-gathered in forward and again in backward), i.e. 1.5x DDP. perparam's stage 1
+  all-reduces the gradients instead (each rank keeps the whole gradient): ``3 Psi``; the communication
+  table gives perparam's figure and the paper's as a row of its own (``PAPER_ZERO1``).
 
 The paper writes Psi for the parameter count, K for the optimizer bytes per parameter and N_d for the
 data-parallel degree; here they are ``num_params``, ``BytesPerParam.optimizer`` and ``world_size`` (which the
@@ -298,31 +300,40 @@ class StageCommunication:
         return out
 
 
+#: the communication table's extra row: ZeRO-1 as the ZeRO paper runs it (Section 7), not as perparam does
+PAPER_ZERO1 = "ZeRO-1 (paper)"
+
 _COLLECTIVES = {
     "DDP": "all-reduce(grads)",
-    "ZeRO-1": "reduce-scatter(grads) + all-gather(params)",
+    "ZeRO-1": "all-reduce(grads) + all-gather(params)",
     "ZeRO-2": "reduce-scatter(grads) + all-gather(params)",
     "ZeRO-3": "all-gather(params) x2 (fwd, bwd) + reduce-scatter(grads)",
+    PAPER_ZERO1: "reduce-scatter(grads) + all-gather(params) (not run by perparam)",
 }
 
 
 def stage_communication(
     stage: str, num_params: int, world_size: int, bytes_per_param: BytesPerParam | None = None,
 ) -> StageCommunication:
-    """Bytes sent per rank per step by ``stage`` (ZeRO paper, Section 7), with ring collectives.
+    """Bytes sent per rank per step by ``stage`` as perparam runs it (``docs/zero-stages.md``), with ring
+    collectives; ``PAPER_ZERO1``: ZeRO-1 as the ZeRO paper runs it (Section 7).
 
     With G the gradient bytes and P the parameter bytes of the whole model (``model_state``) and K ranks,
     a ring collective over a B-byte buffer sends ``(K - 1) / K * B`` per rank per pass:
 
-    * DDP: all-reduce of G = ``2 (K - 1) / K * G``.
-    * ZeRO-1, ZeRO-2: reduce-scatter of G plus all-gather of P = ``(K - 1) / K * (G + P)``.
+    * DDP (``placement=Replicate()``): all-reduce of G = ``2 (K - 1) / K * G``.
+    * ZeRO-1 (``zero_stage=1``): all-reduce of G (every rank keeps the whole gradient) plus the refresh
+      all-gather of P = ``(K - 1) / K * (2 G + P)``: 1.5x DDP when P = G.
+    * ZeRO-2: reduce-scatter of G plus the refresh all-gather of P = ``(K - 1) / K * (G + P)``.
     * ZeRO-3: reduce-scatter of G plus two all-gathers of P = ``(K - 1) / K * (G + 2 P)``.
+    * The paper's ZeRO-1: reduce-scatter of G plus all-gather of P, ZeRO-2's bytes.
 
-    With P = G (fp16 weights and gradients, the paper's setting) these are ``2 (K - 1) / K * G`` for DDP,
-    ZeRO-1 and ZeRO-2 and ``3 (K - 1) / K * G`` (1.5x) for ZeRO-3. All parameters are taken as trainable.
+    With P = G (fp16 weights and gradients, the paper's setting): DDP, ZeRO-2 and the paper's ZeRO-1 send
+    ``2 (K - 1) / K * G``, perparam's ZeRO-1 and ZeRO-3 ``3 (K - 1) / K * G`` (1.5x). All parameters are taken
+    as trainable. Raises ``ValueError`` for an unknown stage or K < 1.
     """
-    if stage not in _SHARDED:
-        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    if stage not in _SHARDED and stage != PAPER_ZERO1:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {(*STAGES, PAPER_ZERO1)}")
     _check_world(world_size)
     state = model_state(num_params, bytes_per_param)
     ring = Fraction(world_size - 1, world_size)
@@ -330,7 +341,9 @@ def stage_communication(
     zero = Fraction(0)
     if stage == "DDP":
         parts = (ddp, zero, zero)
-    elif stage in ("ZeRO-1", "ZeRO-2"):
+    elif stage == "ZeRO-1":
+        parts = (ddp, zero, ring * state.params)
+    elif stage in ("ZeRO-2", PAPER_ZERO1):
         parts = (zero, ring * state.grads, ring * state.params)
     else:
         parts = (zero, ring * state.grads, 2 * ring * state.params)
@@ -340,8 +353,8 @@ def stage_communication(
 def communication_table(
     num_params: int, world_size: int, bytes_per_param: BytesPerParam | None = None,
 ) -> list[StageCommunication]:
-    """``stage_communication`` for every stage in ``STAGES``."""
-    return [stage_communication(s, num_params, world_size, bytes_per_param) for s in STAGES]
+    """``stage_communication`` for every stage in ``STAGES`` (as perparam runs it), then ``PAPER_ZERO1``."""
+    return [stage_communication(s, num_params, world_size, bytes_per_param) for s in (*STAGES, PAPER_ZERO1)]
 
 
 def kept_bytes(layout: ShardLayout, policy) -> int:

@@ -115,9 +115,11 @@ def stages_table(rows: list[StageMemory]) -> tuple[Table, str]:
 
 def communication_table(rows: list[StageCommunication]) -> tuple[Table, str]:
     k = rows[0].world_size
-    t = _table(f"Communication per rank per training step, K = {k} (ring collectives, bytes sent)")
-    note = ("DDP: 2(K-1)/K*G; ZeRO-1/2: (K-1)/K*(G + P); ZeRO-3: (K-1)/K*(G + 2P) (ZeRO paper, Sec. 7).\n"
-            "With P = G these are 2(K-1)/K*G and 3(K-1)/K*G.")
+    t = _table(f"Communication per rank per training step as perparam runs each stage, K = {k} (ring collectives, "
+               "bytes sent)")
+    note = ("DDP: 2(K-1)/K*G; ZeRO-1 (perparam's stage 1 all-reduces G): (K-1)/K*(2G + P); ZeRO-2: (K-1)/K*(G + P);"
+            "\nZeRO-3: (K-1)/K*(G + 2P); ZeRO-1 (paper): (K-1)/K*(G + P), the ZeRO paper's (Sec. 7), not run by "
+            "perparam.\nWith P = G: 2(K-1)/K*G for DDP, ZeRO-2 and the paper's ZeRO-1, 3(K-1)/K*G for ZeRO-1 and ZeRO-3.")
     t.add_column("stage")
     t.add_column("collectives")
     t.add_column("bytes", justify="right")

@@ -25,7 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from perparam.memory.formulas import STAGES, BytesPerParam, as_json_number, model_state, stage_memory
+from perparam.memory.formulas import (
+    STAGES,
+    BytesPerParam,
+    as_json_number,
+    model_state,
+    stage_communication,
+    stage_memory,
+)
 
 
 def sent_per_step(stage: str, num_params: int, world_size: int,
@@ -36,10 +43,7 @@ def sent_per_step(stage: str, num_params: int, world_size: int,
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    state = model_state(num_params, bytes_per_param)
-    r = Fraction(world_size - 1, world_size)
-    p, g = state.params, state.grads
-    return {"DDP": 2 * r * g, "ZeRO-1": 2 * r * g + r * p, "ZeRO-2": r * (g + p), "ZeRO-3": r * (g + 2 * p)}[stage]
+    return stage_communication(stage, num_params, world_size, bytes_per_param).total
 
 
 @dataclass(frozen=True)

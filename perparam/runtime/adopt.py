@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..sharding.errors import ShardingError
+from ..sharding.errors import MetaParameterError, ShardingError
 from ..sharding.placement import placement_str
 from . import local_step, owner_step
 
@@ -154,6 +154,7 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             params[i] = sharded
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     mine = weakref.WeakSet(sp for sp in list(_OWNERS) if id(sp.sharded) in held)
+    _check_materialized(optimizer, mine)
     if isinstance(optimizer, FLATTENING_OPTIMIZERS):
         _check_flattenable(optimizer, mine)
     owner_step.check(optimizer, mine)  # a whole-matrix optimizer on shards: refused, never silently wrong
@@ -165,6 +166,22 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         # owners (``owner_step``); SGD/Adam/AdamW also step on the local shards
         local_step.install(optimizer, lambda opt: _held.get(opt, ()), _count_step)
     _checked[optimizer] = key
+
+
+def _check_materialized(optimizer: torch.optim.Optimizer, held) -> None:
+    """Raise ``MetaParameterError`` naming the first parameter of ``held`` (in the optimizer's order) still on the meta
+    device: a step would change nothing (no storage, no gradient), silently. Checked with the optimizer's
+    parameters (its first step, and after a ``fully_shard`` or a new parameter group), not at every step:
+    a model given storage is not put back on ``meta``."""
+    by_id = {id(sp.sharded): sp for sp in held}
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        sp = by_id.get(id(p))
+        if sp is not None and p.device.type == "meta":
+            raise MetaParameterError(
+                f"{type(optimizer).__name__}.step(): parameter '{sp.fqn}' is still on the meta device (a model built "
+                "under torch.device('meta') has no values yet), so the step would change nothing. Before the first "
+                "step call model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
+                "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")
 
 
 def _check_flattenable(optimizer: torch.optim.Optimizer, held) -> None:

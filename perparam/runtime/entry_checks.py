@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..sharding.errors import ShardingError
+from ..sharding.errors import MetaParameterError
 
 if TYPE_CHECKING:
     from .context import IterationContext
@@ -29,14 +29,14 @@ def _check_transforms(group: ParamGroup) -> None:
 
 
 def _check_materialized(ctx: IterationContext) -> None:
-    """Raise ``ShardingError`` naming the parameter when a shard of the tree is still on the meta device
+    """Raise ``MetaParameterError`` naming the parameter when a shard of the tree is still on the meta device
     (a model built under ``torch.device("meta")`` and never given storage), before any collective: every
     rank built the same model, so every rank raises here."""
     for g in ctx.groups:
         for p in g.params:
             if p.sharded.device.type == "meta":
                 owner = ", ".join(type(m).__name__ for m in g.modules)
-                raise ShardingError(
+                raise MetaParameterError(
                     f"parameter '{p.fqn}' of {owner} is on the meta device: a model built under "
                     "torch.device('meta') has no values yet; before the first forward call "
                     "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "

@@ -31,17 +31,17 @@ def hold(group, item: PendingReduce) -> bool:
     accumulated into ``.grad``); otherwise return ``False``."""
     if group.call.requires_all_reduce or item.discard:
         return False
+    # the parameters of a held sum stay in the group's reductions until it is all-reduced, as gradients
+    # accumulated without sync do (the call's ``held_unsynced``): one frozen before the next micro-batch
+    # adds zeros with a used flag of 0, so every held piece keeps its layout, and the final callback reduces
+    # a group that holds a sum even where its forward did not run in the synchronising backward
+    group.call.held_unsynced.update(id(p) for p in item.params)
     held = group.partial_reduce.get(_key(item))
     if held is None:
-        group.partial_reduce[_key(item)] = item.recv
-    elif held.numel() != item.recv.numel():
-        raise RuntimeError(
-            f"perparam: {group._what}: the gradients held without all-reduce (set_requires_all_reduce(False)) "
-            f"came from {held.numel()} elements, this reduction has {item.recv.numel()}: the group's trainable "
-            "parameters changed between micro-batches. Change requires_grad only after a backward with "
-            "set_requires_all_reduce(True)")
+        group.partial_reduce[_key(item)] = _Held(item.params, item.offsets, item.recv)
     else:
-        held.add_(item.recv)
+        held.tensor = _laid_out(held, item).add_(item.recv)
+        held.params, held.offsets = item.params, item.offsets
     return True
 
 
@@ -49,9 +49,48 @@ def merge(group, item: PendingReduce) -> None:
     """Before ``item``'s all-reduce over the replicate axis: add (and drop) the sum held for its key."""
     held = group.partial_reduce.pop(_key(item), None)
     if held is not None and not item.discard:
-        item.recv.add_(held)
+        item.recv.add_(_laid_out(held, item))
+
+
+class _Held:
+    """A held sum: the reduction output ``tensor`` of ``params`` (pieces at ``offsets``, then the used flags)."""
+
+    __slots__ = ("params", "offsets", "tensor")
+
+    def __init__(self, params: tuple, offsets: tuple[int, ...], tensor) -> None:
+        self.params, self.offsets, self.tensor = params, offsets, tensor
+
+
+def _laid_out(held: _Held, item: PendingReduce):
+    """``held``'s sum in ``item``'s layout: itself when the parameters are the same; else (a parameter unfrozen
+    between micro-batches joins the reduction; a held one never leaves it) each held piece and used flag
+    copied to its place among ``item``'s, zeros for the others."""
+    if len(held.params) == len(item.params) and all(a is b for a, b in zip(held.params, item.params)):
+        return held.tensor
+    where = {id(p): j for j, p in enumerate(item.params)}
+    out = item.recv.new_zeros(item.recv.shape)
+    new = _pieces(item.params, item.offsets, item.replicated)
+    old = _pieces(held.params, held.offsets, item.replicated)
+    flags_at, held_flags_at = item.recv.numel() - len(item.params), held.tensor.numel() - len(held.params)
+    for i, p in enumerate(held.params):
+        j = where[id(p)]
+        out.narrow(0, new[j][0], old[i][1]).copy_(held.tensor.narrow(0, *old[i]))
+        out[flags_at + j] = held.tensor[held_flags_at + i]
+    return out
+
+
+def _pieces(params: tuple, offsets: tuple[int, ...], replicated: bool) -> list[tuple[int, int]]:
+    """``(offset, numel)`` of each parameter's piece in a reduction's output: the padded local shards at the
+    reduce-scatter's ``offsets``, or (``replicated``: an all-reduce) the whole gradients one after another."""
+    if not replicated:
+        return [(o, p.layout.padded_local_numel) for o, p in zip(offsets, params)]
+    out, cursor = [], 0
+    for p in params:
+        out.append((cursor, p.layout.numel))
+        cursor += p.layout.numel
+    return out
 
 
 def held_bytes(group) -> int:
     """Bytes of reduce-scattered gradients this rank holds for a later all-reduce."""
-    return sum(t.numel() * t.element_size() for t in group.partial_reduce.values())
+    return sum(h.tensor.numel() * h.tensor.element_size() for h in group.partial_reduce.values())

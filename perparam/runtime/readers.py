@@ -134,3 +134,26 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
         f"perparam: parameter {params} was used by {by} while sharded: perparam all-gathers a group's "
         "parameters only around the forward of the module(s) given to fully_shard, and this code used them "
         f"without calling that forward, so it got the sharded DTensor. {_FIX}. (DTensor: {first})")
+
+
+def forward_called_directly(module: nn.Module, group, error: BaseException, caller) -> UsedWhileShardedError | None:
+    """``UsedWhileShardedError`` for DTensor's mixing error raised by ``module.forward`` (``module`` given to
+    ``fully_shard``, ``group`` its group) when its group's parameters were not gathered: the forward was called
+    directly (``model.forward(x)``, a bound ``forward`` kept aside, or an unregistered method calling it), so
+    the pre-forward hook never ran. ``caller``: the frame that called ``forward``, to name the method. ``None``
+    when the parameters were gathered (the error is someone else's: ``note`` explains it) or for any other error.
+    """
+    if group is None or group.registered_unsharded or _MIXED not in str(error):
+        return None
+    owner = caller.f_locals.get("self") if caller is not None else None
+    by = ""
+    if isinstance(owner, nn.Module) and not str(caller.f_globals.get("__name__", "")).startswith("torch."):
+        by = f" by {class_name(owner)}.{caller.f_code.co_name}"
+    method = caller.f_code.co_name if owner is module and caller.f_code.co_name != "forward" else "generate"
+    first = str(error).splitlines()[0]
+    return UsedWhileShardedError(
+        f"perparam: {class_name(module)}.forward was called directly{by} on a module given to fully_shard "
+        f"(group [{group.name}]): a call of .forward(...), of a bound forward kept aside, or of a method that "
+        "calls self.forward skips the module's hooks, so its parameters were never all-gathered and the forward "
+        "got the sharded DTensors. Call the module instead: model(x), not model.forward(x); for a method that "
+        f"calls forward, register it once: perparam.register_forward_method(model, '{method}'). (DTensor: {first})")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..sharding.placement import rule
+from ..sharding.placement import chunk_extent, rule
 
 
 class CompositionError(ValueError):
@@ -46,6 +46,15 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
     """
     tp_mesh = param.device_mesh
     tp_placements = tuple(param.placements)
+    shared = set(dp_mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ())
+    if tp_mesh == dp_mesh or shared:
+        where = f"its axes {tuple(sorted(shared))}" if shared else "the same mesh"
+        raise CompositionError(
+            f"parameter '{name}' is already a DTensor on the data-parallel mesh fully_shard shards it over ({where}, "
+            f"placements {tp_placements}; e.g. made by distribute_tensor, an earlier FSDP2 or a sharded checkpoint "
+            "load), not on a tensor-parallel mesh. fully_shard takes plain tensors, or DTensors of a tp mesh disjoint "
+            "from the dp mesh: before fully_shard, register the full tensor instead (on its module, "
+            f"{name.rsplit('.', 1)[-1]} = nn.Parameter(p.full_tensor())), or pass a dp mesh without these axes")
     if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
         raise CompositionError(f"parameter '{name}' is a DTensor on a tp mesh; to compose, both the dp mesh and "
                                "the tp mesh need axis names: build one named mesh (mesh.ParallelDims) and pass "
@@ -60,9 +69,6 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
                                f"same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both from one "
                                "DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'])")
     names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
-    if len(set(names)) != len(names):
-        raise CompositionError(f"the dp mesh {dp_mesh.mesh_dim_names} and the tp mesh {tp_mesh.mesh_dim_names} of "
-                               f"parameter '{name}' share an axis; they must be disjoint")
     order = [root.mesh_dim_names.index(n) for n in names]
     if order != sorted(order):
         raise CompositionError(f"the dp axes {dp_mesh.mesh_dim_names} must come before the tp axes "
@@ -71,9 +77,14 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
         if isinstance(placement, Shard):
             size, parts = param.shape[placement.dim], tp_mesh.size(axis)
             if size % parts:
-                raise CompositionError(f"parameter '{name}' dim {placement.dim} has size {size}, which does not "
-                                       f"divide over the tp axis of size {parts}; pad the layer to a multiple "
-                                       f"of {parts}")
+                local = [chunk_extent(size, parts, i)[1] for i in range(parts)]
+                raise CompositionError(
+                    f"parameter '{name}' dim {placement.dim} has size {size}, which does not divide over the tp axis "
+                    f"of size {parts}: DTensor (and FSDP2) shard it unevenly ({', '.join(map(str, local))} per tp "
+                    "rank), but perparam lays out the dp shards, the all-gather slots and the _StridedShard placement "
+                    "once for all tp ranks of the combined mesh, from one tp-local shape, so uneven tp shards are "
+                    f"refused rather than laid out wrong. Pad the layer to a multiple of {parts} (e.g. "
+                    f"{-(-size // parts) * parts}), or leave '{name}' out of the tensor-parallel plan (replicated on tp)")
         elif not isinstance(placement, Replicate):
             raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and Replicate "
                                    "can be composed with data parallelism")

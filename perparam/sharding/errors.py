@@ -7,3 +7,8 @@ class ShardingError(ValueError):
     message names the parameter, module or value and says what to do instead. The refusals of a change
     FSDP2 would accept derive from it and from the builtin type torch raises for that kind of change
     (``docs/fsdp2-differences.md``), so either ``except`` catches them."""
+
+
+class MetaParameterError(ShardingError, RuntimeError):
+    """A sharded parameter is still on the meta device at the first forward (lazy init) or optimizer step:
+    a ``RuntimeError`` too, the type FSDP2 raises there."""
