@@ -176,6 +176,42 @@ def test_casts_perparam_cannot_follow_are_refused_naming_the_parameter_before_an
         assert "'0.weight'" in got["stepped"] and "AdamW holds its state 'exp_avg'" in got["stepped"], got["stepped"]
 
 
+def owner_cast(rank: int, world_size: int) -> dict:
+    """Muon on two owner matrices (Linear(8, 6), Linear(6, 5)) over 3 ranks: after a step rank 2 owns
+    neither and holds no state, yet the cast must be refused there too; after the state is cast on the
+    owners (the message's fix) the cast goes through on every rank and a float64 step runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Tanh(), nn.Linear(6, 5, bias=False))
+    perparam.fully_shard(model, param_policy=perparam.ParamPolicy(update="owner"))
+    opt = torch.optim.Muon(model.parameters(), lr=0.05)
+    F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 5)).backward()
+    opt.step()
+    opt.zero_grad()
+    out = {"held": len(opt.state)}
+    try:
+        model.double()
+        out["cast"] = "no error"
+    except perparam.StoredDtypeChangeError as e:
+        out["cast"] = str(e)
+    out["dtype"] = str(model[0].weight.dtype)
+    for state in opt.state.values():
+        state.update({k: v.to(torch.float64) for k, v in state.items() if v.is_floating_point() and v.dim()})
+    model.double()
+    F.mse_loss(model(torch.randn(4, 8, dtype=torch.float64)), torch.randn(4, 5, dtype=torch.float64)).backward()
+    opt.step()
+    out["after"] = str(model[2].weight.dtype)
+    return out
+
+
+def test_a_cast_refused_for_an_owner_parameter_is_refused_on_every_rank_alike():
+    results = run_distributed(owner_cast, 3)
+    assert sorted(r["held"] for r in results) == [0, 1, 1]  # one rank owns nothing, holds no state
+    messages = {r["cast"] for r in results}
+    assert len(messages) == 1, messages  # was: the owners refused, the rank without state cast
+    assert "Muon holds its state 'momentum_buffer'" in messages.pop()
+    assert all(r["dtype"] == "torch.float32" and r["after"] == "torch.float64" for r in results)
+
+
 class Packed(nn.Module):
     """A layer whose int8 ``packed`` weight is managed elsewhere (as accelerate does for 4-bit weights)."""
 

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import adopt, registration
+from ..comm.collectives import all_gather_objects
+from . import adopt, owner_step, registration
 from .param import ShardedParam
 from .state import TrainingState
 
@@ -50,7 +51,22 @@ def changed(params: list[ShardedParam], fn: Callable) -> list[tuple[ShardedParam
 
 def problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | None:
     """Why the stored-dtype change ``changes`` (``changed``'s result) cannot be followed, naming the first
-    parameter concerned and the fix; ``None`` when it can."""
+    parameter concerned and the fix; ``None`` when it can. The same answer on every rank: an
+    ``update="owner"`` parameter's optimizer state is whole on its owner and absent elsewhere, so the ranks
+    of its shard axis agree on the first reason any of them found (one small all-gather per such axis,
+    only for a cast that changes owner parameters); otherwise the owner refused and its peers cast."""
+    reason = _local_problem(changes)
+    groups: dict = {}
+    for sp, _ in changes:
+        if sp.policy.update == "owner":
+            pg = owner_step.shard_group(sp)
+            groups.setdefault(id(pg), pg)
+    for pg in groups.values():
+        reason = next((r for r in all_gather_objects(reason, pg) if r is not None), None)
+    return reason
+
+
+def _local_problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | None:
     for sp, dtype in changes:
         what = f"'{sp.fqn}' ({sp.policy.stored_dtype} -> {dtype})"
         if not dtype.is_floating_point or dtype.itemsize == 1:
