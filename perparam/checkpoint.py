@@ -21,8 +21,8 @@ the model and optimizer: nothing is half-loaded. DCP's metadata file is a pickle
 unpickler that admits DCP's own metadata classes and torch dtypes only, so loading never runs arbitrary
 code (tensor payloads are read by DCP with ``weights_only=True``).
 
-Optimizer state is saved per parameter name, tensors through DCP (sharded like their parameter) and the
-rest in the manifest; a parameter that never got a gradient has no state and is fine, a parameter frozen
+Optimizer state is saved per parameter name (of each optimizer, when ``save`` is given a sequence of them),
+tensors through DCP (sharded like their parameter) and the rest in the manifest; a parameter that never got a gradient has no state and is fine, a parameter frozen
 since the save gets its state back if it is still in the optimizer.
 
 ``full_state_dict(model)`` gathers the model on rank 0 one tensor at a time (rank 0 holds its shards plus
@@ -137,7 +137,8 @@ def _json(value, what: str):
 # -- save -----------------------------------------------------------------------------------------------
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          extra: dict | None = None, keep: int | None = 2) -> Path:
-    """Save ``model`` (and ``optimizer``) to the folder ``path``, crash-safely; every rank calls it.
+    """Save ``model`` (and ``optimizer``: one, or a sequence of them, e.g. Muon and AdamW on disjoint
+    parameters) to the folder ``path``, crash-safely; every rank calls it.
 
     ``extra``: a small JSON-serialisable dict (step, data position, seeds) returned by ``load``.
     ``keep``: how many complete checkpoints of ``path``'s series to keep (its siblings named like it up
@@ -213,6 +214,39 @@ def wait_pending() -> None:
     background.wait_pending()
 
 
+def _listed(optimizer) -> list[tuple[str, torch.optim.Optimizer]]:
+    """``save``/``load``'s ``optimizer`` as ``[(key prefix, optimizer)]``: one optimizer's state under
+    ``optim.<name>.<key>``, the ``i``-th of a sequence's (Muon and AdamW) under ``optim<i>.<name>.<key>``."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [("optim.", optimizer)]
+    return [(f"optim{i}.", opt) for i, opt in enumerate(optimizer)]
+
+
+def _optimizer_entry(model: nn.Module, optimizer, state: dict, prefix: str) -> dict:
+    """The manifest entry of ``optimizer`` (class, groups by parameter name, non-tensor state); its
+    tensors go into ``state`` under ``prefix``. A collective (owner state)."""
+    offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
+    groups, opt_state = [], {}
+    named_groups = _optimizer_params(model, optimizer)
+    owned = owner_state.sharded_state(optimizer)  # update="owner": whole on the owner -> sharded like p
+    for group, named in zip(optimizer.param_groups, named_groups):
+        options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+        groups.append({"params": [n for n, _ in named], "options": _json(options, "optimizer options")})
+        for name, p in named:
+            entries = {}
+            for key, value in owned.get(id(p), optimizer.state.get(p, {})).items():
+                if isinstance(value, torch.Tensor):
+                    state[f"{prefix}{name}.{key}"] = value
+                    entries[key] = _info(value)
+                else:
+                    entries[key] = {"value": _json(value, f"optimizer state '{key}' of '{name}'")}
+            if entries:
+                opt_state[name] = entries
+    return {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
+
+
 def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tuple[dict, dict, Path, str]:
     """The state dict to write (the model's and the optimizer's tensors), the manifest, the temporary folder
     and the save's token; removes what killed saves left behind. A collective."""
@@ -220,25 +254,12 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
     state = {f"model.{k}": v for k, v in _model_state(model).items()}
     manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
                       else 1, "model": {k.removeprefix("model."): _info(v) for k, v in state.items()}}
-    if optimizer is not None:
-        offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
-        groups, opt_state = [], {}
-        named_groups = _optimizer_params(model, optimizer)
-        owned = owner_state.sharded_state(optimizer)  # update="owner": whole on the owner -> sharded like p
-        for group, named in zip(optimizer.param_groups, named_groups):
-            options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
-            groups.append({"params": [n for n, _ in named], "options": _json(options, "optimizer options")})
-            for name, p in named:
-                entries = {}
-                for key, value in owned.get(id(p), optimizer.state.get(p, {})).items():
-                    if isinstance(value, torch.Tensor):
-                        state[f"optim.{name}.{key}"] = value
-                        entries[key] = _info(value)
-                    else:
-                        entries[key] = {"value": _json(value, f"optimizer state '{key}' of '{name}'")}
-                if entries:
-                    opt_state[name] = entries
-        manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
+    for prefix, opt in _listed(optimizer):
+        entry = _optimizer_entry(model, opt, state, prefix)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            manifest["optimizer"] = entry
+        else:
+            manifest.setdefault("optimizers", []).append(entry)
     _check_same_on_every_rank(state, extra)
     state = _per_mesh_keys(state, model)
     manifest = json.loads(json.dumps(manifest))  # a copy: later changes to extra or the options stay out
@@ -303,8 +324,39 @@ def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> li
     return out
 
 
+def _optimizer_targets(model: nn.Module, optimizer, saved: dict | None, prefix: str, targets: dict,
+                       problems: list[str]) -> list[tuple[torch.Tensor, dict]]:
+    """``load``: fresh tensors for ``optimizer``'s saved state (added to ``targets`` under ``prefix``),
+    as ``[(parameter, state)]``; a mismatch with the manifest entry ``saved`` goes into ``problems``."""
+    named_groups = _optimizer_params(model, optimizer)
+    restore: list[tuple[torch.Tensor, dict]] = []
+    if saved is None:
+        problems.append("the checkpoint has no optimizer state for this optimizer (or a different number of "
+                        "optimizers); load(path, model) without an optimizer, or pass the optimizers it was saved with")
+    elif saved["class"] != type(optimizer).__name__:
+        problems.append(f"the optimizer was a {saved['class']} and is a {type(optimizer).__name__} now")
+    elif [g["params"] for g in saved["param_groups"]] != [[n for n, _ in g] for g in named_groups]:
+        problems.append("the optimizer's parameter groups differ from the saved ones (names per group: "
+                        f"{[g['params'] for g in saved['param_groups']]})")
+    else:
+        for named in named_groups:
+            for name, p in named:
+                entries, state = saved["state"].get(name, {}), {}
+                for key, info in entries.items():
+                    if "value" in info:
+                        state[key] = info["value"]
+                    elif info["shape"] == list(p.shape) and isinstance(p, DTensor):  # sharded like p
+                        state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros_like(p, dtype=_dtype(info["dtype"]))
+                    else:
+                        state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros(
+                            info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
+                restore.append((p, state))
+    return restore
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); every rank calls it.
+    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``: what ``save`` was given, one
+    optimizer or a sequence of them in the same order); every rank calls it.
 
     The world size, mesh shape and tensor parallelism may differ from the saving run's. Returns the
     ``extra`` dict given to ``save``. Waits for this process's ``async_save`` still in flight first (and
@@ -317,30 +369,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     current = _model_state(model)
     problems = _differences(manifest["model"], current, "model")
     targets = {f"model.{k}": torch.zeros_like(v) for k, v in current.items()}
-    restore: list[tuple[torch.Tensor, dict]] = []
-    if optimizer is not None:
-        saved = manifest.get("optimizer")
-        named_groups = _optimizer_params(model, optimizer)
-        if saved is None:
-            problems.append("the checkpoint has no optimizer state; load(path, model) without an optimizer")
-        elif saved["class"] != type(optimizer).__name__:
-            problems.append(f"the optimizer was a {saved['class']} and is a {type(optimizer).__name__} now")
-        elif [g["params"] for g in saved["param_groups"]] != [[n for n, _ in g] for g in named_groups]:
-            problems.append("the optimizer's parameter groups differ from the saved ones (names per group: "
-                            f"{[g['params'] for g in saved['param_groups']]})")
-        else:
-            for named in named_groups:
-                for name, p in named:
-                    entries, state = saved["state"].get(name, {}), {}
-                    for key, info in entries.items():
-                        if "value" in info:
-                            state[key] = info["value"]
-                        elif info["shape"] == list(p.shape) and isinstance(p, DTensor):  # sharded like p
-                            state[key] = targets[f"optim.{name}.{key}"] = torch.zeros_like(p, dtype=_dtype(info["dtype"]))
-                        else:
-                            state[key] = targets[f"optim.{name}.{key}"] = torch.zeros(
-                                info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
-                    restore.append((p, state))
+    listed = _listed(optimizer)
+    single = isinstance(optimizer, torch.optim.Optimizer)
+    saved_all = [manifest.get("optimizer")] if single else manifest.get("optimizers", [])
+    if listed and len(saved_all) != len(listed):
+        saved_all = [None] * len(listed)
+    restores = [_optimizer_targets(model, opt, saved, prefix, targets, problems)
+                for (prefix, opt), saved in zip(listed, saved_all)]
     per_mesh = _per_mesh_keys(targets, model)  # the same tensors as ``targets``, under the keys ``save`` wrote
     try:  # DCP's own metadata, read safely, before anything is touched
         _SafeReader(path).read_metadata()
@@ -364,14 +399,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         for k, v in current.items():
             _local(v).copy_(_local(targets[f"model.{k}"]))
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
-    if optimizer is not None:
-        owner_state.own_state(optimizer, restore)  # update="owner": onto the owners of the current plan
+    for (_, opt), saved, restore in zip(listed, saved_all, restores):
+        owner_state.own_state(opt, restore)  # update="owner": onto the owners of the current plan
         for p, state in restore:
             if state:
-                optimizer.state[p] = state
+                opt.state[p] = state
             else:
-                optimizer.state.pop(p, None)
-        for group, saved_group in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
+                opt.state.pop(p, None)
+        for group, saved_group in zip(opt.param_groups, saved["param_groups"]):
             for key, value in saved_group["options"].items():
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     return manifest.get("extra", {})
