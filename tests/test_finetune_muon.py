@@ -45,6 +45,7 @@ def test_muon_trains_and_two_ranks_end_where_one_rank_does(muon_run, text_dir, p
     losses = two["train_losses"]
     assert losses[-1] < losses[0] and two["heldout_loss_after"] < two["heldout_loss_before"]  # it trained
     assert losses[1:] != adamw["train_losses"][1:]  # Muon stepped the matrices, not AdamW
+    assert two["comm_bytes_per_step"]["all_to_all"] > 0 and "all_to_all" not in adamw["comm_bytes_per_step"]
     one = _run(tmp, text_dir, "one", "--export", str(tmp / "one.safetensors"), nproc=1)
     assert max(abs(a - b) for a, b in zip(one["train_losses"], losses, strict=True)) <= LOSS_TOL
     a = safetensors_torch.load_file(str(tmp / "straight.safetensors"))

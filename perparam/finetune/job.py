@@ -157,12 +157,15 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
+            issued = len(comm.records)
             save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
+            del comm.records[issued:]  # nor a checkpoint's (Muon's momentum sent to its rows' ranks)
         finish_saves(cfg, run.rank)  # the last checkpoint, written while the loop went on
     progress.close()
     steps_run = cfg.steps - run.first_step
-    comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
-                     for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    kinds = ("all_gather", "reduce_scatter", "all_reduce", *(("all_to_all",) if cfg.optimizer == "muon" else ()))
+    comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0 for kind in kinds}  # all_to_all:
+    # the owner path's exchange of the matrices Muon steps (gradient and parameter rows in, updated rows out)
     tokens_per_s = tokens_per_step * steps_run / step_s if steps_run else 0.0
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)  # global sizes (DTensor)
     flops = throughput.flops_per_token(run.model_cfg, data.seq_len, run.params_total, trainable)
