@@ -21,8 +21,8 @@ the model and optimizer: nothing is half-loaded. DCP's metadata file is a pickle
 unpickler that admits DCP's own metadata classes and torch dtypes only, so loading never runs arbitrary
 code (tensor payloads are read by DCP with ``weights_only=True``).
 
-Optimizer state is saved per parameter name, tensors through DCP (sharded like their parameter) and the
-rest in the manifest; a parameter that never got a gradient has no state and is fine, a parameter frozen
+Optimizer state is saved per parameter name (of each optimizer, when ``save`` is given a sequence of them),
+tensors through DCP (sharded like their parameter) and the rest in the manifest; a parameter that never got a gradient has no state and is fine, a parameter frozen
 since the save gets its state back if it is still in the optimizer.
 
 ``full_state_dict(model)`` gathers the model on rank 0 one tensor at a time (rank 0 holds its shards plus
@@ -52,14 +52,22 @@ from torch.distributed.tensor import DTensor
 
 from . import checkpoint_async as background
 from .checkpoint_files import FORMAT, MANIFEST, _commit, _read_manifest, _SafeReader, _write_json, latest  # noqa: F401
+from .checkpoint_optim import (
+    _info,
+    _json,
+    _listed,
+    _local,
+    _optimizer_entry,
+    _optimizer_targets,
+    _restore_loaded,
+)
 from .full_state import (  # all but per_rank_keys re-exported (__all__)
     CheckpointError,
     full_state_dict,
     load_full_state_dict,
     per_rank_keys,
 )
-from .offload import tier as offload_tier
-from .runtime import adopt, owner_state, zero
+from .runtime import zero
 
 PendingSave = background.PendingSave  # re-exported (__all__)
 
@@ -90,14 +98,6 @@ def _from_rank0(value):
     return box[0]
 
 
-def _info(t: torch.Tensor) -> dict:
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dtensor": isinstance(t, DTensor)}
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     meta = [k for k, v in state.items() if v.is_meta]
@@ -109,35 +109,11 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
-    adopt._retarget(optimizer, (), {})  # built before fully_shard: point it at the sharded parameters now
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = []
-    for group in optimizer.param_groups:
-        named = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter "
-                                      "of the model (a parameter the model no longer has, e.g. an adapter merged "
-                                      "away by remove_parametrizations, or a tensor that never was one): build the "
-                                      "optimizer from the model's parameters as they are now")
-            named.append((names[id(p)], p))
-        groups.append(named)
-    return groups
-
-
-def _json(value, what: str):
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{what} must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from None
-    return value
-
-
 # -- save -----------------------------------------------------------------------------------------------
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          extra: dict | None = None, keep: int | None = 2) -> Path:
-    """Save ``model`` (and ``optimizer``) to the folder ``path``, crash-safely; every rank calls it.
+    """Save ``model`` (and ``optimizer``: one, or a sequence of them, e.g. Muon and AdamW on disjoint
+    parameters) to the folder ``path``, crash-safely; every rank calls it.
 
     ``extra``: a small JSON-serialisable dict (step, data position, seeds) returned by ``load``.
     ``keep``: how many complete checkpoints of ``path``'s series to keep (its siblings named like it up
@@ -220,25 +196,12 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
     state = {f"model.{k}": v for k, v in _model_state(model).items()}
     manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
                       else 1, "model": {k.removeprefix("model."): _info(v) for k, v in state.items()}}
-    if optimizer is not None:
-        offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
-        groups, opt_state = [], {}
-        named_groups = _optimizer_params(model, optimizer)
-        owned = owner_state.sharded_state(optimizer)  # update="owner": whole on the owner -> sharded like p
-        for group, named in zip(optimizer.param_groups, named_groups):
-            options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
-            groups.append({"params": [n for n, _ in named], "options": _json(options, "optimizer options")})
-            for name, p in named:
-                entries = {}
-                for key, value in owned.get(id(p), optimizer.state.get(p, {})).items():
-                    if isinstance(value, torch.Tensor):
-                        state[f"optim.{name}.{key}"] = value
-                        entries[key] = _info(value)
-                    else:
-                        entries[key] = {"value": _json(value, f"optimizer state '{key}' of '{name}'")}
-                if entries:
-                    opt_state[name] = entries
-        manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
+    for prefix, opt in _listed(optimizer):
+        entry = _optimizer_entry(model, opt, state, prefix)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            manifest["optimizer"] = entry
+        else:
+            manifest.setdefault("optimizers", []).append(entry)
     _check_same_on_every_rank(state, extra)
     state = _per_mesh_keys(state, model)
     manifest = json.loads(json.dumps(manifest))  # a copy: later changes to extra or the options stay out
@@ -304,7 +267,8 @@ def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> li
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); every rank calls it.
+    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``: what ``save`` was given, one
+    optimizer or a sequence of them in the same order); every rank calls it.
 
     The world size, mesh shape and tensor parallelism may differ from the saving run's. Returns the
     ``extra`` dict given to ``save``. Waits for this process's ``async_save`` still in flight first (and
@@ -317,30 +281,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     current = _model_state(model)
     problems = _differences(manifest["model"], current, "model")
     targets = {f"model.{k}": torch.zeros_like(v) for k, v in current.items()}
-    restore: list[tuple[torch.Tensor, dict]] = []
-    if optimizer is not None:
-        saved = manifest.get("optimizer")
-        named_groups = _optimizer_params(model, optimizer)
-        if saved is None:
-            problems.append("the checkpoint has no optimizer state; load(path, model) without an optimizer")
-        elif saved["class"] != type(optimizer).__name__:
-            problems.append(f"the optimizer was a {saved['class']} and is a {type(optimizer).__name__} now")
-        elif [g["params"] for g in saved["param_groups"]] != [[n for n, _ in g] for g in named_groups]:
-            problems.append("the optimizer's parameter groups differ from the saved ones (names per group: "
-                            f"{[g['params'] for g in saved['param_groups']]})")
-        else:
-            for named in named_groups:
-                for name, p in named:
-                    entries, state = saved["state"].get(name, {}), {}
-                    for key, info in entries.items():
-                        if "value" in info:
-                            state[key] = info["value"]
-                        elif info["shape"] == list(p.shape) and isinstance(p, DTensor):  # sharded like p
-                            state[key] = targets[f"optim.{name}.{key}"] = torch.zeros_like(p, dtype=_dtype(info["dtype"]))
-                        else:
-                            state[key] = targets[f"optim.{name}.{key}"] = torch.zeros(
-                                info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
-                    restore.append((p, state))
+    listed = _listed(optimizer)
+    single = isinstance(optimizer, torch.optim.Optimizer)
+    saved_all = [manifest.get("optimizer")] if single else manifest.get("optimizers", [])
+    if listed and len(saved_all) != len(listed):
+        saved_all = [None] * len(listed)
+    restores = [_optimizer_targets(model, opt, saved, prefix, targets, problems)
+                for (prefix, opt), saved in zip(listed, saved_all)]
     per_mesh = _per_mesh_keys(targets, model)  # the same tensors as ``targets``, under the keys ``save`` wrote
     try:  # DCP's own metadata, read safely, before anything is touched
         _SafeReader(path).read_metadata()
@@ -364,21 +311,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         for k, v in current.items():
             _local(v).copy_(_local(targets[f"model.{k}"]))
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
-    if optimizer is not None:
-        owner_state.own_state(optimizer, restore)  # update="owner": onto the owners of the current plan
-        for p, state in restore:
-            if state:
-                optimizer.state[p] = state
-            else:
-                optimizer.state.pop(p, None)
-        for group, saved_group in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
-            for key, value in saved_group["options"].items():
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    for (_, opt), saved, restore in zip(listed, saved_all, restores):
+        _restore_loaded(opt, saved, restore)
     return manifest.get("extra", {})
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 __all__ = ["CheckpointError", "PendingSave", "async_save", "full_state_dict", "latest", "load", "load_full_state_dict",
            "save", "wait_pending"]

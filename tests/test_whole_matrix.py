@@ -307,15 +307,13 @@ def _uninterrupted(rank: int, world_size: int) -> dict:
 def _save(rank: int, world_size: int, path: str) -> dict:
     model, opts = _recipe(rank, world_size)
     _steps(model, opts, rank, world_size, 0, 3)
-    perparam.checkpoint.save(path + "/muon", model, opts[0])
-    perparam.checkpoint.save(path + "/adamw", model, opts[1])
+    perparam.checkpoint.save(path, model, opts)  # one checkpoint, both optimizers' state
     return {"muon": _owned_state(model, opts[0]), "adamw": _owned_state(model, opts[1])}
 
 
 def _resume(rank: int, world_size: int, path: str) -> dict:
     model, opts = _recipe(rank, world_size)
-    perparam.checkpoint.load(path + "/muon", model, opts[0])
-    perparam.checkpoint.load(path + "/adamw", model, opts[1])
+    perparam.checkpoint.load(path, model, opts)
     loaded = {"muon": _owned_state(model, opts[0]), "adamw": _owned_state(model, opts[1])}
     _steps(model, opts, rank, world_size, 3, 6)
     return {"loaded": loaded, "params": full_params(model)}

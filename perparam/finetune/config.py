@@ -18,6 +18,7 @@ class JobConfig:
     batch_size: int
     lr: float
     seed: int
+    optimizer: str = "adamw"  # --optimizer: adamw, or muon (perparam.finetune.optimizers)
     config: str = "gguf"  # "gguf" or "tiny"
     gguf_path: str | None = None
     summary_json: str | None = None

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, lora, offload_flags, peers, schedule, steps, throughput, train
+from perparam.finetune import lifecycle, lora, offload_flags, optimizers, peers, steps, throughput, train
 from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
 from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
@@ -40,21 +40,21 @@ class Run:
     device: torch.device
     meshes: object
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: optimizers.JobOptimizers  # AdamW, or Muon + AdamW (--optimizer)
     name: str
     params_total: int
     eval_rows: torch.Tensor
     micro: int
     loss_before: float
     first_step: int
-    scheduler: object = None  # the learning-rate LambdaLR (schedule.py)
+    scheduler: object = None  # optimizers.JobSchedule: the learning-rate LambdaLR (schedule.py) on each
     model_cfg: object = None  # the model's LlamaConfig
     offload: object = None  # offload_flags.OffloadChoice: --offload / --memory-budget
 
 
 def setup(cfg: JobConfig, data: PreparedData) -> Run:
-    """Process group, meshes, model, tensor parallelism and ``fully_shard``, AdamW, held-out loss before,
-    and ``--resume``."""
+    """Process group, meshes, model, tensor parallelism and ``fully_shard``, the optimizers (AdamW, or
+    Muon + AdamW), held-out loss before, and ``--resume``."""
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
     peers.record_roster()  # who is who, to name a peer that dies
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
@@ -72,8 +72,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
                           lora.layer_policy(lora_cfg), zero_stage=cfg.zero_stage, offload=offload,
                           grad_quant=cfg.grad_quant)
     params_total = sum(p.numel() for p in model.parameters())  # global sizes (DTensor.numel)
-    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = schedule.build_scheduler(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
+    optimizer = optimizers.build(cfg.optimizer, model, lora.trainable_parameters(model), cfg.lr)
+    scheduler = optimizers.JobSchedule(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
     layout = f"{dims.dp_shard} shard ranks"
     if dims.dp_replicate > 1:
         layout = f"{dims.dp_replicate} replicas x {layout} (HSDP)"
@@ -88,6 +88,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
               f"rows of {data.seq_len} tokens", flush=True)
         if lora_cfg is not None:
             print(lora.describe(model, lora_cfg, params_total, cfg.param_dtype), flush=True)
+        if cfg.optimizer != "adamw":
+            print(f"optimizers: {optimizer.describe()}", flush=True)
         if offload.plan_line:
             print(offload.plan_line, flush=True)
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
@@ -155,12 +157,15 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
+            issued = len(comm.records)
             save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
+            del comm.records[issued:]  # nor a checkpoint's (Muon's momentum sent to its rows' ranks)
         finish_saves(cfg, run.rank)  # the last checkpoint, written while the loop went on
     progress.close()
     steps_run = cfg.steps - run.first_step
-    comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0
-                     for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    kinds = ("all_gather", "reduce_scatter", "all_reduce", *(("all_to_all",) if cfg.optimizer == "muon" else ()))
+    comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0 for kind in kinds}  # all_to_all:
+    # the owner path's exchange of the matrices Muon steps (gradient and parameter rows in, updated rows out)
     tokens_per_s = tokens_per_step * steps_run / step_s if steps_run else 0.0
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)  # global sizes (DTensor)
     flops = throughput.flops_per_token(run.model_cfg, data.seq_len, run.params_total, trainable)
@@ -196,7 +201,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "world_size": run.world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
         "param_dtype": cfg.param_dtype, "quant": "nf4 (stored)" if cfg.qlora else cfg.quant,
         "grad_quant": cfg.grad_quant or "none",
-        "zero_stage": cfg.zero_stage,
+        "zero_stage": cfg.zero_stage, "optimizer": cfg.optimizer,
         "steps": cfg.steps, "model": run.name, "params_total": run.params_total,
         "param_tensors": len(list(run.model.parameters())),
         "seq_len": data.seq_len, "global_batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,

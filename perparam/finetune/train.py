@@ -91,11 +91,17 @@ def tp_plan() -> dict:
 
 def with_grad_quant(layer, layer_policy: dict | None, pattern: str, kind: str) -> dict:
     """``layer_policy`` (patterns relative to a decoder layer, first match wins) with ``grad_quant=kind``
-    added to the policy of each parameter of ``layer`` that ``pattern`` matches, as exact names ahead of the
-    patterns, so such a parameter keeps what its first matching pattern gave it (``--quant``'s all-gather,
-    QLoRA's NF4) instead of losing it to ``pattern`` (``--quant int8 --grad-quant 'mlp.*=int8'`` used to
-    drop the MLP weights' int8 all-gather). A ``pattern`` matching nothing is left as a pattern, for
-    ``fully_shard`` to name."""
+    added to the policy of each parameter of ``layer`` that ``pattern`` matches (:func:`with_policy_fields`)."""
+    return with_policy_fields(layer, layer_policy, pattern, grad_quant=kind)
+
+
+def with_policy_fields(layer, layer_policy: dict | None, pattern: str, **fields) -> dict:
+    """``layer_policy`` (patterns relative to a decoder layer, first match wins) with ``fields`` (e.g.
+    ``grad_quant="int8"``, ``update="owner"``) set in the policy of each parameter of ``layer`` that
+    ``pattern`` matches, as exact names ahead of the patterns, so such a parameter keeps what its first
+    matching pattern gave it (``--quant``'s all-gather, QLoRA's NF4) instead of losing it to ``pattern``
+    (``--quant int8 --grad-quant 'mlp.*=int8'`` used to drop the MLP weights' int8 all-gather). A
+    ``pattern`` matching nothing is left as a pattern, for ``fully_shard`` to name."""
     import dataclasses
     import fnmatch
 
@@ -104,18 +110,18 @@ def with_grad_quant(layer, layer_policy: dict | None, pattern: str, kind: str) -
     policies = layer_policy or {}
     hits = [n for n, _ in layer.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
     if not hits:
-        return {pattern: ParamPolicy(grad_quant=kind), **policies}
+        return {pattern: ParamPolicy(**fields), **policies}
 
     def own(name: str):
         return next((pp for pat, pp in policies.items() if fnmatch.fnmatchcase(name, pat)), None)
 
-    exact = {n: dataclasses.replace(own(n) or ParamPolicy(), grad_quant=kind) for n in hits}
+    exact = {n: dataclasses.replace(own(n) or ParamPolicy(), **fields) for n in hits}
     return {**exact, **{k: v for k, v in policies.items() if k not in exact}}
 
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
                 quant: str | torch.dtype | None = None, layer_policy: dict | None = None,
-                zero_stage: int = 3, offload=None, grad_quant: str | None = None) -> Llama:
+                zero_stage: int = 3, offload=None, grad_quant: str | None = None, owner: str | None = None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
@@ -127,6 +133,8 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     ``offload``: an :class:`~perparam.finetune.offload_flags.OffloadChoice` (``--offload``, ``--memory-budget``).
     ``grad_quant``: ``--grad-quant`` (:func:`parse_grad_quant`): the layers' parameters it names reduce-scatter
     their gradients as int8 blocks or bf16 (``ParamPolicy.grad_quant``, ``docs/grad-quant.md``).
+    ``owner``: a pattern inside a decoder layer whose parameters get ``ParamPolicy(update="owner")``
+    (``--optimizer muon``: the projection matrices Muon steps whole, ``docs/whole-matrix-optimizers.md``).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
@@ -138,6 +146,8 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     wire = parse_grad_quant(grad_quant)
     if wire is not None:  # merged into what each parameter it names gets from the other patterns
         layer_policy = with_grad_quant(model.layers[0], layer_policy, *wire)
+    if owner is not None:  # likewise kept beside the other patterns' fields
+        layer_policy = with_policy_fields(model.layers[0], layer_policy, owner, update="owner")
     root_policy = None
     if zero_stage != 3:  # every parameter: the patterns' policies, then a catch-all, all with the stage
         import dataclasses
@@ -190,6 +200,14 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[Llama, LlamaConfi
     return model.to(device), model_cfg, name
 
 
+def owner_pattern(cfg: JobConfig) -> str | None:
+    """The decoder-layer pattern of the parameters stepped whole by an owner rank: ``--optimizer muon``'s
+    matrices, else none."""
+    from perparam.finetune.optimizers import MUON_WEIGHTS
+
+    return MUON_WEIGHTS if cfg.optimizer == "muon" else None
+
+
 def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtype: torch.dtype | None = None,
                         quant: str | None = None, offload=None) -> tuple[Llama, LlamaConfig, str]:
     """``(model, model_cfg, name)``: the model, sharded by :func:`shard_model`; collective.
@@ -208,7 +226,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     if cfg.config == "tiny":
         model, model_cfg, name = build_model(cfg, device)
         return (shard_model(model, meshes, param_dtype, quant, zero_stage=cfg.zero_stage, offload=offload,
-                            grad_quant=cfg.grad_quant), model_cfg, name)
+                            grad_quant=cfg.grad_quant, owner=owner_pattern(cfg)), model_cfg, name)
     from perparam.finetune.gguf_loader import load_state_dict, open_gguf, read_config
 
     reader, box = None, [None]
@@ -218,7 +236,7 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
     dist.broadcast_object_list(box, src=0)
     model_cfg = box[0]
     model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, zero_stage=cfg.zero_stage,
-                        offload=offload, grad_quant=cfg.grad_quant)
+                        offload=offload, grad_quant=cfg.grad_quant, owner=owner_pattern(cfg))
     load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
     return model, model_cfg, Path(cfg.gguf_path).name
 
