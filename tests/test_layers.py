@@ -238,7 +238,8 @@ ISSUE_COMM = {"perparam.runtime.paths": "the paths",
               "perparam.runtime.part_reduce": "a reduction's common tail: the HSDP all-reduce",
               "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced",
               "perparam.runtime.owner_step": "whole-matrix optimizers: the owner gather and scatter at the step",
-              "perparam.runtime.owner_state": "whole-matrix optimizers: their state moved for a checkpoint"}
+              "perparam.runtime.owner_state": "whole-matrix optimizers: their state moved for a checkpoint",
+              "perparam.runtime.recast": "a cast of owner parameters: the ranks agree whether it is refused"}
 #: module-level names a core function rebinds (``global``): state, none of them a switch of how perparam
 #: runs; the switches are ``RuntimeConfig`` fields (``perparam.configure``), and ``set_debug`` the one
 #: exception (comm/ is below the runtime's config; the checks change no result)
