@@ -455,3 +455,54 @@ def _expert_mesh(rank: int, world_size: int) -> list:
 def test_an_expert_on_its_own_mesh_is_stepped_by_an_owner_of_that_mesh():
     for r in run_distributed(_expert_mesh, 4):
         assert r == [0.0, 0.0, 4, [2, 4]]  # one bucket per mesh, two all-to-alls each
+
+
+def _muon_then_adamw(rank: int, world_size: int, path: str, phase: str) -> dict:
+    """``phase`` "muon": ``_matrices`` under the owner policy, 3 Muon steps (each rank 3 rows of a global
+    batch of ``3 * world_size``), then ``perparam.checkpoint.save`` of the model and Muon's state.
+    ``phase`` "adamw": the same model sharded plain ``Shard(0)`` (no owner), the checkpoint's model loaded,
+    then 3 AdamW steps on the same kind of global batch (``world_size == 0``: one process, the first loaded
+    from the full tensors the save returned). Returns the full parameters after the load and at the end."""
+    g = torch.Generator().manual_seed(7)
+    if phase == "muon":
+        model = _matrices(rank, world_size)
+        opt = torch.optim.Muon(model.parameters(), lr=0.02)
+        for _ in range(3):
+            x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        perparam.checkpoint.save(path, model, opt)
+        return {"saved": full_params(model)}
+    k = max(world_size, 1)
+    model = _matrices(rank, world_size, policy=None)
+    if world_size:
+        perparam.checkpoint.load(path, model)
+    else:
+        with torch.no_grad():
+            for p, want in zip(model.parameters(), torch.load(path + ".ref").values()):
+                p.copy_(want)
+    loaded = full_params(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        x = torch.randn(3 * 2, 8, generator=g)
+        x = x[3 * rank * 2 // k:3 * (rank + 1) * 2 // k] if world_size else x
+        (model(x).pow(2).sum() * (k if world_size else 1)).backward()  # sum over the global batch
+        opt.step()
+        opt.zero_grad()
+    return {"loaded": loaded, "final": full_params(model)}
+
+
+def test_an_owner_checkpoint_loads_into_plain_shard0_parameters_and_fine_tunes_with_adamw_like_one_process(
+        tmp_path):
+    """Changing policy between runs (Muon on owners, then an AdamW fine-tune on plain ``Shard(0)``): the
+    checkpoint's parameters come back bit-exact on 2 and 1 ranks, and the AdamW steps match one process."""
+    path = str(tmp_path / "muon")
+    saved = run_distributed(_muon_then_adamw, 2, path, "muon")[0]["saved"]
+    torch.save(saved, path + ".ref")
+    want = one_process(_muon_then_adamw, path, "adamw")
+    for k in (2, 1):
+        for r in run_distributed(_muon_then_adamw, k, path, "adamw"):
+            for name, tensor in saved.items():
+                assert torch.equal(r["loaded"][name], tensor), (k, name)
+            assert _max_diff(r["final"], want["final"]) <= 1e-5, k

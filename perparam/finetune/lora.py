@@ -69,19 +69,6 @@ def parse_targets(spec: str | None) -> tuple[str, ...]:
     return names
 
 
-def config_from_args(args) -> LoraConfig | None:
-    """The launcher's :func:`lora_config` of the ``--lora*``/``--qlora`` flags on an ``argparse.Namespace``
-    (absent flags: their defaults). Also sets ``args.param_dtype`` when it was not given: bf16 under
-    ``--qlora``, fp32 otherwise (and ``args.param_dtype_by_default``)."""
-    qlora = getattr(args, "qlora", False)
-    if getattr(args, "param_dtype", None) is None:
-        args.param_dtype = "bf16" if qlora else "fp32"
-        args.param_dtype_by_default = True  # the worker may still pick fp32 where bf16 is emulated (job.py)
-    return lora_config(getattr(args, "lora", None), getattr(args, "lora_alpha", None),
-                       getattr(args, "lora_targets", None), qlora, getattr(args, "tp", 1),
-                       getattr(args, "quant", "none"))
-
-
 def lora_config(rank: int | None, alpha: float | None = None, targets: str | None = None, qlora: bool = False,
                 tp: int = 1, quant: str = "none") -> LoraConfig | None:
     """The :class:`LoraConfig` of ``--lora RANK --lora-alpha ALPHA --lora-targets NAMES [--qlora]`` (``None``
@@ -107,9 +94,9 @@ def lora_config(rank: int | None, alpha: float | None = None, targets: str | Non
     return LoraConfig(rank, float(2 * rank if alpha is None else alpha), parse_targets(targets), bool(qlora))
 
 
-def worker_argv(args) -> list[str]:
-    """The launcher's ``--lora*``/``--qlora`` flags for its workers (none without ``--lora``)."""
-    cfg = config_from_args(args)
+def worker_argv(cfg: LoraConfig | None) -> list[str]:
+    """The launcher's ``--lora*``/``--qlora`` flags for its workers (none without ``--lora``): ``cfg``, the
+    job's ``JobConfig.lora_config()``."""
     if cfg is None:
         return []
     return ["--lora", str(cfg.rank), "--lora-alpha", repr(cfg.alpha), "--lora-targets", ",".join(cfg.targets),
@@ -124,12 +111,12 @@ def record(cfg: LoraConfig | None) -> dict | None:
     return {"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets), "qlora": cfg.qlora}
 
 
-
-def check_resume(extra: dict, args) -> None:
+def check_resume(extra: dict, cfg: LoraConfig | None, resume: str) -> None:
     """One-line :class:`FinetuneInputError` when ``--resume``'s checkpoint (its manifest's ``extra``) was
     trained with other LoRA settings than this run's (a model of other parameters cannot load it).
-    Checkpoints written before LoRA existed (no ``lora`` key) were full fine-tuning."""
-    saved, now = extra.get("lora"), record(config_from_args(args))
+    Checkpoints written before LoRA existed (no ``lora`` key) were full fine-tuning. ``cfg``: this run's
+    (``JobConfig.lora_config()``); ``resume``: the ``--resume`` folder, for the message."""
+    saved, now = extra.get("lora"), record(cfg)
     if saved == now:
         return
 
@@ -139,7 +126,7 @@ def check_resume(extra: dict, args) -> None:
         return (f"--lora {c['rank']} --lora-alpha {c['alpha']:g} --lora-targets {','.join(c['targets'])}"
                 + (" --qlora" if c["qlora"] else ""))
 
-    raise FinetuneInputError(f"--resume {args.resume}: the checkpoint was trained with {flags(saved)}, this run has "
+    raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with {flags(saved)}, this run has "
                              f"{flags(now)}: pass the checkpoint's LoRA flags")
 
 
