@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perparam import quant
-from perparam.finetune import lifecycle, loop_flags, lora, offload_flags, optimizers
+from perparam.finetune import invariant_flags, lifecycle, loop_flags, lora, offload_flags, optimizers
 from perparam.finetune.errors import FinetuneInputError, check_output_path
 from perparam.finetune.optimizers import OPTIMIZERS
 from perparam.finetune.peers import PEER_LOST  # error texts of a collective whose peer died or timed out
@@ -114,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "LLaMA names); may be given once per suffix")
     parser.add_argument("--export-dtype", choices=("f32", "f16", "bf16"), default="f32",
                         help="tensor dtype of --export (default f32; GGUF norm weights stay f32)")
+    invariant_flags.add_arguments(parser)  # --invariant-units
     loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
     offload_flags.add_arguments(parser)  # --offload, --memory-budget, --offload-dir
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
@@ -195,6 +196,7 @@ def check_sizes(cfg: JobConfig, world: int, model_cfg=None, outputs: bool = True
     cfg.lora_config()  # --lora/--qlora values and conflicts
     loop_flags.check(cfg)  # samples, the training loop's options, the plot
     offload_flags.check(cfg)
+    invariant_flags.check(cfg, world)  # --invariant-units: its rule and the flags it refuses
     optimizers.check_config(cfg)  # --optimizer muon with flags it cannot compose with
     check_checkpoint_args(cfg)
     from perparam.finetune.export import check_export_args  # (gguf, torch: not needed for --help)
@@ -298,6 +300,8 @@ def run_worker(cfg: JobConfig) -> int:
     else:  # plain torchrun: every rank prepares the same rows itself; rank 0 alone proves the output paths
         cfg, data = resolve(cfg, world, outputs=os.environ.get("RANK") == "0")
     check_sizes(cfg, world, outputs=False)
+    if cfg.invariant_units is not None:
+        invariant_flags.fix_threads()  # the same thread count at every --nproc
     if data.heldout.shape[0] % world or data.train.shape[0] < world:
         raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
     try:
@@ -327,6 +331,7 @@ def _worker_argv(cfg: JobConfig, prepared: str) -> list[str]:
     if not cfg.param_dtype_by_default:  # a default is the worker's to settle (job.py)
         argv += ["--param-dtype", cfg.param_dtype]
     argv += offload_flags.worker_argv(cfg)
+    argv += invariant_flags.worker_argv(cfg)
     if cfg.gguf_path:
         argv += ["--gguf", cfg.gguf_path]
     if cfg.summary_json:

@@ -42,6 +42,7 @@ class JobConfig:
     zero_stage: int = 3
     dp_replicate: int = 1
     tp: int = 1
+    invariant_units: int | None = None  # --invariant-units U (invariant_flags.py); None: off
     prepared: str | None = None  # the launcher's token rows, handed to its workers
     pg_timeout: float = 300.0
     crash_at_step: int | None = None  # test hook: the last rank dies at this step
