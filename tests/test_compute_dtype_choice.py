@@ -13,7 +13,6 @@ from benchmarks.report import bf16_note, row_name
 from perparam.finetune import job, throughput, train
 from perparam.finetune.cli import _worker_argv, add_arguments
 from perparam.finetune.config import JobConfig
-from perparam.finetune.lora import config_from_args
 
 EMULATED, NATIVE = 11.3, 0.4  # bf16 time over fp32 time: this 2-core AVX2 host, a CPU with AMX
 
@@ -52,13 +51,11 @@ def test_the_launcher_hands_an_unchosen_compute_dtype_to_the_workers_to_settle()
     def argv(*given: str) -> list[str]:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        args = parser.parse_args(["--config", "tiny", "--lora", "4", "--qlora", *given])
-        config_from_args(args)
-        assert args.param_dtype == (given[-1] if given else "bf16")
-        args.gguf_path = None  # the launcher's, after reading --assets
-        return _worker_argv(args, "data.pt")
+        cfg = JobConfig.from_args(parser.parse_args(["--config", "tiny", "--lora", "4", "--qlora", *given]))
+        assert cfg.param_dtype == (given[-1] if given else "bf16")
+        return _worker_argv(cfg, "data.pt")
 
-    assert "--param-dtype" not in argv()  # the worker's config_from_args fills it in again, by default
+    assert "--param-dtype" not in argv()  # the worker's JobConfig fills it in again, by default
     chosen = argv("--param-dtype", "bf16")
     assert chosen[chosen.index("--param-dtype") + 1] == "bf16"
 

@@ -203,7 +203,7 @@ def _resume_rank(rank: int, world: int, folder: str) -> dict:
     from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
     from perparam.finetune.config import JobConfig
     from perparam.finetune.data import BatchStream
-    from perparam.finetune.lora import config_from_args, trainable_parameters
+    from perparam.finetune.lora import trainable_parameters
     from perparam.finetune.model import next_token_loss
 
     job = JobConfig(steps=3, seq_len=SEQ, batch_size=GLOBAL_BATCH, lr=1e-2, seed=0, config="tiny", save=folder,
@@ -236,7 +236,7 @@ def _resume_rank(rank: int, world: int, folder: str) -> dict:
         for p in other.parameters():
             if p.requires_grad:
                 p.add_(1.0)  # the checkpoint must overwrite these
-    _shard(other, world, config_from_args(job))
+    _shard(other, world, job.lora_config())
     resumed, opt, losses, first = run(0, 3, model=other, resume=folder)
     manifest = json.loads((Path(folder) / "step-000003" / "perparam_checkpoint.json").read_text())
     return {"first": first, "losses": losses, "straight": straight_losses[2:],

@@ -117,3 +117,8 @@ def test_the_job_config_is_built_once_from_the_command_line():
     cfg = JobConfig.from_args(args)
     assert (cfg.config, cfg.steps, cfg.save, cfg.quant, cfg.resume) == ("tiny", 3, "x", "nf4", None)
     assert cfg.batch_size == args.batch_size and cfg.lr == args.lr
+    assert cfg.memory_budget is None and cfg.param_dtype == "fp32"
+    with pytest.raises(KeyError):  # every flag is read: a Namespace without one is a bug, not a default
+        JobConfig.from_args(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "tp"}))
+    budget = JobConfig.from_args(parser.parse_args(["--memory-budget", "1.5GiB"])).memory_budget
+    assert budget == 3 * 2 ** 29  # parsed to bytes once, at the boundary

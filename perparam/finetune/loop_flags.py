@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
 from perparam.finetune.errors import FinetuneInputError
+
+if TYPE_CHECKING:
+    from perparam.finetune.config import JobConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,50 +43,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "held-out loss and the learning rate (needs matplotlib: the plot extra)")
 
 
-def check(args: argparse.Namespace) -> None:
+def check(cfg: JobConfig) -> None:
     """One-line :class:`FinetuneInputError` for any bad value of these flags."""
     from perparam.finetune.generate import check_sampling
     from perparam.finetune.plot import check_plot_path
     from perparam.finetune.schedule import check_schedule
 
-    check_sampling(getattr(args, "generate", None) or [], sampling_config(args))
-    if args.grad_accum < 1:
-        raise FinetuneInputError(f"--grad-accum {args.grad_accum} must be at least 1 (1: no accumulation)")
-    norm = args.max_grad_norm
+    check_sampling(cfg.generate or [], sampling_config(cfg))
+    if cfg.grad_accum < 1:
+        raise FinetuneInputError(f"--grad-accum {cfg.grad_accum} must be at least 1 (1: no accumulation)")
+    norm = cfg.max_grad_norm
     if norm is not None and not (math.isfinite(norm) and norm > 0):
         raise FinetuneInputError(f"--max-grad-norm {norm} must be a positive finite number (leave it out: "
                                  "no clipping)")
-    check_schedule(args.lr, args.steps, args.warmup_steps, args.min_lr)
-    if args.eval_every < 0 or args.eval_every > max(args.steps, 1):
-        raise FinetuneInputError(f"--eval-every {args.eval_every} must be between 1 and --steps {args.steps} "
+    check_schedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
+    if cfg.eval_every < 0 or cfg.eval_every > max(cfg.steps, 1):
+        raise FinetuneInputError(f"--eval-every {cfg.eval_every} must be between 1 and --steps {cfg.steps} "
                                  "(or 0: no evaluation during training)")
-    check_plot_path(args.plot)  # its path is proven writable with the other outputs (cli.check_outputs)
+    check_plot_path(cfg.plot)  # its path is proven writable with the other outputs (cli.check_outputs)
 
 
-def check_prompts(args: argparse.Namespace, tokenizer, context: int) -> None:
+def check_prompts(cfg: JobConfig, tokenizer, context: int) -> None:
     """Launcher, once the tokenizer is known: every prompt plus ``--max-new-tokens`` fits the context."""
     from perparam.finetune.generate import check_prompt_lengths
 
-    check_prompt_lengths(getattr(args, "generate", None) or [], tokenizer, args.max_new_tokens, context)
+    check_prompt_lengths(cfg.generate or [], tokenizer, cfg.max_new_tokens, context)
 
 
-def sampling_config(args):
+def sampling_config(cfg: JobConfig):
     from perparam.finetune.generate import SamplingConfig
 
-    return SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.sample_seed)
+    return SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.sample_seed)
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
+def worker_argv(cfg: JobConfig) -> list[str]:
     """These flags, as the launcher passes them on to each worker."""
-    argv = [f"--generate={p}" for p in (args.generate or [])]
-    argv += ["--max-new-tokens", str(args.max_new_tokens), "--temperature", repr(args.temperature),
-             "--top-k", str(args.top_k), "--sample-seed", str(args.sample_seed),
-             "--grad-accum", str(args.grad_accum), "--warmup-steps", str(args.warmup_steps),
-             "--eval-every", str(args.eval_every)]
-    if args.max_grad_norm is not None:
-        argv += ["--max-grad-norm", repr(args.max_grad_norm)]
-    if args.min_lr is not None:
-        argv += ["--min-lr", repr(args.min_lr)]
-    if args.plot:
-        argv += ["--plot", args.plot]
+    argv = [f"--generate={p}" for p in (cfg.generate or [])]
+    argv += ["--max-new-tokens", str(cfg.max_new_tokens), "--temperature", repr(cfg.temperature),
+             "--top-k", str(cfg.top_k), "--sample-seed", str(cfg.sample_seed),
+             "--grad-accum", str(cfg.grad_accum), "--warmup-steps", str(cfg.warmup_steps),
+             "--eval-every", str(cfg.eval_every)]
+    if cfg.max_grad_norm is not None:
+        argv += ["--max-grad-norm", repr(cfg.max_grad_norm)]
+    if cfg.min_lr is not None:
+        argv += ["--min-lr", repr(cfg.min_lr)]
+    if cfg.plot:
+        argv += ["--plot", cfg.plot]
     return argv

@@ -21,8 +21,12 @@ import argparse
 import fnmatch
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from perparam.finetune.errors import FinetuneInputError
+
+if TYPE_CHECKING:
+    from perparam.finetune.config import JobConfig
 
 TIERS = ("device", "cpu", "cpu:all", "cpu:optimizer", "disk", "disk:all", "disk:optimizer")
 
@@ -52,10 +56,11 @@ def parse(specs: list[str] | None) -> list[tuple[str, str, str]]:
     return out
 
 
-def check(args: argparse.Namespace) -> None:
-    """The launcher's one-line checks of these flags."""
-    parse(args.offload)
-    folder = getattr(args, "offload_dir", None)
+def check(cfg: JobConfig) -> None:
+    """The launcher's one-line checks of these flags (``--memory-budget`` is parsed to bytes by
+    ``JobConfig`` itself)."""
+    parse(cfg.offload)
+    folder = cfg.offload_dir
     if folder is not None:  # a typo must not become a new folder on another disk: refused, never created
         if not os.path.isdir(folder):
             what = "is not a folder" if os.path.exists(folder) else "does not exist"
@@ -64,27 +69,20 @@ def check(args: argparse.Namespace) -> None:
         if not os.access(folder, os.W_OK | os.X_OK):
             raise FinetuneInputError(f"--offload-dir {folder!r} is not writable by this user; pass a folder you can "
                                      "write to")
-    if (args.offload or args.memory_budget is not None) and getattr(args, "tp", 1) > 1:
+    if (cfg.offload or cfg.memory_budget is not None) and cfg.tp > 1:
         raise FinetuneInputError("--offload and --memory-budget plan per data-parallel shard and do not support "
                                  "--tp above 1 yet; drop one of them")
-    if args.memory_budget is not None:
-        from perparam.memory.budget import parse_bytes
-
-        try:
-            args.memory_budget = parse_bytes(args.memory_budget)
-        except ValueError as e:
-            raise FinetuneInputError(f"--memory-budget: {e}") from None
-        if args.offload:
-            raise FinetuneInputError("--memory-budget plans every parameter's tier itself: drop --offload, or drop "
-                                     "--memory-budget and place them by pattern")
+    if cfg.memory_budget is not None and cfg.offload:
+        raise FinetuneInputError("--memory-budget plans every parameter's tier itself: drop --offload, or drop "
+                                 "--memory-budget and place them by pattern")
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
-    argv = [f"--offload={spec}" for spec in args.offload or ()]
-    if args.memory_budget is not None:
-        argv += ["--memory-budget", str(args.memory_budget)]
-    if args.offload_dir:
-        argv += ["--offload-dir", args.offload_dir]
+def worker_argv(cfg: JobConfig) -> list[str]:
+    argv = [f"--offload={spec}" for spec in cfg.offload or ()]
+    if cfg.memory_budget is not None:
+        argv += ["--memory-budget", str(cfg.memory_budget)]
+    if cfg.offload_dir:
+        argv += ["--offload-dir", cfg.offload_dir]
     return argv
 
 

@@ -21,11 +21,15 @@ restores each one.
 from __future__ import annotations
 
 import fnmatch
+from typing import TYPE_CHECKING
 
 import torch
 
 from perparam.finetune import schedule
 from perparam.finetune.errors import FinetuneInputError
+
+if TYPE_CHECKING:
+    from perparam.finetune.config import JobConfig
 
 OPTIMIZERS = ("adamw", "muon")
 #: the parameters Muon steps, named relative to a decoder layer: its seven projection weights
@@ -33,20 +37,20 @@ MUON_WEIGHTS = "*_proj.weight"
 ADAMW_BETAS = (0.9, 0.95)
 
 
-def check_args(args) -> None:
+def check_config(cfg: JobConfig) -> None:
     """The launcher's one-line refusals of ``--optimizer muon`` with flags it cannot compose with."""
-    if getattr(args, "optimizer", "adamw") != "muon":
+    if cfg.optimizer != "muon":
         return
-    if getattr(args, "lora", None) is not None:
+    if cfg.lora is not None:
         raise FinetuneInputError("--optimizer muon with --lora/--qlora: the adapters are low-rank factors (A is "
                                  "rank x in, B is out x rank, B starts at zero), which the Muon recipe does not "
                                  "orthogonalize; drop --optimizer muon (AdamW trains the adapters)")
-    if getattr(args, "offload", None) or getattr(args, "memory_budget", None) is not None:
-        flag = "--offload" if getattr(args, "offload", None) else "--memory-budget"
+    if cfg.offload or cfg.memory_budget is not None:
+        flag = "--offload" if cfg.offload else "--memory-budget"
         raise FinetuneInputError(f"--optimizer muon with {flag}: Muon's momentum of a matrix is whole on its owner "
                                  "rank, and the offload tiers move per-shard state; drop one of them")
-    if getattr(args, "tp", 1) > 1:
-        raise FinetuneInputError(f"--optimizer muon with --tp {args.tp}: a tensor-parallel matrix cannot have an "
+    if cfg.tp > 1:
+        raise FinetuneInputError(f"--optimizer muon with --tp {cfg.tp}: a tensor-parallel matrix cannot have an "
                                  "owner rank that steps it whole; pass --tp 1 (or drop --optimizer muon)")
 
 
