@@ -152,19 +152,6 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping)) or callable(param_policy)):
         raise ShardingError(f"param_policy must be a ParamPolicy, a mapping from glob patterns to ParamPolicy, or a "
                             f"callable (name, param) -> ParamPolicy | None; got {type(param_policy).__name__}")
-    if not isinstance(mp_policy.cast_forward_inputs, bool):
-        raise ShardingError(f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got "
-                            f"{mp_policy.cast_forward_inputs!r}")
-    for field in ("param_dtype", "reduce_dtype", "output_dtype", "master_dtype"):
-        dtype = getattr(mp_policy, field)
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ShardingError(f"MixedPrecisionPolicy.{field} must be a torch.dtype (e.g. torch.bfloat16), "
-                                f"got {dtype!r}")
-        if dtype is not None and not dtype.is_floating_point:
-            raise ShardingError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
-        if dtype is not None and dtype.itemsize == 1:  # refused now: it would fail at the first forward
-            raise ShardingError(f"MixedPrecisionPolicy.{field} is {dtype}, which torch cannot compute, reduce or "
-                                "optimize in; use ParamPolicy(quant=QuantPolicy('fp8')) for an fp8 all-gather")
     try:
         offload_policy = as_offload(offload_policy, "fully_shard(offload_policy=...)")
     except PolicyError as e:
@@ -229,8 +216,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                 "update='owner' for it (or do not tensor-parallelize it)")
     _warn_low_precision_training(found, policies)
     sharded_params = []
-    for (fqn, original, slots), policy, tp, pmesh, prank in zip(found, policies, tps, meshes, ranks):
-        sp = ShardedParam(fqn, slots, original, pmesh, prank, pmesh.size(pmesh.ndim - 1), policy, tp)
+    for (fqn, original, slots), res, tp, pmesh, prank in zip(found, resolved, tps, meshes, ranks):
+        sp = ShardedParam(fqn, slots, original, pmesh, prank, res, tp)  # each resolved once, above
         adopt.record(original, sp)
         sp.register_sharded()
         if sp.stored_quantized:

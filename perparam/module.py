@@ -132,6 +132,11 @@ class ShardedModule(ShardedModuleSettings):
             for sp in group.params:
                 sp._writes += 1
 
+    def _perparam_kept_unsharded(self) -> list[torch.Tensor]:
+        """``perparam.sharding.live.ReportsKeptCopies``: what ``perparam.memory.measure`` counts as kept."""
+        group = group_of(self)
+        return group.kept_unsharded() if group is not None else []
+
     @untraced
     def reset(self) -> None:
         """Abandon an interrupted iteration (an exception in forward or backward) of the model this module

@@ -72,7 +72,7 @@ FAST = (
     "test_auto_placement_properties.py", "test_quant_properties.py", "test_memory_formulas.py",
     "test_cast_preserves_inputs.py", "test_finetune_units.py", "test_finetune_gguf.py",
     "test_quantizers.py",
-    "test_memory_plan.py::test_plan_matches_layout_per_parameter",
+    "test_memory_plan.py::test_plan_matches_layout_per_parameter", "test_resolution_once.py",
     "test_paths.py::test_the_all_gather_chooser_takes_the_first_rule_that_holds",
     "test_paths.py::test_the_reduction_chooser_takes_the_first_rule_that_holds",
     # one process per rank through torch's fake process group

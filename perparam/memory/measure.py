@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from perparam.sharding.live import ReportsKeptCopies
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -48,21 +50,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-#: where ``fully_shard`` keeps a module's group (``perparam.runtime.group.GROUP_ATTR``; read, not imported:
-#: this floor imports ``perparam.sharding`` only)
-_GROUP_ATTR = "_perparam_group"
-
-
 def kept_copies(model: nn.Module) -> list[torch.Tensor]:
     """The unsharded buffers that stage-1/2 parameters (``ParamPolicy.zero_stage``) of ``model`` keep
-    across steps on this rank (padded, ``param_dtype``), where their storage is alive."""
+    across steps on this rank (padded, ``param_dtype``), where their storage is alive: what each sharded
+    module reports (``perparam.sharding.live.ReportsKeptCopies``), each tensor once."""
     out, seen = [], set()
     for module in model.modules():
-        group = module.__dict__.get(_GROUP_ATTR)
-        if group is None or id(group) in seen:
-            continue
-        seen.add(id(group))
-        out.extend(p._padded for p in group.params if p.kept and p.storage_alive)
+        if isinstance(module, ReportsKeptCopies):
+            for t in module._perparam_kept_unsharded():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
     return out
 
 

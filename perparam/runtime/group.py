@@ -229,6 +229,10 @@ class ParamGroup:
         for part in self.parts:
             part.free(keep_secondary)
 
+    def kept_unsharded(self) -> list[torch.Tensor]:
+        """The unsharded buffers its stage-1/2 parameters keep across steps, where their storage is alive."""
+        return [p._padded for p in self.params if p.kept and p.storage_alive]
+
     def relayout(self) -> None:
         """Derive the all-gather layouts and the plans again after parameters changed dtype
         (``ShardedParam.recast``, ``perparam.runtime.recast``), on every mesh's part; hpZ rows are dropped."""

@@ -23,8 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..sharding.errors import ShardingError
-from ..sharding.policy import ResolvedPolicy
-from ..sharding.resolution import shard_layout
+from ..sharding.resolution import ParamResolution, shard_layout
 from . import registration, writes
 from .param_grads import ParamGradients, _dtensor, _spec, contiguous_stride  # noqa: F401 (contiguous_stride: used by others)
 from .tp import TensorParallel
@@ -41,12 +40,14 @@ class ShardedParam(ParamGradients):
 
     ``slots``: every ``(module, attribute name)`` under which the parameter is registered (several for a
     parameter tied inside one group). ``fqn``: its name relative to the module given to ``fully_shard``.
-    ``policy``: its resolved per-parameter policy. ``layout``: the pure sharding layout.
+    ``resolution``: the parameter as ``fully_shard`` resolved it (``perparam.sharding.resolution``, once per
+    call): its policy, layout and all-gather pieces are taken from it, never worked out again here. Raises
+    ``ValueError`` when its layout was made for another number of shards than ``mesh``'s shard axis.
     """
 
     def __init__(self, fqn: str, slots: list[tuple[nn.Module, str]], original: nn.Parameter, mesh: DeviceMesh,
-                 shard_rank: int, num_shards: int, policy: ResolvedPolicy,
-                 tp: TensorParallel | None = None) -> None:
+                 shard_rank: int, resolution: ParamResolution, tp: TensorParallel | None = None) -> None:
+        policy = resolution.policy
         self.fqn = fqn
         self.slots = slots
         self.dp_mesh = mesh
@@ -62,7 +63,10 @@ class ShardedParam(ParamGradients):
         dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
-        self.layout, self.pieces = shard_layout(dp_shape, policy, num_shards)
+        if resolution.layout.global_shape != dp_shape or resolution.layout.num_shards != mesh.size(mesh.ndim - 1):
+            raise ValueError(f"parameter '{fqn}': its resolution is laid out as {resolution.layout.global_shape} over "
+                             f"{resolution.layout.num_shards} shards, not {dp_shape} over {mesh.size(mesh.ndim - 1)}")
+        self.layout, self.pieces = resolution.layout, resolution.pieces
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
         self.sharded = self._make_sharded(original)

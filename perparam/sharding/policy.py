@@ -49,11 +49,11 @@ def as_mp_policy(value, what: str) -> MixedPrecisionPolicy:
     if value is None:
         return MixedPrecisionPolicy()
     if isinstance(value, MixedPrecisionPolicy):
-        return value
+        return check_mp_policy(value)
     cls = type(value)
     if cls.__name__ == "MixedPrecisionPolicy" and cls.__module__.startswith("torch."):
-        return MixedPrecisionPolicy(param_dtype=value.param_dtype, reduce_dtype=value.reduce_dtype,
-                                    output_dtype=value.output_dtype, cast_forward_inputs=value.cast_forward_inputs)
+        return check_mp_policy(MixedPrecisionPolicy(value.param_dtype, value.reduce_dtype, value.output_dtype,
+                                                    value.cast_forward_inputs))
     raise PolicyError(f"{what} must be a perparam.MixedPrecisionPolicy or torch's "
                       f"torch.distributed.fsdp.MixedPrecisionPolicy, got {cls.__name__}")
 
@@ -191,6 +191,17 @@ def _float_dtype(dtype: torch.dtype | None, what: str) -> None:
     if dtype is not None and dtype.itemsize == 1:  # checked here: compute would fail at the first forward
         raise PolicyError(f"{what} is {dtype}, which torch cannot compute, reduce or optimize in; use "
                           "QuantPolicy('fp8') for an fp8 all-gather, and a 2- or 4-byte dtype here")
+
+
+def check_mp_policy(mp: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """``mp`` itself, checked (the one place a ``MixedPrecisionPolicy``'s fields are): raises ``PolicyError``
+    for a dtype field that is not a 2- or 4-byte floating-point ``torch.dtype`` or a ``cast_forward_inputs``
+    that is not a bool."""
+    if not isinstance(mp.cast_forward_inputs, bool):
+        raise PolicyError(f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got {mp.cast_forward_inputs!r}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype", "master_dtype"):
+        _float_dtype(getattr(mp, field), f"MixedPrecisionPolicy.{field}")
+    return mp
 
 
 def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
