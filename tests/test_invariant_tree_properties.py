@@ -1,0 +1,28 @@
+"""The K-invariant tree sum: K ranks' subtree sums added in tree order equal the one-rank tree sum bit
+for bit (hypothesis, random fp32 data)."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perparam.sharding.tree_sum import TreeStack, tree_sum
+
+
+@settings(max_examples=60, deadline=None)
+@given(log_u=st.integers(0, 6), log_k=st.integers(0, 6), n=st.integers(1, 33), seed=st.integers(0, 2**31))
+def test_subtree_sums_added_in_tree_order_equal_the_one_rank_tree_sum_bitwise(log_u, log_k, n, seed):
+    u, k = 2**log_u, 2**min(log_k, log_u)
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g) for _ in range(u)]
+    whole = tree_sum(leaves)
+    per = u // k
+    subtrees = [tree_sum(leaves[r * per:(r + 1) * per]) for r in range(k)]
+    assert torch.equal(tree_sum(subtrees).view(torch.int32), whole.view(torch.int32))
+
+
+def test_the_binary_counter_stack_holds_at_most_log2_plus_one_partial_sums():
+    stack, most = TreeStack(), 0
+    for i in range(64):
+        stack.push(float(i))
+        most = max(most, stack.depth)
+    assert most <= 7 and stack.result() == sum(range(64))
