@@ -109,6 +109,37 @@ class InvariantUnits:
         reduce_accumulated(self.groups)
         self._count = 0
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the model's gradients by their global 2-norm, computed K-independently: per dim-0 row (whole
+        on every rank under ``Shard(0)``) a float64 sum of squares, written at the row's global index of
+        one ``[rows]`` float64 vector (zeros elsewhere: all-reducing it adds only zeros, exact), then summed
+        in one fixed order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule).
+        Returns the norm (0-dim float32). Every rank calls it."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        entries, total = [], 0
+        for p in self._params:
+            g = p.sharded.grad
+            shape = p.sharded.shape
+            n_rows = shape[0] if len(shape) else 1
+            if g is not None:
+                local = g.to_local()
+                _, offset = compute_local_shape_and_global_offset(shape, g.device_mesh, g.placements)
+                entries.append((total + (offset[0] if len(shape) else 0), local))
+            total += n_rows
+        vec = torch.zeros(total, dtype=torch.float64)
+        for start, local in entries:
+            if local.numel():
+                rows = local.reshape(local.shape[0] if local.dim() else 1, -1).double()
+                vec[start:start + rows.shape[0]] = (rows * rows).sum(dim=1)
+        collectives.all_reduce_sum(vec, self.groups[0].parts[0].reduce_shard_pg, what="InvariantUnits.clip")
+        norm = vec.sum().sqrt().to(torch.float32)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, local in entries:
+            local.mul_(coef.to(local.dtype))
+        return norm
+
     def mean(self, values) -> torch.Tensor:
         """The mean of every unit's scalar loss (``values``: this rank's, in order), same on every rank."""
         mine = torch.zeros(self.units, dtype=torch.float64)

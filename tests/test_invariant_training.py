@@ -28,6 +28,8 @@ def _train(rank, world_size, units, steps, clip):
             with inv.unit(u, step):
                 torch.nn.functional.mse_loss(model(xu), yu).backward()
         inv.reduce()
+        if clip:
+            inv.clip_grad_norm_(0.05)
         opt.step()
         opt.zero_grad()
     h = hashlib.sha256()
@@ -39,6 +41,11 @@ def _train(rank, world_size, units, steps, clip):
 
 def test_invariant_units_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
     hashes = {k: run_distributed(_train, k, 8, 4, False) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+def test_invariant_units_with_the_invariant_clip_norm_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
+    hashes = {k: run_distributed(_train, k, 4, 4, True) for k in (1, 2, 4)}
     assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
 
 
