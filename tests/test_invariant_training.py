@@ -13,14 +13,21 @@ from tests.distributed import run_distributed
 from tests.models import TinyNet, make_batches
 
 
-def _train(rank, world_size, units, steps, clip):
+def _train(rank, world_size, units, steps, clip, case="fp32"):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyNet()
     mesh = init_device_mesh("cpu", (world_size,))
+    kw = {}
+    if case == "bf16":
+        kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case == "stage2":
+        kw["param_policy"] = {"*": perparam.ParamPolicy(zero_stage=2)}
+    if case == "frozen":
+        model.blocks[0].fc1.weight.requires_grad_(False)
     for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh)
-    perparam.fully_shard(model, mesh=mesh)
+        perparam.fully_shard(block, mesh=mesh, **kw)
+    perparam.fully_shard(model, mesh=mesh, **kw)
     inv = perparam.InvariantUnits(model, units=units, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for step, (x, y) in enumerate(make_batches(steps, 16)):
@@ -46,6 +53,18 @@ def test_invariant_units_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
 
 def test_invariant_units_with_the_invariant_clip_norm_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
     hashes = {k: run_distributed(_train, k, 4, 4, True) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+@pytest.mark.parametrize("case", ["bf16", "frozen", "stage2"])
+def test_invariant_units_give_bitwise_equal_parameters_in_each_case_on_1_2_and_4_ranks(case):
+    hashes = {k: run_distributed(_train, k, 4, 3, False, case) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+@pytest.mark.slow
+def test_invariant_units_stay_bitwise_equal_over_24_steps_on_1_2_and_4_ranks():
+    hashes = {k: run_distributed(_train, k, 8, 24, True) for k in (1, 2, 4)}
     assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
 
 
