@@ -62,7 +62,6 @@ def test_invariant_units_give_bitwise_equal_parameters_in_each_case_on_1_2_and_4
     assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
 
 
-@pytest.mark.slow
 def test_invariant_units_stay_bitwise_equal_over_24_steps_on_1_2_and_4_ranks():
     hashes = {k: run_distributed(_train, k, 8, 24, True) for k in (1, 2, 4)}
     assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
@@ -93,3 +92,18 @@ def _mean(rank, world_size):
 
 def test_invariant_mean_of_unit_losses_is_bitwise_equal_on_1_2_and_4_ranks():
     assert len({m for k in (1, 2, 4) for m in run_distributed(_mean, k)}) == 1
+
+
+def _refuse_qgz(rank, world_size):
+    model = TinyNet()
+    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)),
+                         param_policy={"*": perparam.ParamPolicy(grad_quant="int8")})
+    try:
+        perparam.InvariantUnits(model, units=4)
+    except perparam.InvariantError as e:
+        return str(e)
+    return None
+
+
+def test_invariant_units_refuse_grad_quant_naming_it():
+    assert all(m and "grad_quant" in m for m in run_distributed(_refuse_qgz, 2))
