@@ -11,6 +11,7 @@ from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
 from .comm.sequence import CollectiveTimeoutError
 from .full_state import CheckpointError
+from .invariant import InvariantError, InvariantUnits
 from .module import (
     DeepcopyError,
     ShardedModule,
@@ -40,6 +41,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommCounter",
     "DeepcopyError",
+    "InvariantError",
+    "InvariantUnits",
     "MetaParameterError",
     "MixedPrecisionPolicy",
     "OffloadError",

@@ -112,6 +112,8 @@ FAST = (
     "test_finetune_evaluation.py::test_unequal_no_grad_batches_finish_with_the_results_of_one_process",
     "test_finetune_peers.py",
     "test_zero_stages.py::test_collectives_per_step_of_each_stage",
+    "test_invariant_training.py::test_invariant_units_give_bitwise_equal_parameters_on_1_2_and_4_ranks",
+    "test_invariant_tree_properties.py",
     "test_hpz.py::test_hpz_backward_all_gathers_stay_on_the_secondary_group_with_zeropp_bytes_and_memory",
     "test_requires_all_reduce.py",
     "test_explicit_prefetch.py::test_a_prefetch_list_with_an_unsharded_or_foreign_module_is_refused_naming_it",

@@ -62,7 +62,8 @@ class Reductions:
         """The reduction path of ``plan``'s parameter set now (``paths.choose``), chosen once per facts."""
         facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
                             config.current().gloo_reduce_scatter, self.hpz is not None,
-                            plan is not None and plan.zero_copy, cpu)
+                            plan is not None and plan.zero_copy, cpu,
+                            getattr(self.call, "invariant", False))
         if plan is None:
             return choose.reduce_path(facts)
         path = plan.paths.get(facts)

@@ -40,3 +40,4 @@ class ReduceFacts(NamedTuple):
     hpz: bool  # the part keeps hpZ rows
     zero_copy: bool  # ``zero_copy_reduce.eligible``: K > 1 on gloo, every parameter plain ``Shard(0)``, no TP
     cpu: bool  # every gradient is on the CPU
+    invariant: bool = False  # the call reduces in the units' tree order (``perparam.invariant``)

@@ -1,0 +1,181 @@
+"""K-invariant training: parameters bitwise the same on 1, 2 or 4 data-parallel ranks for one global batch.
+
+The global batch is cut into ``U`` units (a power of two); rank ``r`` of ``K`` runs units
+``r*U/K .. (r+1)*U/K - 1``, one forward and backward each, with gradient sync off. After each unit's
+backward its gradient (reduce dtype) is taken out of the unsharded accumulators into a binary-counter
+stack (``perparam.sharding.tree_sum``: at most ``log2(U/K) + 1`` gradient buffers). ``reduce()`` puts each
+parameter's subtree sum back and reduces through the invariant tree reduce-scatter
+(``runtime/paths/reduce_invariant.py``: an all-to-all of row pieces, the K pieces added in tree order),
+divided by ``U`` once (the gradient divide factor). The same thread count must be used at every K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .comm import collectives
+from .runtime.accumulation import reduce_accumulated
+from .sharding.errors import ShardingError
+from .sharding.tree_sum import TreeStack, is_power_of_two, tree_sum
+
+__all__ = ["InvariantError", "InvariantUnits"]
+
+
+class InvariantError(ShardingError, ValueError):
+    """A K-invariant run refused: a setting whose reduction order depends on K."""
+
+
+class InvariantUnits:
+    """See the module docstring. ``model``: a ``fully_shard``-ed module (every group on one 1-D mesh);
+    ``units``: U, a power of two divisible by the mesh size K; ``seed``: keys each unit's RNG.
+
+    Raises ``InvariantError`` for U not a power of two, K not dividing U, tensor parallelism, ``grad_quant``
+    (qgZ), HSDP, stage 1 / replicated (whole-gradient) parameters, a custom reduce-scatter."""
+
+    def __init__(self, model, units: int, seed: int = 0) -> None:
+        if not is_power_of_two(units):
+            raise InvariantError(f"InvariantUnits: units={units} must be a power of two (1, 2, 4, ...)")
+        groups = _groups(model)
+        if not groups:
+            raise InvariantError("InvariantUnits: the model has no fully_shard-ed group")
+        self.world, self.rank = groups[0].parts[0].num_shards, groups[0].params[0].shard_rank
+        if units % self.world:
+            raise InvariantError(f"InvariantUnits: the data-parallel world size {self.world} does not divide "
+                                 f"units={units}; pick units a multiple of it")
+        for g in groups:
+            _check(g)
+            g.invariant = True
+            g.gradient_divide_factor = units
+        self.groups, self.units, self.seed = groups, units, seed
+        per = units // self.world
+        self.indices = range(self.rank * per, (self.rank + 1) * per)
+        self._params = [p for g in groups for p in g.params]
+        self._stacks: dict[int, TreeStack] = {}
+
+    def split(self, batch):
+        """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``).
+        Returns ``[(unit index, slice)]`` for this rank's units in order."""
+        def cut(x, u):
+            b = x.shape[0]
+            if b % self.units:
+                raise InvariantError(f"InvariantUnits.split: global batch {b} not divisible by units={self.units}")
+            n = b // self.units
+            return x[u * n:(u + 1) * n]
+
+        def one(u):
+            if isinstance(batch, dict):
+                return {k: cut(v, u) for k, v in batch.items()}
+            if isinstance(batch, (tuple, list)):
+                return type(batch)(cut(v, u) for v in batch)
+            return cut(batch, u)
+        return [(u, one(u)) for u in self.indices]
+
+    @contextlib.contextmanager
+    def unit(self, index: int, step: int):
+        """Around one unit's forward and backward: sync off, RNG seeded by ``(seed, step, index)``; on exit the
+        unit's gradients join the tree."""
+        for g in self.groups:
+            g.requires_gradient_sync = False
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
+            yield
+        for p in self._params:
+            grad, p.grad_acc = p.grad_acc, None
+            if grad is None and id(p) in self._stacks:
+                grad = torch.zeros_like(self._stacks[id(p)]._stack[-1][1])
+            if grad is not None:
+                if id(p) not in self._stacks:
+                    self._stacks[id(p)] = _stack_with_zeros(self._done(), grad)
+                self._stacks[id(p)].push(grad)
+        self._count = self._done() + 1
+
+    def _done(self) -> int:
+        return getattr(self, "_count", 0)
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Every rank: the tree-order reduction of this rank's units into the sharded ``.grad``, / U."""
+        if self._done() != len(self.indices):
+            raise InvariantError(f"InvariantUnits.reduce: {self._done()} units run on this rank, "
+                                 f"{len(self.indices)} expected")
+        for p in self._params:
+            stack = self._stacks.pop(id(p), None)
+            if stack is not None:
+                p.grad_acc = stack.result()
+        for g in self.groups:
+            g.requires_gradient_sync = True
+        reduce_accumulated(self.groups)
+        self._count = 0
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the model's gradients by their global 2-norm, computed K-independently: per dim-0 row (whole
+        on every rank under ``Shard(0)``) a float64 sum of squares, written at the row's global index of
+        one ``[rows]`` float64 vector (zeros elsewhere: all-reducing it adds only zeros, exact), then summed
+        in one fixed order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule).
+        Returns the norm (0-dim float32). Every rank calls it."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        entries, total = [], 0
+        for p in self._params:
+            g = p.sharded.grad
+            shape = p.sharded.shape
+            n_rows = shape[0] if len(shape) else 1
+            if g is not None:
+                local = g.to_local()
+                _, offset = compute_local_shape_and_global_offset(shape, g.device_mesh, g.placements)
+                entries.append((total + (offset[0] if len(shape) else 0), local))
+            total += n_rows
+        vec = torch.zeros(total, dtype=torch.float64)
+        for start, local in entries:
+            if local.numel():
+                rows = local.reshape(local.shape[0] if local.dim() else 1, -1).double()
+                vec[start:start + rows.shape[0]] = (rows * rows).sum(dim=1)
+        collectives.all_reduce_sum(vec, self.groups[0].parts[0].reduce_shard_pg, what="InvariantUnits.clip")
+        norm = vec.sum().sqrt().to(torch.float32)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, local in entries:
+            local.mul_(coef.to(local.dtype))
+        return norm
+
+    def mean(self, values) -> torch.Tensor:
+        """The mean of every unit's scalar loss (``values``: this rank's, in order), same on every rank."""
+        mine = torch.zeros(self.units, dtype=torch.float64)
+        for u, v in zip(self.indices, values):
+            mine[u] = float(v)
+        collectives.all_reduce_sum(mine, self.groups[0].parts[0].reduce_shard_pg, what="InvariantUnits.mean")
+        return (tree_sum(list(mine)) / self.units).to(torch.float32)
+
+
+def _stack_with_zeros(done: int, like: torch.Tensor) -> TreeStack:
+    stack = TreeStack(lambda a, b: a.add_(b))
+    for _ in range(done):
+        stack.push(torch.zeros_like(like))
+    return stack
+
+
+def _groups(model):
+    from .module_settings import _groups_below
+
+    return _groups_below(model, True)
+
+
+def _check(g) -> None:
+    for part in g.parts:
+        if part.replicate_pg is not None:
+            raise InvariantError(f"InvariantUnits: {g._what} is on an HSDP mesh; HSDP is not supported yet")
+    if len(g.parts) > 1:
+        raise InvariantError(f"InvariantUnits: {g._what} has parameters on other meshes (ParamPolicy.mesh)")
+    if g.reduce_scatter_comm is not None:
+        raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
+    for p in g.params:
+        name = getattr(p, "fqn", None) or getattr(p, "name", "?")
+        if p.tp:
+            raise InvariantError(f"InvariantUnits: parameter {name} uses tensor parallelism, refused")
+        if p.policy.grad_quant is not None:
+            raise InvariantError(f"InvariantUnits: parameter {name} has grad_quant (qgZ), refused")
+        if p.sharded.requires_grad and (not p.layout.gathered or p.policy.whole_grad):
+            raise InvariantError(f"InvariantUnits: parameter {name} is replicated or stage 1 (whole-gradient "
+                                 "all-reduce), not supported yet")

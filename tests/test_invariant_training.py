@@ -1,0 +1,109 @@
+"""K-invariant training (``perparam.InvariantUnits``): parameters bitwise equal (sha256 of every
+parameter's full bytes) after AdamW steps on 1, 2 and 4 ranks for the same global batch, and the
+refusals."""
+
+import hashlib
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import perparam
+from tests.distributed import run_distributed
+from tests.models import TinyNet, make_batches
+
+
+def _train(rank, world_size, units, steps, clip, case="fp32"):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyNet()
+    mesh = init_device_mesh("cpu", (world_size,))
+    kw = {}
+    if case == "bf16":
+        kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case == "stage2":
+        kw["param_policy"] = {"*": perparam.ParamPolicy(zero_stage=2)}
+    if case == "frozen":
+        model.blocks[0].fc1.weight.requires_grad_(False)
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, **kw)
+    perparam.fully_shard(model, mesh=mesh, **kw)
+    inv = perparam.InvariantUnits(model, units=units, seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for step, (x, y) in enumerate(make_batches(steps, 16)):
+        for u, (xu, yu) in inv.split((x, y)):
+            with inv.unit(u, step):
+                torch.nn.functional.mse_loss(model(xu), yu).backward()
+        inv.reduce()
+        if clip:
+            inv.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.full_tensor().detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_invariant_units_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
+    hashes = {k: run_distributed(_train, k, 8, 4, False) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+def test_invariant_units_with_the_invariant_clip_norm_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
+    hashes = {k: run_distributed(_train, k, 4, 4, True) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+@pytest.mark.parametrize("case", ["bf16", "frozen", "stage2"])
+def test_invariant_units_give_bitwise_equal_parameters_in_each_case_on_1_2_and_4_ranks(case):
+    hashes = {k: run_distributed(_train, k, 4, 3, False, case) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+def test_invariant_units_stay_bitwise_equal_over_24_steps_on_1_2_and_4_ranks():
+    hashes = {k: run_distributed(_train, k, 8, 24, True) for k in (1, 2, 4)}
+    assert len({h for hs in hashes.values() for h in hs}) == 1, hashes
+
+
+def _refuse(rank, world_size, units):
+    model = TinyNet()
+    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    try:
+        perparam.InvariantUnits(model, units=units)
+    except perparam.InvariantError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("units, world, words", [(6, 2, "power of two"), (2, 4, "does not divide")])
+def test_invariant_units_refuse_a_bad_unit_count_naming_it(units, world, words):
+    assert all(words in m for m in run_distributed(_refuse, world, units))
+
+
+def _mean(rank, world_size):
+    torch.set_num_threads(1)
+    model = TinyNet()
+    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    inv = perparam.InvariantUnits(model, units=4)
+    return float(inv.mean([torch.tensor(0.1 * (u + 1)) for u in inv.indices]))
+
+
+def test_invariant_mean_of_unit_losses_is_bitwise_equal_on_1_2_and_4_ranks():
+    assert len({m for k in (1, 2, 4) for m in run_distributed(_mean, k)}) == 1
+
+
+def _refuse_qgz(rank, world_size):
+    model = TinyNet()
+    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)),
+                         param_policy={"*": perparam.ParamPolicy(grad_quant="int8")})
+    try:
+        perparam.InvariantUnits(model, units=4)
+    except perparam.InvariantError as e:
+        return str(e)
+    return None
+
+
+def test_invariant_units_refuse_grad_quant_naming_it():
+    assert all(m and "grad_quant" in m for m in run_distributed(_refuse_qgz, 2))

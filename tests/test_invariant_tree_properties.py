@@ -1,0 +1,42 @@
+"""The K-invariant tree sum: K ranks' subtree sums added in tree order equal the one-rank tree sum bit
+for bit (hypothesis, random fp32 data)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perparam.sharding.tree_sum import TreeStack, tree_sum
+
+
+@settings(max_examples=60, deadline=None)
+@given(log_u=st.integers(0, 6), log_k=st.integers(0, 6), n=st.integers(1, 33), seed=st.integers(0, 2**31))
+def test_subtree_sums_added_in_tree_order_equal_the_one_rank_tree_sum_bitwise(log_u, log_k, n, seed):
+    u, k = 2**log_u, 2**min(log_k, log_u)
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(n, generator=g) * 10 ** torch.randint(-8, 8, (n,), generator=g) for _ in range(u)]
+    whole = tree_sum(leaves)
+    per = u // k
+    subtrees = [tree_sum(leaves[r * per:(r + 1) * per]) for r in range(k)]
+    assert torch.equal(tree_sum(subtrees).view(torch.int32), whole.view(torch.int32))
+
+
+def test_the_binary_counter_stack_holds_at_most_log2_plus_one_partial_sums():
+    stack, most = TreeStack(), 0
+    for i in range(64):
+        stack.push(float(i))
+        most = max(most, stack.depth)
+    assert most <= 7 and stack.result() == sum(range(64))
+
+
+@pytest.mark.parametrize("kw", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+def test_adamw_step_is_bitwise_independent_of_where_a_shard_starts_and_ends(kw):
+    torch.manual_seed(0)
+    w, grads = torch.randn(1037), [torch.randn(1037) for _ in range(5)]
+    whole, a, b = (torch.nn.Parameter(t.clone()) for t in (w, w[:13], w[13:]))  # 13: inside a vector
+    o1, o2 = torch.optim.AdamW([whole], lr=1e-2, **kw), torch.optim.AdamW([a, b], lr=1e-2, **kw)
+    for g in grads:
+        whole.grad, a.grad, b.grad = g.clone(), g[:13].clone(), g[13:].clone()
+        o1.step()
+        o2.step()
+    assert torch.equal(whole.detach(), torch.cat([a.detach(), b.detach()]))
