@@ -220,7 +220,10 @@ def test_llama_and_lora_sharded_per_layer_train_like_one_process(sharded, name):
     kind, optimizer = name.split("_")
     want = one_process(train, kind, optimizer)
     got = [result(sharded, name, r) for r in range(WORLD)]
-    assert_states_close(got[0]["state"], want["state"])
+    # AdamW on the LoRA adapters (lora_B starts at zero, so its first gradients are small and Adam divides
+    # them by their own size): 2.2e-5 on an Intel Xeon host where 1e-5 held on an AMD EPYC one, from the
+    # rounding of gradients summed in another order; SGD holds 1e-5 on both
+    assert_states_close(got[0]["state"], want["state"], atol=5e-5 if name == "lora_adamw" else 1e-5)
     mean = [sum(r["losses"][s] for r in got) / WORLD for s in range(STEPS)]
     assert mean == pytest.approx(want["losses"], abs=1e-5)
     if kind == "lora":  # the adapters trained, the frozen base did not move
