@@ -30,6 +30,9 @@ def test_invariant_units_without_the_library_mode_are_refused_not_run_silently(c
     monkeypatch.setattr(invariant_flags, "MODE_MODULE", "perparam.no_such_mode")
     assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--invariant-units", "4", "--nproc", "2"],
                           "no K-invariant mode (perparam.no_such_mode")
+    monkeypatch.undo()  # with the library's mode present: still refused until the job runs through it
+    assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--invariant-units", "4", "--nproc", "2"],
+                          "does not run its steps through perparam.InvariantUnits yet")
 
 
 def test_the_global_batch_is_cut_into_the_same_units_on_1_2_and_4_ranks():

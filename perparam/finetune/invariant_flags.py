@@ -65,6 +65,10 @@ def check(cfg: JobConfig, world: int) -> None:
     if importlib.util.find_spec(MODE_MODULE) is None:
         raise FinetuneInputError(f"--invariant-units {u}: this perparam has no K-invariant mode ({MODE_MODULE}, "
                                  "docs/invariant.md) to run the units with; drop --invariant-units")
+    # perparam.InvariantUnits exists, but the job does not yet run its units, clip and losses through it:
+    # running on would be the normal arithmetic under a flag that promises the same bits at every --nproc
+    raise FinetuneInputError(f"--invariant-units {u}: the job does not run its steps through "
+                             "perparam.InvariantUnits yet (docs/invariant.md, 'Not yet'); drop --invariant-units")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:
