@@ -53,6 +53,7 @@ class InvariantUnits:
         self.indices = range(self.rank * per, (self.rank + 1) * per)
         self._params = [p for g in groups for p in g.params]
         self._stacks: dict[int, TreeStack] = {}
+        self._count = 0  # units run this step
 
     def split(self, batch):
         """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``).
@@ -92,7 +93,7 @@ class InvariantUnits:
         self._count = self._done() + 1
 
     def _done(self) -> int:
-        return getattr(self, "_count", 0)
+        return self._count
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -171,7 +172,7 @@ def _check(g) -> None:
     if g.reduce_scatter_comm is not None:
         raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
     for p in g.params:
-        name = getattr(p, "fqn", None) or getattr(p, "name", "?")
+        name = p.fqn
         if p.tp:
             raise InvariantError(f"InvariantUnits: parameter {name} uses tensor parallelism, refused")
         if p.policy.grad_quant is not None:

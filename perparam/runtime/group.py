@@ -63,6 +63,7 @@ class ParamGroup:
         self.requires_gradient_sync = True
         # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
         self.requires_all_reduce = True
+        self.invariant = False  # perparam.InvariantUnits: reduce in the units' tree order (paths/reduce_invariant)
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None
         #: ``hook(read_ahead)`` from ``perparam.offload.tier.attach``: reads disk-tier shards in before an
