@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 PACKAGE = Path(__file__).resolve().parents[1] / "perparam"
 
 #: what each part may import (besides itself); the face may not import finetune, nothing may import upwards
