@@ -6,6 +6,7 @@ a renamed file cannot silently drop a feature from the loop."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,20 @@ def test_the_fast_loop_keeps_one_parity_test_per_feature_and_the_pure_files_whol
     pure += [TESTS / n for n in ("test_layers.py", "test_public_names.py", "test_fast_selection.py")]
     partial = [p.name for p in pure if not fast_tests(p)[0]]
     assert not partial, f"pure test files not marked fast as a whole (pytestmark = pytest.mark.fast): {partial}"
+
+
+#: a suite's size or duration written out: "933 tests", "21 min", "3 minutes"
+STATED = re.compile(r"\b\d+ tests\b|\b\d+ min(?:utes)?\b")
+
+
+def test_the_suites_size_and_time_are_stated_in_the_readme_alone():
+    # README.md (Two commands) states the whole suite's and the fast loop's size and time once; CONTRIBUTING
+    # and the Makefile point to it, so the three cannot disagree
+    readme = (TESTS.parent / "README.md").read_text()
+    assert len(re.findall(r"`make test` runs \d+\s+tests", readme)) == 1, "README: `make test` runs N tests"
+    assert len(re.findall(r"`make test-fast` \(\d+ tests", readme)) == 1, "README: `make test-fast` (N tests"
+    for name in ("CONTRIBUTING.md", "Makefile"):
+        text = (TESTS.parent / name).read_text()
+        stated = [m.group() for m in STATED.finditer(text)]
+        assert not stated, f"{name} states the suite's size or time ({stated}): state it in README.md, point there"
+        assert "README.md" in text, f"{name} does not point to README.md for the suite's size and time"
