@@ -306,5 +306,9 @@ class OwnPartViews:
         return self.parts[0].hpz
 
     @property
+    def divisor(self) -> float | int:  # every part's (``MeshPart.divisor``)
+        return self.parts[0].divisor
+
+    @property
     def _what(self) -> str:
         return self.parts[0]._what
