@@ -6,6 +6,7 @@ a renamed file cannot silently drop a feature from the loop."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -45,10 +46,15 @@ def _marks_fast_param(node: ast.AST) -> bool:
                for call in ast.walk(node))
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def fast_tests(path: Path) -> tuple[bool, set[str]]:
     """``(whole_file, names)``: whether the file's ``pytestmark`` holds ``fast``, and the test functions
     marked fast (all of them for a whole file; those decorated, or with a fast parametrization)."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     whole = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
                 and _is_fast(n.value) for n in tree.body)
     names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
@@ -82,8 +88,11 @@ def test_every_fast_mark_is_placed_where_this_reader_sees_it_and_none_on_a_slow_
     # a slow test (over 60 s) does not belong in the development loop
     unseen, both = [], []
     for path in _files():
-        tree = ast.parse(path.read_text())
-        written = sum(1 for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _is_fast(node))
+        if "mark.fast" not in path.read_text():  # no mark to find (the parse is the cost)
+            continue
+        tree = _tree(path)
+        written = sum(1 for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "fast"
+                      and _is_fast(node))
         if written != _placed_fast_marks(tree):
             unseen.append(path.name)
         both += [f"{path.name}::{name}" for name in _slow_tests(tree) & fast_tests(path)[1]]
