@@ -1,7 +1,7 @@
 # Two commands for a new user:
 #   make demo   set up .venv and the assets, then fine-tune SmolLM2-135M on Shakespeare over 2 processes
 #   make test   set up .venv, then run the whole test suite (what CI runs)
-# and for development: make test-fast (the FAST selection of tests/conftest.py, under 3 minutes on 2 cores)
+# and for development: make test-fast (the tests marked fast; its size and time: README.md)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -41,7 +41,7 @@ demo: $(STAMP) assets
 test: $(STAMP) assets
 	$(PY) -m pytest
 
-# pure properties, fake-process-group tests, one parity test per feature (tests/conftest.py: FAST); no assets
+# pure properties, fake-process-group tests, one parity test per feature (@pytest.mark.fast where written); no assets
 test-fast: $(STAMP)
 	$(PY) -m pytest -m fast -q
 

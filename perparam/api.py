@@ -232,11 +232,11 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     for part in group.parts:  # created now, by every rank, in call order (per mesh in the fixed order)
         part.reduce_shard_pg, part.reduce_replicate_pg  # noqa: B018
     if secondary_size is not None:  # hpZ: its process groups created now, by every rank, in call order
-        group.hpz = group.hpz_given = hpz.Secondary(mesh, secondary_size)
+        group.parts[0].hpz = group.parts[0].secondary = hpz.Secondary(mesh, secondary_size)
     # their communicators too (NCCL's first collective on a group is a handshake of its ranks), in that order
     warm_up([pg for part in group.parts for pg in (part.shard_pg, part.replicate_pg, part.reduce_shard_pg,
                                                     part.reduce_replicate_pg)]
-            + ([group.hpz.pg] if secondary_size is not None else [])
+            + ([group.parts[0].secondary.pg] if secondary_size is not None else [])
             + [dist.group.WORLD], mesh.device_type)  # WORLD: clip_grad_norm_'s all-reduce
     with _GROUPS_LOCK:
         _GROUPS.add(group)

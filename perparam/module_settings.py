@@ -148,10 +148,10 @@ class ShardedModuleSettings:
             raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
         for group in _groups_below(self, recurse):
             group.reshard_after_forward = reshard_after_forward is not False
-            group.auto_reshard_after_forward = reshard_after_forward is None and group.hpz_given is None
-            if group.hpz is not None:  # as FSDP2's setter: a bool replaces fully_shard's int (hpZ) ...
-                group.hpz.drop(group.pool)
-            group.hpz = group.hpz_given if reshard_after_forward is None else None  # ... None restores it
+            own = group.parts[0]  # hpZ is refused with parameters on other meshes
+            group.auto_reshard_after_forward = reshard_after_forward is None and own.secondary is None
+            # as FSDP2's setter: a bool turns fully_shard's int (hpZ) off; None restores it
+            own.use_secondary(reshard_after_forward is None)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Issue the all-gathers of ``modules`` (sharded modules of the same model), in the order given, right

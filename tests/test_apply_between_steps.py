@@ -5,6 +5,7 @@ of a sharded tree."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +61,7 @@ def train_cases(rank: int, world_size: int, cases: list) -> list[dict]:
     return [train(rank, world_size, *case) for case in cases]
 
 
+@pytest.mark.fast
 def test_to_empty_on_a_plain_submodule_refreshes_kept_copies_of_stages_1_and_2():
     cases = [(1, 0), (2, 2), (3, 0)]
     want = {case: one_process(train, *case) for case in cases}
@@ -124,6 +126,7 @@ def dcp_loads_in_place(rank: int, world_size: int, path: str) -> dict:
     return {case: dcp_load_in_place(rank, world_size, f"{path}-{'-'.join(case)}", *case) for case in CASES}
 
 
+@pytest.mark.fast
 def test_dcp_load_in_place_without_load_state_dict_is_refused_until_the_kept_storage_is_refreshed(tmp_path):
     fix = {"stages": ("ZeRO stage 1", "model.mark_shards_written()"),
            "stage3": ("reshard_after_forward=False", "model.mark_shards_written()")}

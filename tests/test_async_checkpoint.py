@@ -108,6 +108,7 @@ def save_async_then_train(rank: int, world_size: int, path: str, layout: str) ->
             "loaded": loaded(rank, world_size, path, layout)}
 
 
+@pytest.mark.fast
 def test_async_save_snapshots_the_state_while_training_continues_and_loads_bit_exact(tmp_path):
     path = str(tmp_path / "ckpt")
     got = run_distributed(save_async_then_train, 2, path, "1d")[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,8 @@ from perparam import ParamPolicy
 from perparam.sharding.layout import ShardLayout
 from perparam.sharding.placement import AUTO_REPLICATE_BYTES, auto_placement
 from perparam.sharding.resolution import resolve_params
+
+pytestmark = pytest.mark.fast
 
 shapes = st.lists(st.integers(0, 70), min_size=1, max_size=3).map(tuple)
 

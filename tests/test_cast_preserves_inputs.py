@@ -6,12 +6,15 @@ import collections
 import dataclasses
 from typing import NamedTuple
 
+import pytest
 import torch
 from torch import nn
 
 import perparam
 from perparam.runtime.cast import cast_floating
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.fast
 
 
 @dataclasses.dataclass

@@ -10,6 +10,8 @@ from torch import nn
 import perparam
 from perparam import MixedPrecisionPolicy, ParamPolicy
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype", "master_dtype"])
 def test_fp8_policy_dtypes_are_refused_at_fully_shard(fake_mesh, field):

@@ -150,6 +150,7 @@ def test_plan_on_an_80_column_terminal_never_cuts_a_number(monkeypatch):
     assert "plan: rank 0" in text
 
 
+@pytest.mark.fast
 def test_plan_budget_flags_are_checked_before_planning_in_one_line(capsys, tmp_path):
     plan = ["plan", "--preset", "gpt2-tiny", "--world", "4"]
     a_file = tmp_path / "a_file"

@@ -67,6 +67,7 @@ def worlds(draw):
     return tuple(names), tuple(shape), params, draw(st.integers(0, 2**16))
 
 
+@pytest.mark.fast
 @settings(max_examples=400, deadline=None)
 @given(worlds())
 def test_weighted_local_contributions_sum_to_the_norm_of_every_distinct_element(world):
@@ -222,6 +223,7 @@ def ep_reference(max_norm: float) -> dict:
             "params": {f"{tag}.{n}": p.detach() for tag, m in named.items() for n, p in m.named_parameters()}}
 
 
+@pytest.mark.fast
 def test_expert_meshes_give_the_one_process_norm_on_every_rank_and_clip_alike():
     max_norm = 0.1  # the 2-norm is 1.39: clipping is active
     want = ep_reference(max_norm)

@@ -37,6 +37,7 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | Non
     return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw, "gathered": sizes}
 
 
+@pytest.mark.fast
 def test_one_all_gather_per_group_and_one_reduce_scatter_per_group():
     # 4 groups: 3 blocks + root. Forward: 4 all-gathers. Backward: the 3 blocks gather again (the root
     # keeps its parameters for the backward that follows), 4 reduce-scatters.

@@ -14,6 +14,8 @@ from perparam.finetune import job, throughput, train
 from perparam.finetune.cli import _worker_argv, add_arguments
 from perparam.finetune.config import JobConfig
 
+pytestmark = pytest.mark.fast
+
 EMULATED, NATIVE = 11.3, 0.4  # bf16 time over fp32 time: this 2-core AVX2 host, a CPU with AMX
 
 

@@ -44,7 +44,7 @@ def train_with(rank: int, world_size: int, custom: bool) -> dict:
             "counted": (comm.count("all_gather"), comm.count("reduce_scatter"))}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.fast)])
 def test_custom_all_gather_and_reduce_scatter_train_like_perparams_own(world_size):
     own = run_distributed(train_with, world_size, False)
     custom = run_distributed(train_with, world_size, True)

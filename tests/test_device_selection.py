@@ -13,6 +13,8 @@ from mesh.dims import device_type_of_backends
 from perparam.session import distributed_session
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("config, device", [
     ("nccl", "cuda"), ("cuda:nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda"), ("cuda:nccl,cpu:gloo", "cuda"),

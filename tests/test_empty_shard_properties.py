@@ -11,6 +11,7 @@ group size) in the same order, whatever its shards hold.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import perparam
 from perparam import ParamPolicy, QuantPolicy
 from perparam.sharding.layout import ShardLayout
+
+pytestmark = pytest.mark.fast
 
 POLICIES = ["plain", "bf16", "int8", "fp8", "nf4", "stored_int8", "stored_nf4", "frozen", "replicate", "shard1"]
 

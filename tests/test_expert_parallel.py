@@ -37,6 +37,7 @@ def expert_parallel(rank: int, world_size: int, optimizer: str, factor: float | 
     return {**out, "counts": out["counts"][1]}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_expert_gradients_match_one_process_with_divide_factor(optimizer):
     want = moe.reference(optimizer)

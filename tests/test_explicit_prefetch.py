@@ -132,6 +132,7 @@ def not_sharded_entry(rank: int, world_size: int) -> list[str]:
     return [*messages, str(e.value)]
 
 
+@pytest.mark.fast
 def test_a_prefetch_list_with_an_unsharded_or_foreign_module_is_refused_naming_it():
     (messages,) = run_distributed(not_sharded_entry, 1)
     assert "entry 1 (Linear) is not a module fully_shard was applied to" in messages[0]

@@ -5,6 +5,7 @@ tests/test_readme_snippets.py with every page's.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -39,6 +40,7 @@ def _unequal_eval_rank(rank: int, world: int) -> dict:
     return {"outputs": outputs, "all_gathers": comm.count("all_gather"), "sharded": sharded}
 
 
+@pytest.mark.fast
 def test_unequal_no_grad_batches_finish_with_the_results_of_one_process():
     torch.manual_seed(0)
     reference = TinyNet(d=4)

@@ -15,6 +15,8 @@ from perparam.finetune.model import Llama, apply_rotary, rotary_cos_sin
 from perparam.finetune.tokenizer import GGUFTokenizer
 from tests.finetune_helpers import converter_permute, tiny_gguf_config, write_tiny_gguf
 
+pytestmark = pytest.mark.fast
+
 gguf = pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from perparam.finetune import peers
 from tests.finetune_helpers import REPO, subprocess_env
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.fast]
 
 #: a torchrun worker (no perparam launcher) that has finished step 5 of 10 and saved step 4
 WORKER = textwrap.dedent("""

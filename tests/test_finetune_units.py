@@ -10,6 +10,8 @@ from perparam.finetune.errors import FinetuneInputError
 from perparam.finetune.model import Llama, LlamaConfig, next_token_loss
 from perparam.finetune.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.fast
+
 
 def test_smollm2_config_counts_134_5m_params():
     cfg = LlamaConfig.smollm2_135m()

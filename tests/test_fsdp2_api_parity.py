@@ -45,6 +45,7 @@ def optimizer_before_sharding(rank: int, world_size: int, before: bool) -> dict:
             "in_optimizer": all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])}
 
 
+@pytest.mark.fast
 def test_an_optimizer_built_before_sharding_trains_exactly_like_one_built_after():
     after = run_distributed(optimizer_before_sharding, 2, False)
     before = run_distributed(optimizer_before_sharding, 2, True)

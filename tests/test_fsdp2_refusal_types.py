@@ -4,6 +4,7 @@ written for FSDP2 or plain torch catches it; the message names the parameter and
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -202,6 +203,7 @@ def containers(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.fast
 def test_a_module_list_or_dict_given_as_a_module_is_refused_and_its_modules_as_a_list_match_one_process():
     want = containers(0, 0)["params"]
     for got in run_distributed(containers, 3):

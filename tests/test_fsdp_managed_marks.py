@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from perparam.module import FSDP_MANAGED_ATTRS
 from tests.distributed import run_distributed
 from tests.models import TinyNet
+
+pytestmark = pytest.mark.fast
 
 
 def marks(rank: int, world: int) -> list[list[str]]:

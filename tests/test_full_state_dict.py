@@ -78,6 +78,7 @@ def load_into_meta(rank: int, world_size: int, reset: bool) -> dict:
     return {"out": model(idx).detach(), "sd": checkpoint.full_state_dict(model)}
 
 
+@pytest.mark.fast
 def test_load_full_state_dict_from_rank_0_into_a_meta_device_sharded_model():
     torch.manual_seed(0)
     plain = WithRope()

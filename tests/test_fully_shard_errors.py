@@ -11,6 +11,8 @@ import perparam
 from perparam import ShardingError
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.fast
+
 
 class Scalar(nn.Module):
     def __init__(self) -> None:

@@ -84,7 +84,7 @@ def _assert_close(got: tuple[list, dict], want: tuple[list, dict]) -> None:
         torch.testing.assert_close(value, ref_params[name], atol=TOL, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.fast), 4])
 def test_nested_uneven_and_empty_shards_match_single_process(world_size):
     want = reference()
     for got in run_distributed(sharded_run, world_size):

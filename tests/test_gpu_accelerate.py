@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("t
                                 reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
 
 
+@pytest.mark.fast
 def test_torch_fsdp2_policies_convert_to_perparams():
     from benchmarks.gpu_accelerate import policies
 

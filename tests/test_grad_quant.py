@@ -114,7 +114,7 @@ def bounds_on_ranks(rank: int, world_size: int) -> dict:
             "a2a_mixed": mixed_raw["all_to_all_single"]}
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3, 4])
 def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds_one_collective_per_format(world_size):
     results = run_distributed(bounds_on_ranks, world_size)
     gather = 0 if perparam.configure().gloo_all_gather == "zero_copy" else 1  # the all-gather's all-to-all
@@ -246,6 +246,7 @@ def test_hsdp_no_sync_held_all_reduce_and_stage_2_with_int8_gradients_keep_sgd_u
         assert all(torch.equal(r["params"][name], p) for r in int8[1:]), name
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("policy", "message"), [
     (ParamPolicy(grad_quant="int8", requires_grad=False), "'weight' is frozen.*drop grad_quant"),
     (ParamPolicy(grad_quant="int8", placement=Replicate()), "'weight' is replicated.*grad_quant"),

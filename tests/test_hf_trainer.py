@@ -239,6 +239,7 @@ def test_plain_trainer_given_a_sharded_model_is_refused_naming_sharded_trainer(r
         assert r["plain_trainer"] is not None and "perparam.hf_trainer.ShardedTrainer" in r["plain_trainer"]
 
 
+@pytest.mark.fast
 def test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call_manages():
     from perparam import ShardingError
     from perparam.hf_entry import check_sharded
@@ -249,6 +250,7 @@ def test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call
         check_sharded(None, "ShardedTrainer")
 
 
+@pytest.mark.fast
 def test_the_private_trainer_methods_the_piece_overrides_are_unchanged():
     """transformers 5.24.0's private extension points ``ShardedTrainer`` relies on: the names, the signatures
     and where the trainer reads ``is_distributed_loading_by_transformers``. A failure here means the pinned

@@ -8,6 +8,7 @@ gradient a peer may have had (a rank-dependent branch)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,6 +85,7 @@ def _rank_dependent(rank: int, world_size: int) -> dict:
     return {"sites": dict(syncs.sites), "branch_grad": model.branch.weight.grad is not None}
 
 
+@pytest.mark.fast
 def test_only_a_rank_that_lacked_a_gradient_reads_the_summed_flags_back():
     r0, r1 = run_distributed(_rank_dependent, 2)
     assert r0["sites"] == {} and r0["branch_grad"]

@@ -96,6 +96,7 @@ def test_hpz_blocks_match_one_process(optimizer):
             torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.fast
 def test_hpz_backward_all_gathers_stay_on_the_secondary_group_with_zeropp_bytes_and_memory():
     for r in _runs():
         run = r["adamw"]

@@ -127,6 +127,7 @@ def single_process() -> dict:
     return want
 
 
+@pytest.mark.fast
 def test_hsdp_2x2_equals_fsdp_and_single_process(single_process):
     hsdp = run_distributed(train, 4, (2, 2))
     fsdp = run_distributed(train, 4, (4,))

@@ -86,7 +86,7 @@ def max_difference(world_size: int, how: str) -> dict[str, float]:
                       for p in ref[name]) for name in ref}
 
 
-@pytest.mark.parametrize("how", ["reset_parameters", "trunc_normal"])
+@pytest.mark.parametrize("how", ["reset_parameters", pytest.param("trunc_normal", marks=pytest.mark.fast)])
 def test_initialization_after_to_empty_is_the_unsharded_models_at_any_world_size(how):
     for world_size in (1, 2, 3, 4):
         difference = max_difference(world_size, how)

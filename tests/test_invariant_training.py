@@ -46,6 +46,7 @@ def _train(rank, world_size, units, steps, clip, case="fp32"):
     return h.hexdigest()
 
 
+@pytest.mark.fast
 def test_invariant_units_give_bitwise_equal_parameters_on_1_2_and_4_ranks():
     hashes = {k: run_distributed(_train, k, 8, 4, False) for k in (1, 2, 4)}
     assert len({h for hs in hashes.values() for h in hs}) == 1, hashes

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from perparam.sharding.tree_sum import TreeStack, tree_sum
 
+pytestmark = pytest.mark.fast
+
 
 @settings(max_examples=60, deadline=None)
 @given(log_u=st.integers(0, 6), log_k=st.integers(0, 6), n=st.integers(1, 33), seed=st.integers(0, 2**31))

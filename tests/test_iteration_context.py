@@ -46,6 +46,7 @@ def two_models(rank: int, world_size: int) -> dict:
     return {"params": full, "contexts": len(contexts)}
 
 
+@pytest.mark.fast
 def test_two_models_in_one_process_keep_their_own_iteration_state():
     want = one_process(two_models)["params"]
     for got in run_distributed(two_models, 2):

@@ -13,6 +13,8 @@ import perparam
 from perparam import ParamPolicy
 from perparam.runtime.group import group_of
 
+pytestmark = pytest.mark.fast
+
 
 def _model(mesh) -> nn.Module:
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))

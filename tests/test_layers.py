@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 PACKAGE = Path(__file__).resolve().parents[1] / "perparam"
 
 #: what each part may import (besides itself); the face may not import finetune, nothing may import upwards
@@ -330,3 +332,26 @@ def test_core_files_are_under_400_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in CORE.values()
             if (n := len(p.read_text().splitlines())) > MAX_CORE_LINES}
     assert not long, f"core files over {MAX_CORE_LINES} lines (split them by responsibility): {long}"
+
+
+#: attribute names of the features that decide how bytes move or what a reduction does: custom collectives,
+#: hpZ, offload, qgZ, the gloo algorithms, HSDP's partial hold, the all-reduce hook, the divide factor, the
+#: ZeRO stages, placements and quantization, the device, K-invariance, precision islands
+FEATURE_FLAGS = {"all_gather_comm", "reduce_scatter_comm", "hpz", "hpz_given", "secondary", "offload",
+                 "offload_hook", "grad_quant", "gloo_all_gather", "gloo_reduce_scatter", "zero_copy",
+                 "requires_all_reduce", "all_reduce_hook", "gradient_divide_factor", "kept", "whole_grad",
+                 "zero_stage", "keeps_unsharded", "replicated", "plain", "quantized", "stored_quant",
+                 "wire_is_layout", "device", "is_cuda", "invariant", "islands", "tp"}
+MAX_CALL_SETTINGS = 8
+
+
+def test_the_call_declares_its_feature_settings_and_reads_none():
+    # runtime/group.py (the fully_shard call) holds its settings; its mesh parts (part.py, part_reduce.py)
+    # and the paths read them, so no feature is decided in the call
+    tree = ast.parse((PACKAGE / "runtime" / "group.py").read_text())
+    read = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in FEATURE_FLAGS
+                   and isinstance(n.ctx, ast.Load)})
+    named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in FEATURE_FLAGS}
+    named |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in FEATURE_FLAGS}
+    assert read == [], f"runtime/group.py reads feature flags (read them in the part or the path): {read}"
+    assert len(named) <= MAX_CALL_SETTINGS, f"runtime/group.py names {len(named)} feature settings: {sorted(named)}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from perparam.sharding.layout import local_shape_and_offset
+
+pytestmark = pytest.mark.fast
 
 MESH_SHAPES = [(a, n // a) for n in range(1, 9) for a in range(1, n + 1) if n % a == 0]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from perparam.sharding.layout import (
     local_shape_and_offset,
     reduce_scatter_offsets,
 )
+
+pytestmark = pytest.mark.fast
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8]
 

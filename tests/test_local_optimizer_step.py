@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
@@ -13,6 +14,8 @@ from torch.distributed.tensor import DTensor, Replicate
 import perparam
 from perparam.runtime import local_step
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.fast
 
 
 def _train(rank: int, world_size: int, local: bool, make_opt, closure: bool = False,

@@ -24,6 +24,8 @@ from perparam.memory.formulas import (
     stage_memory,
 )
 
+pytestmark = pytest.mark.fast
+
 N, K = 1_500_000_000, 64
 TABLE_GB = ["24.000000", "6.281250", "3.328125", "0.375000"]
 TABLE_RATIO = ["1.00", "3.82", "7.21", "64.00"]

@@ -86,6 +86,7 @@ def test_plan_at_k1024_covers_every_rank_and_shows_the_lopsided_chunk_layout():
     assert Fraction(116, 100) < plan.rank(0).total / mean < Fraction(117, 100)
 
 
+@pytest.mark.fast
 def test_plan_matches_layout_per_parameter():
     plan = plan_model("gpt2-tiny", 5)
     model = build_on_meta(gpt2_tiny)

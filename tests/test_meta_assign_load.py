@@ -63,7 +63,7 @@ def meta_start(rank: int, world_size: int, how: str) -> dict:
             "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
-@pytest.mark.parametrize("how,world_size", [("dtensor", 4), ("dtensor", 1), ("plain", 3), ("set_model_state_dict", 2),
+@pytest.mark.parametrize("how,world_size", [pytest.param("dtensor", 4, marks=pytest.mark.fast), ("dtensor", 1), ("plain", 3), ("set_model_state_dict", 2),
                                             ("dtensor-stage2", 3), ("dtensor-real", 2)])
 def test_a_meta_model_loaded_with_assign_keeps_its_parameters_and_trains_like_one_process(how, world_size):
     want = one_process(meta_start, how)

@@ -38,6 +38,7 @@ def shard_every_linear(rank: int, world: int, parent: str) -> tuple[str, str]:
     return "no error", ""
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("parent", ["MultiheadAttention", "LinearCrossEntropyLoss"])
 def test_sharding_a_child_its_stock_parent_reads_directly_is_refused_at_fully_shard(parent):
     if not hasattr(nn, parent):

@@ -50,7 +50,7 @@ def steps_of_other_optimizers(rank: int, world_size: int) -> list[int]:
     return gathers
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.fast)])
 def test_only_steps_of_optimizers_holding_perparam_parameters_mark_kept_parameters_stale(world_size):
     for gathers in run_distributed(steps_of_other_optimizers, world_size):
         assert gathers == [0, 1]
@@ -81,6 +81,7 @@ def test_configured_runtimes_train_bitwise_alike():
             assert torch.equal(b[name], value), name
 
 
+@pytest.mark.fast
 def test_configure_returns_the_previous_config_and_refuses_bad_settings():
     previous = perparam.configure(prefetch=False)
     try:

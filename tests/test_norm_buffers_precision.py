@@ -110,6 +110,7 @@ def bf16_runs(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.fast
 def test_norms_with_running_statistics_run_under_bf16_param_dtype_in_fp32():
     for kind, (out_dtype, norm_dtype, linear_dtype, finite) in run_distributed(bf16_runs, 2)[0].items():
         assert (out_dtype, norm_dtype, linear_dtype, finite) == (torch.bfloat16, torch.float32, torch.bfloat16,

@@ -243,6 +243,7 @@ def test_bad_offload_input_is_refused_at_fully_shard_naming_parameter_and_path(t
     assert all(unchanged for _, unchanged in (unwritable, no_folder, frozen))
 
 
+@pytest.mark.fast
 def test_tiers_a_cuda_mesh_cannot_have_are_refused_naming_what_to_use_instead():
     from perparam.offload import tier
     from perparam.sharding.policy import MixedPrecisionPolicy, resolve

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -45,6 +46,7 @@ def test_budget_plan_fits_every_rank_and_moves_no_more_than_largest_parameters_f
     assert plan_budget(plan, total).by_place == {"device": len(plan.params), "optimizer": 0, "all": 0}
 
 
+@pytest.mark.fast
 def test_a_zero_budget_offloads_shards_gradients_and_optimizer_state_and_kept_copies_say_nothing_fits():
     plan = _tiny_plan()
     result = plan_budget(plan, 0)

@@ -18,6 +18,8 @@ from perparam.memory.plan import plan_module
 from perparam.sharding.owners import ns_cost, owner_plan, plan_shapes
 from perparam.sharding.policy import MixedPrecisionPolicy, PolicyError, resolve
 
+pytestmark = pytest.mark.fast
+
 shapes = st.lists(st.tuples(st.integers(0, 64), st.integers(1, 64)), min_size=0, max_size=7)
 
 

@@ -200,6 +200,7 @@ def test_experts_on_their_own_mesh_in_one_call_match_one_process_with_the_defaul
         moe.assert_matches(got[optimizer]["params"], want["params"])
 
 
+@pytest.mark.fast
 def test_one_call_issues_one_all_gather_per_mesh_and_one_reduce_scatter_per_mesh_and_dtype():
     # the root keeps its gathered parameters into backward: per step one all-gather of the dense
     # parameters over 2 ranks and one of the expert over 1, one reduce-scatter each
@@ -257,6 +258,7 @@ def test_four_ranks_with_experts_sharded_over_a_two_rank_edp_mesh_match_one_proc
         assert "'1.weight'" in got["hpz"] and "reshard_after_forward=2 (hpZ) is not supported" in got["hpz"], got["hpz"]
 
 
+@pytest.mark.fast
 def test_full_state_dicts_of_experts_on_per_rank_meshes_are_refused_on_every_rank_naming_them():
     # one name, a different expert on each rank: gathered to rank 0 it kept rank 0's only, and loading
     # broadcast rank 0's expert over every rank's (silently, before this was refused)

@@ -48,11 +48,13 @@ REDUCE_TABLE = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("changes, name", GATHER_TABLE)
 def test_the_all_gather_chooser_takes_the_first_rule_that_holds(changes, name):
     assert choose.gather_path(G._replace(**changes)).name == name
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("changes, name", REDUCE_TABLE)
 def test_the_reduction_chooser_takes_the_first_rule_that_holds(changes, name):
     assert choose.reduce_path(R._replace(**changes)).name == name

@@ -21,6 +21,8 @@ from perparam.runtime.reduction import pack_reduce_scatter_input
 from perparam.sharding.layout import GroupLayout, ShardLayout, local_shape_and_offset, wire_pieces
 from perparam.sharding.placement import normalize, rule
 
+pytestmark = pytest.mark.fast
+
 
 @cache
 def fake_mesh(mesh_shape: tuple[int, ...], rank: int) -> DeviceMesh:

@@ -95,7 +95,7 @@ def train_mixed(rank: int, world_size: int, bf16: bool) -> tuple[list[float], di
     return losses, params
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.fast)], ids=["fp32", "bf16"])
 def test_mixed_policy_group_trains_like_a_reference_with_the_same_casts(bf16):
     tol = 2e-2 if bf16 else 1e-5
     want_losses, want_params = one_process(train_mixed, bf16)

@@ -101,6 +101,7 @@ def optimizer_in_backward(rank: int, world_size: int, before: bool) -> dict:
             "grads_left": [n for n, p in model.named_parameters() if p.grad is not None]}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("before", [False, True], ids=["registered_after", "registered_before_fully_shard"])
 def test_an_optimizer_stepped_in_the_hooks_matches_one_process(before):
     want = optimizer_in_backward(0, 0, before)

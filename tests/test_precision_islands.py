@@ -177,7 +177,7 @@ def issue_example(rank: int, world_size: int, hsdp: bool = False) -> dict:
     return {**seen, "final": out.dtype, "islands": [(i.path, i.dtype, i.outer) for i in model._perparam_group.islands]}
 
 
-@pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)])
+@pytest.mark.parametrize("world,hsdp", [pytest.param(2, False, marks=pytest.mark.fast), (4, True)])
 def test_a_linear_asked_to_compute_in_fp32_inside_a_bf16_call_is_an_island(world, hsdp):
     for got in run_distributed(issue_example, world, hsdp):
         assert got["islands"] == [("1", torch.float32, torch.bfloat16)]

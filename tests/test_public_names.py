@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
+
 import perparam
+
+pytestmark = pytest.mark.fast
 
 
 def test_documented_module_paths_import():

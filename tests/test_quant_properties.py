@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +11,8 @@ from perparam import quant
 from perparam.quant import dequantize_blocks, quantize_blocks
 from perparam.sharding.layout import GroupLayout, WirePiece
 from tests.quant_cases import block_amax, matrix_case
+
+pytestmark = pytest.mark.fast
 
 
 @settings(max_examples=300, deadline=None)

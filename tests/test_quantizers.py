@@ -17,6 +17,8 @@ from perparam.sharding.policy import resolve
 from perparam.sharding.quant_nf4 import NF4_HALF_MAX_GAP, NF4_LEVELS
 from tests.quant_cases import block_amax, matrix_case
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("name", quant.names())
 @settings(max_examples=150, deadline=None)

@@ -56,7 +56,7 @@ def two_experts(rank: int, world_size: int, rows1: int) -> list:
     return [_full(e0.weight.grad), _full(e1.weight.grad)]
 
 
-@pytest.mark.parametrize("rows1", [2, 3])  # 3: the ranks' gradients differ in size too
+@pytest.mark.parametrize("rows1", [2, pytest.param(3, marks=pytest.mark.fast)])  # 3: the ranks' gradients differ in size too
 def test_ranks_using_different_parameters_get_the_averaged_gradient(rows1):
     for g0, g1 in run_distributed(two_experts, 2, rows1):
         torch.testing.assert_close(g0, torch.full((2, 2), 0.5), atol=0, rtol=0)

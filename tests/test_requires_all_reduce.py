@@ -4,6 +4,7 @@ last micro-batch, for all of them; the result matches one process."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +14,8 @@ from torch.distributed.tensor import Replicate
 import perparam
 from perparam import CommCounter, ParamPolicy
 from tests.distributed import one_process, run_distributed
+
+pytestmark = pytest.mark.fast
 
 STEPS, MICRO_BATCHES, GLOBAL_MICRO_BATCH = 3, 3, 8
 

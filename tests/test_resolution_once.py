@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 from torch import nn
 
@@ -13,6 +14,8 @@ from perparam.runtime import param as runtime_param
 from perparam.runtime.group import group_of
 from perparam.sharding import policy, resolution
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.fast
 
 #: the functions that pick, resolve or lay out one parameter, by module, keyed by the parameter they serve
 COUNTED = [(resolution, "_pick"), (resolution, "resolve"), (resolution, "resolve_param"),

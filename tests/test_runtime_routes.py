@@ -157,6 +157,7 @@ def manual_path(rank: int, world_size: int) -> dict:
             "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
+@pytest.mark.fast
 def test_the_manual_unshard_path_reduces_gradients_exactly_once():
     want = one_process(manual_path)
     for got in run_distributed(manual_path, 2):

@@ -86,7 +86,7 @@ def cast_run(rank: int, world_size: int, how: str, when: str, stage: int) -> dic
 
 
 @pytest.mark.parametrize("how,when,stage,world_size", [
-    ("double", "before_forward", 3, 4), ("to", "after_step", 2, 3), ("children", "after_step", 1, 2),
+    ("double", "before_forward", 3, 4), pytest.param("to", "after_step", 2, 3, marks=pytest.mark.fast), ("children", "after_step", 1, 2),
     ("half", "after_step", 3, 2), ("double", "after_step", 3, 1)])
 def test_a_float_cast_after_fully_shard_casts_the_shards_and_trains_like_one_process_cast_alike(
         how, when, stage, world_size):

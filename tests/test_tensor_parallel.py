@@ -62,7 +62,7 @@ def train(rank: int, world_size: int, clip: bool, layout: str = "1d") -> dict:
     return {"losses": losses, "norms": norms, "params": full, "exact": exact, "placements": placements}
 
 
-@pytest.mark.parametrize("layout", ["1d", "mixed"])
+@pytest.mark.parametrize("layout", ["1d", pytest.param("mixed", marks=pytest.mark.fast)])
 def test_fsdp_plus_tp_matches_a_single_process(layout):
     want = one_process(train, True)
     for out in run_distributed(train, 4, True, layout):

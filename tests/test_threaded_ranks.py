@@ -27,6 +27,8 @@ import perparam
 from tests.distributed import one_process
 from tests.models import TinyNet, local_slice, make_batches
 
+pytestmark = pytest.mark.fast
+
 STEPS, GLOBAL_BATCH, TOL = 3, 6, 1e-5
 _SEEDED = threading.Lock()  # torch's default generator is one per process: the ranks' threads share it
 

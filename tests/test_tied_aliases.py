@@ -13,6 +13,8 @@ import perparam
 from perparam import ParamPolicy
 from perparam.memory.plan import plan_module
 
+pytestmark = pytest.mark.fast
+
 
 class TiedLM(nn.Module):
     def __init__(self) -> None:

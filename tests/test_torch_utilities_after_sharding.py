@@ -135,6 +135,7 @@ def refuse_all(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.fast
 def test_utilities_perparam_cannot_follow_are_refused_at_the_call_leaving_the_model_as_it_was():
     for case, (message, unchanged) in run_distributed(refuse_all, 2)[0].items():
         assert message != "no error", case
@@ -198,6 +199,7 @@ def lbfgs_default_then_auto(rank: int, world: int) -> list[dict]:
     return [lbfgs_steps(rank, world, None), lbfgs_steps(rank, world, perparam.ParamPolicy(placement="auto"))]
 
 
+@pytest.mark.fast
 def test_lbfgs_on_an_unevenly_sharded_parameter_is_refused_at_its_first_step_and_trains_like_one_process_when_even():
     """2 ranks: ``0.weight`` (3 rows) cannot be flattened; ``placement="auto"`` shards it on its 4 columns
     (and replicates the tiny biases), and LBFGS then matches one process."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -15,6 +16,8 @@ from perparam import CommCounter
 from perparam.comm import c10d
 from tests.distributed import run_distributed
 from tests.models import TinyNet, full_params, make_batches, train_steps
+
+pytestmark = pytest.mark.fast
 
 NEW, OLD = ("all_gather_single", "reduce_scatter_single"), ("all_gather_into_tensor", "reduce_scatter_tensor")
 

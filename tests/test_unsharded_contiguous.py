@@ -7,6 +7,7 @@ callers get what an unsharded model gives them. Uneven and empty shards: 5 and 3
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -15,6 +16,8 @@ import perparam
 from perparam import ParamPolicy, QuantPolicy
 from tests.distributed import one_process, run_distributed
 from tests.models import full_params, regression_batches, train_steps
+
+pytestmark = pytest.mark.fast
 
 STEPS, GLOBAL_BATCH = 3, 12
 

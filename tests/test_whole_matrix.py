@@ -65,7 +65,7 @@ def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: 
     return diffs + [comm.count("all_to_all")]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
 def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_size):
     for diffs in run_distributed(_bitwise, world_size):
         assert diffs == [0.0, 0.0, 0.0, 2]
@@ -159,6 +159,7 @@ def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
         assert len(counts) == 1  # the same collectives on every rank
 
 
+@pytest.mark.fast
 def test_muon_on_hsdp_2x2_trains_like_one_process():
     want = one_process(_train, "muon")["params"]
     for r in run_distributed(_train, 4, "muon", (2, 2)):
@@ -207,6 +208,7 @@ class _Mine(torch.optim.SGD):
     perparam_whole_matrix = True
 
 
+@pytest.mark.fast
 def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_at_its_first_step():
     for name in ("Muon", "Adafactor", "_Mine"):
         for message in run_distributed(_refused, 2, name):

@@ -51,6 +51,7 @@ def test_every_write_to_a_sharded_parameter_is_seen_by_the_next_forward_or_refus
     _check(TABLE, 2)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_writes_are_seen_at_other_world_sizes_with_empty_shards(world_size):
     """Kept copies (stage 2, evaluation; on 4 ranks hpZ's rows kept after a forward) under the writes no
@@ -70,6 +71,7 @@ def _issued(method: str, mode: str, world_size: int, rank: int):
         dist.destroy_process_group()
 
 
+@pytest.mark.fast
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([c for c in TABLE if c not in REFUSED and c[0] != "set_model_state_dict"]), st.integers(2, 4))
 def test_what_a_write_makes_stale_is_the_same_on_every_rank(case, world_size):

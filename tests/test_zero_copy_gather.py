@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -14,6 +15,8 @@ from torch.distributed.tensor import Shard
 import perparam
 from perparam import ParamPolicy
 from tests.distributed import CountingAllGather, c10d_calls, run_distributed
+
+pytestmark = pytest.mark.fast
 
 
 def _model() -> nn.Sequential:

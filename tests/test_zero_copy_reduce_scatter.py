@@ -165,7 +165,7 @@ def both_paths(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.fast)])
 def test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixed_dtype_and_no_sync(world):
     for rank, res in enumerate(run_distributed(both_paths, world)):
         packed, direct = res["all_to_all"], res["zero_copy"]
@@ -191,6 +191,7 @@ def test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixe
         assert all(torch.equal(got, want) for got, want in res["existing"]), rank
 
 
+@pytest.mark.fast
 def test_division_fused_into_the_cast_or_the_accumulation_is_bitwise_dividing_first():
     # what ShardedParam.accumulate_sharded_grad relies on: the cast in the division's pass (any divisor),
     # and for a power-of-two divisor ``add_(x, alpha=1/D)`` equal to dividing first, then adding

@@ -4,6 +4,7 @@ and a model holding them trains like one process (2 ranks, AdamW, fp32 within 1e
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,6 +63,7 @@ def sharded(rank: int, world: int, auto: bool):
     return placements, comm, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.fast
 def test_0_dim_parameters_replicated_train_like_one_process():
     ref = _model()
     _train(ref)

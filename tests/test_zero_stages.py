@@ -202,6 +202,7 @@ def collectives() -> dict:
     return dict(zip(STAGES, per_rank[0]))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("stage", STAGES)
 def test_collectives_per_step_of_each_stage(collectives, stage):
     got = [collectives[stage]]
@@ -522,6 +523,7 @@ def frozen_but_stepped(rank: int, world_size: int) -> dict:
     return {"params": {n: _full(p) for n, p in model.named_parameters()}, "after": after}
 
 
+@pytest.mark.fast
 def test_a_frozen_parameter_an_optimizer_still_steps_has_its_kept_copy_refreshed():
     # was: UnseenShardWriteError at the next forward (before it: the forward on the copy from before the step)
     want = one_process(frozen_but_stepped)

@@ -17,10 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index
-from ..sharding.layout import GroupLayout
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .part import MeshPart
+from .part import MeshPart, OwnPartViews
 from .reduction import PendingReduce
 from .state import ALLOWED, StateError, TrainingState
 
@@ -28,7 +27,7 @@ from .state import ALLOWED, StateError, TrainingState
 GROUP_ATTR = "_perparam_group"
 
 
-class ParamGroup:
+class ParamGroup(OwnPartViews):
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
     ``modules``: the module(s) given to the call; ``params``: every managed parameter of the call in
@@ -54,7 +53,7 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         # left to the default (None): as root the group keeps its parameters into backward (FSDP2's rule)
         self.auto_reshard_after_forward = auto_reshard_after_forward
-        self.gradient_divide_factor = gradient_divide_factor  # None: divide by the mesh's size (``divisor``)
+        self.gradient_divide_factor = gradient_divide_factor  # None: the mesh's size (``MeshPart.divisor``)
         self.all_reduce_hook = None  # set_all_reduce_hook: sees each reduction's sum before the division
         self.reshard_after_backward = True
         # explicit prefetch (ShardedModule.set_modules_to_*_prefetch): groups, or None for the recorded order
@@ -70,7 +69,6 @@ class ParamGroup:
         #: all-gather of any mesh packs them (``RuntimeConfig.gather_read_ahead`` groups ahead too)
         self.offload_hook = None
         self.registered_unsharded = False
-        self.hpz_given = None  # the one fully_shard made (set_reshard_after_forward(None) restores it)
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
@@ -91,44 +89,6 @@ class ParamGroup:
         own, others = split_by_mesh(params, mesh)
         self.parts = [MeshPart(self, mesh, own, self.index),
                       *(MeshPart(self, other, members, next_group_index()) for other, members in others)]
-
-    # The call's own mesh's part, as the call's: its mesh's sizes, what it gathers, its layout, its stage-1/2
-    # copies, hpZ.
-    @property
-    def num_shards(self) -> int:
-        return self.parts[0].num_shards
-
-    @property
-    def num_replicas(self) -> int:
-        return self.parts[0].num_replicas
-
-    @property
-    def gathered(self) -> list[ShardedParam]:
-        return self.parts[0].gathered
-
-    @property
-    def kept(self) -> list[ShardedParam]:
-        return self.parts[0].kept
-
-    @property
-    def layout(self):
-        return self.parts[0].layout
-
-    @property
-    def _reduce_plans(self) -> dict:
-        return self.parts[0]._reduce_plans
-
-    @property
-    def hpz(self):
-        return self.parts[0].hpz
-
-    @hpz.setter
-    def hpz(self, value) -> None:
-        self.parts[0].hpz = value
-
-    @property
-    def _what(self) -> str:
-        return self.parts[0]._what
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
@@ -192,14 +152,6 @@ class ParamGroup:
         """Some parameter of some mesh is trainable (``trainable()`` is not empty), told at the first one."""
         return bool(self.held_unsynced) or any(p.sharded.requires_grad for p in self.params)
 
-    @property
-    def divisor(self) -> float | int:
-        """What a reduced gradient (the sum over the mesh's ranks) is divided by: the gradient divide factor,
-        by default the call's mesh size (``num_shards * num_replicas``), also for the parameters on another
-        mesh: the number of ranks whose losses are averaged."""
-        factor = self.gradient_divide_factor
-        return self.num_shards * self.num_replicas if factor is None else factor
-
     @torch.no_grad()
     def unshard(self) -> None:
         """All-gather every sharded parameter of the group in one collective into its padded unsharded
@@ -231,17 +183,16 @@ class ParamGroup:
             part.free(keep_secondary)
 
     def kept_unsharded(self) -> list[torch.Tensor]:
-        """The unsharded buffers its stage-1/2 parameters keep across steps, where their storage is alive."""
-        return [p._padded for p in self.params if p.kept and p.storage_alive]
+        """The unsharded buffers its stage-1/2 parameters keep across steps, where their storage is alive
+        (``MeshPart.kept_unsharded``), mesh after mesh."""
+        return [t for part in self.parts for t in part.kept_unsharded()]
 
     def relayout(self) -> None:
         """Derive the all-gather layouts and the plans again after parameters changed dtype
-        (``ShardedParam.recast``, ``perparam.runtime.recast``), on every mesh's part; hpZ rows are dropped."""
+        (``ShardedParam.recast``, ``perparam.runtime.recast``), on every mesh's part
+        (``MeshPart.relayout``)."""
         for part in self.parts:
-            part.layout = GroupLayout(tuple(p.pieces for p in part.gathered), part.num_shards)
-            part._layouts, part._plans, part._reduce_plans, part._hpz_layout = {}, {}, {}, None
-            if part.hpz is not None:
-                part.hpz.drop(part.pool)
+            part.relayout()
 
     def check_slots(self) -> None:
         """Raise ``ReplacedAfterShardingError`` naming the first parameter whose slot holds an object perparam
@@ -281,7 +232,7 @@ class ParamGroup:
     @torch.no_grad()
     def reduce_grads(self, sync: bool = True, defer: bool = False) -> list[PendingReduce]:
         """Reduce the unsharded gradients into the sharded ``.grad``s: summed over the mesh's ranks, divided
-        by ``divisor`` (the gradient divide factor; by default the mesh's size, i.e. the mean) and
+        by ``MeshPart.divisor`` (the gradient divide factor; by default the mesh's size, i.e. the mean) and
         accumulated into existing sharded gradients.
 
         The collectives depend on the group alone, never on which gradients this rank computed: every
@@ -316,8 +267,8 @@ class ParamGroup:
     def advance_reduce(self, item: PendingReduce, block: bool) -> bool:
         """Move a reduction on: once its reduce-scatter has finished, issue the all-reduce over the
         replicate axis (HSDP, asynchronously); once that has finished, run the all-reduce hook (if any),
-        divide by ``divisor`` and accumulate each parameter's piece into its sharded ``.grad`` (when some
-        rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
+        divide by ``MeshPart.divisor`` and accumulate each parameter's piece into its sharded ``.grad``
+        (when some rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
         stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
         returns whether the reduction is complete. Callers advance reductions in the order they were
         issued, so the all-reduces are issued in the same order on every rank. A reduction is advanced by

@@ -22,6 +22,7 @@ from .paths.gather import GatherFacts
 from .state import TrainingState
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -64,7 +65,10 @@ class MeshPart(Reductions):
         self._alive = False  # the unsharded storage holds the gathered parameters
         self._gathered_versions: tuple[int, ...] = ()  # the sharded parameters' versions when gathered
         self._pending_gather = None  # paths.gather.Gather: the all-gather in flight
-        self.hpz = None  # hpz.Secondary: the secondary partition kept after forward (reshard_after_forward=int)
+        #: hpz.Secondary: the secondary partition ``fully_shard(reshard_after_forward=int)`` made for this
+        #: mesh, and the one in use (``use_secondary``: ``set_reshard_after_forward`` turns it off and on)
+        self.secondary = None
+        self.hpz = None
         self._hpz_layout: GroupLayout | None = None  # the layout of the all-gather the hpZ rows came from
 
     # The call's iteration context and buffer pool (``IterationContext.take`` hands them to the call).
@@ -233,6 +237,26 @@ class MeshPart(Reductions):
                 scattered, any(scattered), any(not p.plain for p in members), {})
         return plan
 
+    def use_secondary(self, on: bool) -> None:
+        """hpZ on (the secondary partition ``fully_shard`` made, if any) or off; the rows kept of the one in
+        use are dropped."""
+        if self.hpz is not None:
+            self.hpz.drop(self.pool)
+        self.hpz = self.secondary if on else None
+
+    def relayout(self) -> None:
+        """Derive the all-gather layouts and the plans again after parameters changed dtype
+        (``ShardedParam.recast``, ``perparam.runtime.recast``); hpZ rows are dropped."""
+        self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
+        self._layouts, self._plans, self._reduce_plans, self._hpz_layout = {}, {}, {}, None
+        if self.hpz is not None:
+            self.hpz.drop(self.pool)
+
+    def kept_unsharded(self) -> list[torch.Tensor]:
+        """The unsharded buffers this mesh's stage-1/2 parameters keep across steps, where their storage is
+        alive."""
+        return [p._padded for p in self.kept if p.storage_alive]
+
     def free(self, keep_secondary: bool = False) -> None:
         """Release this mesh's unsharded storage (no communication; an all-gather in flight is finished
         first). ``keep_secondary``: after a forward with grad, keep hpZ's secondary shard for the backward."""
@@ -245,3 +269,46 @@ class MeshPart(Reductions):
                 p.free()
         self._alive = False
 
+
+class OwnPartViews:
+    """What a ``fully_shard`` call (``ParamGroup``, which derives from this) shows of its own mesh's part
+    (``parts[0]``) as its own, for the face, the benchmarks and the tests: the mesh's sizes, what it gathers,
+    its layout and reduction plans, its stage-1/2 copies, hpZ in use, its name in collectives and errors."""
+
+    parts: list[MeshPart]
+
+    @property
+    def num_shards(self) -> int:
+        return self.parts[0].num_shards
+
+    @property
+    def num_replicas(self) -> int:
+        return self.parts[0].num_replicas
+
+    @property
+    def gathered(self) -> list[ShardedParam]:
+        return self.parts[0].gathered
+
+    @property
+    def kept(self) -> list[ShardedParam]:
+        return self.parts[0].kept
+
+    @property
+    def layout(self) -> GroupLayout:
+        return self.parts[0].layout
+
+    @property
+    def _reduce_plans(self) -> dict:
+        return self.parts[0]._reduce_plans
+
+    @property
+    def hpz(self):
+        return self.parts[0].hpz
+
+    @property
+    def divisor(self) -> float | int:  # every part's (``MeshPart.divisor``)
+        return self.parts[0].divisor
+
+    @property
+    def _what(self) -> str:
+        return self.parts[0]._what

@@ -28,6 +28,15 @@ class Reductions:
         held = self.call.held_unsynced
         return [p for p in self.mesh_params if p.sharded.requires_grad or (held and id(p) in held)]
 
+    @property
+    def divisor(self) -> float | int:
+        """What a reduced gradient (the sum over this mesh's ranks) is divided by: the call's gradient divide
+        factor, by default the call's mesh size (its own mesh part's ``num_shards * num_replicas``), also for
+        the parameters on another mesh: the number of ranks whose losses are averaged."""
+        factor = self.call.gradient_divide_factor
+        own = self.call.parts[0]
+        return own.num_shards * own.num_replicas if factor is None else factor
+
     def _reduce_sets(self, params) -> dict[tuple, list[ShardedParam]]:
         """``params`` split into the sets reduced together, in order: keyed (whole, reduce dtype, wire
         format); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter per
@@ -123,7 +132,7 @@ class Reductions:
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
         if self.call.all_reduce_hook is not None:
             self.call.all_reduce_hook(grads)
-        divisor = self.call.divisor
+        divisor = self.divisor
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
             grads.div_(divisor)
             divided = range(n)

@@ -6,7 +6,8 @@ all-reduce of its output over the replicate axis (``ParamGroup.advance_reduce``)
 freed: memory of one shard), but its output, this rank's ``[n]`` piece summed over the shard axis, is held
 here and summed over the micro-batches; the first reduction with ``requires_all_reduce=True`` adds the held
 sum to its own output before its all-reduce, so one all-reduce per reduction key covers every micro-batch.
-The division by the group's divisor and the accumulation into the sharded ``.grad`` happen once, then.
+The division by the part's divisor (``MeshPart.divisor``) and the accumulation into the sharded ``.grad``
+happen once, then.
 
 A held sum is keyed by (replicated?, reduce dtype, wire format of a low-precision reduce-scatter,
 ``perparam.runtime.grad_quant``): the same reductions a group issues in every backward.
