@@ -7,6 +7,7 @@ import hashlib
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import perparam
 from tests.distributed import run_distributed
@@ -108,3 +109,67 @@ def _refuse_qgz(rank, world_size):
 
 def test_invariant_units_refuse_grad_quant_naming_it():
     assert all(m and "grad_quant" in m for m in run_distributed(_refuse_qgz, 2))
+
+
+#: stage 3 by default; a replicated LayerNorm and head bias, stage-1 fc1, Shard(1) fc2.weight (its clip
+#: norm per column), all in one model
+BLOCK = {"norm.*": perparam.ParamPolicy(placement=Replicate()), "fc1.*": perparam.ParamPolicy(zero_stage=1),
+         "fc2.weight": perparam.ParamPolicy(placement=Shard(1))}
+ROOT = {"head.bias": perparam.ParamPolicy(placement=Replicate())}
+MIXED = (BLOCK, ROOT)
+
+
+def _meshes(world_size):
+    """Every data-parallel layout four ranks can run side by side: K = 1 (each rank alone), K = 2 (two
+    pairs), K = 4, HSDP 2 x 2 and 4 x 1 (replicate x shard: four replicas tell a tree from another order)."""
+    return {"1": init_device_mesh("cpu", (4, 1), mesh_dim_names=("r", "k"))["k"],
+            "2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("r", "k"))["k"],
+            "4": init_device_mesh("cpu", (4,)), "2x2": init_device_mesh("cpu", (2, 2)),
+            "4x1": init_device_mesh("cpu", (4, 1))}
+
+
+def _train_on(mesh, units, steps, policy, clip=True):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyNet()
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, param_policy=policy[0])
+    perparam.fully_shard(model, mesh=mesh, param_policy=policy[1])
+    inv = perparam.InvariantUnits(model, units=units, seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for step, (x, y) in enumerate(make_batches(steps, 16)):
+        mine = []
+        for u, (xu, yu) in inv.split((x, y)):
+            with inv.unit(u, step):
+                loss = torch.nn.functional.mse_loss(model(xu), yu)
+                loss.backward()
+            mine.append(loss.detach())
+        inv.reduce()
+        if clip:
+            inv.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(inv.mean(mine)))
+    return _hash(model), losses
+
+
+def _hash(model):
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.full_tensor().detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _mixed_on_every_mesh(rank, world_size):
+    return {name: _train_on(mesh, 8, 4, MIXED) for name, mesh in _meshes(world_size).items()}
+
+
+def test_invariant_units_with_replicated_stage_1_and_stage_3_parameters_on_1d_and_hsdp_meshes_are_bitwise_equal():
+    """One launch of four ranks: K = 1, 2, 4 (1D) and HSDP 2 x 2, the mixed model, 4 clipped AdamW steps:
+    one parameter hash and one list of reported losses over every mesh and rank."""
+    results = run_distributed(_mixed_on_every_mesh, 4)
+    hashes = {(r, name): h for r, res in enumerate(results) for name, (h, _) in res.items()}
+    assert len(set(hashes.values())) == 1, hashes
+    assert len({tuple(losses) for res in results for _, losses in res.values()}) == 1
