@@ -173,3 +173,88 @@ def test_invariant_units_with_replicated_stage_1_and_stage_3_parameters_on_1d_an
     hashes = {(r, name): h for r, res in enumerate(results) for name, (h, _) in res.items()}
     assert len(set(hashes.values())) == 1, hashes
     assert len({tuple(losses) for res in results for _, losses in res.values()}) == 1
+
+
+class DropNet(TinyNet):
+    """TinyNet with dropout after the embedding: each unit's mask comes from the unit's RNG stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, idx):
+        x = self.drop(self.embed(idx).mean(dim=1))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _state_hash(model, opt):
+    """sha256 of every parameter's full bytes and every AdamW state tensor's (``step`` included)."""
+    h = hashlib.sha256(_hash(model).encode())
+    for name, p in model.named_parameters():
+        for key, value in sorted(opt.state[p].items()):
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            h.update(f"{name}.{key}".encode())
+            h.update(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+#: the legs of the resumed run: (world size, steps run); the K = 4 launch also runs on to the end uninterrupted
+LEGS = [(4, 2), (2, 2), (1, 2), (4, 2)]
+
+
+def _leg(rank, world_size, folder, leg):
+    """Leg ``leg`` of ``LEGS``: load the previous leg's checkpoint (none for the first), run its steps in
+    the mode (dropout on, clipped AdamW, the mixed model), save; the first leg then continues to the last
+    step (the uninterrupted K = 4 run). Returns (state hash at the leg's end, its reported losses[, the
+    uninterrupted run's hash and losses])."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = DropNet()
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, param_policy=MIXED[0])
+    perparam.fully_shard(model, mesh=mesh, param_policy=MIXED[1])
+    inv = perparam.InvariantUnits(model, units=8, seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    start = 0 if leg == 0 else perparam.checkpoint.load(f"{folder}/leg{leg - 1}", model, opt)["step"]
+    total = sum(n for _, n in LEGS)
+    batches = make_batches(total, 16)
+
+    def run(first, last):
+        losses = []
+        for step in range(first, last):
+            x, y = batches[step]
+            mine = []
+            for u, (xu, yu) in inv.split((x, y)):
+                with inv.unit(u, step):
+                    loss = torch.nn.functional.mse_loss(model(xu), yu)
+                    loss.backward()
+                mine.append(loss.detach())
+            inv.reduce()
+            inv.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(inv.mean(mine)))
+        return losses
+
+    end = start + LEGS[leg][1]
+    losses = run(start, end)
+    perparam.checkpoint.save(f"{folder}/leg{leg}", model, opt, extra={"step": end})
+    out = (_state_hash(model, opt), losses)
+    if leg == 0:
+        rest = run(end, total)
+        out += (_state_hash(model, opt), losses + rest)
+    return out
+
+
+def test_a_run_saved_at_k4_continues_bitwise_on_2_then_1_then_4_ranks_as_the_uninterrupted_k4_run(tmp_path):
+    """Parameters, AdamW state (``step`` included), dropout masks and reported losses: the run saved at
+    K = 4 after 2 steps, resumed on 2 ranks for 2, saved, on 1 for 2, saved, on 4 for the last 2, ends with
+    the state hash of the uninterrupted K = 4 run and the same per-step losses."""
+    results = [run_distributed(_leg, k, str(tmp_path), leg) for leg, (k, _) in enumerate(LEGS)]
+    assert all(r == leg[0] for leg in results for r in leg)  # every rank alike
+    _, _, straight, straight_losses = results[0][0]
+    assert results[-1][0][0] == straight, [leg[0][0] for leg in results]
+    assert [x for leg in results for x in leg[0][1]] == straight_losses
