@@ -37,7 +37,8 @@ class InvariantUnits:
     On an HSDP mesh (replicate R x shard S) K = R * S and the rank's index is ``replicate * S + shard``.
 
     Raises ``InvariantError`` for U not a power of two, K not dividing U, tensor parallelism, ``grad_quant``
-    (qgZ), a custom reduce-scatter, groups on different meshes."""
+    (qgZ), a quantized all-gather of a parameter not stored quantized, a custom reduce-scatter, groups on
+    different meshes."""
 
     def __init__(self, model, units: int, seed: int = 0) -> None:
         if not is_power_of_two(units):
@@ -199,3 +200,8 @@ def _check(g, mesh) -> None:
             raise InvariantError(f"InvariantUnits: parameter {name} uses tensor parallelism, refused")
         if p.policy.grad_quant is not None:
             raise InvariantError(f"InvariantUnits: parameter {name} has grad_quant (qgZ), refused")
+        if p.policy.quant is not None and not p.stored_quantized:
+            raise InvariantError(f"InvariantUnits: parameter {name} has a quantized all-gather (QuantPolicy "
+                                 "without store_quantized): its blocks run over each rank's flattened shard, so "
+                                 "the gathered values depend on K; refused (a frozen parameter stored quantized, "
+                                 "QuantPolicy(store_quantized=True), gathers its codes exactly and is accepted)")

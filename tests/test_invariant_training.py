@@ -96,10 +96,9 @@ def test_invariant_mean_of_unit_losses_is_bitwise_equal_on_1_2_and_4_ranks():
     assert len({m for k in (1, 2, 4) for m in run_distributed(_mean, k)}) == 1
 
 
-def _refuse_qgz(rank, world_size):
+def _refuse_policy(rank, world_size, policy):
     model = TinyNet()
-    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)),
-                         param_policy={"*": perparam.ParamPolicy(grad_quant="int8")})
+    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)), param_policy={"*": policy})
     try:
         perparam.InvariantUnits(model, units=4)
     except perparam.InvariantError as e:
@@ -107,8 +106,12 @@ def _refuse_qgz(rank, world_size):
     return None
 
 
-def test_invariant_units_refuse_grad_quant_naming_it():
-    assert all(m and "grad_quant" in m for m in run_distributed(_refuse_qgz, 2))
+@pytest.mark.parametrize("policy, words", [
+    (perparam.ParamPolicy(grad_quant="int8"), "grad_quant"),
+    (perparam.ParamPolicy(quant=perparam.QuantPolicy("int8")), "quantized all-gather"),  # blocks span rows
+])
+def test_invariant_units_refuse_grad_quant_and_a_quantized_all_gather_naming_them(policy, words):
+    assert all(m and words in m for m in run_distributed(_refuse_policy, 2, policy))
 
 
 #: stage 3 by default; a replicated LayerNorm and head bias, stage-1 fc1, Shard(1) fc2.weight (its clip
@@ -258,3 +261,95 @@ def test_a_run_saved_at_k4_continues_bitwise_on_2_then_1_then_4_ranks_as_the_uni
     _, _, straight, straight_losses = results[0][0]
     assert results[-1][0][0] == straight, [leg[0][0] for leg in results]
     assert [x for leg in results for x in leg[0][1]] == straight_losses
+
+
+class CheckpointedNet(TinyNet):
+    """TinyNet whose blocks run under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, idx):
+        x = self.embed(idx).mean(dim=1)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+class Adapted(torch.nn.Module):
+    """A frozen base ``Linear`` plus a rank-2 adapter ``x @ a.T @ b.T`` (LoRA's shape, both factors nonzero)."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(2, base.in_features) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, 2) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+NF4_BASE = {"*.base.weight": perparam.ParamPolicy(quant=perparam.QuantPolicy("nf4", store_quantized=True))}
+OWNER = {"fc*.weight": perparam.ParamPolicy(update="owner")}
+CPU_ALL = {"*": perparam.ParamPolicy(offload=perparam.OffloadPolicy("cpu", "all"))}
+
+
+def _feature_run(mesh, case, steps=2):
+    """``"qlora"``: activation checkpointing, the blocks' Linears frozen and stored NF4 with adapters
+    (AdamW on the adapters and the rest); ``"owner"``: activation checkpointing, the blocks' weights
+    stepped whole by ``torch.optim.Muon`` on their owner (``update="owner"``), the root's parameters
+    offloaded (``OffloadPolicy("cpu", "all")``), AdamW on the rest. Clipped steps in the mode."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = CheckpointedNet()
+    if case == "qlora":
+        for block in model.blocks:
+            block.fc1, block.fc2 = Adapted(block.fc1), Adapted(block.fc2)
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh, param_policy=NF4_BASE if case == "qlora" else OWNER)
+    perparam.fully_shard(model, mesh=mesh, param_policy=None if case == "qlora" else CPU_ALL)
+    inv = perparam.InvariantUnits(model, units=8, seed=7)
+    whole = [p for n, p in model.named_parameters() if case == "owner" and ".fc" in n and n.endswith("weight")]
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not w for w in whole)]
+    opts = [torch.optim.AdamW(rest, lr=1e-2, foreach=False)] + ([torch.optim.Muon(whole, lr=0.02)] if whole else [])
+    for step, (x, y) in enumerate(make_batches(steps, 16)):
+        for u, (xu, yu) in inv.split((x, y)):
+            with inv.unit(u, step):
+                torch.nn.functional.mse_loss(model(xu), yu).backward()
+        inv.reduce()
+        inv.clip_grad_norm_(0.05)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return _hash(model)
+
+
+def _features_on_every_mesh(rank, world_size):
+    meshes = _meshes(world_size)
+    return {(case, name): _feature_run(meshes[name], case) for case in ("qlora", "owner") for name in ("1", "2", "4")}
+
+
+def test_invariant_units_with_checkpointing_qlora_offload_and_the_muon_owner_path_are_bitwise_equal_on_every_mesh():
+    """One launch of four ranks, K = 1, 2 and 4 side by side: per case one parameter hash."""
+    results = run_distributed(_features_on_every_mesh, 4)
+    for case in ("qlora", "owner"):
+        hashes = {(r, name): h for r, res in enumerate(results) for (c, name), h in res.items() if c == case}
+        assert len(set(hashes.values())) == 1, (case, hashes)
+
+
+def _refuse_held_partial_sums(rank, world_size):
+    torch.set_num_threads(1)
+    model = TinyNet()
+    perparam.fully_shard(model, mesh=init_device_mesh("cpu", (2, 1)))
+    inv = perparam.InvariantUnits(model, units=2)
+    model.set_requires_all_reduce(False)
+    x, y = make_batches(1, 4)[0]
+    for u, (xu, yu) in inv.split((x, y)):
+        with inv.unit(u, 0):
+            torch.nn.functional.mse_loss(model(xu), yu).backward()
+    try:
+        inv.reduce()
+    except perparam.InvariantError as e:
+        return str(e)
+    return None
+
+
+def test_invariant_reduce_refuses_hsdp_held_partial_sums_naming_the_setting():
+    assert all(m and "set_requires_all_reduce(False)" in m for m in run_distributed(_refuse_held_partial_sums, 2))
