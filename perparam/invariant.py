@@ -6,7 +6,10 @@ backward its gradient (reduce dtype) is taken out of the unsharded accumulators 
 stack (``perparam.sharding.tree_sum``: at most ``log2(U/K) + 1`` gradient buffers). ``reduce()`` puts each
 parameter's subtree sum back and reduces through the invariant tree reduce-scatter
 (``runtime/paths/reduce_invariant.py``: an all-to-all of row pieces, the K pieces added in tree order),
-divided by ``U`` once (the gradient divide factor). The same thread count must be used at every K.
+divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole gradients
+take the same tree through a reduce-scatter then an all-gather (``INVARIANT_WHOLE``); on an HSDP mesh the
+replicas' sums are added in tree order too (``collectives.tree_all_reduce_sum``). The same thread count
+must be used at every K.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ class InvariantError(ShardingError, ValueError):
 
 
 class InvariantUnits:
-    """See the module docstring. ``model``: a ``fully_shard``-ed module (every group on one 1-D mesh);
+    """See the module docstring. ``model``: a ``fully_shard``-ed module (every group on one mesh, 1-D or HSDP);
     ``units``: U, a power of two divisible by the mesh size K; ``seed``: keys each unit's RNG.
 
+    On an HSDP mesh (replicate R x shard S) K = R * S and the rank's index is ``replicate * S + shard``.
+
     Raises ``InvariantError`` for U not a power of two, K not dividing U, tensor parallelism, ``grad_quant``
-    (qgZ), HSDP, stage 1 / replicated (whole-gradient) parameters, a custom reduce-scatter."""
+    (qgZ), a quantized all-gather of a parameter not stored quantized, a custom reduce-scatter, groups on
+    different meshes."""
 
     def __init__(self, model, units: int, seed: int = 0) -> None:
         if not is_power_of_two(units):
@@ -40,12 +46,17 @@ class InvariantUnits:
         groups = _groups(model)
         if not groups:
             raise InvariantError("InvariantUnits: the model has no fully_shard-ed group")
-        self.world, self.rank = groups[0].parts[0].num_shards, groups[0].params[0].shard_rank
+        self.part = part = groups[0].parts[0]
+        # HSDP: the (replicate, shard) coordinates in row-major order, so each replica's ranks hold one
+        # contiguous range of units (a node of the tree): the replicas' sums are the tree's top levels
+        self.world = part.num_replicas * part.num_shards
+        self.rank = (part.mesh.get_local_rank(0) if part.mesh.ndim == 2 else 0) * part.num_shards \
+            + part.mesh.get_local_rank(part.mesh.ndim - 1)
         if units % self.world:
             raise InvariantError(f"InvariantUnits: the data-parallel world size {self.world} does not divide "
                                  f"units={units}; pick units a multiple of it")
         for g in groups:
-            _check(g)
+            _check(g, part.mesh)
             g.invariant = True
             g.gradient_divide_factor = units
         self.groups, self.units, self.seed = groups, units, seed
@@ -106,38 +117,48 @@ class InvariantUnits:
             if stack is not None:
                 p.grad_acc = stack.result()
         for g in self.groups:
+            if not g.requires_all_reduce:  # HSDP's partial hold would add the held sums outside the tree
+                raise InvariantError(f"InvariantUnits.reduce: {g._what} has set_requires_all_reduce(False); the "
+                                     "mode reduces once per step: leave it True")
             g.requires_gradient_sync = True
         reduce_accumulated(self.groups)
         self._count = 0
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the model's gradients by their global 2-norm, computed K-independently: per dim-0 row (whole
-        on every rank under ``Shard(0)``) a float64 sum of squares, written at the row's global index of
-        one ``[rows]`` float64 vector (zeros elsewhere: all-reducing it adds only zeros, exact), then summed
-        in one fixed order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule).
-        Returns the norm (0-dim float32). Every rank calls it."""
+        """Clip the model's gradients by their global 2-norm, computed K-independently: per slice along a
+        parameter's shard dim ``d`` (``Shard(d)``; dim 0 when replicated), whole on every rank that holds it,
+        a float64 sum of squares (the slice made contiguous: the same elements in the same order at every
+        K), written at the slice's global index of one float64 vector (zeros elsewhere: all-reducing it adds
+        only zeros, exact; a replicated parameter's slices by shard rank 0 alone), then summed in one fixed
+        order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule). Returns the norm
+        (0-dim float32). Every rank calls it."""
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         entries, total = [], 0
         for p in self._params:
             g = p.sharded.grad
             shape = p.sharded.shape
-            n_rows = shape[0] if len(shape) else 1
+            place = p.placements[-1]  # the shard axis's placement
+            d = place.dim if isinstance(place, Shard) and len(shape) else 0
             if g is not None:
                 local = g.to_local()
                 _, offset = compute_local_shape_and_global_offset(shape, g.device_mesh, g.placements)
-                entries.append((total + (offset[0] if len(shape) else 0), local))
-            total += n_rows
+                counted = isinstance(place, Shard) or p.shard_rank == 0
+                entries.append((total + (offset[d] if len(shape) else 0), local, d, counted))
+            total += shape[d] if len(shape) else 1
         vec = torch.zeros(total, dtype=torch.float64)
-        for start, local in entries:
-            if local.numel():
-                rows = local.reshape(local.shape[0] if local.dim() else 1, -1).double()
-                vec[start:start + rows.shape[0]] = (rows * rows).sum(dim=1)
-        collectives.all_reduce_sum(vec, self.groups[0].parts[0].reduce_shard_pg, what="InvariantUnits.clip")
+        for start, local, d, counted in entries:
+            if counted and local.numel():
+                slices = local.reshape(1, 1) if not local.dim() else local.movedim(d, 0).contiguous()
+                slices = slices.reshape(slices.shape[0], -1).double()
+                vec[start:start + slices.shape[0]] = (slices * slices).sum(dim=1)
+        # HSDP: the replicas hold the same reduced gradients, so the shard axis alone covers every slice once
+        collectives.all_reduce_sum(vec, self.part.reduce_shard_pg, what="InvariantUnits.clip")
         norm = vec.sum().sqrt().to(torch.float32)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for _, local in entries:
+        for _, local, _, _ in entries:
             local.mul_(coef.to(local.dtype))
         return norm
 
@@ -146,7 +167,9 @@ class InvariantUnits:
         mine = torch.zeros(self.units, dtype=torch.float64)
         for u, v in zip(self.indices, values):
             mine[u] = float(v)
-        collectives.all_reduce_sum(mine, self.groups[0].parts[0].reduce_shard_pg, what="InvariantUnits.mean")
+        collectives.all_reduce_sum(mine, self.part.reduce_shard_pg, what="InvariantUnits.mean")
+        if self.part.replicate_pg is not None:  # HSDP: the other replicas' units (zeros elsewhere: exact)
+            collectives.all_reduce_sum(mine, self.part.reduce_replicate_pg, what="InvariantUnits.mean")
         return (tree_sum(list(mine)) / self.units).to(torch.float32)
 
 
@@ -163,12 +186,12 @@ def _groups(model):
     return _groups_below(model, True)
 
 
-def _check(g) -> None:
-    for part in g.parts:
-        if part.replicate_pg is not None:
-            raise InvariantError(f"InvariantUnits: {g._what} is on an HSDP mesh; HSDP is not supported yet")
+def _check(g, mesh) -> None:
     if len(g.parts) > 1:
         raise InvariantError(f"InvariantUnits: {g._what} has parameters on other meshes (ParamPolicy.mesh)")
+    if g.parts[0].mesh != mesh:
+        raise InvariantError(f"InvariantUnits: {g._what} is on mesh {g.parts[0].mesh.mesh.tolist()}, another "
+                             f"group on {mesh.mesh.tolist()}; shard every group on one mesh")
     if g.reduce_scatter_comm is not None:
         raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
     for p in g.params:
@@ -177,6 +200,8 @@ def _check(g) -> None:
             raise InvariantError(f"InvariantUnits: parameter {name} uses tensor parallelism, refused")
         if p.policy.grad_quant is not None:
             raise InvariantError(f"InvariantUnits: parameter {name} has grad_quant (qgZ), refused")
-        if p.sharded.requires_grad and (not p.layout.gathered or p.policy.whole_grad):
-            raise InvariantError(f"InvariantUnits: parameter {name} is replicated or stage 1 (whole-gradient "
-                                 "all-reduce), not supported yet")
+        if p.policy.quant is not None and not p.stored_quantized:
+            raise InvariantError(f"InvariantUnits: parameter {name} has a quantized all-gather (QuantPolicy "
+                                 "without store_quantized): its blocks run over each rank's flattened shard, so "
+                                 "the gathered values depend on K; refused (a frozen parameter stored quantized, "
+                                 "QuantPolicy(store_quantized=True), gathers its codes exactly and is accepted)")

@@ -45,6 +45,8 @@ REDUCE_TABLE = [
     ({"wire": "int8", "custom": True}, "qgZ all-to-all"),  # which refuses the custom collective
     ({"whole": True}, "whole-gradient all-reduce"),
     ({"whole": True, "custom": True, "wire": "int8"}, "whole-gradient all-reduce"),
+    ({"invariant": True}, "invariant tree reduce-scatter"),  # perparam.InvariantUnits
+    ({"invariant": True, "whole": True}, "invariant tree all-reduce"),
 ]
 
 

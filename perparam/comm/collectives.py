@@ -16,13 +16,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..sharding.layout import ceil_div
+from ..sharding.tree_sum import tree_sum
 from . import c10d, debug, sequence
 from .counter import CollectiveRecord, CommCounter, GatheredRows, _record, _take
 from .point_to_point import all_gather_in_place, reduce_scatter_in_place, zero_gaps
 
 __all__ = ["CollectiveRecord", "CommCounter", "GatheredRows", "all_gather_in_place", "all_gather_objects",
            "all_gather_rows", "all_reduce_sum", "exchange_rows", "exchange_uneven", "reduce_scatter_in_place",
-           "reduce_scatter_sum", "zero_gaps"]
+           "reduce_scatter_sum", "tree_all_reduce_sum", "zero_gaps"]
 
 # How an all-gather of rows runs on gloo (``gloo``): "all_to_all" (one all-to-all in which each rank sends its
 # row to every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
@@ -187,6 +189,31 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     if group.size() == 1:
         return None
     return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def tree_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, what: str = "") -> torch.Tensor:
+    """``tensor`` (``[n]``, every rank's of one size and dtype) summed over ``group`` in rank-tree order:
+    the K ranks' tensors added pairwise, level by level (``sharding.tree_sum``, K a power of two), the same
+    bits on every rank. A reduce-scatter then an all-gather, the bytes of a ring all-reduce: ``[K, n/K]``
+    pieces exchanged (``exchange_rows``, recorded as a reduce-scatter), each rank's piece tree-summed, the
+    K sums all-gathered (``all_gather_rows``). Returns a new ``[n]`` tensor (``tensor`` itself for K = 1).
+    Synchronous (the K-invariant mode, ``perparam.invariant``, reduces once per step)."""
+    k, n = group.size(), tensor.numel()
+    if k == 1:
+        return tensor
+    cols, item = ceil_div(n, k), tensor.element_size()
+    send = tensor.new_zeros(k * cols)
+    send[:n].copy_(tensor.reshape(-1))
+    work, rows = exchange_rows(send.view(torch.uint8).view(k, cols * item), group, what=what, dtype=tensor.dtype)
+    if work is not None:
+        work.wait()
+    pieces = rows.view(tensor.dtype).view(k, cols)
+    mine = tree_sum([pieces[r] for r in range(k)])
+    gathered = all_gather_rows(mine.view(torch.uint8), group, async_op=False, what=what)
+    out = torch.empty(k, cols * item, dtype=torch.uint8, device=tensor.device)
+    for first, seg in gathered.segments:
+        out[first:first + seg.shape[0]].copy_(seg)
+    return out.view(tensor.dtype).view(-1)[:n]
 
 
 def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: list[int],

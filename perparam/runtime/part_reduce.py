@@ -108,8 +108,12 @@ class Reductions:
                     item.stage = 2
                     return True
                 partial.merge(self, item)
-                item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
-                                                       what=f"{self._what} [{item.recv.dtype}]")
+                if self.call.invariant:  # perparam.invariant: the replicas' subtree sums added in tree order
+                    item.recv = collectives.tree_all_reduce_sum(item.recv, self.reduce_replicate_pg,
+                                                                what=f"{self._what} invariant [{item.recv.dtype}]")
+                else:
+                    item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
+                                                           what=f"{self._what} [{item.recv.dtype}]")
             item.stage = 1
         if item.work is not None:
             if not (block or item.work.is_completed()):

@@ -10,7 +10,7 @@ from .gather import GatherFacts, GatherPath
 from .gather_rows import CUSTOM, HPZ_SECONDARY, PACKED, QUANTIZED
 from .gather_zero_copy import ZERO_COPY
 from .reduce import ReduceFacts, ReducePath
-from .reduce_invariant import INVARIANT_TREE
+from .reduce_invariant import INVARIANT_TREE, INVARIANT_WHOLE
 from .reduce_packed import CUSTOM_REDUCE_SCATTER, PACKED_REDUCE_SCATTER
 from .reduce_qgz import QGZ
 from .reduce_whole import WHOLE
@@ -28,6 +28,7 @@ GATHER_RULES: list[tuple[Callable[[GatherFacts], bool], GatherPath]] = [
 #: the reduction paths' precedence
 REDUCE_RULES: list[tuple[Callable[[ReduceFacts], bool], ReducePath]] = [
     (lambda f: f.invariant and not f.whole, INVARIANT_TREE),  # perparam.invariant: tree order at every K
+    (lambda f: f.invariant and f.whole, INVARIANT_WHOLE),  # its replicated and stage-1 parameters
     (lambda f: f.whole, WHOLE),  # replicated and stage-1 parameters: all-reduced whole
     (lambda f: f.wire is not None, QGZ),  # refuses a custom reduce-scatter
     (lambda f: f.custom, CUSTOM_REDUCE_SCATTER),

@@ -2,7 +2,9 @@
 rank-r piece and the used flags in row r, as ``reduce_packed``), one all-to-all of its rows (the bytes of a
 reduce-scatter; recorded as one), and each rank adding the K pieces of its rows pairwise in rank order
 (``sharding.tree_sum``): rank s's piece is the sum of units ``s*U/K .. (s+1)*U/K - 1``, a node of the units'
-tree, so the result is the one-rank tree sum bit for bit at every K."""
+tree, so the result is the one-rank tree sum bit for bit at every K. ``InvariantTreeAllReduce``: the
+whole gradients of replicated and stage-1 parameters (and the used flags) concatenated and summed in the
+same tree order on every rank (``collectives.tree_all_reduce_sum``: a reduce-scatter then an all-gather)."""
 
 from __future__ import annotations
 
@@ -32,4 +34,18 @@ class InvariantTreeReduceScatter:
         return 0  # fresh buffers, outside the pool
 
 
+class InvariantTreeAllReduce:
+    name = "invariant tree all-reduce"
+
+    def issue(self, part, params, grads, used, dtype, plan) -> PendingReduce:
+        flat = torch.cat([*(g.reshape(-1) for g in grads), used_flags(used, dtype, grads[0].device)])
+        recv = collectives.tree_all_reduce_sum(flat, part.reduce_shard_pg,
+                                               what=f"{part._what} invariant replicated [{dtype}]")
+        return PendingReduce(None, None, recv, params, (), replicated=True, used=used)
+
+    def pool_bytes(self, part, params, dtype, wire) -> int:
+        return 0  # fresh buffers, outside the pool
+
+
 INVARIANT_TREE = InvariantTreeReduceScatter()
+INVARIANT_WHOLE = InvariantTreeAllReduce()
