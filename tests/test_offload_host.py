@@ -5,7 +5,7 @@ on CUDA, with torch's no-op CPU streams.
 
 What it holds: AdamW steps bitwise equal to no offload; between steps the optimizer's state entries read
 their values (a logged norm of ``optimizer.state[p][key]``, and ``optimizer.state_dict()``), never a tensor
-over freed storage (on CPU that read segfaults); each parameter's state read-ahead starts as its reduced
+over freed storage (on CPU that read segfaults); one host wait per step for the copies back to the host; each parameter's state read-ahead starts as its reduced
 gradient lands, not after the whole backward."""
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def _host_tier_on_cpu(rank: int, world_size: int) -> dict:
         real_ready(po)
 
     tier.ParamOffload.grad_ready = ready
+    waits = []
+    real_evict = host._evict_on
+    host._evict_on = lambda device, slots, write: (waits.append(len(slots)), real_evict(device, slots, write))[1]
     torch.manual_seed(0)
     base = TinyNet(n_blocks=2)
     models = {}
@@ -77,6 +80,7 @@ def _host_tier_on_cpu(rank: int, world_size: int) -> dict:
         opt.step()
     out["evicted_after_state_dict_and_step"] = sum(not s.resident for s in evicted)
     out["ready_calls"] = calls
+    out["evictions"] = waits
     return out
 
 
@@ -86,6 +90,7 @@ def test_host_tier_state_reads_its_values_between_steps_and_steps_bitwise_like_n
         # between steps every host-tier state tensor's device storage is freed, and yet each state entry of
         # the optimizer reads the same norm as without offload
         assert r["evicted_between_steps"] == [r["slots"]] * 3 and r["evicted_after_state_dict_and_step"] == r["slots"]
+        assert r["evictions"] == [r["slots"]] * 4  # every step's copies to the host waited for once, together
         for step in r["norms"]:
             assert step["host"] == step["device"], step
         # the read-ahead: once per trainable parameter per backward, each as its group's reduced gradients land:

@@ -2,8 +2,8 @@
 between steps.
 
 ``HostSlot(label, tensor, pin)`` keeps a host copy of one device tensor (pinned when ``pin``: the copies
-can then run asynchronously). ``evict`` copies device -> host (waits for it: the device storage is freed
-right after) and resizes the device storage to 0 bytes; ``fetch`` gives the storage back and copies host
+can then run asynchronously). ``evict_all`` (``evict`` for one) copies device -> host on a side stream, waits
+once for all of them (the device storage is freed right after) and resizes the device storage to 0 bytes; ``fetch`` gives the storage back and copies host
 -> device on a side stream, so the copy overlaps the rest of backward; ``wait`` makes the current stream
 wait for that copy (a stream wait, as FSDP2's waits on its copy events: the host does not block). The
 optimizer step runs on the device, as without offload: a parameter group never mixes host and device
@@ -47,14 +47,7 @@ class HostSlot:
         return tensor is self.tensor and tensor.numel() * tensor.element_size() == self.nbytes
 
     def evict(self, write: bool = True) -> None:
-        if not self.resident:
-            return
-        t0 = time.perf_counter()
-        if write:
-            self.host.copy_(self.tensor)  # synchronous: the storage is freed next
-        self.tensor.untyped_storage().resize_(0)
-        self.resident = False
-        STATS.add(bytes_written=self.nbytes if write else 0, evict_s=time.perf_counter() - t0)
+        evict_all([self], write)
 
     def fetch(self) -> None:
         if self.resident:
@@ -116,3 +109,41 @@ def tier_moves(device_type: str) -> bool:
 def slots_of(po) -> list[tuple[str, HostSlot]]:
     """``(state key, slot)`` of a ``ParamOffload``'s optimizer state held by this tier."""
     return [(key, slot) for key, slot in po.state_slots.items() if isinstance(slot, HostSlot)]
+
+
+_SIDE: dict = {}  # device -> the stream the evictions' device-to-host copies run on
+
+
+def evict_all(slots: list[HostSlot], write: bool = True) -> None:
+    """Copy each resident slot's tensor to its host copy (``write``), then free its device storage (0 bytes).
+
+    The copies are queued on one side stream behind the current stream's work (the optimizer step that
+    wrote the state), non-blocking into pinned memory, and the host waits once, for the last of them, not
+    once per tensor: the host copies are what the optimizer's state entries read between steps
+    (``park``), and the storage is freed only after its copy is done."""
+    by_device: dict = {}
+    for slot in slots:
+        if slot.resident:
+            by_device.setdefault(slot.tensor.device, []).append(slot)
+    for device, resident in by_device.items():
+        _evict_on(device, resident, write)
+
+
+def _evict_on(device: torch.device, resident: list[HostSlot], write: bool) -> None:
+    t0 = time.perf_counter()
+    streams = resident[0]._device
+    if write:
+        if device not in _SIDE:
+            _SIDE[device] = streams.Stream(device) if device.type != "cpu" else streams.Stream()
+        side = _SIDE[device]
+        side.wait_stream(streams.current_stream(device))
+        with streams.stream(side):
+            for slot in resident:
+                slot.host.copy_(slot.tensor, non_blocking=device.type != "cpu")
+            done = streams.Event()
+            done.record(side)
+        done.synchronize()  # the one host wait of the eviction
+    for slot in resident:
+        slot.tensor.untyped_storage().resize_(0)
+        slot.resident = False
+    STATS.add(bytes_written=sum(s.nbytes for s in resident) if write else 0, evict_s=time.perf_counter() - t0)

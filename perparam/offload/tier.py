@@ -47,7 +47,7 @@ from .scratch import Scratch, ScratchError, scratch_for
 #: live ``ShardedParam``s with an offloaded tier (each carries ``.offload``: its ``ParamOffload``)
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
-#: optimizers holding host-offloaded state that got the state_dict pre-hook (``_bring_in_for_state_dict``)
+#: optimizers holding host-offloaded state that got the state_dict pre-hook (``bring_in``)
 _STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
 _order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
@@ -317,7 +317,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
         # between steps host-offloaded state has no device storage: optimizer.state_dict() (a checkpoint, a
         # logged norm of it) would hand out tensors over freed memory; it brings the state in first
         _STATE_DICT_HOOKED.add(optimizer)
-        optimizer.register_state_dict_pre_hook(_bring_in_for_state_dict)
+        optimizer.register_state_dict_pre_hook(bring_in)
     for p, po in found:
         state = optimizer.state.get(p, {})
         for key, slot in host.slots_of(po):
@@ -333,10 +333,6 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if errors:  # every slot waited for: the step can be retried once the cause is gone
         more = f" ({len(errors) - 1} more tensors failed alike)" if len(errors) > 1 else ""
         raise OffloadError(f"{errors[0]}{more}; the optimizer step did not run")
-
-
-def _bring_in_for_state_dict(optimizer) -> None:
-    bring_in(optimizer)
 
 
 def bring_in(optimizer) -> None:
@@ -366,6 +362,7 @@ def _post_step(optimizer, args, kwargs) -> None:
         po.adopt(optimizer.state.get(p, {}))
     if need:
         trim_heap()  # the state's first home was anonymous memory, now free: give it back to the system
+    host.evict_all([slot for _, po in found for _, slot in host.slots_of(po)])  # one host wait for all copies
     for p, po in found:
         for slot in po.slots():
             slot.evict(write=slot is not po.grad_slot)  # the step read the gradient and wrote nothing there
