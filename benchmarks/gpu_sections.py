@@ -67,16 +67,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def free_port() -> str:
+    """A TCP port of 127.0.0.1 nothing listens on now: the sections' stores (fixed ports collided with
+    another run on a shared machine: ``EADDRINUSE``, the section failed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @contextlib.contextmanager
-def world_of_one(device: str, port: str):
-    """A 1-rank process group (NCCL on GPU 0 for ``"cuda"``, gloo for ``"cpu"``; ``MASTER_PORT`` ``port``);
-    yields its 1D mesh; destroys the group (after ``gc.collect()``) on the way out."""
+def world_of_one(device: str, port: str | None = None):
+    """A 1-rank process group (NCCL on GPU 0 for ``"cuda"``, gloo for ``"cpu"``; ``MASTER_PORT`` ``port``,
+    a free one by default); yields its 1D mesh; destroys the group (after ``gc.collect()``) on the way out."""
     import gc
 
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
+    os.environ["MASTER_PORT"] = port or free_port()
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
@@ -197,7 +207,7 @@ def parity(out: dict, args, steps: int = 3) -> None:
     """perparam vs FSDP2, fp32, world of one, the same weights and batch, ``steps`` AdamW steps: the largest
     parameter difference and the loss differences (fp32; the bar is 1e-5)."""
     cfg = model_config(args)
-    with world_of_one(args.device, "29531") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         pp = _perparam_model(cfg, mesh)
         f2 = _fsdp2_model(cfg, mesh, args.device, bf16=False)
@@ -252,7 +262,7 @@ def step_time(out: dict, args) -> None:
     """perparam vs FSDP2 (both bf16 params, fp32 reduce) vs DDP (fp32 params under bf16 autocast), world of
     one, interleaved steps: median seconds, ratios, and (CUDA) the streams of one step."""
     cfg = model_config(args)
-    with world_of_one(args.device, "29533") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         models = {"perparam_bf16": (_perparam_model(cfg, mesh, _mp_bf16()), None),
                   "fsdp2_bf16": (_fsdp2_model(cfg, mesh, args.device, bf16=True), None),
@@ -280,7 +290,7 @@ def host_syncs(out: dict, args) -> None:
     from perparam import clip_grad_norm_ as perparam_clip
 
     cfg = model_config(args)
-    with world_of_one(args.device, "29535") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         for name, model in (("perparam_bf16", _perparam_model(cfg, mesh, _mp_bf16())),
                             ("fsdp2_bf16", _fsdp2_model(cfg, mesh, args.device, bf16=True))):
@@ -314,7 +324,7 @@ def cpu_tier(out: dict, args) -> None:
     from perparam import OffloadPolicy
 
     cfg = model_config(args)
-    with world_of_one(args.device, "29534") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         runs = {}
         for name, offload in (("device", None), ("cpu_optimizer", OffloadPolicy("cpu", "optimizer"))):
