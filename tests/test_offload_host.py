@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -84,6 +85,7 @@ def _host_tier_on_cpu(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.fast
 def test_host_tier_state_reads_its_values_between_steps_and_steps_bitwise_like_no_offload():
     for r in run_distributed(_host_tier_on_cpu, 2):
         assert r["slots"] == 2 * 15 and r["params_equal"] and r["state_dict_equal"], r  # exp_avg, exp_avg_sq
