@@ -134,7 +134,9 @@ def run(out: dict, args=None) -> None:
     own = not dist.is_initialized()
     if own:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
+        from benchmarks.gpu_sections import free_port
+
+        os.environ["MASTER_PORT"] = free_port()  # (a fixed one collided with another run on the machine)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
         if device == "cuda":

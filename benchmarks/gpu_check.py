@@ -22,21 +22,24 @@ budget on an H200 (the 27M benchmark model, 20 timed steps):
     perparam and FSDP2 (bf16 params, fp32 reduce) and DDP (bf16 autocast), interleaved steps: medians,
     ratios, the CUDA streams of one step (torch.profiler).
 ``host_syncs`` (15 s)
-    One step of perparam and of FSDP2, forward + backward and optimizer step apart: the host reads and
-    host-data uploads by site (``benchmarks/host_syncs.py``) and ``torch.cuda.set_sync_debug_mode("warn")``'s
-    warnings.
+    One step of perparam and of FSDP2, forward + backward, ``clip_grad_norm_`` (the norm unread) and the
+    optimizer step apart: the host reads and host-data uploads by site (``benchmarks/host_syncs.py``) and
+    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings.
 ``two_ranks`` (60 s)
     Two processes on gloo with the tensors on GPU 0 (NCCL refuses two ranks on one GPU): the toy model against
     one process (``within_1e-5``), collective counts, the order of first use of the process groups on each
     rank (``same_first_use_order``).
 ``cpu_tier`` (60 s)
     ``OffloadPolicy("cpu", "optimizer")`` against no offload: step times, CUDA memory between steps, bitwise
-    parameters, the host's copy waits, whether the offloaded state can be read between steps.
+    parameters, the host's copy waits, whether the offloaded state reads its values between steps (as
+    ``optimizer.state[p][key]`` and through ``state_dict()``).
 
 Then the sections of ``benchmarks/gpu_accelerate.py`` when that file exists (its ``SECTIONS``, a list of
-``(name, section)``, or its ``run(out, args)`` as ``accelerate``), and any given to ``main(extra_sections=)``.
-Every section's dict gets ``ok``, ``seconds`` and, on failure, ``error`` and ``traceback``. With
-``--device cpu`` every section runs on a gloo world of one on CPU (what ``tests/test_gpu_check.py`` runs).
+``(name, section)``, or its ``run(out, args)`` as ``accelerate``, 40 s), and any given to ``main(extra=)``.
+Every section's dict gets ``ok``, ``seconds``, ``budget_s`` and ``over_budget`` (``BUDGET_S``) and, on failure,
+``error`` and ``traceback``; the top level ``wall_s``, ``budget_s`` (the sum, 276 s for all) and
+``over_total_budget`` (past 5 minutes). With ``--device cpu`` every section runs on a gloo world of one on
+CPU (what ``tests/test_gpu_check.py`` runs: the plumbing, not the figures).
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ from benchmarks.gpu_sections import shard_perparam  # noqa: E402
 from benchmarks.model import GPT, GPTConfig, make_batches  # noqa: E402
 
 Section = Callable[[dict, argparse.Namespace], None]
+
+#: each section's time budget on an H200 (seconds; the docstring's figures): written with its result as
+#: ``budget_s``, and ``over_budget`` when it took longer; the whole check's ``budget_s`` is their sum
+BUDGET_S = {"environment": 1, "simulated": 20, "parity": 20, "step_time": 60, "host_syncs": 15, "two_ranks": 60,
+            "cpu_tier": 60, "accelerate": 40}
+TOTAL_BUDGET_S = 300  # five minutes, NCCL start-up and the interpreter included
 
 SECTIONS: list[tuple[str, Section]] = [
     ("environment", gpu_sections.environment),
@@ -232,8 +241,12 @@ def run_sections(sections: list[tuple[str, Section]], args: argparse.Namespace, 
             out["traceback"] = traceback.format_exc()[-4000:]
         finally:
             out["seconds"] = round(time.perf_counter() - t0, 2)
+            if name in BUDGET_S:
+                out["budget_s"] = BUDGET_S[name]
+                out["over_budget"] = out["seconds"] > BUDGET_S[name]
             _clean_up()
             result["wall_s"] = round(time.perf_counter() - result["_t0"], 2)
+            result["over_total_budget"] = result["wall_s"] > TOTAL_BUDGET_S
             _write({k: v for k, v in result.items() if k != "_t0"}, path)
         print(f"gpu_check: {name}: {'ok' if out['ok'] else 'FAILED ' + out['error']} ({out['seconds']} s)",
               flush=True)
@@ -253,7 +266,8 @@ def main(argv: list[str] | None = None, extra: list[tuple[str, Section]] | None 
                              f"{[n for n, _ in sections]}")
         sections = [(n, s) for n, s in sections if n in wanted]
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
-    result = {"_t0": time.perf_counter(), "model": cfg.as_dict(), "device_arg": args.device}
+    result = {"_t0": time.perf_counter(), "model": cfg.as_dict(), "device_arg": args.device,
+              "budget_s": sum(BUDGET_S.get(n, 0) for n, _ in sections)}
     run_sections(sections, args, result, args.json)
     result.pop("_t0")
     try:
@@ -301,6 +315,8 @@ def _render(result: dict) -> None:
         table.add_row("cpu tier: allocated fall / offloaded MiB",
                       f"{c['allocated_fall_bytes'] / mib:.1f} / {c['offloaded_bytes'] / mib:.1f}")
     for name, row in result.items():
+        if isinstance(row, dict) and row.get("over_budget"):
+            table.add_row(f"{name} over its budget (s)", f"{row['seconds']:.0f} > {row['budget_s']}")
         if isinstance(row, dict) and row.get("ok") is False:
             table.add_row(f"{name} FAILED", row["error"][:80])
     Console().print(table)

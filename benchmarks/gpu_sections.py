@@ -67,16 +67,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def free_port() -> str:
+    """A TCP port of 127.0.0.1 nothing listens on now: the sections' stores (fixed ports collided with
+    another run on a shared machine: ``EADDRINUSE``, the section failed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @contextlib.contextmanager
-def world_of_one(device: str, port: str):
-    """A 1-rank process group (NCCL on GPU 0 for ``"cuda"``, gloo for ``"cpu"``; ``MASTER_PORT`` ``port``);
-    yields its 1D mesh; destroys the group (after ``gc.collect()``) on the way out."""
+def world_of_one(device: str, port: str | None = None):
+    """A 1-rank process group (NCCL on GPU 0 for ``"cuda"``, gloo for ``"cpu"``; ``MASTER_PORT`` ``port``,
+    a free one by default); yields its 1D mesh; destroys the group (after ``gc.collect()``) on the way out."""
     import gc
 
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
+    os.environ["MASTER_PORT"] = port or free_port()
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
@@ -197,7 +207,7 @@ def parity(out: dict, args, steps: int = 3) -> None:
     """perparam vs FSDP2, fp32, world of one, the same weights and batch, ``steps`` AdamW steps: the largest
     parameter difference and the loss differences (fp32; the bar is 1e-5)."""
     cfg = model_config(args)
-    with world_of_one(args.device, "29531") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         pp = _perparam_model(cfg, mesh)
         f2 = _fsdp2_model(cfg, mesh, args.device, bf16=False)
@@ -252,7 +262,7 @@ def step_time(out: dict, args) -> None:
     """perparam vs FSDP2 (both bf16 params, fp32 reduce) vs DDP (fp32 params under bf16 autocast), world of
     one, interleaved steps: median seconds, ratios, and (CUDA) the streams of one step."""
     cfg = model_config(args)
-    with world_of_one(args.device, "29533") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         models = {"perparam_bf16": (_perparam_model(cfg, mesh, _mp_bf16()), None),
                   "fsdp2_bf16": (_fsdp2_model(cfg, mesh, args.device, bf16=True), None),
@@ -272,22 +282,26 @@ def step_time(out: dict, args) -> None:
 
 
 def host_syncs(out: dict, args) -> None:
-    """Host syncs of one step (after a warm-up step), forward + backward and the optimizer step apart, for
-    perparam and FSDP2 (bf16): the calls that read device values or upload host data
+    """Host syncs of one step (after a warm-up step), forward + backward, ``clip_grad_norm_`` (perparam's;
+    torch's for FSDP2; the norm not read) and the optimizer step apart, for perparam and FSDP2 (bf16): the calls that read device values or upload host data
     (``benchmarks/host_syncs.py``, by site) and, on CUDA, the warnings of
     ``torch.cuda.set_sync_debug_mode("warn")``."""
     from benchmarks.host_syncs import HostSyncCounter
+    from perparam import clip_grad_norm_ as perparam_clip
 
     cfg = model_config(args)
-    with world_of_one(args.device, "29535") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         for name, model in (("perparam_bf16", _perparam_model(cfg, mesh, _mp_bf16())),
                             ("fsdp2_bf16", _fsdp2_model(cfg, mesh, args.device, bf16=True))):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            clip = perparam_clip if name.startswith("perparam") else torch.nn.utils.clip_grad_norm_
             _step(model, opt, x, y)
+            clip(model.parameters(), 1.0)  # the warm-up's: perparam reads each mesh's axes at its first clip
             _sync(args.device)
             row = out[name] = {}
             for phase, run in (("forward_backward", lambda m=model: m(x, y).backward()),
+                               ("clip_grad_norm", lambda m=model, c=clip: c(m.parameters(), 1.0)),  # norm unread
                                ("optimizer_step", lambda o=opt: (o.step(), o.zero_grad(set_to_none=True)))):
                 with warnings.catch_warnings(record=True) as caught, HostSyncCounter() as counted:
                     warnings.simplefilter("always")
@@ -310,7 +324,7 @@ def cpu_tier(out: dict, args) -> None:
     from perparam import OffloadPolicy
 
     cfg = model_config(args)
-    with world_of_one(args.device, "29534") as mesh:
+    with world_of_one(args.device) as mesh:
         x, y = (t.to(args.device) for t in make_batches(cfg, 1, args.batch)[0])
         runs = {}
         for name, offload in (("device", None), ("cpu_optimizer", OffloadPolicy("cpu", "optimizer"))):
@@ -337,13 +351,25 @@ def cpu_tier(out: dict, args) -> None:
         out["params_bitwise_equal"] = all(torch.equal(params["device"][n], t) for n, t in params["cpu_optimizer"].items())
         out["copy_wait_s_per_step"] = io["wait_s"] / args.steps
         out["copy_back_s_per_step"] = io["evict_s"] / args.steps
-        # the offloaded state read between steps (a state_dict, a logged norm) must read its values, not freed
-        # device memory: first whether each state tensor's storage holds its bytes (no kernel runs), then, only
-        # where every one does, a read
+        # the offloaded state read between steps must read its values, not freed device memory: first as a
+        # logging loop reads it (optimizer.state[p][key], host copies there), then through state_dict() (which
+        # brings it in); each time whether each tensor's storage holds its bytes (no kernel runs), then, only
+        # where every one does, the values against the run without offload
+        def entries(opt):
+            return [v.to_local() if hasattr(v, "to_local") else v for p in opt.param_groups[0]["params"]
+                    for v in opt.state[p].values() if torch.is_tensor(v) and v.dim() > 0]
+
+        def held(state):
+            return [t.untyped_storage().nbytes() >= t.numel() * t.element_size() for t in state]
+
+        direct = entries(runs["cpu_optimizer"]["opt"])
+        out["state_entries_without_storage_between_steps"] = held(direct).count(False)
+        if all(held(direct)):
+            out["state_entries_equal_between_steps"] = all(
+                torch.equal(a.cpu(), b.cpu()) for a, b in zip(direct, entries(runs["device"]["opt"])))
         state = [v.to_local() if hasattr(v, "to_local") else v
                  for s in runs["cpu_optimizer"]["opt"].state_dict()["state"].values() for v in s.values()
                  if torch.is_tensor(v)]
-        held = [t.untyped_storage().nbytes() >= t.numel() * t.element_size() for t in state]
-        out["state_tensors_without_storage_between_steps"] = held.count(False)
-        if all(held):
+        out["state_tensors_without_storage_between_steps"] = held(state).count(False)
+        if all(held(state)):
             out["state_finite_between_steps"] = all(bool(torch.isfinite(t).all()) for t in state)

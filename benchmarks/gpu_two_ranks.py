@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.configs import seeded_full_init
-from benchmarks.gpu_sections import _step, shard_perparam
+from benchmarks.gpu_sections import _step, free_port, shard_perparam
 from benchmarks.model import GPT, GPTConfig, make_batches
 
 
@@ -88,7 +88,8 @@ def two_ranks(out: dict, args, timeout_s: float = 120.0) -> None:
                 "two_rank_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])")
         env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("LOCAL_RANK", None)
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), args.device, "29537", paths[r]], env=env,
+        port = free_port()  # one for both ranks
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), args.device, port, paths[r]], env=env,
                                   cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(2)]
         deadline = time.monotonic() + timeout_s

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import AXIS_NAMES, default_device_type
 
@@ -89,12 +90,19 @@ def outside_copies(root_shape: Sequence[int], root_names: Sequence[str] | None, 
     return n
 
 
+#: DeviceMesh (by identity, weakly) -> the root axes it spans, read once per mesh
+_SPANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _mesh_copies(mesh: DeviceMesh, distinct_axes: Collection[str], replicated_axes: Collection[str]) -> int:
-    """``outside_copies`` of a DeviceMesh: the root axes it spans are those its ranks' coordinates vary along."""
+    """``outside_copies`` of a DeviceMesh: the root axes it spans are those its ranks' coordinates vary along
+    (read from the mesh tensors once per mesh, not at every clip)."""
     root = mesh._get_root_mesh()
-    ranks = mesh.mesh.flatten().tolist()
-    where = torch.stack([(root.mesh == r).nonzero()[0] for r in ranks])  # [mesh size, root ndim]
-    spans = {a for a in range(root.ndim) if bool((where[:, a] != where[0, a]).any())}
+    spans = _SPANS.get(mesh)
+    if spans is None:
+        ranks = mesh.mesh.flatten().tolist()
+        where = torch.stack([(root.mesh == r).nonzero()[0] for r in ranks])  # [mesh size, root ndim]
+        spans = _SPANS[mesh] = frozenset(a for a in range(root.ndim) if bool((where[:, a] != where[0, a]).any()))
     return outside_copies(tuple(root.shape), root.mesh_dim_names, spans, distinct_axes, replicated_axes)
 
 
@@ -139,7 +147,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     holds: it issues one all-reduce (sum) of a ``[world, 2]`` float64 tensor
     (``perparam.comm.collectives.all_reduce_sum``) where row ``r`` carries rank ``r``'s contribution and zeros
     elsewhere (adding zeros is exact), then every rank reduces the same rows in the same order, so the norm
-    is bitwise equal on every rank. Every gradient is then scaled by ``min(max_norm / (norm + 1e-6), 1)``
+    is bitwise equal on every rank; one value is read back to the host (whether some rank refused, so every
+    rank raises alike), the norm stays on the device. Every gradient is then scaled by ``min(max_norm / (norm + 1e-6), 1)``
     (``torch.nn.utils.clip_grads_with_norm_``), in place on the local shards. ``error_if_nonfinite`` and
     ``foreach`` mean what they mean to torch.
 

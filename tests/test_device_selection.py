@@ -56,6 +56,23 @@ def test_distributed_session_sets_the_local_rank_gpu_and_creates_the_nccl_commun
     assert calls["destroyed"]
 
 
+def test_the_main_job_sets_the_local_rank_gpu_and_creates_the_nccl_communicator_at_init(monkeypatch):
+    from perparam.finetune.train import setup_distributed
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("init", (backend, kw)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert setup_distributed(30.0) == (3, 4, torch.device("cuda", 1))
+    assert calls["set_device"] == torch.device("cuda", 1)
+    backend, kwargs = calls["init"]
+    assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 1)
+
+
 def test_serialised_cuda_streams_are_warned_about_on_a_device_mesh_only():
     from perparam.comm.process_groups import serialised_streams_warning
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.gpu_check import SECTIONS, main, parse_args, simulated_memory
+from benchmarks.gpu_check import BUDGET_S, SECTIONS, TOTAL_BUDGET_S, main, parse_args, simulated_memory
 from benchmarks.model import GPTConfig
 
 CPU_QUICK = ["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch", "2"]
@@ -38,6 +38,10 @@ def test_simulated_eight_rank_model_state_matches_the_layout(rank):
     assert measured["grads"] == predicted["grads"] + sim["used_flag_bytes"]
     assert measured["optimizer"] == predicted["optimizer"] + sim["adamw_step_counter_bytes"]
     assert len(sim["unsharded_group_bytes"]) == 4  # embeddings, 2 blocks, [norm, head]; the root has none
+
+
+def test_the_section_budgets_add_up_to_under_five_minutes():
+    assert {n for n, _ in SECTIONS} < set(BUDGET_S) and sum(BUDGET_S.values()) <= TOTAL_BUDGET_S == 300
 
 
 def test_a_failing_section_leaves_its_error_and_the_next_sections_run_with_the_json_written_after_each(tmp_path):
@@ -72,10 +76,15 @@ def test_every_section_but_two_ranks_runs_on_cpu_and_says_what_it_measured(tmp_p
     assert result["simulated"]["params_match_plan"] and result["simulated"]["grads_match_plan"]
     assert result["parity"]["within_1e-5"], result["parity"]
     assert {"perparam_bf16", "fsdp2_bf16", "ddp_autocast_bf16"} <= set(result["step_time"])
-    fb = result["host_syncs"]["perparam_bf16"]["forward_backward"]
-    assert fb["counted"] == 0, fb["sites"]  # nothing read back or uploaded in forward and backward
-    assert result["cpu_tier"]["params_bitwise_equal"]
-    assert result["cpu_tier"]["state_tensors_without_storage_between_steps"] == 0
+    syncs = result["host_syncs"]["perparam_bf16"]
+    assert syncs["forward_backward"]["counted"] == 0, syncs  # nothing read back or uploaded in forward and backward
+    [(site, n)] = syncs["clip_grad_norm"]["sites"].items()  # the agreement that no rank refused a gradient
+    assert site.startswith("perparam/clip.py:") and n == 1, syncs
+    tier = result["cpu_tier"]
+    assert tier["params_bitwise_equal"] and tier["state_entries_equal_between_steps"], tier
+    assert tier["state_entries_without_storage_between_steps"] == tier["state_tensors_without_storage_between_steps"] == 0
+    assert all(result[n]["budget_s"] > 0 and "over_budget" in result[n] for n in names.split(","))
+    assert result["budget_s"] == sum(BUDGET_S[n] for n in names.split(",")) and "over_total_budget" in result
 
 
 def test_the_two_rank_section_trains_like_one_process_with_the_same_process_group_order_on_both_ranks():

@@ -1,8 +1,10 @@
 """No host sync on the hot path: a training step's forward and backward read nothing back from the device
-and upload no host data (``benchmarks/host_syncs.py`` counts the calls that would block the host on CUDA:
-``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``, ``torch.tensor(data, device=...)``, ...), whatever the
-reduction path: gloo's zero-copy and packed reduce-scatters, replicated parameters' all-reduce, HSDP, int8
-gradient reduce-scatter, NF4 stored weights; world sizes with empty shards. The used flags are device
+and upload no host data, and the rest of the step (``clip_grad_norm_`` whose norm is not read, AdamW's step,
+``zero_grad``) reads one value back, ``clip_grad_norm_``'s agreement that no rank refused a gradient
+(``benchmarks/host_syncs.py`` counts the calls that would block the host on CUDA: ``.item()``, ``bool(t)``,
+``.tolist()``, ``.cpu()``, ``torch.tensor(data, device=...)``, ...), whatever the reduction path: gloo's
+zero-copy and packed reduce-scatters, replicated parameters' all-reduce, HSDP, int8 gradient reduce-scatter,
+int8 all-gathers (their scales), NF4 stored weights; world sizes with empty shards. The used flags are device
 constants (``perparam.runtime.reduction.used_flags``); their sums are read back only on a rank that lacked a
 gradient a peer may have had (a rank-dependent branch)."""
 
@@ -27,6 +29,8 @@ def _policy(case: str):
         return {"*norm*": ParamPolicy(placement=Replicate())}
     if case == "int8_grads":
         return {"*fc*": ParamPolicy(grad_quant="int8")}
+    if case == "int8_gather":
+        return {"*fc*": ParamPolicy(quant=QuantPolicy("int8"))}
     if case == "nf4":
         return {"*fc1.weight": ParamPolicy(requires_grad=False, quant=QuantPolicy("nf4", store_quantized=True))}
     return None
@@ -42,26 +46,35 @@ def _steps(rank: int, world_size: int, case: str) -> dict:
     for block in model.blocks:
         perparam.fully_shard(block, mesh=mesh, param_policy=_policy(case))
     perparam.fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 12)[0])
-    counts = []
+    counts, rest = [], []
     for _ in range(3):
         with HostSyncCounter() as syncs:
             F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
         counts.append(dict(syncs.sites))
-    return {"counts": counts}
+        with HostSyncCounter() as syncs:  # the rest of the step: the norm is not read (a log would read it)
+            perparam.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        rest.append({site: n for site, n in syncs.sites.items() if site.startswith("perparam/")})
+    return {"counts": counts, "rest": rest}
 
 
-def test_forward_and_backward_read_nothing_back_and_upload_nothing_on_every_reduction_path():
-    for world, cases in ((2, ("default", "packed", "replicated", "int8_grads", "nf4")), (3, ("default", "packed")),
-                         (4, ("hsdp",))):
+def test_a_step_reads_back_only_the_clip_agreement_and_uploads_nothing_on_every_reduction_path():
+    for world, cases in ((2, ("default", "packed", "replicated", "int8_grads", "int8_gather", "nf4")),
+                         (3, ("default", "packed")), (4, ("hsdp",))):
         for case in cases:
             for r in run_distributed(_steps, world, case):
                 # the first step uploads each distinct flag pattern once, then they are device constants
                 assert all("reduction.py" in site and "upload" in site for site in r["counts"][0]), r["counts"]
                 assert r["counts"][1:] == [{}, {}], (world, case, r["counts"])
+                # clip_grad_norm_ + AdamW's step + zero_grad: perparam reads one value back, clip_grad_norm_'s
+                # agreement that no rank refused a gradient (the mesh tensors are read once per mesh, at the
+                # first clip); AdamW's own reads are of its host step counters, no device sync
+                for rest in r["rest"][1:]:
+                    [(site, n)] = rest.items()
+                    assert site.startswith("perparam/clip.py:") and site.endswith(" bool") and n == 1, rest
 
 
 class _Branchy(nn.Module):

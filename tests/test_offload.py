@@ -343,7 +343,7 @@ def test_rss_anon_falls_by_the_offloaded_bytes_within_5_percent(tmp_path):
 
 
 def test_state_dict_of_an_optimizer_with_host_offloaded_state_brings_the_state_in_first(monkeypatch):
-    # the cpu tier's state (a HostSlot, CUDA only) has no device storage between steps: the optimizer's
+    # the cpu tier's state (a HostSlot, on device meshes) has no device storage between steps: the optimizer's
     # state_dict() must fetch it before handing it out. Here a HostSlot over a CPU tensor stands in
     from types import SimpleNamespace
 

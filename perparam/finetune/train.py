@@ -172,16 +172,18 @@ def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     """Init the default process group from the launcher's environment (unless done already); ``(rank,
     world, device)``."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    kwargs = {}
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        kwargs["device_id"] = device  # NCCL's world communicator created here, on every rank alike
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # one core per rank; the launcher also sets OMP_NUM_THREADS=1
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -8,8 +8,9 @@ parameter's ``ParamOffload`` and installs:
   nothing): before a step, every slot of the optimizer's offloaded parameters is fetched (usually already
   on its way) and waited for; after it, the optimizer's new state tensors are moved into files the first
   time (``Slot``) and every slot is written back and evicted on the I/O thread;
-* a post-accumulate-grad hook on each trainable offloaded parameter: the read-ahead of its optimizer
-  state (and stored shard) starts when its reduced gradient is ready, so it overlaps the rest of backward;
+* the read-ahead of each trainable offloaded parameter's optimizer state (and stored shard) starts when
+  its reduced gradient is accumulated (``ParamOffload.grad_ready``, called by the reduction as each
+  group's gradients land, not at the end of backward), so it overlaps the rest of backward;
 * for ``state="all"``: forward hooks on the group's modules: before the group's forward its stored
   shards are fetched (and the next group's, in the last forward's order), after its forward evicted; and
   the group's ``ParamGroup.offload_hook``, called by every all-gather of the group (forward, backward,
@@ -38,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import host
 from .host import HostSlot
 from .mapped import SHARD_LANE, GradSlot, OffloadError, Slot
 from .scratch import Scratch, ScratchError, scratch_for
@@ -45,7 +47,7 @@ from .scratch import Scratch, ScratchError, scratch_for
 #: live ``ShardedParam``s with an offloaded tier (each carries ``.offload``: its ``ParamOffload``)
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
-#: optimizers holding host-offloaded state that got the state_dict pre-hook (``_bring_in_for_state_dict``)
+#: optimizers holding host-offloaded state that got the state_dict pre-hook (``bring_in``)
 _STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
 _order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
 _current: list[int] = []
@@ -83,6 +85,11 @@ class ParamOffload:
     def files(self) -> list[Slot]:
         """Every slot with a file, the gradient's reserved one included."""
         return list(self.state_slots.values()) + [s for s in (self.shard_slot, self.grad_slot) if s is not None]
+
+    def grad_ready(self) -> None:
+        """Called by the reduction once this parameter's reduced gradient is in its sharded ``.grad``: the
+        read-ahead of its slots for the optimizer step starts now, while backward goes on."""
+        _read_ahead(self)
 
     def _grad_local(self) -> torch.Tensor | None:
         grad = self.sp.sharded.grad
@@ -132,8 +139,8 @@ class ParamOffload:
             local = value._local_tensor if isinstance(value, DTensor) else value
             if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.numel() == 0:
                 continue
-            if (local.device.type == "cpu") != (self.policy.tier == "disk"):
-                continue  # the disk tier holds CPU tensors; the cpu tier holds device tensors
+            if local.device.type != ("cpu" if self.policy.tier == "disk" else self.sp.mesh_device.type):
+                continue  # the disk tier holds CPU tensors; the cpu tier holds the mesh device's tensors
             slot = self.state_slots.get(key)
             if slot is None or not slot.holds(local):
                 out.append((key, local))
@@ -207,7 +214,7 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
     before it packs shards, with ``RuntimeConfig.gather_read_ahead``), or ``None`` when no stored shard is
     offloaded. Raises ``OffloadError`` when a file cannot be made all the same."""
     offloaded = [sp for sp in params if sp.policy.offload.tier == "disk"
-                 or (sp.policy.offload.tier == "cpu" and sp.mesh_device.type != "cpu")]
+                 or (sp.policy.offload.tier == "cpu" and host.tier_moves(sp.mesh_device.type))]
     if not offloaded:
         return None
     _install()
@@ -216,8 +223,6 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
         po = ParamOffload(sp, owner, scratches.get(sp.policy.offload.path))
         sp.offload = po
         _OWNERS.add(sp)
-        if sp.sharded.requires_grad:
-            sp.sharded.register_post_accumulate_grad_hook(lambda _p, po=po: _read_ahead(po))
         if po.shards:
             po.adopt({})
             local = sp.local_shard()
@@ -312,8 +317,11 @@ def _pre_step(optimizer, args, kwargs) -> None:
         # between steps host-offloaded state has no device storage: optimizer.state_dict() (a checkpoint, a
         # logged norm of it) would hand out tensors over freed memory; it brings the state in first
         _STATE_DICT_HOOKED.add(optimizer)
-        optimizer.register_state_dict_pre_hook(_bring_in_for_state_dict)
-    for _, po in found:
+        optimizer.register_state_dict_pre_hook(bring_in)
+    for p, po in found:
+        state = optimizer.state.get(p, {})
+        for key, slot in host.slots_of(po):
+            slot.unpark(state, key)  # the device tensor back in the optimizer's state (HostSlot.park)
         _read_ahead(po)
     errors = []
     for _, po in found:
@@ -325,10 +333,6 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if errors:  # every slot waited for: the step can be retried once the cause is gone
         more = f" ({len(errors) - 1} more tensors failed alike)" if len(errors) > 1 else ""
         raise OffloadError(f"{errors[0]}{more}; the optimizer step did not run")
-
-
-def _bring_in_for_state_dict(optimizer) -> None:
-    bring_in(optimizer)
 
 
 def bring_in(optimizer) -> None:
@@ -358,9 +362,13 @@ def _post_step(optimizer, args, kwargs) -> None:
         po.adopt(optimizer.state.get(p, {}))
     if need:
         trim_heap()  # the state's first home was anonymous memory, now free: give it back to the system
-    for _, po in found:
+    host.evict_all([slot for _, po in found for _, slot in host.slots_of(po)])  # one host wait for all copies
+    for p, po in found:
         for slot in po.slots():
             slot.evict(write=slot is not po.grad_slot)  # the step read the gradient and wrote nothing there
+        state = optimizer.state.get(p, {})
+        for key, slot in host.slots_of(po):
+            slot.park(state, key)  # between steps the state entry is the host copy, not freed device memory
 
 
 def trim_heap() -> None:

@@ -130,7 +130,8 @@ class Reductions:
     def _accumulate(self, item: PendingReduce) -> None:
         """Divide the summed gradients by ``divisor`` (after the all-reduce hook, if any) and add each
         parameter's piece to its sharded ``.grad``; a parameter some rank had a gradient for is queued for
-        its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward)."""
+        its post-accumulate-grad hooks (``IterationContext.run_grad_hooks``, at the end of backward); an
+        offloaded one starts its optimizer state's read-ahead at once (``offload.grad_ready()``)."""
         recv, n = item.recv, len(item.params)
         flags = item.summed_flags()  # before any hook or division; read back only where this rank lacked one
         grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
@@ -160,4 +161,6 @@ class Reductions:
                 p.accumulate_whole_grad(local)
             else:
                 p.accumulate_sharded_grad(local, None if i in divided else divisor)
+            if p.offload is not None:
+                p.offload.grad_ready()  # its optimizer state's read-ahead starts now, while backward goes on
             due.append((item.seq, i, p))
