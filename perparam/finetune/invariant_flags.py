@@ -62,13 +62,18 @@ def check(cfg: JobConfig, world: int) -> None:
         raise FinetuneInputError(f"--invariant-units with --grad-quant {cfg.grad_quant}: quantized gradient "
                                  "reduction scales blocks of each rank's shard, which moves with the rank count; "
                                  "drop --grad-quant")
+    if cfg.grad_accum & (cfg.grad_accum - 1):
+        raise FinetuneInputError(f"--invariant-units with --grad-accum {cfg.grad_accum}: a step's U x grad-accum "
+                                 "units are summed in one binary tree; pass a power of two (1, 2, 4, ...)")
+    if cfg.zero_stage == 1:
+        raise FinetuneInputError("--invariant-units with --zero-stage 1: stage 1 all-reduces whole gradients, "
+                                 "which the K-invariant mode does not support yet; pass --zero-stage 2 or 3")
+    if cfg.dp_replicate > 1:
+        raise FinetuneInputError(f"--invariant-units with --dp-replicate {cfg.dp_replicate}: HSDP meshes are "
+                                 "not supported by the K-invariant mode yet; pass --dp-replicate 1")
     if importlib.util.find_spec(MODE_MODULE) is None:
         raise FinetuneInputError(f"--invariant-units {u}: this perparam has no K-invariant mode ({MODE_MODULE}, "
                                  "docs/invariant.md) to run the units with; drop --invariant-units")
-    # perparam.InvariantUnits exists, but the job does not yet run its units, clip and losses through it:
-    # running on would be the normal arithmetic under a flag that promises the same bits at every --nproc
-    raise FinetuneInputError(f"--invariant-units {u}: the job does not run its steps through "
-                             "perparam.InvariantUnits yet (docs/invariant.md, 'Not yet'); drop --invariant-units")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:
