@@ -64,6 +64,18 @@ def test_the_global_batch_is_cut_into_the_same_units_on_1_2_and_4_ranks():
         invariant_flags.units(rows[:8], 3)
 
 
+
+def test_the_heldout_rows_are_a_multiple_of_the_units_the_same_at_every_nproc():
+    from perparam.finetune.data import prepare_data
+    from perparam.finetune.errors import FinetuneInputError
+    from perparam.finetune.tokenizer import ByteTokenizer
+
+    docs = [("a", "x" * 2000), ("b", "y" * 700)]  # 10 held-out rows of 64; 200 tokens ask for 4
+    rows = {k: prepare_data(docs, (), ByteTokenizer(), 63, k, 200, "t", eval_pieces=8).heldout for k in (1, 2, 4)}
+    assert all(torch.equal(r, rows[1]) for r in rows.values()) and rows[1].shape[0] == 8  # not 4 (nor 3 or 5)
+    with pytest.raises(FinetuneInputError, match="--invariant-units 16: the held-out text gives fewer than 16"):
+        prepare_data(docs, (), ByteTokenizer(), 63, 2, 2000, "t", eval_pieces=16)
+
 def _launch(out: Path, text: Path, name: str, nproc: int, *flags: str) -> subprocess.Popen:
     argv = [*TINY, "--text", str(text), "--nproc", str(nproc), *RUN, "--summary-json",
             str(out / f"{name}.json"), "--export", str(out / f"{name}.gguf"), *flags]
