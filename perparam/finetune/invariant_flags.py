@@ -9,9 +9,12 @@ so a checkpoint saved at one ``--nproc`` resumes at another at the same rows. Ev
 count).
 
 The rule, checked by the launcher before any worker starts (one line each): ``U`` a power of two, ``K``
-(``--nproc``, the data-parallel ranks) dividing ``U``, ``U`` dividing ``--batch-size``; tensor parallelism
-(``--tp`` above 1: a layer's matmul summed across ranks) and quantized gradient reduction (``--grad-quant``:
-blocks scaled per rank's shard) refused, each named.
+(``--nproc``, the data-parallel ranks) dividing ``U``, ``U`` dividing ``--batch-size``, ``--grad-accum`` a
+power of two (a step's ``U x N`` units form one tree); tensor parallelism (``--tp`` above 1: a layer's matmul
+summed across ranks) and quantized gradient reduction (``--grad-quant``: blocks scaled per rank's shard)
+refused, and what ``perparam.InvariantUnits`` does not support yet (``--zero-stage 1``'s whole-gradient
+all-reduce, ``--dp-replicate`` above 1: HSDP), each named. The job's step and held-out loss under the flag:
+:mod:`~perparam.finetune.invariant_steps`.
 """
 
 from __future__ import annotations
