@@ -47,6 +47,12 @@ def test_invariant_units_without_the_library_mode_are_refused_not_run_silently(c
                           "no K-invariant mode (perparam.no_such_mode")
 
 
+def test_invariant_units_on_cuda_with_several_ranks_are_refused_before_workers_start(capsys, text_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--invariant-units", "4", "--nproc", "2"],
+                          "--invariant-units on CUDA with --nproc 2")
+
+
 def test_the_global_batch_is_cut_into_the_same_units_on_1_2_and_4_ranks():
     rows = torch.arange(40 * 9).reshape(40, 9)
     stream = BatchStream(rows, batch_size=8, seed=3)

@@ -79,6 +79,16 @@ def check(cfg: JobConfig, world: int) -> None:
                                  "docs/invariant.md) to run the units with; drop --invariant-units")
 
 
+def check_device(cfg: JobConfig, world: int, cuda: bool) -> None:
+    """One-line :class:`FinetuneInputError` for ``--invariant-units`` on CUDA with more than one rank:
+    ``perparam.InvariantUnits`` all-reduces its loss and norm vectors as CPU tensors (an NCCL group carries
+    CUDA tensors only), and the bitwise equality is measured on CPU hosts (gloo) only."""
+    if cfg.invariant_units is not None and cuda and world > 1:
+        raise FinetuneInputError(f"--invariant-units on CUDA with --nproc {world}: the K-invariant mode's loss and "
+                                 "norm sums are CPU tensors, which NCCL cannot all-reduce (measured on CPU hosts "
+                                 "only); run on CPU (CUDA_VISIBLE_DEVICES=) or with --nproc 1")
+
+
 def worker_argv(cfg: JobConfig) -> list[str]:
     return [] if cfg.invariant_units is None else ["--invariant-units", str(cfg.invariant_units)]
 
