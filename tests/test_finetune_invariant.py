@@ -33,9 +33,7 @@ RUN = ("--invariant-units", "4", "--max-grad-norm", "0.5", "--eval-every", "2")
     (["--invariant-units", "4", "--nproc", "2", "--grad-quant", "int8"],
      "--invariant-units with --grad-quant int8: quantized gradient reduction"),
     (["--invariant-units", "4", "--grad-accum", "3"], "--invariant-units with --grad-accum 3: a step's U x"),
-    (["--invariant-units", "4", "--zero-stage", "1"], "--invariant-units with --zero-stage 1: stage 1"),
-    (["--invariant-units", "4", "--nproc", "4", "--dp-replicate", "2"],
-     "--invariant-units with --dp-replicate 2: HSDP"),
+    (["--invariant-units", "4", "--quant", "int8"], "--invariant-units with --quant int8: a quantized all-gather"),
 ])
 def test_invariant_units_rule_and_refused_flags_are_one_line_errors(capsys, text_dir, flags, expect):
     assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), *flags], expect)

@@ -11,10 +11,9 @@ count).
 The rule, checked by the launcher before any worker starts (one line each): ``U`` a power of two, ``K``
 (``--nproc``, the data-parallel ranks) dividing ``U``, ``U`` dividing ``--batch-size``, ``--grad-accum`` a
 power of two (a step's ``U x N`` units form one tree); tensor parallelism (``--tp`` above 1: a layer's matmul
-summed across ranks) and quantized gradient reduction (``--grad-quant``: blocks scaled per rank's shard)
-refused, and what ``perparam.InvariantUnits`` does not support yet (``--zero-stage 1``'s whole-gradient
-all-reduce, ``--dp-replicate`` above 1: HSDP), each named. The job's step and held-out loss under the flag:
-:mod:`~perparam.finetune.invariant_steps`.
+summed across ranks), quantized gradient reduction (``--grad-quant``: blocks scaled per rank's shard) and a
+quantized all-gather (``--quant``: blocks over each rank's flattened shard) refused, each named. The job's
+step and held-out loss under the flag: :mod:`~perparam.finetune.invariant_steps`.
 """
 
 from __future__ import annotations
@@ -68,12 +67,10 @@ def check(cfg: JobConfig, world: int) -> None:
     if cfg.grad_accum & (cfg.grad_accum - 1):
         raise FinetuneInputError(f"--invariant-units with --grad-accum {cfg.grad_accum}: a step's U x grad-accum "
                                  "units are summed in one binary tree; pass a power of two (1, 2, 4, ...)")
-    if cfg.zero_stage == 1:
-        raise FinetuneInputError("--invariant-units with --zero-stage 1: stage 1 all-reduces whole gradients, "
-                                 "which the K-invariant mode does not support yet; pass --zero-stage 2 or 3")
-    if cfg.dp_replicate > 1:
-        raise FinetuneInputError(f"--invariant-units with --dp-replicate {cfg.dp_replicate}: HSDP meshes are "
-                                 "not supported by the K-invariant mode yet; pass --dp-replicate 1")
+    if cfg.quant != "none":
+        raise FinetuneInputError(f"--invariant-units with --quant {cfg.quant}: a quantized all-gather's blocks run "
+                                 "over each rank's flattened shard, so the gathered weights move with the rank "
+                                 "count; drop --quant (--qlora's NF4-stored base gathers exactly and is accepted)")
     if importlib.util.find_spec(MODE_MODULE) is None:
         raise FinetuneInputError(f"--invariant-units {u}: this perparam has no K-invariant mode ({MODE_MODULE}, "
                                  "docs/invariant.md) to run the units with; drop --invariant-units")
