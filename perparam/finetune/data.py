@@ -130,23 +130,30 @@ class PreparedData:
 
 
 def prepare_data(docs: list[Document], heldout_names: tuple[str, ...], tokenizer, seq_len: int, world: int,
-                 eval_tokens: int, source: str) -> PreparedData:
+                 eval_tokens: int, source: str, eval_pieces: int | None = None) -> PreparedData:
     """Tokenize, split and cut; raises :class:`FinetuneInputError` when the text is too short for ``world``
-    ranks (fewer than one training row or one held-out row per rank)."""
+    ranks (fewer than one training row or one held-out row per rank). ``eval_pieces`` (``--invariant-units``
+    U, a multiple of ``world``): the held-out rows are a multiple of it instead of ``world``, the same rows
+    whatever ``world``."""
     train_docs, held_docs = split_heldout(docs, heldout_names)
     encode = getattr(tokenizer, "encode_batch", None) or (lambda texts: [tokenizer.encode(t) for t in texts])
     train_ids = encode([t for _, t in train_docs])
     held_ids = encode([t for _, t in held_docs])
     train = to_rows(train_ids, seq_len, tokenizer.eos_id)
     wanted_eval = -(-max(eval_tokens, 1) // seq_len)  # rows covering eval_tokens
-    wanted_eval = -(-wanted_eval // world) * world  # rounded up to a multiple of the world size
+    multiple = eval_pieces or world
+    wanted_eval = -(-wanted_eval // multiple) * multiple  # rounded up to a multiple of the world size (or U)
     heldout = to_rows(held_ids, seq_len, tokenizer.eos_id, max_rows=wanted_eval)
-    heldout = heldout[: heldout.shape[0] // world * world]
+    heldout = heldout[: heldout.shape[0] // multiple * multiple]
     hint = "use fewer processes (--nproc), a shorter --seq-len or more text"
     if train.shape[0] < world:
         raise FinetuneInputError(f"--nproc {world} is larger than the data allows: the training text gives "
                                  f"only {train.shape[0]} rows of {seq_len + 1} tokens, one per rank is "
                                  f"needed; {hint}")
+    if eval_pieces and heldout.shape[0] < eval_pieces:
+        raise FinetuneInputError(f"--invariant-units {eval_pieces}: the held-out text gives fewer than "
+                                 f"{eval_pieces} rows of {seq_len + 1} tokens (one per unit is needed); pass a "
+                                 "smaller --invariant-units, a shorter --seq-len or more text")
     if heldout.shape[0] < world:
         raise FinetuneInputError(f"--nproc {world} is larger than the data allows: the held-out text gives "
                                  f"fewer than {world} rows of {seq_len + 1} tokens; {hint}")

@@ -9,9 +9,11 @@ so a checkpoint saved at one ``--nproc`` resumes at another at the same rows. Ev
 count).
 
 The rule, checked by the launcher before any worker starts (one line each): ``U`` a power of two, ``K``
-(``--nproc``, the data-parallel ranks) dividing ``U``, ``U`` dividing ``--batch-size``; tensor parallelism
-(``--tp`` above 1: a layer's matmul summed across ranks) and quantized gradient reduction (``--grad-quant``:
-blocks scaled per rank's shard) refused, each named.
+(``--nproc``, the data-parallel ranks) dividing ``U``, ``U`` dividing ``--batch-size``, ``--grad-accum`` a
+power of two (a step's ``U x N`` units form one tree); tensor parallelism (``--tp`` above 1: a layer's matmul
+summed across ranks), quantized gradient reduction (``--grad-quant``: blocks scaled per rank's shard) and a
+quantized all-gather (``--quant``: blocks over each rank's flattened shard) refused, each named. The job's
+step and held-out loss under the flag: :mod:`~perparam.finetune.invariant_steps`.
 """
 
 from __future__ import annotations
@@ -62,13 +64,26 @@ def check(cfg: JobConfig, world: int) -> None:
         raise FinetuneInputError(f"--invariant-units with --grad-quant {cfg.grad_quant}: quantized gradient "
                                  "reduction scales blocks of each rank's shard, which moves with the rank count; "
                                  "drop --grad-quant")
+    if cfg.grad_accum & (cfg.grad_accum - 1):
+        raise FinetuneInputError(f"--invariant-units with --grad-accum {cfg.grad_accum}: a step's U x grad-accum "
+                                 "units are summed in one binary tree; pass a power of two (1, 2, 4, ...)")
+    if cfg.quant != "none":
+        raise FinetuneInputError(f"--invariant-units with --quant {cfg.quant}: a quantized all-gather's blocks run "
+                                 "over each rank's flattened shard, so the gathered weights move with the rank "
+                                 "count; drop --quant (--qlora's NF4-stored base gathers exactly and is accepted)")
     if importlib.util.find_spec(MODE_MODULE) is None:
         raise FinetuneInputError(f"--invariant-units {u}: this perparam has no K-invariant mode ({MODE_MODULE}, "
                                  "docs/invariant.md) to run the units with; drop --invariant-units")
-    # perparam.InvariantUnits exists, but the job does not yet run its units, clip and losses through it:
-    # running on would be the normal arithmetic under a flag that promises the same bits at every --nproc
-    raise FinetuneInputError(f"--invariant-units {u}: the job does not run its steps through "
-                             "perparam.InvariantUnits yet (docs/invariant.md, 'Not yet'); drop --invariant-units")
+
+
+def check_device(cfg: JobConfig, world: int, cuda: bool) -> None:
+    """One-line :class:`FinetuneInputError` for ``--invariant-units`` on CUDA with more than one rank:
+    ``perparam.InvariantUnits`` all-reduces its loss and norm vectors as CPU tensors (an NCCL group carries
+    CUDA tensors only), and the bitwise equality is measured on CPU hosts (gloo) only."""
+    if cfg.invariant_units is not None and cuda and world > 1:
+        raise FinetuneInputError(f"--invariant-units on CUDA with --nproc {world}: the K-invariant mode's loss and "
+                                 "norm sums are CPU tensors, which NCCL cannot all-reduce (measured on CPU hosts "
+                                 "only); run on CPU (CUDA_VISIBLE_DEVICES=) or with --nproc 1")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:

@@ -22,7 +22,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perparam.finetune import lifecycle, lora, offload_flags, optimizers, peers, steps, throughput, train
+from perparam.finetune import (
+    invariant_steps,
+    lifecycle,
+    lora,
+    offload_flags,
+    optimizers,
+    peers,
+    steps,
+    throughput,
+    train,
+)
 from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
 from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
@@ -50,6 +60,17 @@ class Run:
     scheduler: object = None  # optimizers.JobSchedule: the learning-rate LambdaLR (schedule.py) on each
     model_cfg: object = None  # the model's LlamaConfig
     offload: object = None  # offload_flags.OffloadChoice: --offload / --memory-budget
+    iu: object = None  # perparam.InvariantUnits under --invariant-units (invariant_steps.py), else None
+
+
+def evaluate(cfg: JobConfig, run: Run) -> float:
+    """The held-out loss of the model now (a collective): summed in a K-independent order under
+    ``--invariant-units`` (``invariant_steps.heldout_loss``), else over the ranks' micro-batches."""
+    if run.iu is None:
+        return heldout_loss(run.model, run.eval_rows, run.device, run.micro)
+    unit_rows = cfg.batch_size // cfg.invariant_units  # chunks of a training unit's rows
+    return invariant_steps.heldout_loss(run.model, run.eval_rows, run.device, unit_rows, cfg.invariant_units,
+                                        run.meshes.dp_rank, run.meshes.dp_size)
 
 
 def setup(cfg: JobConfig, data: PreparedData) -> Run:
@@ -72,6 +93,9 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
                           lora.layer_policy(lora_cfg), zero_stage=cfg.zero_stage, offload=offload,
                           grad_quant=cfg.grad_quant)
     params_total = sum(p.numel() for p in model.parameters())  # global sizes (DTensor.numel)
+    iu = None
+    if cfg.invariant_units is not None:  # the groups reduce in the units' tree order from here on
+        iu = invariant_steps.build(model, cfg.invariant_units, cfg.grad_accum, cfg.seed)
     optimizer = optimizers.build(cfg.optimizer, model, lora.trainable_parameters(model), cfg.lr)
     scheduler = optimizers.JobSchedule(optimizer, cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr)
     layout = f"{dims.dp_shard} shard ranks"
@@ -95,14 +119,15 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
+    run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, float("nan"),
+              first_step, scheduler, llama_cfg, offload, iu)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are)
-    loss_before = heldout_loss(model, eval_rows, device, micro)
+    run.loss_before = evaluate(cfg, run)
     if rank == 0:
         at = f" (step {first_step}, resumed)" if first_step else ""
-        print(f"held-out loss before{at}: {loss_before:.4f}", flush=True)
-    return Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, loss_before,
-               first_step, scheduler, llama_cfg, offload)
+        print(f"held-out loss before{at}: {run.loss_before:.4f}", flush=True)
+    return run
 
 
 @dataclass(frozen=True)
@@ -134,11 +159,16 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
             if cfg.crash_at_step is not None and step == cfg.crash_at_step and run.rank == run.world - 1:
                 os._exit(17)  # test hook: a worker dying mid-run
             began = time.perf_counter()
-            # [B / dp, seq] each: this data-parallel rank's slices; the ranks of one tp group read the same rows
-            batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank, run.meshes.dp_size)
-            result = steps.optimizer_step(run.model, run.optimizer, run.scheduler, batches, run.device,
-                                          cfg.grad_accum, cfg.max_grad_norm)
-            losses.append(mean_over_ranks(result.loss))
+            if run.iu is not None:  # the step's global rows, cut into the same units at every --nproc
+                result = invariant_steps.optimizer_step(run.model, run.optimizer, run.scheduler, run.iu,
+                                                        *stream.global_batch(step), step, run.device,
+                                                        cfg.max_grad_norm)
+                losses.append(float(result.loss))  # the units' tree mean: already the same on every rank
+            else:  # [B / dp, seq] each: this rank's slices; the ranks of one tp group read the same rows
+                batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank, run.meshes.dp_size)
+                result = steps.optimizer_step(run.model, run.optimizer, run.scheduler, batches, run.device,
+                                              cfg.grad_accum, cfg.max_grad_norm)
+                losses.append(mean_over_ranks(result.loss))
             step_s += time.perf_counter() - began
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
@@ -153,7 +183,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                             grad_norm=result.grad_norm, eta_s=elapsed / done * (cfg.steps - step - 1))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 issued = len(comm.records)
-                evals.append((step + 1, heldout_loss(run.model, run.eval_rows, run.device, run.micro)))
+                evals.append((step + 1, evaluate(cfg, run)))
                 del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
@@ -193,7 +223,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
 
         by_mode = lora_memory.mode_comparison(run.model, run.optimizer, dims.dp_shard, cfg.lora_config(),
                                               cfg.zero_stage, train.PARAM_DTYPES[cfg.param_dtype])
-    loss_after = heldout_loss(run.model, run.eval_rows, run.device, run.micro)
+    loss_after = evaluate(cfg, run)
     per_rank: list = [None] * run.world
     dist.all_gather_object(per_rank, state_bytes)
     label = train.zero3_label(dims.dp_replicate, dims.dp_shard, dims.tp)
@@ -201,7 +231,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "world_size": run.world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
         "param_dtype": cfg.param_dtype, "quant": "nf4 (stored)" if cfg.qlora else cfg.quant,
         "grad_quant": cfg.grad_quant or "none",
-        "zero_stage": cfg.zero_stage, "optimizer": cfg.optimizer,
+        "zero_stage": cfg.zero_stage, "optimizer": cfg.optimizer, "invariant_units": cfg.invariant_units,
         "steps": cfg.steps, "model": run.name, "params_total": run.params_total,
         "param_tensors": len(list(run.model.parameters())),
         "seq_len": data.seq_len, "global_batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
