@@ -47,6 +47,11 @@ class InvariantUnits:
         if not groups:
             raise InvariantError("InvariantUnits: the model has no fully_shard-ed group")
         self.part = part = groups[0].parts[0]
+        # the mesh's device: the float64 sums of clip and mean travel on its process groups (NCCL carries no
+        # CPU tensor); a CUDA unit's dropout draws from the CUDA generator, forked and restored with the CPU's
+        cuda = part.mesh.device_type == "cuda"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._rng_devices = [self._device.index] if cuda else []
         # HSDP: the (replicate, shard) coordinates in row-major order, so each replica's ranks hold one
         # contiguous range of units (a node of the tree): the replicas' sums are the tree's top levels
         self.world = part.num_replicas * part.num_shards
@@ -90,7 +95,7 @@ class InvariantUnits:
         unit's gradients join the tree."""
         for g in self.groups:
             g.requires_gradient_sync = False
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=self._rng_devices):
             torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
             yield
         for p in self._params:
@@ -148,7 +153,7 @@ class InvariantUnits:
                 counted = isinstance(place, Shard) or p.shard_rank == 0
                 entries.append((total + (offset[d] if len(shape) else 0), local, d, counted))
             total += shape[d] if len(shape) else 1
-        vec = torch.zeros(total, dtype=torch.float64)
+        vec = torch.zeros(total, dtype=torch.float64, device=self._device)
         for start, local, d, counted in entries:
             if counted and local.numel():
                 slices = local.reshape(1, 1) if not local.dim() else local.movedim(d, 0).contiguous()
@@ -164,7 +169,7 @@ class InvariantUnits:
 
     def mean(self, values) -> torch.Tensor:
         """The mean of every unit's scalar loss (``values``: this rank's, in order), same on every rank."""
-        mine = torch.zeros(self.units, dtype=torch.float64)
+        mine = torch.zeros(self.units, dtype=torch.float64, device=self._device)
         for u, v in zip(self.indices, values):
             mine[u] = float(v)
         collectives.all_reduce_sum(mine, self.part.reduce_shard_pg, what="InvariantUnits.mean")

@@ -77,13 +77,14 @@ def check(cfg: JobConfig, world: int) -> None:
 
 
 def check_device(cfg: JobConfig, world: int, cuda: bool) -> None:
-    """One-line :class:`FinetuneInputError` for ``--invariant-units`` on CUDA with more than one rank:
-    ``perparam.InvariantUnits`` all-reduces its loss and norm vectors as CPU tensors (an NCCL group carries
-    CUDA tensors only), and the bitwise equality is measured on CPU hosts (gloo) only."""
+    """One-line :class:`FinetuneInputError` for ``--invariant-units`` on CUDA with more than one rank: the same
+    bits at every ``--nproc`` are measured on CPU hosts (gloo) only; on CUDA they would also need
+    ``torch.use_deterministic_algorithms`` (atomic-add backward kernels) and have never run (the library's
+    sums travel on the mesh's device, so the collectives themselves are not the obstacle)."""
     if cfg.invariant_units is not None and cuda and world > 1:
-        raise FinetuneInputError(f"--invariant-units on CUDA with --nproc {world}: the K-invariant mode's loss and "
-                                 "norm sums are CPU tensors, which NCCL cannot all-reduce (measured on CPU hosts "
-                                 "only); run on CPU (CUDA_VISIBLE_DEVICES=) or with --nproc 1")
+        raise FinetuneInputError(f"--invariant-units on CUDA with --nproc {world}: the same bits at every --nproc "
+                                 "are measured on CPU hosts only (CUDA kernels need deterministic algorithms, "
+                                 "not yet run); run on CPU (CUDA_VISIBLE_DEVICES=) or with --nproc 1")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:
