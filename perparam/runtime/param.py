@@ -109,6 +109,7 @@ class ShardedParam(ParamGradients):
         self._view: torch.Tensor | None = None
         self._view_of: torch.Tensor | None = None
         self._lend: torch.Tensor | None = None
+        self._no_view = None  # the policy ``shard_view.applies`` last said no for
 
     @property
     def writes(self) -> int:

@@ -50,7 +50,10 @@ def link(sp) -> bool:
     on ``meta`` waits for its ``to_empty``): the buffer is made (or given its storage back), the shard's
     values copied into its own rows, the DTensor's local tensor replaced by the view, and the copy marked
     stale (the other ranks' rows are filled by the next all-gather). Returns whether it linked now."""
-    if not applies(sp) or linked(sp):
+    if linked(sp) or sp._no_view is sp.policy:
+        return False
+    if not applies(sp):
+        sp._no_view = sp.policy  # (asked again only for another policy: a cast makes a new one)
         return False
     local = sp.local_shard()
     if local.is_meta:
