@@ -367,4 +367,3 @@ def kept_bytes(layout: ShardLayout, policy) -> int:
     if not policy.keeps_unsharded:
         return 0
     return math.prod(layout.buffer_shape) * policy.param_dtype.itemsize
-

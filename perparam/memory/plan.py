@@ -265,12 +265,12 @@ def plan_module(
                                           dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
     compute_dtypes = buffer_dtypes([("", module)], lambda m: False)  # norms compute in their statistics' dtype
-    plans = [ParamPlan(r.name, r, r.name in on_tp) for r in resolve_params(named, mp_policy, param_policy, world_size, model_name,
-                                                          aliases=aliases, tensor_parallel=set(on_tp),
-                                                          compute_dtypes=compute_dtypes)]
+    resolved = resolve_params(named, mp_policy, param_policy, world_size, model_name, aliases=aliases,
+                              tensor_parallel=set(on_tp), compute_dtypes=compute_dtypes)
+    plans = [ParamPlan(r.name, r, r.name in on_tp) for r in resolved]
 
-    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy, pp.name in on_tp) for pp in plans)
-    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy, pp.name in on_tp): pp for pp in plans}
+    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy, pp.split_by_tp) for pp in plans)
+    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy, pp.split_by_tp): pp for pp in plans}
     params = [0] * world_size
     states = [0] * world_size  # gradient bytes: elements with a gradient, weighted by grad bytes
     train_numel = [0] * world_size  # elements with optimizer state
