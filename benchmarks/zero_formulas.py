@@ -4,8 +4,8 @@ the benchmark GPT's parameters (fp32 weights and gradients, AdamW: P = G = 4 and
 Per parameter of ``n`` elements on K ranks, ``r = (K - 1) / K``:
 
 * model state, Table 7-2 (ZeRO paper, Sec. 5): DDP ``16 n``, stage 1 ``4n + 4n + 8n/K``, stage 2
-  ``4n + 12n/K``, stage 3 (and FSDP2) ``16n/K``; ``state_with_shard`` adds the ``4n/K`` shard a stage-1/2
-  parameter holds besides its kept whole copy (the copy the optimizer updates; ``docs/zero-stages.md``);
+  ``4n + 12n/K``, stage 3 (and FSDP2) ``16n/K``; a stage-1/2 parameter's shard (the copy the optimizer
+  updates) is a view of its kept whole copy in fp32, so it adds nothing (``docs/zero-stages.md``);
 * bytes sent per step, the ZeRO paper (Sec. 7): DDP and stages 1/2 ``2 r G``, stage 3 ``r (G + 2P)``;
 * bytes sent per step **as run**: stage 1 as perparam implements it (the gradient all-reduced, kept whole,
   plus the refresh all-gather: ``2 r G + r P``), and a stage-3 parameter in a call with
@@ -62,17 +62,14 @@ def _sent_as_run(stage: int, twice: bool, n: int, r: Fraction) -> Fraction:
 
 
 def formulas(name: str, model: nn.Module, world: int) -> dict[str, float]:
-    """``state`` (Table 7-2 bytes per rank), ``state_with_shard`` (plus stage 1/2's shard), ``sent_paper`` and
-    ``sent_as_run`` (bytes per rank and step) of
+    """``state`` (Table 7-2 bytes per rank), ``sent_paper`` and ``sent_as_run`` (bytes per rank and step) of
     configuration ``name`` on ``world`` ranks, summed over ``model``'s parameters."""
     r = Fraction(world - 1, world)
     numel = dict(model.named_parameters())
-    state = shard = sent_paper = sent_run = Fraction(0)
+    state = sent_paper = sent_run = Fraction(0)
     for pname, (stage, twice) in stages(name, model).items():
         n = numel[pname].numel()
         state += _state(stage, n, world)
-        shard += Fraction(P * n, world) if stage in (1, 2) else 0
         sent_paper += _sent_paper(stage, n, r)
         sent_run += _sent_as_run(stage, twice, n, r)
-    return {"state": float(state), "state_with_shard": float(state + shard), "sent_paper": float(sent_paper),
-            "sent_as_run": float(sent_run)}
+    return {"state": float(state), "sent_paper": float(sent_paper), "sent_as_run": float(sent_run)}

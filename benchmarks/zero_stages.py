@@ -108,7 +108,7 @@ def render(result: dict) -> None:
 
     kib = 1024
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    cols = ("config", "state KiB", "Table 7-2 KiB", "x", "x (+P/K)", "sent KiB", "paper KiB", "as run KiB", "x as run",
+    cols = ("config", "state KiB", "Table 7-2 KiB", "x", "sent KiB", "paper KiB", "as run KiB", "x as run",
             "train peak MiB", "step ms", "paired vs DDP", "vs FSDP2", "vs FSDP2 raf=False")
     for w in result["worlds"]:
         la = w["loadavg"]
@@ -124,7 +124,6 @@ def render(result: dict) -> None:
             peak = c.get("training_peak_over_baseline_bytes")
             table.add_row(
                 LABELS[name], f"{state / kib:,.1f}", f"{f['state'] / kib:,.1f}", f"{state / f['state']:.3f}",
-                f"{state / f['state_with_shard']:.3f}",
                 f"{sent / kib:,.1f}", f"{f['sent_paper'] / kib:,.1f}", f"{f['sent_as_run'] / kib:,.1f}",
                 f"{sent / f['sent_as_run']:.4f}", "-" if peak is None else f"{peak / 2 ** 20:.1f}",
                 f"{c['step_time_s']['median'] * 1e3:.1f}",

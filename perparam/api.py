@@ -39,7 +39,7 @@ from .module import (
 )
 from .offload import tier as offload_tier
 from .offload.mapped import OffloadError
-from .runtime import adopt, hooks, hpz, islands, readers, registration
+from .runtime import adopt, hooks, hpz, islands, readers, registration, shard_view
 from .runtime.context import IterationContext
 from .runtime.group import ParamGroup
 from .runtime.param import ShardedParam
@@ -242,6 +242,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         _GROUPS.add(group)
     for sp in sharded_params:
         sp.on_grad_ready = functools.partial(hooks.grad_ready, group)  # called with the parameter
+        shard_view.link(sp)  # stage 1/2 at P: the shard becomes its kept copy's own rows
     for m in modules:
         attach(m, group)
         mark_fully_sharded(m)

@@ -10,8 +10,9 @@ from tests.finetune_helpers import TINY, assert_one_line_error, run_finetune
 
 
 def test_finetune_zero_stage_1_holds_whole_parameters_and_gradients_as_planned_for_stage_1(tmp_path, text_dir):
-    """The flag reaches every ``fully_shard`` call: each rank holds the whole model (kept copies plus shards)
-    and whole gradients, AdamW state sharded (parity of the stages themselves: tests/test_zero_stages.py)."""
+    """The flag reaches every ``fully_shard`` call: each rank holds the whole model (kept copies, the fp32
+    shards views of them) and whole gradients, AdamW state sharded (parity of the stages themselves:
+    tests/test_zero_stages.py)."""
     out = tmp_path / "stage1.json"
     proc = run_finetune(*TINY, "--text", str(text_dir), "--nproc", "2", "--zero-stage", "1",
                         "--summary-json", str(out), timeout=240)
@@ -19,7 +20,7 @@ def test_finetune_zero_stage_1_holds_whole_parameters_and_gradients_as_planned_f
     summary = json.loads(out.read_text())
     assert summary["zero_stage"] == 1
     held, unsharded = summary["model_state_bytes_per_rank"], summary["model_state_bytes_unsharded"]
-    assert held["params"] >= unsharded["params"]  # the kept copy (padded), plus the shard
+    assert held["params"] >= unsharded["params"]  # the kept copy (padded), the shard a view of it
     assert held["grads"] >= unsharded["grads"]  # the whole gradient
     assert held["optimizer"] < unsharded["optimizer"]  # AdamW state sharded over the 2 ranks
     losses = summary["train_losses"]

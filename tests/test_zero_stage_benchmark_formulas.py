@@ -27,7 +27,6 @@ def test_all_stage_configs_state_is_table_7_2_and_ddp_traffic_is_2_r_g(k):
     f1, f2 = formulas("perparam_stage1", MODEL, k), formulas("perparam_stage2", MODEL, k)
     assert formulas("ddp", MODEL, k)["sent_as_run"] == pytest.approx(ddp) == f2["sent_as_run"] == f1["sent_paper"]
     assert f1["sent_as_run"] == pytest.approx(1.5 * ddp)  # all-reduced gradient plus the refresh all-gather
-    assert f1["state_with_shard"] - f1["state"] == pytest.approx(4 * N / k)
 
 
 def test_stage_3_gathers_the_kept_head_group_once_and_fsdp2_keep_everything_once():

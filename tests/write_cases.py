@@ -18,7 +18,9 @@ METHODS = ("mul_", "foreach_mul_", "ema_foreach_lerp_", "data_full", "data_dtens
            "init_normal_", "init_trunc_normal_", "reset_parameters", "load_state_dict", "set_model_state_dict",
            "sgd_foreach", "adam_fused", "adamw_for_loop", "averaged_model", "to_local", "to_local_marked")
 #: the cells a write is refused in (a write into ``to_local()`` under a stage-1/2 kept copy, which no count
-#: shared by every rank sees), by ranks whose shard of ``model[0].weight`` has rows; every other cell is
+#: shared by every rank sees: the fp32 shard is a view of the copy's own rows, so this rank's rows change, but
+#: the peers' copies would not; refused whatever it wrote), by ranks whose shard of ``model[0].weight`` has
+#: rows; every other cell is
 #: seen: the next forward uses the written values (stage-3 kept storage sees ``to_local()`` writes by the
 #: local shard's version, which every rank bumps alike when every rank writes)
 REFUSED = {("to_local", "stage1"), ("to_local", "stage2")}

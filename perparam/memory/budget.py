@@ -16,7 +16,8 @@ place            bytes it keeps in device memory  bytes moved between tiers per 
                                                   reduction, read before the step); 2 S frozen
 ===============  ==============================  ==========================================================
 
-Stage 2 (``ParamPolicy(zero_stage=2)``) adds U to what a parameter keeps and saves one all-gather per step
+Stage 2 (``ParamPolicy(zero_stage=2)``) adds U to what a parameter keeps (U - S in place ``device`` where
+the shard is a view of the copy, ``sharding.resolution.shard_in_kept``) and saves one all-gather per step
 (stage 3 sends r(G + 2P), stage 2 r(G + P), ``perparam.memory.stage_budget``): W bytes fewer per rank. The
 planner gives it only to trainable stage-3 parameters in place ``device`` or ``optimizer``. With several
 backwards per step (gradient accumulation), ``all`` moves 2 G more per extra backward (the gradient is
@@ -36,6 +37,7 @@ parameters (``all``), largest first, until it fits, at stage 3. Units: bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -58,11 +60,14 @@ class _Param:
     u: int = 0  # the unsharded copy stage 2 would keep (0: stage 2 not offered to it)
     w: int = 0  # bytes one all-gather sends for it
     base: int = 0  # bytes of a copy its own policy keeps already (stage 1/2 given by the user)
+    #: on the device at stage 1/2 its shard is a view of that copy (``sharding.resolution.shard_in_kept``)
+    in_kept: bool = False
 
     def kept(self, place: str, r: int, stage: int = 3) -> int:
         extra = self.base + (self.u if stage == 2 else 0)
         if place == "device":
-            return self.s[r] + self.g[r] + self.o[r] + extra
+            inside = self.s[r] if self.in_kept and (self.base or stage == 2) else 0
+            return self.s[r] + self.g[r] + self.o[r] + extra - inside
         return self.s[r] + self.g[r] + extra if place == "optimizer" else (0 if self.trainable else self.g[r]) + extra
 
     def moved(self, place: str, r: int) -> int:
@@ -75,6 +80,7 @@ class _Param:
 
 def _params(plan: ModelPlan) -> list[_Param]:
     from perparam.memory.plan import kept_bytes
+    from perparam.sharding.resolution import shard_in_kept
 
     k = plan.world_size
     out = []
@@ -85,10 +91,12 @@ def _params(plan: ModelPlan) -> list[_Param]:
         policy = pp.resolution.policy
         stage2 = trainable and pp.layout.gathered and policy.zero_stage == 3 and pp.wire_bytes > 0
         u = math.prod(pp.layout.buffer_shape) * policy.param_dtype.itemsize if stage2 else 0
+        staged = dataclasses.replace(policy, zero_stage=2) if stage2 else policy  # (its own stage 1/2 else)
         out.append(_Param(pp.name, trainable, tuple(pp.stored_bytes(r) for r in range(k)),
                           tuple(int(n * g) if trainable else 0 for n in numel),
                           tuple(int(n * plan.optim_bytes) if trainable else 0 for n in numel),
-                          u, pp.wire_bytes, kept_bytes(pp.layout, policy)))
+                          u, pp.wire_bytes, kept_bytes(pp.layout, policy),
+                          shard_in_kept(staged, pp.split_by_tp)))
     return out
 
 

@@ -361,7 +361,9 @@ def kept_bytes(layout: ShardLayout, policy) -> int:
     """Bytes of the unsharded copy a stage-1/2 parameter keeps on every rank (``ParamPolicy.zero_stage``):
     its padded buffer (``layout.buffer_shape``, K chunks) in ``param_dtype``; 0 for stage 3 and
     replicated parameters. Counted in the P row: with it, a stage-1/2 rank holds P (this copy, in the
-    compute dtype) plus its shard, the optimizer's copy (P/K in the stored dtype)."""
+    compute dtype), and its shard (the optimizer's copy, P/K in the stored dtype) either inside it
+    (``perparam.sharding.resolution.shard_in_kept``: Table 7-2's P) or beside it (a ``param_dtype`` cast,
+    quantization, an offload tier, tensor parallelism: P + P/K)."""
     if not policy.keeps_unsharded:
         return 0
     return math.prod(layout.buffer_shape) * policy.param_dtype.itemsize

@@ -31,6 +31,7 @@ from perparam.memory import formulas
 from perparam.memory.formulas import GB, BytesPerParam, Number, StageMemory, as_json_number, exact
 from perparam.memory.presets import PRESETS
 from perparam.memory.tp_plan import tp_local_shape, tp_placements
+from perparam.sharding import resolution
 from perparam.sharding.grad_quant import wire_bytes
 from perparam.sharding.layout import ShardLayout
 from perparam.sharding.owners import NS_STEPS, OwnerPlan, plan_shapes
@@ -58,6 +59,7 @@ class ParamPlan:
 
     name: str
     resolution: ParamResolution  # what fully_shard resolves for it (perparam.sharding.resolution)
+    split_by_tp: bool = False  # a tensor-parallel parameter (sharded over dp as its tp-local tensor)
 
     @property
     def layout(self) -> ShardLayout:
@@ -263,22 +265,23 @@ def plan_module(
                                           dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
     compute_dtypes = buffer_dtypes([("", module)], lambda m: False)  # norms compute in their statistics' dtype
-    plans = [ParamPlan(r.name, r) for r in resolve_params(named, mp_policy, param_policy, world_size, model_name,
-                                                          aliases=aliases, tensor_parallel=set(on_tp),
-                                                          compute_dtypes=compute_dtypes)]
+    resolved = resolve_params(named, mp_policy, param_policy, world_size, model_name, aliases=aliases,
+                              tensor_parallel=set(on_tp), compute_dtypes=compute_dtypes)
+    plans = [ParamPlan(r.name, r, r.name in on_tp) for r in resolved]
 
-    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy) for pp in plans)
-    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy): pp for pp in plans}
+    groups = Counter((pp.layout, pp.requires_grad, pp.resolution.policy, pp.split_by_tp) for pp in plans)
+    sample = {(pp.layout, pp.requires_grad, pp.resolution.policy, pp.split_by_tp): pp for pp in plans}
     params = [0] * world_size
     states = [0] * world_size  # gradient bytes: elements with a gradient, weighted by grad bytes
     train_numel = [0] * world_size  # elements with optimizer state
     for key, count in groups.items():
-        layout, trainable, policy = key
+        layout, trainable, policy, split_by_tp = key
         g = layout.itemsize if grad_bytes is None else grad_bytes
         kept = count * kept_bytes(layout, policy)  # stage 1/2: the unsharded copy every rank keeps
+        in_kept = resolution.shard_in_kept(policy, split_by_tp)  # ... and the shard is a view of its own rows
         for r in range(world_size):
             numel = count * layout.local_numel(sample[key].shard_of(r))
-            params[r] += count * sample[key].stored_bytes(r) + kept
+            params[r] += (0 if in_kept else count * sample[key].stored_bytes(r)) + kept
             if trainable:
                 states[r] += (count * layout.numel if policy.whole_grad else numel) * g  # stage 1: whole
                 train_numel[r] += numel
@@ -385,6 +388,7 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
                 "requires_grad": p.requires_grad,
                 "zero_stage": p.resolution.policy.zero_stage,
                 "kept_bytes": kept_bytes(p.layout, p.resolution.policy),
+                "shard_in_kept": resolution.shard_in_kept(p.resolution.policy, p.split_by_tp),
             }
             for p in plan.params
         ]

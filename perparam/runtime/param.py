@@ -24,7 +24,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..sharding.errors import ShardingError
 from ..sharding.resolution import ParamResolution, shard_layout
-from . import registration, writes
+from . import registration, shard_view, writes
 from .param_grads import ParamGradients, _dtensor, _spec, contiguous_stride  # noqa: F401 (contiguous_stride: used by others)
 from .tp import TensorParallel
 
@@ -104,6 +104,12 @@ class ShardedParam(ParamGradients):
         self.aliases: list = []
         self.aliases_lost = False
         self.write_sig: tuple[int, int] | None = None
+        #: stage 1/2 at P (``runtime/shard_view.py``): the local shard as a view of the kept copy's own rows,
+        #: the buffer it views, and the ``.data`` alias the ``state_dict()`` values are views of
+        self._view: torch.Tensor | None = None
+        self._view_of: torch.Tensor | None = None
+        self._lend: torch.Tensor | None = None
+        self._no_view = None  # the policy ``shard_view.applies`` last said no for
 
     @property
     def writes(self) -> int:
@@ -235,6 +241,7 @@ class ShardedParam(ParamGradients):
         self.layout, self.pieces = shard_layout(self.layout.global_shape, self.policy, self.layout.num_shards)
         self.free()
         self._padded = self._padded_data = self._padded_write = self._regions = self.unsharded = None
+        self._view = self._view_of = self._lend = None  # (the cast shard has storage of its own)
         self._padded_nbytes = 0
         self._grad_spec = None  # (its tensor meta holds the dtype)
         self.kept_key = None
@@ -259,7 +266,9 @@ class ShardedParam(ParamGradients):
         return self._padded_write
 
     def free(self) -> None:
-        if self._padded is not None:
+        """Give the padded buffer's storage back (``resize_(0)``), unless the local shard is a view of it
+        (``runtime/shard_view.py``)."""
+        if self._padded is not None and not shard_view.linked(self):
             self._padded.untyped_storage().resize_(0)
 
     def fill_replicated(self) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import reduce_group
 from ..sharding.layout import GroupLayout
-from . import config, registration, zero, zero_copy
+from . import config, registration, shard_view, zero, zero_copy
 from .param import ShardedParam
 from .part_reduce import Reductions
 from .paths import choose
@@ -193,6 +193,8 @@ class MeshPart(Reductions):
         Storage kept as it is whose shard was written since (``zero.check_unwritten``) is compared with it
         first."""
         refresh = [p for p in self.kept if zero.needs_refresh(p)]
+        for p in refresh:  # a shard swapped since (to_empty, a cast, ...) becomes the copy's rows again
+            shard_view.link(p)
         refreshed = {id(p) for p in refresh}
         current = self._alive and fresh
         for p in self.gathered:  # storage kept as it is: written since by a route that does not refresh it?

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.errors import ShardingError
+from . import shard_view
 from .writes import OWNER_KEY
 
 if TYPE_CHECKING:
@@ -117,6 +118,12 @@ def lent(handed) -> None:
             continue  # keep_vars=True: the shard itself, tracked already
         if p.write_sig is None:
             note_gathered([p], force=True)
+        lend = shard_view.lend(p)
+        if lend is not None:  # a view of the shard's lending alias: one entry, alive as long as the parameter
+            value._local_tensor = lend
+            if not p.aliases:
+                p.aliases.append((weakref.ref(p._lend), p._lend._version))
+            continue
         _prune(p)
         p.aliases.append((weakref.ref(local), local._version))
 
@@ -162,11 +169,12 @@ def check_unwritten(p: ShardedParam) -> None:
         return
     if not p.plain or p.tp is not None or p.policy.offload.offloaded or not p.storage_alive:
         return
-    local = p.local_shard()
-    own = p.shard_of(p.unsharded.detach())
-    if torch.equal(own.contiguous().view(torch.uint8), local.to(own.dtype).contiguous().view(torch.uint8)):
-        note_gathered([p], force=True)  # written, but with what it held
-        return
+    if not shard_view.linked(p):  # (a linked shard is the copy's own rows: nothing to compare with)
+        local = p.local_shard()
+        own = p.shard_of(p.unsharded.detach())
+        if torch.equal(own.contiguous().view(torch.uint8), local.to(own.dtype).contiguous().view(torch.uint8)):
+            note_gathered([p], force=True)  # written, but with what it held
+            return
     if p.kept:
         kept = f"ZeRO stage {p.policy.zero_stage}: its unsharded copy is kept across steps"
     else:

@@ -62,7 +62,7 @@ def start(members: list[ShardedParam], group: dist.ProcessGroup, slot_bytes: int
         p.alloc()
         per_rank, own = p.rank_regions()
         regions.append(per_rank)
-        if own is not None:
+        if own is not None and own.data_ptr() != src.data_ptr():  # (a shard viewing its rows: there already)
             dsts.append(own)
             srcs.append(src)
     if dsts:

@@ -142,6 +142,16 @@ def shard_layout(shape: Sequence[int], policy: ResolvedPolicy,
     return layout, pieces
 
 
+def shard_in_kept(policy: ResolvedPolicy, split_by_tp: bool = False) -> bool:
+    """A stage-1/2 parameter whose kept copy holds its shard bit for bit: ``Shard(0)``, the stored dtype is
+    the compute dtype, no quantization (stored or on the wire), no offload tier, stepped per shard, not split
+    by tensor parallelism. Its shard is then a view of the copy's own rows (``perparam.runtime.shard_view``):
+    the parameter costs P per rank, not P + P/K (``perparam.memory`` counts it so)."""
+    return (policy.keeps_unsharded and policy.placement == Shard(0) and policy.stored_dtype == policy.param_dtype
+            and policy.quant is None and not policy.offload.offloaded and policy.update == "shard"
+            and not split_by_tp)
+
+
 @dataclass(frozen=True)
 class ParamResolution:
     """One parameter as ``fully_shard`` shards it: name, resolved policy, layout, all-gather pieces."""
