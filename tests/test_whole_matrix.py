@@ -519,3 +519,54 @@ def test_an_owner_checkpoint_loads_into_plain_shard0_parameters_and_fine_tunes_w
             for name, tensor in saved.items():
                 assert torch.equal(r["loaded"][name], tensor), (k, name)
             assert _max_diff(r["final"], want["final"]) <= 1e-5, k
+
+
+def _held_bytes(shapes, world_size: int) -> int:
+    """Bytes of the rows each matrix's owner holds itself (they never travel), summed over ``shapes``."""
+    from torch.distributed.tensor import Shard
+
+    from perparam.sharding.layout import ShardLayout
+    from perparam.sharding.owners import plan_shapes
+
+    owners = plan_shapes(shapes, world_size).owners
+    return sum(ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o) for s, o in zip(shapes, owners))
+
+
+def _stage1(rank: int, world_size: int) -> list:
+    """``_matrices`` at stage 1 under the owner policy (gradients all-reduced whole onto every rank), 3 Muon
+    steps against ``torch.optim.Muon`` fed the gathered gradient; the third clipped first
+    (``perparam.clip_grad_norm_`` scales each rank's rows in place). Per step: the largest difference, the
+    all-to-alls' bytes this rank sent and the all-reduces at the step."""
+    model = _matrices(rank, world_size, ParamPolicy(update="owner", zero_stage=1))
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(3):
+        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+        model(x).pow(2).sum().backward()
+        if step == 2:
+            perparam.clip_grad_norm_(list(model.parameters()), 0.1)
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.full_tensor()
+        with CommCounter() as comm:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
+                    comm.bytes("all_to_all"), comm.count("all_reduce")))
+    return out
+
+
+def test_a_stage1_owner_gradient_whole_on_every_rank_does_not_travel_unless_a_rank_changed_its_rows():
+    shapes = [(6, 8), (5, 6), (3, 5)]
+    total = sum(m * n for m, n in shapes) * 4
+    for world_size in (3,):  # rows 2/2/2, 2/2/1, 1/1/1
+        results = run_distributed(_stage1, world_size)
+        away = total - _held_bytes(shapes, world_size)  # the bytes of rows their owner does not hold
+        for step in range(3):
+            assert [r[step][0] for r in results] == [0.0] * world_size  # bitwise torch's Muon
+            assert {r[step][2] for r in results} == {1}  # one all-reduce of the intact flags
+        # parameter rows in and updated rows out: 2 (K-1)/K m n (3 (K-1)/K m n with the gradient rows)
+        assert [sum(r[step][1] for r in results) for step in range(3)] == [2 * away, 2 * away, 3 * away]
