@@ -224,7 +224,8 @@ DIST_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_g
                     "scatter_object_list", "send"}
 #: perparam.comm's issuing functions
 COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", "all_reduce_sum", "exchange_rows",
-                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum", "tree_all_reduce_sum"}
+                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum", "reduce_to_owners",
+                "tree_all_reduce_sum"}
 #: where a collective may be issued (CONTRIBUTING, "Where collectives are issued"): comm/ issues them
 #: through torch.distributed; the paths (runtime/paths/) and the path mechanisms they call, and the common
 #: tail of a reduction (the HSDP all-reduce), issue them through comm/; the face's exceptions talk to

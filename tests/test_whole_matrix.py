@@ -116,7 +116,14 @@ def _recipe(rank: int, world_size: int, policy=None, mesh_shape=None, muon: dict
 def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
     """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
     the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
-    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all)."""
+    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all),
+    "muon_owner" ("muon" with the gradients reduced to their owners: ``configure(owner_grad="owner")``)."""
+    if kind == "muon_owner":
+        previous = perparam.configure(owner_grad="owner")
+        try:
+            return _train(rank, world_size, "muon", mesh_shape)
+        finally:
+            perparam.configure(owner_grad=previous.owner_grad)
     if kind == "adafactor":
         model, _ = _recipe(rank, world_size, OWNER, mesh_shape)
         opts = [torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)]
@@ -157,6 +164,15 @@ def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
             assert _max_diff(r["params"], want) <= 1e-5, (kind, world_size, _max_diff(r["params"], want))
         counts = {r["all_to_all"][0] for r in results}
         assert len(counts) == 1  # the same collectives on every rank
+
+
+@pytest.mark.fast
+def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
+    # K = 1 reduce-scatters as before (one rank: nothing to send to an owner)
+    want = one_process(_train, "muon")["params"]
+    for world_size in (2, 3, 4):
+        for r in run_distributed(_train, world_size, "muon_owner"):
+            assert _max_diff(r["params"], want) <= 1e-5, (world_size, _max_diff(r["params"], want))
 
 
 @pytest.mark.fast
@@ -570,3 +586,81 @@ def test_a_stage1_owner_gradient_whole_on_every_rank_does_not_travel_unless_a_ra
             assert {r[step][2] for r in results} == {1}  # one all-reduce of the intact flags
         # parameter rows in and updated rows out: 2 (K-1)/K m n (3 (K-1)/K m n with the gradient rows)
         assert [sum(r[step][1] for r in results) for step in range(3)] == [2 * away, 2 * away, 3 * away]
+
+
+def _owner_grad(opt, p) -> torch.Tensor:
+    """The reduced gradient of ``p`` as its owner holds it (whole there after a reduction to it), on every
+    rank (a broadcast from the owner, outside perparam), or the gathered rows of a reduce-scattered one."""
+    import torch.distributed as dist
+
+    from perparam.runtime import owner_grads
+
+    route = owner_step.routing(opt)
+    e = route.by_id[id(p)] if route is not None else None
+    if e is None or not owner_grads.at_owner(e.sp):
+        return p.grad.full_tensor()
+    whole = owner_grads.whole(e.sp)
+    buf = whole.clone() if whole is not None else torch.empty(p.shape, dtype=p.dtype)
+    dist.broadcast(buf, src=e.owner)
+    return buf
+
+
+def _to_owner(rank: int, world_size: int) -> list:
+    """``_matrices`` under the owner policy with ``configure(owner_grad="owner")``, 4 Muon steps against
+    ``torch.optim.Muon`` fed the owner's reduced gradient; the fourth clipped first
+    (``perparam.clip_grad_norm_``, the reference clipped by the norm it returns). Per step: the largest
+    difference, the step's all-to-all bytes as recorded, the same bytes as handed to gloo
+    (``all_to_all_single``'s splits, this rank's own piece left out), and the backward's reductions."""
+    import torch.distributed as dist
+
+    wired = []
+    original = dist.all_to_all_single
+
+    def spy(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        splits = input_split_sizes or [input.numel() // group.size()] * group.size()
+        wired.append((sum(splits) - splits[group.rank()]) * input.element_size())
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    previous = perparam.configure(owner_grad="owner")
+    dist.all_to_all_single = spy
+    try:
+        model = _matrices(rank, world_size)
+        opt = torch.optim.Muon(model.parameters(), lr=0.02)
+        ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+        ref_opt = torch.optim.Muon(ref, lr=0.02)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for step in range(4):
+            x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+            with CommCounter() as backward:
+                model(x).pow(2).sum().backward()
+            for r, p in zip(ref, model.parameters()):
+                r.grad = _owner_grad(opt, p)
+            if step == 3:
+                norm = perparam.clip_grad_norm_(list(model.parameters()), 0.1)
+                torch.nn.utils.clip_grads_with_norm_(ref, 0.1, norm)
+            wired.clear()
+            with CommCounter() as comm:
+                opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
+                        comm.bytes("all_to_all"), sum(wired), backward.by_kind()))
+        return out
+    finally:
+        dist.all_to_all_single = original
+        perparam.configure(owner_grad=previous.owner_grad)
+
+
+def test_a_gradient_reduced_to_its_owner_steps_bitwise_with_2_k_minus_1_over_k_m_n_bytes_at_the_step():
+    shapes = [(6, 8), (5, 6), (3, 5)]
+    total = sum(m * n for m, n in shapes) * 4
+    for world_size in (4,):  # rows 2/2/2/0, 2/2/1/0, 1/1/1/0: uneven, and a rank with empty shards
+        results = run_distributed(_to_owner, world_size)
+        away = total - _held_bytes(shapes, world_size)
+        for step in range(4):
+            assert [r[step][0] for r in results] == [0.0] * world_size, step  # bitwise torch's Muon
+            assert all(r[step][1] == r[step][2] for r in results)  # recorded = handed to gloo
+        # the first step's gradients were reduce-scattered (no owner planned yet): 3 (K-1)/K m n; then 2
+        assert [sum(r[step][1] for r in results) for step in range(4)] == [3 * away] + [2 * away] * 3
+        assert [r[1][3] for r in results] == [{"all_gather": 6, "reduce_scatter": 3}] * world_size

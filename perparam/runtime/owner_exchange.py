@@ -28,13 +28,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import all_reduce_sum, exchange_uneven
-from ..sharding.errors import ShardingError
 from . import owner_grads
+from .owner_grads import OwnerStepError
 from .param_grads import rows_digest
 
-
-class OwnerStepError(ShardingError, RuntimeError):
-    """A step the owner path cannot route (a ``step(closure)``, a gradient of another dtype or placement)."""
+__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "send_back", "travels"]
 
 
 def local_grad(sp) -> torch.Tensor:

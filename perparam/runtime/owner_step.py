@@ -154,6 +154,8 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
         result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed)
         loads[pg.group_name] = result.loads
         entries = [Entry(sp, owner) for (sp, _), owner in zip(items, result.owners)]
+        for e in entries:  # where the reduction to owners sends its gradient (paths.reduce_owner)
+            e.sp.owner_rank = e.owner
         by_id.update((id(e.sp.sharded), e) for e in entries)
         open_: dict = {}  # dtype -> (entries, bytes) of the bucket being filled
         for e in entries:
