@@ -5,6 +5,8 @@ refused at its first step."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -443,7 +445,7 @@ def _experts(rank: int, world_size: int) -> list:
         opt.step()
     ref_opt.step()
     return [max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)), params[2].grad is None,
-            comm.count("all_to_all"), len(opt.state)]
+            comm.count("all_to_all"), sum(1 for s in opt.state.values() if s)]
 
 
 def test_ranks_using_different_experts_take_the_same_owner_exchange_and_the_stock_step():
@@ -664,3 +666,76 @@ def test_a_gradient_reduced_to_its_owner_steps_bitwise_with_2_k_minus_1_over_k_m
         # the first step's gradients were reduce-scattered (no owner planned yet): 3 (K-1)/K m n; then 2
         assert [sum(r[step][1] for r in results) for step in range(4)] == [3 * away] + [2 * away] * 3
         assert [r[1][3] for r in results] == [{"all_gather": 6, "reduce_scatter": 3}] * world_size
+
+
+def _dcp_full(rank: int, world_size: int) -> dict:
+    """``_matrices`` with Muon on 0.weight and 1.weight (owners) and AdamW on 2.weight (plain ``Shard(0)``),
+    2 steps; then ``get_optimizer_state_dict(..., full_state_dict=True)`` of both, set into a fresh model's
+    optimizers with ``set_optimizer_state_dict(... full ...)``, got again, and one more step of both models
+    on the same batch. Returns the full dict, whether every rank's owned state came back bit for bit (and
+    only on the owners), whether the second full dict equals the first, and the parameters after the step."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    policy = {"0.weight": OWNER, "1.weight": OWNER} if world_size else None
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False), nn.Linear(5, 3, bias=False))
+        if world_size:
+            perparam.fully_shard(model, param_policy=policy)
+        params = list(model.parameters())
+        return model, [torch.optim.Muon(params[:2], lr=0.02), torch.optim.AdamW(params[2:], lr=0.01)]
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(9, 8, generator=g) for _ in range(3)]  # the global batch; 3 rows per rank at K = 3
+
+    def step(model, opts, x):
+        model(x[3 * rank:3 * rank + 3] if world_size else x).pow(2).mean().backward()  # ranks average
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    model, opts = build()
+    for x in batches[:2]:
+        step(model, opts, x)
+    saved = get_optimizer_state_dict(model, opts, options=full)
+    kept = copy.deepcopy(saved)  # as in a file: its plain tensors (AdamW's step) are the optimizer's own
+    fresh, fresh_opts = build()
+    set_optimizer_state_dict(fresh, fresh_opts, copy.deepcopy(saved), options=full)
+    same_state = all(
+        set(a.state.get(p, {})) == set(b.state.get(q, {}))
+        and all(torch.equal(v.full_tensor() if isinstance(v, DTensor) else v,
+                            b.state[q][key].full_tensor() if isinstance(v, DTensor) else b.state[q][key])
+                for key, v in a.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+        for a, b in zip(opts, fresh_opts) for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]))
+    again = get_optimizer_state_dict(fresh, fresh_opts, options=full)
+    def groups(d):  # DCP's round trip turns tuples (betas, ns_coefficients) into lists, for any optimizer
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in d["param_groups"]]
+
+    same_dict = groups(saved) == groups(again) and all(
+        torch.equal(saved["state"][n][key], again["state"][n][key]) for n in saved["state"] for key in saved["state"][n]
+        if isinstance(saved["state"][n][key], torch.Tensor))
+    fresh.load_state_dict(model.state_dict())
+    step(model, opts, batches[2])
+    step(fresh, fresh_opts, batches[2])
+    return {"saved": kept, "same_state": same_state, "same_dict": same_dict,
+            "params": full_params(model), "resumed": full_params(fresh)}
+
+
+def test_full_optimizer_state_dicts_of_owner_parameters_round_trip_through_dcp_as_any_parameters():
+    want = one_process(_dcp_full)
+    for r in run_distributed(_dcp_full, 3):
+        assert r["same_state"] and r["same_dict"]  # owners hold their state again, bit for bit
+        assert r["saved"]["param_groups"] == want["saved"]["param_groups"]
+        assert {n: sorted(s) for n, s in r["saved"]["state"].items()} == {
+            n: sorted(s) for n, s in want["saved"]["state"].items()}  # the same full dict as one process'
+        for n, state in want["saved"]["state"].items():
+            for key, v in state.items():
+                got = r["saved"]["state"][n][key]
+                assert type(got) is type(v) and (got - v).abs().max().item() <= 1e-5, (n, key)
+        assert all(torch.equal(r["params"][n], r["resumed"][n]) for n in r["params"])  # the loaded state steps

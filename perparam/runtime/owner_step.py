@@ -22,7 +22,7 @@ holds under the owner policy:
    place, and the bucket's whole tensors are dropped (at most two buckets' alive). The step proper then
    runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
    an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
-   matrices' momentum per rank); the step is counted on the parameters as any step
+   matrices' momentum per rank; an empty entry elsewhere, ``owner_state``); the step is counted on the parameters as any step
    (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
 
 Bytes on the wire per ``m x n`` matrix: ``(K-1)/K m n`` elements of parameter rows in, ``(K-1)/K m n``
@@ -215,6 +215,8 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
             del wholes
     for group, params in groups:
         group["params"] = [p for p in params if id(p) not in routed]
+    for pid in routed:  # an empty entry where this rank owns none (owner_state: DCP's empty-state test)
+        optimizer.state.setdefault(route.by_id[pid].sp.sharded, {})
     setattr(optimizer, _ATTR, groups)
 
 
