@@ -61,6 +61,12 @@ def travels(bucket, entries) -> tuple[bool, ...]:
     all-reduce of ``[n]`` flags over the bucket's shard axis when the bucket holds ``n > 0`` stage-1
     entries); the same answer on every rank."""
     out = [not owner_grads.at_owner(e.sp) for e in entries]
+    for e, move in zip(entries, out):
+        if not move and owner_grads.reduced_to(e.sp) != e.owner:  # the same on every rank: raised alike
+            raise OwnerStepError(f"parameter '{e.sp.fqn}': its gradient was reduced to rank "
+                                 f"{owner_grads.reduced_to(e.sp)} under an earlier optimizer's plan, and this "
+                                 f"optimizer's owner of it is rank {e.owner}; step the optimizer the owners were "
+                                 "planned for, or zero_grad() and run backward again")
     whole = [i for i, e in enumerate(entries) if out[i] and e.sp.policy.whole_grad]
     if whole:
         device = entries[0].sp.sharded._local_tensor.device

@@ -27,7 +27,8 @@ class OwnerStepError(ShardingError, RuntimeError):
     kind)."""
 
 
-#: sharded ``.grad`` DTensor -> [whole gradient on the owner or None elsewhere, digest of the owner's rows]
+#: sharded ``.grad`` DTensor -> [whole gradient on the owner or None elsewhere, digest of the owner's rows,
+#: the owner's rank it was reduced to]
 _HELD: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -42,6 +43,11 @@ def whole(sp) -> torch.Tensor | None:
     grad = sp.sharded.grad
     entry = _HELD.get(grad) if grad is not None else None
     return entry[0] if entry is not None else None
+
+
+def reduced_to(sp) -> int:
+    """The rank ``sp``'s held gradient was reduced to (``at_owner(sp)`` must hold)."""
+    return _HELD[sp.sharded.grad][2]
 
 
 def clip_view(grad) -> torch.Tensor | None:
@@ -90,4 +96,4 @@ def accumulate(sp, reduced: torch.Tensor | None) -> None:
         held = None
         rows = torch.full(lay.local_shape(sp.shard_rank), float("nan"), dtype=p.dtype, device=p._local_tensor.device)
     p.grad = _dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
-    _HELD[p.grad] = [held, rows_digest(rows) if held is not None else None]
+    _HELD[p.grad] = [held, rows_digest(rows) if held is not None else None, sp.owner_rank]
