@@ -168,7 +168,6 @@ def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
         assert len(counts) == 1  # the same collectives on every rank
 
 
-@pytest.mark.fast
 def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
     # K = 1 reduce-scatters as before (one rank: nothing to send to an owner)
     want = one_process(_train, "muon")["params"]
@@ -654,6 +653,7 @@ def _to_owner(rank: int, world_size: int) -> list:
         perparam.configure(owner_grad=previous.owner_grad)
 
 
+@pytest.mark.fast
 def test_a_gradient_reduced_to_its_owner_steps_bitwise_with_2_k_minus_1_over_k_m_n_bytes_at_the_step():
     shapes = [(6, 8), (5, 6), (3, 5)]
     total = sum(m * n for m, n in shapes) * 4
