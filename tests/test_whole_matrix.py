@@ -174,6 +174,12 @@ def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
     for world_size in (2, 3, 4):
         for r in run_distributed(_train, world_size, "muon_owner"):
             assert _max_diff(r["params"], want) <= 1e-5, (world_size, _max_diff(r["params"], want))
+    # HSDP 2x2: reduced to the owners of each replica's shard axis, the replicas' all-reduce after it
+    results = run_distributed(_train, 4, "muon_owner", (2, 2))
+    for r in results:
+        assert _max_diff(r["params"], want) <= 1e-5
+    away = 4 * 78 * 4 - sum(_owner_rows_bytes(2))  # TinyNet's four 13 x 6 fp32 matrices over 2 shards
+    assert sum(r["all_to_all"][1] for r in results) == 2 * 2 * away  # 2 (K-1)/K m n per replica group
 
 
 @pytest.mark.fast
