@@ -118,8 +118,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _restore_loaded(optimizer, saved: dict, restore: list[tuple[torch.Tensor, dict]]) -> None:
     """``load``, once every tensor is read: ``optimizer``'s state and group options from the checkpoint."""
     owner_state.own_state(optimizer, restore)  # update="owner": onto the owners of the current plan
+    routed = owner_state.routed_ids(optimizer)  # an empty entry on the other ranks (owner_state's docstring)
     for p, state in restore:
-        if state:
+        if state or id(p) in routed:
             optimizer.state[p] = state
         else:
             optimizer.state.pop(p, None)

@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mesh import AXIS_NAMES, default_device_type
 
 from .comm import collectives
+from .runtime import owner_grads
 
 __all__ = ["clip_grad_norm_", "copies", "outside_copies", "local_contribution", "combine", "DISTINCT_AXES",
            "REPLICATED_AXES"]
@@ -187,7 +188,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             mesh = g.device_mesh
             if id(mesh) not in per_mesh:
                 per_mesh[id(mesh)] = _mesh_copies(mesh, distinct_axes, replicated_axes)
-            shards.append((g.to_local(), copies(mesh.shape, g.placements) * per_mesh[id(mesh)]))
+            held = owner_grads.clip_view(g)  # reduced to its owner: the owner's whole gradient counts
+            shards.append((g.to_local() if held is None else held,
+                           copies(mesh.shape, g.placements) * per_mesh[id(mesh)]))
         except ValueError as e:
             refused.append(f"the gradient of parameter #{i} (shape {tuple(g.shape)}, placements "
                            f"{tuple(g.placements)}, mesh axes {g.device_mesh.mesh_dim_names}): {e}")

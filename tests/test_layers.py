@@ -224,7 +224,8 @@ DIST_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_g
                     "scatter_object_list", "send"}
 #: perparam.comm's issuing functions
 COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", "all_reduce_sum", "exchange_rows",
-                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum", "tree_all_reduce_sum"}
+                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum", "reduce_to_owners",
+                "tree_all_reduce_sum"}
 #: where a collective may be issued (CONTRIBUTING, "Where collectives are issued"): comm/ issues them
 #: through torch.distributed; the paths (runtime/paths/) and the path mechanisms they call, and the common
 #: tail of a reduction (the HSDP all-reduce), issue them through comm/; the face's exceptions talk to
@@ -240,7 +241,7 @@ ISSUE_COMM = {"perparam.runtime.paths": "the paths",
               "perparam.runtime.part_reduce": "a reduction's common tail: the HSDP all-reduce",
               "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced",
               "perparam.invariant": "K-invariant training: per-unit losses and per-row squared norms all-reduced",
-              "perparam.runtime.owner_step": "whole-matrix optimizers: the owner gather and scatter at the step",
+              "perparam.runtime.owner_exchange": "whole-matrix optimizers: the owner gather and scatter at the step",
               "perparam.runtime.owner_state": "whole-matrix optimizers: their state moved for a checkpoint",
               "perparam.runtime.recast": "a cast of owner parameters: the ranks agree whether it is refused"}
 #: module-level names a core function rebinds (``global``): state, none of them a switch of how perparam

@@ -47,6 +47,8 @@ REDUCE_TABLE = [
     ({"whole": True, "custom": True, "wire": "int8"}, "whole-gradient all-reduce"),
     ({"invariant": True}, "invariant tree reduce-scatter"),  # perparam.InvariantUnits
     ({"invariant": True, "whole": True}, "invariant tree all-reduce"),
+    ({"to_owner": True}, "reduce to owner"),  # configure(owner_grad="owner"), before zero-copy
+    ({"to_owner": True, "custom": True}, "custom reduce-scatter"),  # the user's collective carries it
 ]
 
 

@@ -5,6 +5,8 @@ refused at its first step."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,7 +118,14 @@ def _recipe(rank: int, world_size: int, policy=None, mesh_shape=None, muon: dict
 def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
     """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
     the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
-    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all)."""
+    "muon_match" (the same, nesterov=False, adjust_lr_fn="match_rms_adamw"), "adafactor" (all),
+    "muon_owner" ("muon" with the gradients reduced to their owners: ``configure(owner_grad="owner")``)."""
+    if kind == "muon_owner":
+        previous = perparam.configure(owner_grad="owner")
+        try:
+            return _train(rank, world_size, "muon", mesh_shape)
+        finally:
+            perparam.configure(owner_grad=previous.owner_grad)
     if kind == "adafactor":
         model, _ = _recipe(rank, world_size, OWNER, mesh_shape)
         opts = [torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)]
@@ -157,6 +166,20 @@ def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
             assert _max_diff(r["params"], want) <= 1e-5, (kind, world_size, _max_diff(r["params"], want))
         counts = {r["all_to_all"][0] for r in results}
         assert len(counts) == 1  # the same collectives on every rank
+
+
+def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
+    # K = 1 reduce-scatters as before (one rank: nothing to send to an owner)
+    want = one_process(_train, "muon")["params"]
+    for world_size in (2, 3, 4):
+        for r in run_distributed(_train, world_size, "muon_owner"):
+            assert _max_diff(r["params"], want) <= 1e-5, (world_size, _max_diff(r["params"], want))
+    # HSDP 2x2: reduced to the owners of each replica's shard axis, the replicas' all-reduce after it
+    results = run_distributed(_train, 4, "muon_owner", (2, 2))
+    for r in results:
+        assert _max_diff(r["params"], want) <= 1e-5
+    away = 4 * 78 * 4 - sum(_owner_rows_bytes(2))  # TinyNet's four 13 x 6 fp32 matrices over 2 shards
+    assert sum(r["all_to_all"][1] for r in results) == 2 * 2 * away  # 2 (K-1)/K m n per replica group
 
 
 @pytest.mark.fast
@@ -427,7 +450,7 @@ def _experts(rank: int, world_size: int) -> list:
         opt.step()
     ref_opt.step()
     return [max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)), params[2].grad is None,
-            comm.count("all_to_all"), len(opt.state)]
+            comm.count("all_to_all"), sum(1 for s in opt.state.values() if s)]
 
 
 def test_ranks_using_different_experts_take_the_same_owner_exchange_and_the_stock_step():
@@ -519,3 +542,206 @@ def test_an_owner_checkpoint_loads_into_plain_shard0_parameters_and_fine_tunes_w
             for name, tensor in saved.items():
                 assert torch.equal(r["loaded"][name], tensor), (k, name)
             assert _max_diff(r["final"], want["final"]) <= 1e-5, k
+
+
+def _held_bytes(shapes, world_size: int) -> int:
+    """Bytes of the rows each matrix's owner holds itself (they never travel), summed over ``shapes``."""
+    from torch.distributed.tensor import Shard
+
+    from perparam.sharding.layout import ShardLayout
+    from perparam.sharding.owners import plan_shapes
+
+    owners = plan_shapes(shapes, world_size).owners
+    return sum(ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o) for s, o in zip(shapes, owners))
+
+
+def _stage1(rank: int, world_size: int) -> list:
+    """``_matrices`` at stage 1 under the owner policy (gradients all-reduced whole onto every rank), 3 Muon
+    steps against ``torch.optim.Muon`` fed the gathered gradient; the third clipped first
+    (``perparam.clip_grad_norm_`` scales each rank's rows in place). Per step: the largest difference, the
+    all-to-alls' bytes this rank sent and the all-reduces at the step."""
+    model = _matrices(rank, world_size, ParamPolicy(update="owner", zero_stage=1))
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(3):
+        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+        model(x).pow(2).sum().backward()
+        if step == 2:
+            perparam.clip_grad_norm_(list(model.parameters()), 0.1)
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.full_tensor()
+        with CommCounter() as comm:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
+                    comm.bytes("all_to_all"), comm.count("all_reduce")))
+    return out
+
+
+def test_a_stage1_owner_gradient_whole_on_every_rank_does_not_travel_unless_a_rank_changed_its_rows():
+    shapes = [(6, 8), (5, 6), (3, 5)]
+    total = sum(m * n for m, n in shapes) * 4
+    for world_size in (3,):  # rows 2/2/2, 2/2/1, 1/1/1
+        results = run_distributed(_stage1, world_size)
+        away = total - _held_bytes(shapes, world_size)  # the bytes of rows their owner does not hold
+        for step in range(3):
+            assert [r[step][0] for r in results] == [0.0] * world_size  # bitwise torch's Muon
+            assert {r[step][2] for r in results} == {1}  # one all-reduce of the intact flags
+        # parameter rows in and updated rows out: 2 (K-1)/K m n (3 (K-1)/K m n with the gradient rows)
+        assert [sum(r[step][1] for r in results) for step in range(3)] == [2 * away, 2 * away, 3 * away]
+
+
+def _owner_grad(opt, p) -> torch.Tensor:
+    """The reduced gradient of ``p`` as its owner holds it (whole there after a reduction to it), on every
+    rank (a broadcast from the owner, outside perparam), or the gathered rows of a reduce-scattered one."""
+    import torch.distributed as dist
+
+    from perparam.runtime import owner_grads
+
+    route = owner_step.routing(opt)
+    e = route.by_id[id(p)] if route is not None else None
+    if e is None or not owner_grads.at_owner(e.sp):
+        return p.grad.full_tensor()
+    whole = owner_grads.whole(e.sp)
+    buf = whole.clone() if whole is not None else torch.empty(p.shape, dtype=p.dtype)
+    dist.broadcast(buf, src=e.owner)
+    return buf
+
+
+def _to_owner(rank: int, world_size: int) -> list:
+    """``_matrices`` under the owner policy with ``configure(owner_grad="owner")``, 4 Muon steps against
+    ``torch.optim.Muon`` fed the owner's reduced gradient; the fourth clipped first
+    (``perparam.clip_grad_norm_``, the reference clipped by the norm it returns). Per step: the largest
+    difference, the step's all-to-all bytes as recorded, the same bytes as handed to gloo
+    (``all_to_all_single``'s splits, this rank's own piece left out), and the backward's reductions."""
+    import torch.distributed as dist
+
+    wired = []
+    original = dist.all_to_all_single
+
+    def spy(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        splits = input_split_sizes or [input.numel() // group.size()] * group.size()
+        wired.append((sum(splits) - splits[group.rank()]) * input.element_size())
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    previous = perparam.configure(owner_grad="owner")
+    dist.all_to_all_single = spy
+    try:
+        model = _matrices(rank, world_size)
+        opt = torch.optim.Muon(model.parameters(), lr=0.02)
+        ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+        ref_opt = torch.optim.Muon(ref, lr=0.02)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for step in range(4):
+            x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+            with CommCounter() as backward:
+                model(x).pow(2).sum().backward()
+            for r, p in zip(ref, model.parameters()):
+                r.grad = _owner_grad(opt, p)
+            if step == 3:
+                norm = perparam.clip_grad_norm_(list(model.parameters()), 0.1)
+                torch.nn.utils.clip_grads_with_norm_(ref, 0.1, norm)
+            wired.clear()
+            with CommCounter() as comm:
+                opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
+                        comm.bytes("all_to_all"), sum(wired), backward.by_kind()))
+        return out
+    finally:
+        dist.all_to_all_single = original
+        perparam.configure(owner_grad=previous.owner_grad)
+
+
+@pytest.mark.fast
+def test_a_gradient_reduced_to_its_owner_steps_bitwise_with_2_k_minus_1_over_k_m_n_bytes_at_the_step():
+    shapes = [(6, 8), (5, 6), (3, 5)]
+    total = sum(m * n for m, n in shapes) * 4
+    for world_size in (4,):  # rows 2/2/2/0, 2/2/1/0, 1/1/1/0: uneven, and a rank with empty shards
+        results = run_distributed(_to_owner, world_size)
+        away = total - _held_bytes(shapes, world_size)
+        for step in range(4):
+            assert [r[step][0] for r in results] == [0.0] * world_size, step  # bitwise torch's Muon
+            assert all(r[step][1] == r[step][2] for r in results)  # recorded = handed to gloo
+        # the first step's gradients were reduce-scattered (no owner planned yet): 3 (K-1)/K m n; then 2
+        assert [sum(r[step][1] for r in results) for step in range(4)] == [3 * away] + [2 * away] * 3
+        assert [r[1][3] for r in results] == [{"all_gather": 6, "reduce_scatter": 3}] * world_size
+
+
+def _dcp_full(rank: int, world_size: int) -> dict:
+    """``_matrices`` with Muon on 0.weight and 1.weight (owners) and AdamW on 2.weight (plain ``Shard(0)``),
+    2 steps; then ``get_optimizer_state_dict(..., full_state_dict=True)`` of both, set into a fresh model's
+    optimizers with ``set_optimizer_state_dict(... full ...)``, got again, and one more step of both models
+    on the same batch. Returns the full dict, whether every rank's owned state came back bit for bit (and
+    only on the owners), whether the second full dict equals the first, and the parameters after the step."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    policy = {"0.weight": OWNER, "1.weight": OWNER} if world_size else None
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False), nn.Linear(5, 3, bias=False))
+        if world_size:
+            perparam.fully_shard(model, param_policy=policy)
+        params = list(model.parameters())
+        return model, [torch.optim.Muon(params[:2], lr=0.02), torch.optim.AdamW(params[2:], lr=0.01)]
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(9, 8, generator=g) for _ in range(3)]  # the global batch; 3 rows per rank at K = 3
+
+    def step(model, opts, x):
+        model(x[3 * rank:3 * rank + 3] if world_size else x).pow(2).mean().backward()  # ranks average
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    model, opts = build()
+    for x in batches[:2]:
+        step(model, opts, x)
+    saved = get_optimizer_state_dict(model, opts, options=full)
+    kept = copy.deepcopy(saved)  # as in a file: its plain tensors (AdamW's step) are the optimizer's own
+    fresh, fresh_opts = build()
+    set_optimizer_state_dict(fresh, fresh_opts, copy.deepcopy(saved), options=full)
+    same_state = all(
+        set(a.state.get(p, {})) == set(b.state.get(q, {}))
+        and all(torch.equal(v.full_tensor() if isinstance(v, DTensor) else v,
+                            b.state[q][key].full_tensor() if isinstance(v, DTensor) else b.state[q][key])
+                for key, v in a.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+        for a, b in zip(opts, fresh_opts) for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]))
+    again = get_optimizer_state_dict(fresh, fresh_opts, options=full)
+    def groups(d):  # DCP's round trip turns tuples (betas, ns_coefficients) into lists, for any optimizer
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in d["param_groups"]]
+
+    same_dict = groups(saved) == groups(again) and all(
+        torch.equal(saved["state"][n][key], again["state"][n][key]) for n in saved["state"] for key in saved["state"][n]
+        if isinstance(saved["state"][n][key], torch.Tensor))
+    fresh.load_state_dict(model.state_dict())
+    step(model, opts, batches[2])
+    step(fresh, fresh_opts, batches[2])
+    return {"saved": kept, "same_state": same_state, "same_dict": same_dict,
+            "params": full_params(model), "resumed": full_params(fresh)}
+
+
+def test_full_optimizer_state_dicts_of_owner_parameters_round_trip_through_dcp_as_any_parameters():
+    want = one_process(_dcp_full)
+    for r in run_distributed(_dcp_full, 3):
+        assert r["same_state"] and r["same_dict"]  # owners hold their state again, bit for bit
+        assert r["saved"]["param_groups"] == want["saved"]["param_groups"]
+        assert {n: sorted(s) for n, s in r["saved"]["state"].items()} == {
+            n: sorted(s) for n, s in want["saved"]["state"].items()}  # the same full dict as one process'
+        for n, state in want["saved"]["state"].items():
+            for key, v in state.items():
+                got = r["saved"]["state"][n][key]
+                assert type(got) is type(v) and (got - v).abs().max().item() <= 1e-5, (n, key)
+        assert all(torch.equal(r["params"][n], r["resumed"][n]) for n in r["params"])  # the loaded state steps

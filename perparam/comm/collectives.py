@@ -24,7 +24,7 @@ from .point_to_point import all_gather_in_place, reduce_scatter_in_place, zero_g
 
 __all__ = ["CollectiveRecord", "CommCounter", "GatheredRows", "all_gather_in_place", "all_gather_objects",
            "all_gather_rows", "all_reduce_sum", "exchange_rows", "exchange_uneven", "reduce_scatter_in_place",
-           "reduce_scatter_sum", "tree_all_reduce_sum", "zero_gaps"]
+           "reduce_scatter_sum", "reduce_to_owners", "tree_all_reduce_sum", "zero_gaps"]
 
 # How an all-gather of rows runs on gloo (``gloo``): "all_to_all" (one all-to-all in which each rank sends its
 # row to every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
@@ -234,6 +234,30 @@ def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
     return (work if async_op else None), recv
+
+
+def reduce_to_owners(send: torch.Tensor, send_splits: list[int], output: torch.Tensor, group: dist.ProcessGroup,
+                     what: str = ""):
+    """Sum pieces onto the ranks that own them (``perparam.runtime.paths.reduce_owner``): elements
+    ``send_splits[r]`` of ``send`` (1-D, in rank order, ``send.numel()`` the same on every rank) go to rank r,
+    and every rank receives ``output.numel()`` elements from each rank, its own included, summed in rank
+    order into ``output`` at ``wait()`` (the arithmetic of ``reduce_scatter_sum``'s all-to-all: one add for
+    K = 2, ``torch.sum`` over the ``[K, n]`` pieces for more). One all-to-all, recorded as a
+    ``"reduce_scatter"`` of ``send``'s bytes (the reduce-scatter's convention: its input; on the wire each rank
+    sends all but its own piece, as much in all as the reduce-scatter of the same gradients). Returns the
+    work handle (``None`` for K = 1: ``output`` is ``send`` copied)."""
+    k = group.size()
+    if debug.debug_enabled():
+        debug.check("reduce_scatter", send, send.numel() * send.element_size(), group, what)
+    _record("reduce_scatter", send.numel() * send.element_size(), group, send.dtype)
+    if k == 1:
+        output.copy_(send)
+        return None
+    n = output.numel()
+    raw = torch.empty(k * n, dtype=send.dtype, device=send.device)
+    work = dist.all_to_all_single(raw, send, [n] * k, send_splits, group=group, async_op=True)
+    pieces = raw.view(k, n)
+    return _SumAfterAllToAll(work, [pieces[0], pieces[1]] if k == 2 else [pieces], output, None, None)
 
 
 def all_gather_objects(obj, group: dist.ProcessGroup) -> list:

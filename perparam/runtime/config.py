@@ -23,6 +23,10 @@ GLOO_ALL_GATHER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
 #: the reduce-scatter's: "zero_copy" (per parameter, point-to-point sends straight from the unsharded
 #: gradients: no packing; ``perparam.runtime.zero_copy_reduce``)
 GLOO_REDUCE_SCATTER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
+#: where the gradient of a ``ParamPolicy(update="owner")`` parameter goes after backward: "rows"
+#: (reduce-scattered as every parameter's; its rows travel to the owner at the step) or "owner" (reduced
+#: straight to its owner, ``paths.reduce_owner``)
+OWNER_GRADS = ("rows", "owner")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,13 @@ class RuntimeConfig:
     all-gather starts the shard reads (``perparam.offload.tier``): the runtime prefetches one group ahead,
     so 2 keeps a read in flight behind each prefetch; 0: none (the kernel reads the pages when the
     all-gather packs them).
+    ``owner_grad``: ``"rows"`` (an ``update="owner"`` parameter's gradient is reduce-scattered, every rank
+    holds its rows, which travel to the owner at the step: ``3 (K-1)/K m n`` elements per matrix beside
+    the reduction) or ``"owner"`` (reduced straight to its owner, whole there and nowhere else, the same
+    bytes as the reduce-scatter: ``2 (K-1)/K m n`` beside it; between backward and the step the other
+    ranks' ``.grad`` of it holds NaN, ``perparam.clip_grad_norm_`` counts the owner's whole gradient;
+    ``docs/whole-matrix-optimizers.md``). Read at each reduction once the optimizer's owners are planned
+    (its first step: that step's gradients are reduce-scattered).
 
     Raises ``ValueError`` naming the field for a value outside these."""
 
@@ -51,6 +62,7 @@ class RuntimeConfig:
     gloo_reduce_scatter: str = "zero_copy"
     local_optimizer_step: bool = True
     gather_read_ahead: int = 2
+    owner_grad: str = "rows"
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "local_optimizer_step"):
@@ -60,7 +72,7 @@ class RuntimeConfig:
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"perparam.configure: gather_read_ahead must be an int >= 0, got {ahead!r}")
         for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
-                              ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS)):
+                              ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS), ("owner_grad", OWNER_GRADS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"perparam.configure: {name} must be one of {allowed}, got {value!r}")

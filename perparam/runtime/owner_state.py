@@ -8,9 +8,19 @@ rank holds, any other value as it is. ``sharded_state`` makes that form from the
 sends each rank its rows, or the whole tensor); ``own_state`` turns a loaded one back (each rank sends its
 rows to the parameter's owner under the current plan, the others drop the state). Both are collectives over
 each bucket's shard axis, issued in the plan's order on every rank.
+
+``install`` puts the same conversions into the optimizer's own ``state_dict()`` and ``load_state_dict()``
+(torch's post-hooks), so ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` and
+``set_optimizer_state_dict`` (sharded or ``full_state_dict=True``) give and take an owner parameter's
+state as every other parameter's: ``state_dict()`` is then a collective over the shard axes while an owner
+is planned (call it on every rank, as DCP does). A rank that owns none of an optimizer's parameters keeps an
+empty state entry for each routed one (``owner_step``), so DCP's "initialise the state by a step with zero
+gradients when it is empty" is decided alike on every rank.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -124,3 +134,55 @@ def own_state(optimizer: torch.optim.Optimizer, restore: list[tuple[torch.Tensor
                     state[key] = _rows_to_owner(pg, e, value._local_tensor)
             if not mine:
                 state.clear()
+
+
+_hooked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state_dict/load_state_dict convert owner state
+
+
+def install(optimizer: torch.optim.Optimizer) -> None:
+    """Once per optimizer that routes owner parameters: its ``state_dict()`` gives their state in checkpoint
+    form (``sharded_state``), its ``load_state_dict()`` turns a loaded checkpoint-form state back onto the
+    owners (``own_state``)."""
+    if optimizer in _hooked or owner_step.routing(optimizer) is None:
+        return
+    _hooked.add(optimizer)
+    optimizer.register_state_dict_post_hook(_state_dict_post)
+    optimizer.register_load_state_dict_post_hook(_load_state_dict_post)
+
+
+def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict["state"]`` (keyed by the parameters' indices in ``param_groups`` order) with each owner
+    parameter's entry in checkpoint form, the same keys on every rank (none where no rank holds state)."""
+    if owner_step.routing(optimizer) is None:
+        return state_dict
+    index: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+    state = state_dict["state"]
+    for pid, form in sharded_state(optimizer).items():
+        if form:
+            state[index[pid]] = form
+        else:
+            state.pop(index[pid], None)
+    # in index order: DCP gathers the DTensors in the dict's order, which must be the same on every rank
+    state_dict["state"] = {i: state[i] for i in sorted(state, key=lambda k: (0, k, "") if isinstance(k, int)
+                                                       else (1, 0, str(k)))}
+    return state_dict
+
+
+def _load_state_dict_post(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict``: the owner parameters' loaded states (checkpoint form: DTensors sharded like
+    the parameter, whole tensors on every rank) whole on their owners, empty elsewhere."""
+    route = owner_step.routing(optimizer)
+    if route is None:
+        return
+    restore = [(e.sp.sharded, optimizer.state[e.sp.sharded]) for b in route.buckets for e in b.entries
+               if e.sp.sharded in optimizer.state]
+    own_state(optimizer, restore)
+
+
+def routed_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    """id() of the sharded parameters ``optimizer`` routes to owners (empty when none)."""
+    route = owner_step.routing(optimizer)
+    return set(route.by_id) if route is not None else set()

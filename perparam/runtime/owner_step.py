@@ -11,8 +11,9 @@ holds under the owner policy:
    planned before keep their owners, which hold their state, and new ones fill in by LPT);
 2. per bucket (the parameters of one shard-axis process group and dtype, consecutive in that order, at
    most ``BUCKET_BYTES`` of whole gradient plus parameter), one all-to-all brings each rank's rows of the
-   reduced gradient and of the parameter to the owner (``exchange_uneven``), which assembles the whole
-   tensors (``layout.local_piece`` of each source rank);
+   parameter, and of the reduced gradient where the owner does not hold it whole already (a stage-1
+   gradient intact on every rank, a gradient reduced to the owner: ``owner_exchange``), to the owner,
+   which assembles the whole tensors (``layout.local_piece`` of each source rank);
 3. the owner runs the optimizer's own step function (the class's ``step`` without torch's hook wrapper) on
    that bucket's whole tensors alone (each group narrowed to them, their state re-keyed to them), while
    the next bucket's all-to-all is in flight; the other ranks skip the bucket. The owner's update is bit
@@ -21,16 +22,16 @@ holds under the owner policy:
    place, and the bucket's whole tensors are dropped (at most two buckets' alive). The step proper then
    runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
    an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
-   matrices' momentum per rank); the step is counted on the parameters as any step
+   matrices' momentum per rank; an empty entry elsewhere, ``owner_state``); the step is counted on the parameters as any step
    (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
 
-Bytes on the wire per ``m x n`` matrix: ``2 (K-1)/K m n`` elements in (gradient and parameter rows) and
-``(K-1)/K m n`` out, ``3 (K-1)/K m n`` in all. Every rank issues the same all-to-alls, in the same order,
+Bytes on the wire per ``m x n`` matrix: ``(K-1)/K m n`` elements of parameter rows in, ``(K-1)/K m n``
+out, and ``(K-1)/K m n`` of gradient rows in where they travel: ``3 (K-1)/K m n`` after a reduce-scatter,
+``2 (K-1)/K m n`` when the owner holds the whole gradient (``owner_exchange``). Every rank issues the same all-to-alls, in the same order,
 whatever it owns (a rank with empty shards sends empty pieces); a parameter without a gradient (no rank used
 it: ``None`` on every rank alike) is left out of the exchange on every rank.
 
-Left for later: a stage-1 parameter's gradient, whole on every rank already, still travels; a bucket's
-scatter is not overlapped with the next bucket's step.
+Left for later: a bucket's scatter is not overlapped with the next bucket's step.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ..comm.collectives import exchange_uneven
 from ..sharding.errors import ShardingError
 from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
-from . import registration
+from . import owner_exchange, registration
+from .owner_exchange import OwnerStepError
+
+__all__ = ["BUCKET_BYTES", "OwnerStepError", "WholeMatrixShardError", "check", "is_whole_matrix", "plan",
+           "routing", "step_in", "step_out"]
 
 #: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
 BUCKET_BYTES = 64 * 2**20
@@ -52,10 +55,6 @@ BUCKET_BYTES = 64 * 2**20
 _ATTR = "_perparam_owner_step"  # on the optimizer: the routed step in progress, or None
 _BUSY = "_perparam_owner_stepping"  # on the optimizer: True while its own step runs on whole tensors
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Routing
-
-
-class OwnerStepError(ShardingError, RuntimeError):
-    """A step the owner path cannot route (a ``step(closure)``, a gradient of another dtype or placement)."""
 
 
 class WholeMatrixShardError(ShardingError, RuntimeError):
@@ -155,6 +154,8 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
         result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed)
         loads[pg.group_name] = result.loads
         entries = [Entry(sp, owner) for (sp, _), owner in zip(items, result.owners)]
+        for e in entries:  # where the reduction to owners sends its gradient (paths.reduce_owner)
+            e.sp.owner_rank = e.owner
         by_id.update((id(e.sp.sharded), e) for e in entries)
         open_: dict = {}  # dtype -> (entries, bytes) of the bucket being filled
         for e in entries:
@@ -172,80 +173,6 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
 def routing(optimizer: torch.optim.Optimizer) -> Routing | None:
     """``optimizer``'s plan (``None``: it holds no owner parameter)."""
     return _plans.get(optimizer)
-
-
-def _local_grad(sp) -> torch.Tensor:
-    p = sp.sharded
-    grad = p.grad
-    if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.dtype != p.dtype:
-        raise OwnerStepError(f"parameter '{sp.fqn}' has update='owner' but its .grad is not a DTensor of its "
-                             f"placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad to perparam's "
-                             "reduction, or assign a DTensor like the parameter")
-    return grad._local_tensor
-
-
-def _gather(bucket: Bucket, entries: list[Entry]):
-    """Post the all-to-all bringing gradient and parameter rows to the owners: ``(work, recv)``."""
-    pg = bucket.group
-    k, me = pg.size(), pg.rank()
-    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
-    for dest in range(k):
-        for e in entries:
-            if e.owner != dest:
-                continue
-            pieces += [_local_grad(e.sp).reshape(-1), e.sp.sharded._local_tensor.reshape(-1)]
-            send_splits[dest] += 2 * e.sp.layout.local_numel(me)
-    for e in entries:
-        if e.owner == me:
-            for src in range(k):
-                recv_splits[src] += 2 * e.sp.layout.local_numel(src)
-    dtype = entries[0].sp.sharded.dtype
-    device = entries[0].sp.sharded._local_tensor.device
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-    logical = sum(2 * e.sp.sharded.numel() for e in entries) * dtype.itemsize
-    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params")
-
-
-def _assemble(bucket: Bucket, entries: list[Entry], recv: torch.Tensor) -> dict:
-    """id(sharded parameter) -> (sharded parameter, whole parameter with its whole ``.grad``) for the
-    parameters of ``entries`` this rank owns."""
-    pg = bucket.group
-    k, me = pg.size(), pg.rank()
-    mine = [e for e in entries if e.owner == me]
-    out = {}
-    for e in mine:
-        p = e.sp.sharded
-        whole = torch.empty(p.shape, dtype=p.dtype, device=recv.device)
-        whole.grad = torch.empty_like(whole)
-        out[id(p)] = (p, whole)
-    offset = 0
-    for src in range(k):
-        for e in mine:
-            lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
-            n, shape = lay.local_numel(src), lay.local_shape(src)
-            for target in (whole.grad, whole):
-                lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
-                offset += n
-    return out
-
-
-def _scatter(bucket: Bucket, entries: list[Entry], wholes: dict):
-    """Post the all-to-all sending each rank its rows of the updated whole parameters: ``(work, recv)``."""
-    pg = bucket.group
-    k, me = pg.size(), pg.rank()
-    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
-    for dest in range(k):
-        for e in entries:
-            if e.owner == me:
-                pieces.append(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest).reshape(-1))
-                send_splits[dest] += e.sp.layout.local_numel(dest)
-    for e in entries:
-        recv_splits[e.owner] += e.sp.layout.local_numel(me)
-    dtype = entries[0].sp.sharded.dtype
-    device = entries[0].sp.sharded._local_tensor.device
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-    logical = sum(e.sp.sharded.numel() for e in entries) * dtype.itemsize
-    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner scatter of {len(entries)} params")
 
 
 def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
@@ -271,21 +198,25 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
     groups = [(group, group["params"]) for group in optimizer.param_groups]
     routed = {id(e.sp.sharded) for _, es in live for e in es}
     with torch.no_grad():
-        posted = _gather(*live[0])
+        moves = owner_exchange.travels(*live[0])
+        posted = owner_exchange.gather(*live[0], moves)
         for i, (bucket, entries) in enumerate(live):
             work, recv = posted
             if work is not None:
                 work.wait()
-            wholes = _assemble(bucket, entries, recv)
+            wholes = owner_exchange.assemble(bucket, entries, moves, recv)
             del recv
             if i + 1 < len(live):
-                posted = _gather(*live[i + 1])
+                moves = owner_exchange.travels(*live[i + 1])
+                posted = owner_exchange.gather(*live[i + 1], moves)
             if wholes:
                 _step_whole(optimizer, groups, wholes, stock)
-            _send_back(bucket, entries, wholes)
+            owner_exchange.send_back(bucket, entries, wholes)
             del wholes
     for group, params in groups:
         group["params"] = [p for p in params if id(p) not in routed]
+    for pid in routed:  # an empty entry where this rank owns none (owner_state: DCP's empty-state test)
+        optimizer.state.setdefault(route.by_id[pid].sp.sharded, {})
     setattr(optimizer, _ATTR, groups)
 
 
@@ -309,21 +240,6 @@ def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
             state = optimizer.state.pop(whole, None)
             if state is not None:
                 optimizer.state[p] = state
-
-
-def _send_back(bucket: Bucket, entries: list[Entry], wholes: dict) -> None:
-    """Send each rank its rows of the updated whole parameters; copy them into the shards."""
-    work, recv = _scatter(bucket, entries, wholes)
-    if work is not None:
-        work.wait()
-    me, offset = bucket.group.rank(), 0
-    for owner in range(bucket.group.size()):
-        for e in entries:
-            if e.owner == owner:
-                local = e.sp.sharded._local_tensor
-                n = e.sp.layout.local_numel(me)
-                local.copy_(recv[offset:offset + n].view(local.shape))
-                offset += n
 
 
 def _restore(optimizer) -> None:

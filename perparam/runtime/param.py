@@ -88,6 +88,11 @@ class ShardedParam(ParamGradients):
         #: stage 1: the version counter of the sharded ``.grad`` (the rows of the whole gradient) when perparam
         #: last wrote the whole gradient (``accumulate_whole_grad``)
         self._whole_version = -1
+        #: stage 1 under ``update="owner"``: ``rows_digest`` of this rank's rows when perparam last wrote the whole
+        #: gradient (``runtime.owner_exchange``: the owner steps from its whole gradient while every rank's match)
+        self._whole_digest: torch.Tensor | None = None
+        #: ``update="owner"``: its owner's rank on the shard axis once an optimizer planned it (``owner_step.plan``)
+        self.owner_rank: int | None = None
         #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was gathered (``runtime.zero``)

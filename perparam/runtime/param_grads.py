@@ -38,6 +38,18 @@ def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape, spec: DTe
     return DTensor(local, spec or _spec(mesh, placements, shape, local.dtype), requires_grad=False)
 
 
+def rows_digest(rows: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 digest of ``rows``' bits (the sum of its elements read as integers of their width, each
+    weighted by its position mod 251 plus one, so a scaling, an edit or a swap of two values changes it):
+    two equal digests mean the rows are, barring a collision, the same bits. One pass over the rows."""
+    if rows.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=rows.device)
+    bits = rows.contiguous().view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        rows.element_size()])
+    weights = torch.arange(bits.numel(), device=rows.device) % 251 + 1
+    return torch.dot(bits.to(torch.int64), weights)
+
+
 class ParamGradients:
     """The gradient side of ``perparam.runtime.param.ShardedParam`` (its fields: ``sharded``, ``unsharded``,
     ``policy``, ``layout``, ``mesh``, ``placements``, ``grad_acc``, ``offload``, ...)."""
@@ -109,6 +121,7 @@ class ParamGradients:
                 kept.zero_()  # zeroed through .grad: the rows of the other ranks too
             kept.add_(whole)
             self._whole_version = grad._version
+            self._note_whole(kept)
             return
         grad = self.sharded.grad
         if grad is not None:  # a .grad of the user's: add this rank's rows to it
@@ -121,6 +134,12 @@ class ParamGradients:
         rows = self.layout.local_piece(kept, self.shard_rank)
         self.sharded.grad = _dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
         self._whole_version = self.sharded.grad._version
+        self._note_whole(kept)
+
+    def _note_whole(self, kept: torch.Tensor) -> None:
+        """Under ``update="owner"``: the digest of this rank's rows of the whole gradient just written."""
+        if self.policy.update == "owner":
+            self._whole_digest = rows_digest(self.layout.local_piece(kept, self.shard_rank))
 
     def grad_is_own(self, grad) -> bool:
         """``grad`` (the sharded ``.grad``) is one perparam built (``accumulate_sharded_grad`` or

@@ -135,7 +135,7 @@ class MeshPart(Reductions):
             gather = self._gather_path(plan, False).pool_bytes(self, self.gathered, self.layout)
         cpu = all(p.local_shard().device.type == "cpu" for p in self.gathered)
         reduce = 0
-        for (whole, dtype, wire), params in self._reduce_sets(self.gathered).items():
+        for (whole, dtype, wire, _), params in self._reduce_sets(self.gathered).items():  # pool: the packed paths
             plan = None if whole else self._reduce_plan(tuple(params), wire)
             reduce += self._reduce_path(plan, whole, wire, cpu).pool_bytes(self, params, dtype, wire)
         return gather + reduce

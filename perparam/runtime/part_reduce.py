@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 
 from ..comm import collectives
-from . import config, partial, zero_copy_reduce
+from . import config, owner_grads, partial, zero_copy_reduce
 from .param import ShardedParam
 from .paths import choose
 from .paths.reduce import ReduceFacts
@@ -39,13 +39,16 @@ class Reductions:
 
     def _reduce_sets(self, params) -> dict[tuple, list[ShardedParam]]:
         """``params`` split into the sets reduced together, in order: keyed (whole, reduce dtype, wire
-        format); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter per
-        (reduce dtype, ``grad_quant``; none on one rank: nothing on the wire to quantize)."""
+        format, to owner); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter
+        per (reduce dtype, ``grad_quant``; none on one rank: nothing on the wire to quantize), and under
+        ``configure(owner_grad="owner")`` the owner parameters with planned owners one reduction to them."""
         sets: dict[tuple, list] = defaultdict(list)
+        owner = config.current().owner_grad == "owner" and self.num_shards > 1 and not self.call.invariant
         for p in params:
             whole = not p.layout.gathered or p.policy.whole_grad
             wire = None if whole or self.num_shards == 1 else p.policy.grad_quant
-            sets[whole, p.policy.reduce_dtype, wire].append(p)
+            to_owner = owner and not whole and wire is None and p.owner_rank is not None
+            sets[whole, p.policy.reduce_dtype, wire, to_owner].append(p)
         return sets
 
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
@@ -57,22 +60,22 @@ class Reductions:
             grads[id(p)] = (grad, True) if grad is not None else (p.zero_grad_for_reduce(), False)
         sets = sorted(self._reduce_sets(trainable).items(), key=lambda item: item[0][0])  # stable: whole last
         pending = []
-        for (whole, dtype, wire), members in sets:
+        for (whole, dtype, wire, to_owner), members in sets:
             params = tuple(members)
             tensors, used = zip(*(grads[id(p)] for p in params))
             plan = None if whole else self._reduce_plan(params, wire)
-            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors))
+            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors), to_owner)
             item = path.issue(self, params, tensors, used, dtype, plan)
             item.part = self
             pending.append(item)
         return pending
 
-    def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool):
+    def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool, to_owner: bool = False):
         """The reduction path of ``plan``'s parameter set now (``paths.choose``), chosen once per facts."""
         facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
                             config.current().gloo_reduce_scatter, self.hpz is not None,
                             plan is not None and plan.zero_copy, cpu,
-                            self.call.invariant)
+                            self.call.invariant, to_owner)
         if plan is None:
             return choose.reduce_path(facts)
         path = plan.paths.get(facts)
@@ -138,6 +141,17 @@ class Reductions:
         if self.call.all_reduce_hook is not None:
             self.call.all_reduce_hook(grads)
         divisor = self.divisor
+        if item.to_owner:  # the whole gradients this rank owns, in order (paths.reduce_owner)
+            grads.div_(divisor)
+            me, offset = self.reduce_shard_pg.rank(), 0
+            for i, (p, flag) in enumerate(zip(item.params, flags)):
+                whole = None
+                if p.owner_rank == me:
+                    whole, offset = grads.narrow(0, offset, p.layout.numel), offset + p.layout.numel
+                if flag > 0:
+                    owner_grads.accumulate(p, whole)
+                    self.ctx.grad_hooks_due.append((item.seq, i, p))
+            return
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
             grads.div_(divisor)
             divided = range(n)

@@ -35,6 +35,8 @@ class PendingReduce:
     part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
     used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
+    #: reduced to the owners (``paths.reduce_owner``): ``recv`` holds the whole gradients this rank owns
+    to_owner: bool = False
 
     def summed_flags(self) -> list[float]:
         """Per parameter, the number of ranks that had a gradient for it (> 0: some rank did), from the

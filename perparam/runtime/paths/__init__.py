@@ -6,7 +6,9 @@ An all-gather (``gather.GatherPath``: ``start`` / ``finish`` / ``pool_bytes``) r
 buffers (``gather_zero_copy.ZeroCopyGather``). A reduction (``reduce.ReducePath``: ``issue`` /
 ``pool_bytes``) runs as a packed reduce-scatter (``reduce_packed.PackedReduceScatter``), a custom one
 (``CustomReduceScatter``), the zero-copy one (``reduce_zero_copy.ZeroCopyReduceScatter``), qgZ's all-to-all
-(``reduce_qgz.QgzAllToAll``) or the whole-gradient all-reduce (``reduce_whole.WholeAllReduce``).
+(``reduce_qgz.QgzAllToAll``), the whole-gradient all-reduce (``reduce_whole.WholeAllReduce``), the K-invariant
+tree (``reduce_invariant``) or the reduction of owner parameters' gradients to their owners
+(``reduce_owner.ReduceToOwner``).
 
 ``choose.gather_path`` and ``choose.reduce_path`` are the only places a path is picked: each walks its
 table of ``(rule, path)`` rows (``GATHER_RULES``, ``REDUCE_RULES``), first match wins, over the facts of one set of

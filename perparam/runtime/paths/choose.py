@@ -11,6 +11,7 @@ from .gather_rows import CUSTOM, HPZ_SECONDARY, PACKED, QUANTIZED
 from .gather_zero_copy import ZERO_COPY
 from .reduce import ReduceFacts, ReducePath
 from .reduce_invariant import INVARIANT_TREE, INVARIANT_WHOLE
+from .reduce_owner import OWNER_REDUCE
 from .reduce_packed import CUSTOM_REDUCE_SCATTER, PACKED_REDUCE_SCATTER
 from .reduce_qgz import QGZ
 from .reduce_whole import WHOLE
@@ -30,6 +31,7 @@ REDUCE_RULES: list[tuple[Callable[[ReduceFacts], bool], ReducePath]] = [
     (lambda f: f.invariant and not f.whole, INVARIANT_TREE),  # perparam.invariant: tree order at every K
     (lambda f: f.invariant and f.whole, INVARIANT_WHOLE),  # its replicated and stage-1 parameters
     (lambda f: f.whole, WHOLE),  # replicated and stage-1 parameters: all-reduced whole
+    (lambda f: f.to_owner and not f.custom, OWNER_REDUCE),  # configure(owner_grad="owner"): whole on the owner
     (lambda f: f.wire is not None, QGZ),  # refuses a custom reduce-scatter
     (lambda f: f.custom, CUSTOM_REDUCE_SCATTER),
     (lambda f: f.algorithm == "zero_copy" and not f.hpz and f.zero_copy and f.cpu, ZERO_COPY_REDUCE_SCATTER),

@@ -41,3 +41,6 @@ class ReduceFacts(NamedTuple):
     zero_copy: bool  # ``zero_copy_reduce.eligible``: K > 1 on gloo, every parameter plain ``Shard(0)``, no TP
     cpu: bool  # every gradient is on the CPU
     invariant: bool = False  # the call reduces in the units' tree order (``perparam.invariant``)
+    #: ``update="owner"`` parameters with planned owners under ``configure(owner_grad="owner")``, no
+    #: ``grad_quant``, K > 1: reduced to their owners (``reduce_owner``)
+    to_owner: bool = False

@@ -1,0 +1,165 @@
+"""The owner path's two exchanges per bucket at the optimizer step (``perparam.runtime.owner_step``): rows in
+to the owners, updated rows back out.
+
+In: one all-to-all per bucket brings each rank's rows of the parameter to its owner, and its rows of the
+reduced gradient *unless the owner holds the whole reduced gradient already*:
+
+- a stage-1 parameter (``ParamPolicy(zero_stage=1)``): its gradient is all-reduced whole onto every rank
+  (the sharded ``.grad`` views this rank's rows of it). The owner steps from its own whole gradient when
+  every rank's rows are still what the reduction wrote. A rank's rows changed in place since (a clip, an
+  unscale, a user's edit through ``.grad``) leave the whole gradients of the other ranks stale, and version
+  counters do not see every in-place change (a ``torch._foreach_*`` op on a DTensor bumps none), so the
+  ranks compare the bits: each rank's rows carry a digest taken when the reduction wrote them
+  (``ParamGradients.accumulate_whole_grad``), and one all-reduce of a flag per such parameter per bucket
+  (``[n]`` int32, the same on every rank) says whether all K ranks' rows are unchanged; where they are
+  not, the rows travel as for any parameter;
+- a parameter reduced straight to its owner (``paths.reduce_owner``, ``perparam.configure(owner_grad=
+  "owner")``): its whole gradient is on the owner only (``owner_grads``).
+
+Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` elements of parameter rows
+in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
+``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. Every rank issues the same collectives with the same sizes
+whatever it owns (empty pieces where it has none).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..comm.collectives import all_reduce_sum, exchange_uneven
+from . import owner_grads
+from .owner_grads import OwnerStepError
+from .param_grads import rows_digest
+
+__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "send_back", "travels"]
+
+
+def local_grad(sp) -> torch.Tensor:
+    """This rank's rows of ``sp``'s reduced gradient (the sharded ``.grad``'s local tensor)."""
+    p = sp.sharded
+    grad = p.grad
+    if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.dtype != p.dtype:
+        raise OwnerStepError(f"parameter '{sp.fqn}' has update='owner' but its .grad is not a DTensor of its "
+                             f"placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad to perparam's "
+                             "reduction, or assign a DTensor like the parameter")
+    return grad._local_tensor
+
+
+def _rows_intact(sp) -> bool:
+    """Stage 1: ``.grad`` still views the whole gradient the reduction wrote, and this rank's rows of it have
+    the bits they had then (``ParamGradients._whole_digest``)."""
+    whole = sp._whole_grad()
+    if whole is None or sp._whole_digest is None:
+        return False
+    return bool(torch.equal(rows_digest(sp.layout.local_piece(whole, sp.shard_rank)), sp._whole_digest))
+
+
+def travels(bucket, entries) -> tuple[bool, ...]:
+    """Per entry of ``entries`` (a bucket's, with gradients), whether its gradient rows travel to the owner:
+    not for a gradient reduced to its owner, nor for a stage-1 one whose rows are intact on every rank (one
+    all-reduce of ``[n]`` flags over the bucket's shard axis when the bucket holds ``n > 0`` stage-1
+    entries); the same answer on every rank."""
+    out = [not owner_grads.at_owner(e.sp) for e in entries]
+    for e, move in zip(entries, out):
+        if not move and owner_grads.reduced_to(e.sp) != e.owner:  # the same on every rank: raised alike
+            raise OwnerStepError(f"parameter '{e.sp.fqn}': its gradient was reduced to rank "
+                                 f"{owner_grads.reduced_to(e.sp)} under an earlier optimizer's plan, and this "
+                                 f"optimizer's owner of it is rank {e.owner}; step the optimizer the owners were "
+                                 "planned for, or zero_grad() and run backward again")
+    whole = [i for i, e in enumerate(entries) if out[i] and e.sp.policy.whole_grad]
+    if whole:
+        device = entries[0].sp.sharded._local_tensor.device
+        flags = torch.tensor([int(_rows_intact(entries[i].sp)) for i in whole], dtype=torch.int32, device=device)
+        all_reduce_sum(flags, bucket.group, what=f"owner stage-1 gradients intact ({len(whole)} params)")
+        for i, n in zip(whole, flags.tolist()):
+            out[i] = n != bucket.group.size()
+    return tuple(out)
+
+
+def _owner_whole_grad(sp) -> torch.Tensor:
+    """On the owner, the whole reduced gradient it holds (reduced to it, or stage 1's kept one)."""
+    held = owner_grads.whole(sp)
+    return held if held is not None else sp._whole_grad()
+
+
+def gather(bucket, entries, moves: tuple[bool, ...]):
+    """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners:
+    ``(work, recv)``."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    for dest in range(k):
+        for e, move in zip(entries, moves):
+            if e.owner != dest:
+                continue
+            if move:
+                pieces.append(local_grad(e.sp).reshape(-1))
+            pieces.append(e.sp.sharded._local_tensor.reshape(-1))
+            send_splits[dest] += (2 if move else 1) * e.sp.layout.local_numel(me)
+    for e, move in zip(entries, moves):
+        if e.owner == me:
+            for src in range(k):
+                recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src)
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    logical = sum((2 if move else 1) * e.sp.sharded.numel() for e, move in zip(entries, moves)) * dtype.itemsize
+    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params")
+
+
+def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> dict:
+    """id(sharded parameter) -> (sharded parameter, whole parameter with its whole ``.grad``) for the
+    parameters of ``entries`` this rank owns (a held whole gradient is used as it is, not copied)."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    mine = [(e, move) for e, move in zip(entries, moves) if e.owner == me]
+    out = {}
+    for e, move in mine:
+        p = e.sp.sharded
+        whole = torch.empty(p.shape, dtype=p.dtype, device=recv.device)
+        whole.grad = torch.empty_like(whole) if move else _owner_whole_grad(e.sp)
+        out[id(p)] = (p, whole)
+    offset = 0
+    for src in range(k):
+        for e, move in mine:
+            lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
+            n, shape = lay.local_numel(src), lay.local_shape(src)
+            for target in ((whole.grad, whole) if move else (whole,)):
+                lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
+                offset += n
+    return out
+
+
+def _scatter(bucket, entries, wholes: dict):
+    """Post the all-to-all sending each rank its rows of the updated whole parameters: ``(work, recv)``."""
+    pg = bucket.group
+    k, me = pg.size(), pg.rank()
+    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    for dest in range(k):
+        for e in entries:
+            if e.owner == me:
+                pieces.append(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest).reshape(-1))
+                send_splits[dest] += e.sp.layout.local_numel(dest)
+    for e in entries:
+        recv_splits[e.owner] += e.sp.layout.local_numel(me)
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    logical = sum(e.sp.sharded.numel() for e in entries) * dtype.itemsize
+    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner scatter of {len(entries)} params")
+
+
+def send_back(bucket, entries, wholes: dict) -> None:
+    """Send each rank its rows of the updated whole parameters; copy them into the shards."""
+    work, recv = _scatter(bucket, entries, wholes)
+    if work is not None:
+        work.wait()
+    me, offset = bucket.group.rank(), 0
+    for owner in range(bucket.group.size()):
+        for e in entries:
+            if e.owner == owner:
+                local = e.sp.sharded._local_tensor
+                n = e.sp.layout.local_numel(me)
+                local.copy_(recv[offset:offset + n].view(local.shape))
+                offset += n
