@@ -80,7 +80,7 @@ class Variant:
 
         import perparam
 
-        t0 = time.perf_counter()
+        t0 = _now()
         losses = []
         if self.iu is not None:
             for u, (xu, yu) in self.iu.split((x, y)):
@@ -89,9 +89,9 @@ class Variant:
                     loss.backward()
                     self.grad_peak = max(self.grad_peak, self._held())
                 losses.append(loss.detach())
-            t1 = time.perf_counter()
+            t1 = _now()
             self.iu.reduce()
-            t2 = time.perf_counter()
+            t2 = _now()
             self.iu.clip_grad_norm_(MAX_NORM)
             reported = float(self.iu.mean(losses))
         else:
@@ -106,19 +106,25 @@ class Variant:
                 if i < n - 1:
                     self.grad_peak = max(self.grad_peak, self._held())
                 losses.append(loss.detach())
-            t1 = t2 = time.perf_counter()
+            t1 = t2 = _now()
             perparam.clip_grad_norm_(self.model.parameters(), MAX_NORM)
             mean = torch.stack(losses).sum() / self.world  # the loss to report: the global batch's mean
             dist.all_reduce(mean)
             reported = float(mean)
-        t3 = time.perf_counter()
+        t3 = _now()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
+        t4 = _now()
         self._step += 1
-        return {"backward": t1 - t0, "reduce": t2 - t1, "clip": t3 - t2, "optimizer": t4 - t3}, reported
+        marks = {"backward": (t0, t1), "reduce": (t1, t2), "clip": (t2, t3), "optimizer": (t3, t4)}
+        return {f"{k}{suffix}": b[i] - a[i] for k, (a, b) in marks.items() for i, suffix in ((0, ""), (1, "_cpu"))}, \
+            reported
 
     _step = 0
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
 
 
 def _shard_bytes(v: Variant) -> tuple[int, int]:
@@ -217,7 +223,7 @@ def summarise(timing: list[dict], mem: list[dict] | None, opts: dict) -> dict:
         rec = {"step_s": statistics.median(step[n]), "step_times_s": step[n],
                "cpu_s_per_rank": [statistics.median(t["cpu"][n]) for t in timing],
                "phase_s_rank0": {k: statistics.median(p[k] for p in timing[0]["phases"][n])
-                                 for k in ("backward", "reduce", "clip", "optimizer")},
+                                 for k in timing[0]["phases"][n][0]},
                "final_loss": timing[0]["losses"][n][-1]}
         for base in {"plain", baseline(n)}:
             rec[f"paired_vs_{base}"] = statistics.median(a / b for a, b in zip(step[n], step[base]))
@@ -241,7 +247,7 @@ def summarise(timing: list[dict], mem: list[dict] | None, opts: dict) -> dict:
 def render(result: dict) -> str:
     mib = 2 ** 20
     lines = ["| variant | step ms | paired vs accum (same U) | paired vs plain | CPU ms/rank | CPU paired vs accum | "
-             "bwd / reduce / clip / opt ms (rank 0) | step peak over start MiB | grad buffers MiB (peak) | extra "
+             "CPU ms bwd / reduce / clip / opt (rank 0) | step peak over start MiB | grad buffers MiB (peak) | extra "
              "vs accum MiB | target log2(U) x shard MiB | final loss |", "|" + "---|" * 12]
     for n, r in result["variants"].items():
         ph = r["phase_s_rank0"]
@@ -253,7 +259,7 @@ def render(result: dict) -> str:
             f"| {n} | {r['step_s'] * 1e3:.0f} | {r[f'paired_vs_{base}']:.3f} | {r['paired_vs_plain']:.3f} | "
             + " / ".join(f"{c * 1e3:.0f}" for c in r["cpu_s_per_rank"]) + " | "
             + " / ".join(f"{c:.3f}" for c in r[f"cpu_paired_vs_{base}_per_rank"]) + " | "
-            + " / ".join(f"{ph[k] * 1e3:.0f}" for k in ("backward", "reduce", "clip", "optimizer")) + " | "
+            + " / ".join(f"{ph[k + '_cpu'] * 1e3:.0f}" for k in ("backward", "reduce", "clip", "optimizer")) + " | "
             + (f"{m['peak_over_start'] / mib:.1f} | {m['grad_buffer_peak'] / mib:.1f} | " if m else "- | - | ")
             + f"{extra} | {target} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
