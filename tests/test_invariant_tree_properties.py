@@ -62,3 +62,23 @@ def test_adamw_step_is_bitwise_independent_of_where_a_shard_starts_and_ends(kw):
         o1.step()
         o2.step()
     assert torch.equal(whole.detach(), torch.cat([a.detach(), b.detach()]))
+
+
+def test_a_left_sibling_seeded_as_accumulator_and_added_to_twice_in_a_unit_is_refused_naming_the_parameter():
+    # perparam.invariant seeds an odd unit's accumulator with its left sibling; a gradient arriving in two
+    # pieces ((left + g1) + g2, a parameter used again after its group's backward) is not the tree's sum
+    from types import SimpleNamespace
+
+    from perparam.invariant import InvariantError, _sibling_sum
+
+    p = SimpleNamespace(fqn="blocks.0.fc1.weight")
+    left = torch.tensor([-0.0, 1.0])
+    v = left._version
+    assert torch.equal(_sibling_sum(p, left, v), torch.tensor([0.0, 1.0]))  # no gradient: left + 0, as a zero leaf
+    acc = torch.ones(2)
+    v = acc._version
+    acc.add_(1.0)
+    assert _sibling_sum(p, acc, v) is acc  # one addition: the tree's left + leaf
+    acc.add_(1.0)
+    with pytest.raises(InvariantError, match="blocks.0.fc1.weight"):
+        _sibling_sum(p, acc, v)
