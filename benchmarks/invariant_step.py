@@ -212,28 +212,14 @@ def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
     dist.destroy_process_group()
 
 
-def summarise(timing: list[dict], mem: list[dict] | None, opts: dict) -> dict:
+def summarise(timing: list[dict] | None, mem: list[dict] | None, opts: dict) -> dict:
     """Per variant: median step (slower rank per round), paired ratios, CPU per rank, phases (rank 0), final
     loss; memory figures (max over ranks) with the target ``log2(U) x`` one rank's gradient shard."""
     names = variants(tuple(opts["units"]))
-    rounds = len(timing[0]["wall"][names[0]])
-    step = {n: [max(t["wall"][n][i] for t in timing) for i in range(rounds)] for n in names}
-    out = {}
-    for n in names:
-        rec = {"step_s": statistics.median(step[n]), "step_times_s": step[n],
-               "cpu_s_per_rank": [statistics.median(t["cpu"][n]) for t in timing],
-               "phase_s_rank0": {k: statistics.median(p[k] for p in timing[0]["phases"][n])
-                                 for k in timing[0]["phases"][n][0]},
-               "final_loss": timing[0]["losses"][n][-1]}
-        for base in {"plain", baseline(n)}:
-            rec[f"paired_vs_{base}"] = statistics.median(a / b for a, b in zip(step[n], step[base]))
-            rec[f"cpu_paired_vs_{base}_per_rank"] = [statistics.median(a / b for a, b in zip(t["cpu"][n], t["cpu"][base]))
-                                                     for t in timing]
-        if mem is not None:
-            m = {k: max(r[n][k] for r in mem) for k in mem[0][n]}
-            rec["memory"] = m
-        out[n] = rec
+    out = {n: _timing_summary(timing, n) if timing else {} for n in names}
     if mem is not None:
+        for n in names:
+            out[n]["memory"] = {k: max(r[n][k] for r in mem) for k in mem[0][n]}
         for n in names:
             if n.startswith("invariant"):
                 m, base = out[n]["memory"], out[baseline(n)]["memory"]
@@ -244,24 +230,42 @@ def summarise(timing: list[dict], mem: list[dict] | None, opts: dict) -> dict:
     return out
 
 
+def _timing_summary(timing: list[dict], n: str) -> dict:
+    rounds = len(timing[0]["wall"][n])
+    step = {v: [max(t["wall"][v][i] for t in timing) for i in range(rounds)] for v in {n, "plain", baseline(n)}}
+    rec = {"step_s": statistics.median(step[n]), "step_times_s": step[n],
+           "cpu_s_per_rank": [statistics.median(t["cpu"][n]) for t in timing],
+           "phase_s_rank0": {k: statistics.median(p[k] for p in timing[0]["phases"][n])
+                             for k in timing[0]["phases"][n][0]},
+           "final_loss": timing[0]["losses"][n][-1]}
+    for base in {"plain", baseline(n)}:
+        rec[f"paired_vs_{base}"] = statistics.median(a / b for a, b in zip(step[n], step[base]))
+        rec[f"cpu_paired_vs_{base}_per_rank"] = [statistics.median(a / b for a, b in zip(t["cpu"][n], t["cpu"][base]))
+                                                 for t in timing]
+    return rec
+
+
 def render(result: dict) -> str:
     mib = 2 ** 20
     lines = ["| variant | step ms | paired vs accum (same U) | paired vs plain | CPU ms/rank | CPU paired vs accum | "
              "CPU ms bwd / reduce / clip / opt (rank 0) | step peak over start MiB | grad buffers MiB (peak) | extra "
              "vs accum MiB | target log2(U) x shard MiB | final loss |", "|" + "---|" * 12]
     for n, r in result["variants"].items():
-        ph = r["phase_s_rank0"]
         base = baseline(n)
         m = r.get("memory", {})
         extra = f"{m['extra_grad_buffer_bytes'] / mib:.1f}" if "extra_grad_buffer_bytes" in m else "-"
         target = f"{m['target_bytes'] / mib:.1f}" if "target_bytes" in m else "-"
-        lines.append(
-            f"| {n} | {r['step_s'] * 1e3:.0f} | {r[f'paired_vs_{base}']:.3f} | {r['paired_vs_plain']:.3f} | "
-            + " / ".join(f"{c * 1e3:.0f}" for c in r["cpu_s_per_rank"]) + " | "
-            + " / ".join(f"{c:.3f}" for c in r[f"cpu_paired_vs_{base}_per_rank"]) + " | "
-            + " / ".join(f"{ph[k + '_cpu'] * 1e3:.0f}" for k in ("backward", "reduce", "clip", "optimizer")) + " | "
-            + (f"{m['peak_over_start'] / mib:.1f} | {m['grad_buffer_peak'] / mib:.1f} | " if m else "- | - | ")
-            + f"{extra} | {target} | {r['final_loss']:.4f} |")
+        if "step_s" in r:
+            ph = r["phase_s_rank0"]
+            timed = (f"{r['step_s'] * 1e3:.0f} | {r[f'paired_vs_{base}']:.3f} | {r['paired_vs_plain']:.3f} | "
+                     + " / ".join(f"{c * 1e3:.0f}" for c in r["cpu_s_per_rank"]) + " | "
+                     + " / ".join(f"{c:.3f}" for c in r[f"cpu_paired_vs_{base}_per_rank"]) + " | "
+                     + " / ".join(f"{ph[k + '_cpu'] * 1e3:.0f}" for k in ("backward", "reduce", "clip", "optimizer")))
+        else:
+            timed = " | ".join("-" * 6)
+        lines.append(f"| {n} | {timed} | "
+                     + (f"{m['peak_over_start'] / mib:.1f} | {m['grad_buffer_peak'] / mib:.1f} | " if m else "- | - | ")
+                     + f"{extra} | {target} | " + (f"{r['final_loss']:.4f} |" if "final_loss" in r else "- |"))
     return "\n".join(lines)
 
 
@@ -275,8 +279,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--units", default=",".join(map(str, UNITS)), help="the U to measure (default 4,8)")
     ap.add_argument("--quick", action="store_true", help="the toy model, few rounds")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory run")
+    ap.add_argument("--no-timing", action="store_true", help="skip the timing rounds (the memory run only)")
     args = ap.parse_args(argv)
     args.units = tuple(int(u) for u in args.units.split(","))
+    if args.no_memory and args.no_timing:
+        ap.error("--no-memory with --no-timing leaves nothing to run")
     for u in args.units:
         if u & (u - 1) or u < args.world or u % args.world or args.batch % u:
             ap.error(f"--units {u}: must be a power of two, a multiple of --world {args.world} dividing --batch "
@@ -308,13 +315,19 @@ def main(argv: list[str] | None = None) -> dict:
             "rounds": args.rounds or (3 if args.quick else 8), "warmup": 1 if args.warmup is None else args.warmup}
     started = _dt.datetime.now(_dt.timezone.utc)
     load0 = os.getloadavg()
-    jobs = ["timing"] + ([] if args.no_memory else ["memory"])
-    ranks = _ranks(spawn_ranks, args.world, {**opts, "jobs": jobs})
-    timing = [r["timing"] for r in ranks]
+    jobs = ([] if args.no_timing else ["timing"]) + ([] if args.no_memory else ["memory"])
+    if args.quick:  # one set of ranks runs both (the smoke test: one launch)
+        ranks = _ranks(spawn_ranks, args.world, {**opts, "jobs": jobs})
+    else:  # the memory run in fresh ranks: the timing rounds' freed heap would blur its peaks
+        ranks = [{} for _ in range(args.world)]
+        for job in jobs:
+            for mine, theirs in zip(ranks, _ranks(spawn_ranks, args.world, {**opts, "jobs": [job]})):
+                mine.update(theirs)
+    timing = None if args.no_timing else [r["timing"] for r in ranks]
     mem = None if args.no_memory else [r["memory"] for r in ranks]
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
     n_params = count_params(cfg)
-    loads = [load0] + timing[0]["loadavg"] + [os.getloadavg()]
+    loads = [load0] + (timing[0]["loadavg"] if timing else []) + [os.getloadavg()]
     result = {"meta": {"date": started.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
                        "machine": machine_info(), "world_size": args.world, "quick": args.quick,
                        "model": {**cfg.as_dict(), "params": n_params}, "global_batch": args.batch, **opts,
