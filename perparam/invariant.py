@@ -3,10 +3,12 @@
 The global batch is cut into ``U`` units (a power of two); rank ``r`` of ``K`` runs units
 ``r*U/K .. (r+1)*U/K - 1``, one forward and backward each, with gradient sync off. After each unit's
 backward its gradient (reduce dtype) is taken out of the unsharded accumulators into a binary-counter
-stack (``perparam.sharding.tree_sum``: at most ``log2(U/K) + 1`` gradient buffers). ``reduce()`` puts each
-parameter's subtree sum back and reduces through the invariant tree reduce-scatter
-(``runtime/paths/reduce_invariant.py``: an all-to-all of row pieces, the K pieces added in tree order),
-divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole gradients
+stack (``perparam.sharding.tree_sum``); an odd unit's accumulator is its left sibling, so the backward adds
+the unit's gradient into it, the tree's own addition: at most ``log2(U/K)`` unsharded gradient buffers at
+once, accumulator included, for ``U/K >= 2``. ``reduce()`` puts each parameter's subtree sum back and
+reduces through the invariant tree reduce-scatter (``runtime/paths/reduce_invariant.py``: an all-to-all of
+row pieces, the K pieces added in tree order; at K = 2 the zero-copy reduce-scatter, whose one addition is
+the tree's), divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole gradients
 take the same tree through a reduce-scatter then an all-gather (``INVARIANT_WHOLE``); on an HSDP mesh the
 replicas' sums are added in tree order too (``collectives.tree_all_reduce_sum``). The same thread count
 must be used at every K.
