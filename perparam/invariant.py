@@ -3,10 +3,12 @@
 The global batch is cut into ``U`` units (a power of two); rank ``r`` of ``K`` runs units
 ``r*U/K .. (r+1)*U/K - 1``, one forward and backward each, with gradient sync off. After each unit's
 backward its gradient (reduce dtype) is taken out of the unsharded accumulators into a binary-counter
-stack (``perparam.sharding.tree_sum``: at most ``log2(U/K) + 1`` gradient buffers). ``reduce()`` puts each
-parameter's subtree sum back and reduces through the invariant tree reduce-scatter
-(``runtime/paths/reduce_invariant.py``: an all-to-all of row pieces, the K pieces added in tree order),
-divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole gradients
+stack (``perparam.sharding.tree_sum``); an odd unit's accumulator is its left sibling, so the backward adds
+the unit's gradient into it, the tree's own addition: at most ``log2(U/K)`` unsharded gradient buffers at
+once, accumulator included, for ``U/K >= 2``. ``reduce()`` puts each parameter's subtree sum back and
+reduces through the invariant tree reduce-scatter (``runtime/paths/reduce_invariant.py``: an all-to-all of
+row pieces, the K pieces added in tree order; at K = 2 the zero-copy reduce-scatter, whose one addition is
+the tree's), divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole gradients
 take the same tree through a reduce-scatter then an all-gather (``INVARIANT_WHOLE``); on an HSDP mesh the
 replicas' sums are added in tree order too (``collectives.tree_all_reduce_sum``). The same thread count
 must be used at every K.
@@ -24,6 +26,8 @@ from .sharding.errors import ShardingError
 from .sharding.tree_sum import TreeStack, is_power_of_two, tree_sum
 
 __all__ = ["InvariantError", "InvariantUnits"]
+
+_CLIP_CHUNK = 1 << 15  # elements of one float64 block of rows in clip_grad_norm_ (256 KiB)
 
 
 class InvariantError(ShardingError, ValueError):
@@ -43,7 +47,7 @@ class InvariantUnits:
     def __init__(self, model, units: int, seed: int = 0) -> None:
         if not is_power_of_two(units):
             raise InvariantError(f"InvariantUnits: units={units} must be a power of two (1, 2, 4, ...)")
-        groups = _groups(model)
+        groups = [g for g in _groups(model) if g.params]  # a root wrapping only children holds none
         if not groups:
             raise InvariantError("InvariantUnits: the model has no fully_shard-ed group")
         self.part = part = groups[0].parts[0]
@@ -95,11 +99,15 @@ class InvariantUnits:
         unit's gradients join the tree."""
         for g in self.groups:
             g.requires_gradient_sync = False
+        seeded = self._seed_accumulators()
         with torch.random.fork_rng(devices=self._rng_devices):
             torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
             yield
         for p in self._params:
             grad, p.grad_acc = p.grad_acc, None
+            if id(p) in seeded:  # the left sibling, this unit's gradient added into it: a level-1 node
+                self._stacks[id(p)].push(_sibling_sum(p, grad, seeded[id(p)]), level=1)
+                continue
             if grad is None and id(p) in self._stacks:
                 grad = torch.zeros_like(self._stacks[id(p)]._stack[-1][1])
             if grad is not None:
@@ -108,8 +116,27 @@ class InvariantUnits:
                 self._stacks[id(p)].push(grad)
         self._count = self._done() + 1
 
+    def _seed_accumulators(self) -> dict[int, int]:
+        """Where the tree's top partial sum is a leaf waiting for its right sibling (an odd unit), that leaf
+        becomes the parameter's accumulator, so the backward adds this unit's gradient straight into it
+        (``left.add_(grad)``, the tree's own addition): one unsharded buffer less at the peak. Returns
+        ``{id(param): the accumulator's version}`` to check that exactly one addition happened."""
+        seeded = {}
+        for p in self._params:
+            stack = self._stacks.get(id(p))
+            left = stack.take_leaf() if stack is not None else None
+            if left is not None:
+                p.grad_acc = left
+                seeded[id(p)] = left._version
+        return seeded
+
     def _done(self) -> int:
         return self._count
+
+    def held_bytes(self) -> int:
+        """Bytes of the partial sums the tree holds now, every parameter (unsharded, the reduce dtype): what
+        the mode keeps beyond the normal accumulation's one unsharded accumulator per parameter."""
+        return sum(t.nbytes for s in self._stacks.values() for _, t in s._stack)
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -157,8 +184,11 @@ class InvariantUnits:
         for start, local, d, counted in entries:
             if counted and local.numel():
                 slices = local.reshape(1, 1) if not local.dim() else local.movedim(d, 0).contiguous()
-                slices = slices.reshape(slices.shape[0], -1).double()
-                vec[start:start + slices.shape[0]] = (slices * slices).sum(dim=1)
+                slices = slices.reshape(slices.shape[0], -1)
+                step = max(1, _CLIP_CHUNK // slices.shape[1])  # float64 squares a few slices at a time: in
+                for i in range(0, slices.shape[0], step):      # cache, 4x less CPU than all at once, same bits
+                    blk = slices[i:i + step].double()
+                    torch.sum(blk.mul_(blk), dim=1, out=vec[start + i:start + i + blk.shape[0]])
         # HSDP: the replicas hold the same reduced gradients, so the shard axis alone covers every slice once
         collectives.all_reduce_sum(vec, self.part.reduce_shard_pg, what="InvariantUnits.clip")
         norm = vec.sum().sqrt().to(torch.float32)
@@ -176,6 +206,19 @@ class InvariantUnits:
         if self.part.replicate_pg is not None:  # HSDP: the other replicas' units (zeros elsewhere: exact)
             collectives.all_reduce_sum(mine, self.part.reduce_replicate_pg, what="InvariantUnits.mean")
         return (tree_sum(list(mine)) / self.units).to(torch.float32)
+
+
+def _sibling_sum(p, acc: torch.Tensor, version: int) -> torch.Tensor:
+    """The seeded accumulator after the unit: ``left + grad`` (one addition), ``left + 0`` (no gradient this
+    unit, as a zero leaf would give). ``InvariantError`` when the gradient arrived in pieces (it was used
+    again after its group's backward: ``(left + g1) + g2`` is not the tree's ``left + (g1 + g2)``)."""
+    if acc._version == version:
+        return acc.add_(torch.zeros_like(acc))
+    if acc._version != version + 1:
+        raise InvariantError(f"InvariantUnits: parameter {p.fqn} received its gradient in "
+                             f"{acc._version - version} pieces in one unit (used again after its group's "
+                             "backward); the tree order cannot be kept: use it inside one group's forward")
+    return acc
 
 
 def _stack_with_zeros(done: int, like: torch.Tensor) -> TreeStack:

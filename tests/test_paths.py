@@ -49,6 +49,10 @@ REDUCE_TABLE = [
     ({"invariant": True, "whole": True}, "invariant tree all-reduce"),
     ({"to_owner": True}, "reduce to owner"),  # configure(owner_grad="owner"), before zero-copy
     ({"to_owner": True, "custom": True}, "custom reduce-scatter"),  # the user's collective carries it
+    ({"invariant": True, "pair": True}, "zero-copy reduce-scatter"),  # K = 2: peer + own is the tree's sum
+    ({"invariant": True, "pair": True, "algorithm": "all_to_all"}, "invariant tree reduce-scatter"),
+    ({"invariant": True, "pair": True, "zero_copy": False}, "invariant tree reduce-scatter"),
+    ({"invariant": True, "pair": True, "whole": True}, "invariant tree all-reduce"),
 ]
 
 

@@ -75,7 +75,7 @@ class Reductions:
         facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
                             config.current().gloo_reduce_scatter, self.hpz is not None,
                             plan is not None and plan.zero_copy, cpu,
-                            self.call.invariant, to_owner)
+                            self.call.invariant, to_owner, self.num_shards == 2)
         if plan is None:
             return choose.reduce_path(facts)
         path = plan.paths.get(facts)

@@ -4,7 +4,8 @@
 leaves ``r*U/K .. (r+1)*U/K - 1``, whose subtree sum is a node of the full tree, so adding the ``K`` subtree
 sums pairwise (``tree_sum``) gives the full tree's sum bit for bit, for every ``K`` dividing ``U``.
 ``TreeStack`` adds leaves as they arrive with a binary-counter stack: at most ``log2(n) + 1`` partial sums
-held for ``n`` leaves."""
+held for ``n`` leaves (``log2(n)`` where each odd leaf is added into its left sibling as it is made:
+``take_leaf``)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,21 @@ class TreeStack:
         self._add = add
         self._stack: list[tuple[int, object]] = []  # (level, partial sum)
 
-    def push(self, leaf) -> None:
-        level = 0
+    def push(self, leaf, level: int = 0) -> None:
+        """Add a node: a leaf (``level`` 0), or the sum of the ``2**level`` leaves that follow the ones pushed
+        (a leaf from ``take_leaf`` with the next leaf added to it: ``level`` 1)."""
         while self._stack and self._stack[-1][0] == level:
             _, left = self._stack.pop()
             leaf = self._add(left, leaf)
             level += 1
         self._stack.append((level, leaf))
+
+    def take_leaf(self):
+        """The last leaf pushed, removed, when it waits for its right sibling (the top partial sum is a leaf);
+        ``None`` otherwise. ``add(leaf, next leaf)`` pushed at level 1 is the same as pushing the two leaves."""
+        if self._stack and self._stack[-1][0] == 0:
+            return self._stack.pop()[1]
+        return None
 
     @property
     def depth(self) -> int:

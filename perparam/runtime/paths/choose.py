@@ -28,6 +28,9 @@ GATHER_RULES: list[tuple[Callable[[GatherFacts], bool], GatherPath]] = [
 
 #: the reduction paths' precedence
 REDUCE_RULES: list[tuple[Callable[[ReduceFacts], bool], ReducePath]] = [
+    # perparam.invariant at K = 2: the zero-copy sum peer + own is the tree's rank 0 + rank 1 (a + b == b + a)
+    (lambda f: f.invariant and f.pair and not f.whole and f.algorithm == "zero_copy" and not f.hpz and f.zero_copy
+     and f.cpu, ZERO_COPY_REDUCE_SCATTER),
     (lambda f: f.invariant and not f.whole, INVARIANT_TREE),  # perparam.invariant: tree order at every K
     (lambda f: f.invariant and f.whole, INVARIANT_WHOLE),  # its replicated and stage-1 parameters
     (lambda f: f.whole, WHOLE),  # replicated and stage-1 parameters: all-reduced whole

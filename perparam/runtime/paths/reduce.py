@@ -44,3 +44,4 @@ class ReduceFacts(NamedTuple):
     #: ``update="owner"`` parameters with planned owners under ``configure(owner_grad="owner")``, no
     #: ``grad_quant``, K > 1: reduced to their owners (``reduce_owner``)
     to_owner: bool = False
+    pair: bool = False  # K = 2: the sum of two pieces is the tree's one addition whatever the order
