@@ -179,7 +179,8 @@ def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
     for r in results:
         assert _max_diff(r["params"], want) <= 1e-5
     away = 4 * 78 * 4 - sum(_owner_rows_bytes(2))  # TinyNet's four 13 x 6 fp32 matrices over 2 shards
-    assert sum(r["all_to_all"][1] for r in results) == 2 * 2 * away  # 2 (K-1)/K m n per replica group
+    # 2 (K-1)/K m n per replica group, and its scatter's flags
+    assert sum(r["all_to_all"][1] for r in results) == 2 * (2 * away + _flag_bytes(2))
 
 
 @pytest.mark.fast
@@ -197,8 +198,14 @@ def test_the_owner_exchange_is_one_all_to_all_each_way_per_bucket_with_3_k_minus
         assert counts == [2] * world_size  # the gather and the scatter of the one bucket
         wire = sum(r["all_to_all"][1] for r in results)
         # exact: each non-owner sends its rows of gradient and parameter, each owner the others' rows back
-        assert wire == 3 * (4 * 78 * 4) - 3 * sum(_owner_rows_bytes(world_size))
+        # with its flag (whether its step raised)
+        assert wire == 3 * (4 * 78 * 4) - 3 * sum(_owner_rows_bytes(world_size)) + _flag_bytes(world_size)
         assert sum(r["state"] for r in results) == 4  # each matrix's momentum on its owner only
+
+
+def _flag_bytes(world_size: int) -> int:
+    """The scatter's flags of one fp32 bucket, summed over the ranks: one element from each rank to each other."""
+    return world_size * (world_size - 1) * 4
 
 
 def _owner_rows_bytes(world_size: int) -> list[int]:
@@ -592,7 +599,9 @@ def test_a_stage1_owner_gradient_whole_on_every_rank_does_not_travel_unless_a_ra
             assert [r[step][0] for r in results] == [0.0] * world_size  # bitwise torch's Muon
             assert {r[step][2] for r in results} == {1}  # one all-reduce of the intact flags
         # parameter rows in and updated rows out: 2 (K-1)/K m n (3 (K-1)/K m n with the gradient rows)
-        assert [sum(r[step][1] for r in results) for step in range(3)] == [2 * away, 2 * away, 3 * away]
+        flags = _flag_bytes(world_size)
+        assert [sum(r[step][1] for r in results) for step in range(3)] == [2 * away + flags, 2 * away + flags,
+                                                                          3 * away + flags]
 
 
 def _owner_grad(opt, p) -> torch.Tensor:
@@ -670,7 +679,8 @@ def test_a_gradient_reduced_to_its_owner_steps_bitwise_with_2_k_minus_1_over_k_m
             assert [r[step][0] for r in results] == [0.0] * world_size, step  # bitwise torch's Muon
             assert all(r[step][1] == r[step][2] for r in results)  # recorded = handed to gloo
         # the first step's gradients were reduce-scattered (no owner planned yet): 3 (K-1)/K m n; then 2
-        assert [sum(r[step][1] for r in results) for step in range(4)] == [3 * away] + [2 * away] * 3
+        flags = _flag_bytes(world_size)
+        assert [sum(r[step][1] for r in results) for step in range(4)] == [3 * away + flags] + [2 * away + flags] * 3
         assert [r[1][3] for r in results] == [{"all_gather": 6, "reduce_scatter": 3}] * world_size
 
 
@@ -745,3 +755,47 @@ def test_full_optimizer_state_dicts_of_owner_parameters_round_trip_through_dcp_a
                 got = r["saved"]["state"][n][key]
                 assert type(got) is type(v) and (got - v).abs().max().item() <= 1e-5, (n, key)
         assert all(torch.equal(r["params"][n], r["resumed"][n]) for n in r["params"])  # the loaded state steps
+
+
+class _RaisingOnRank0(torch.optim.Muon):
+    """Muon whose step raises on rank 0 only (a user's check of a NaN, a dtype error, an OOM)."""
+
+    def step(self, closure=None):
+        if torch.distributed.get_rank() == 0 and self.defaults.get("raise_now"):
+            raise FloatingPointError("NaN in the update")
+        return super().step(closure)
+
+
+def _raising_owner(rank: int, world_size: int) -> dict:
+    """Step 1 raises on rank 0 (owner of the 8x6 matrix at K = 2); then one more step, not raising."""
+    model = _matrices(rank, world_size)
+    opt = _RaisingOnRank0(model.parameters(), lr=0.02)
+    out = {}
+    for step, raise_now in enumerate((False, True, False)):
+        opt.defaults["raise_now"] = raise_now
+        model(torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).sum().backward()
+        before = [p.to_local().clone() for p in model.parameters()]
+        with CommCounter() as comm:
+            try:
+                opt.step()
+            except owner_step.OwnerStepRaised as e:
+                out.update(message=str(e), cause=repr(e.__cause__))
+        out[f"changed{step}"] = [not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())]
+        out[f"wire{step}"] = (comm.count("all_to_all"), comm.bytes("all_to_all"))
+        opt.zero_grad()
+    out["owners"] = [owner_step.routing(opt).by_id[id(p)].owner for p in model.parameters()]
+    return out
+
+
+def test_an_exception_in_the_owners_step_is_raised_on_every_rank_instead_of_hanging_its_peers():
+    r0, r1 = run_distributed(_raising_owner, 2, timeout=20)
+    assert r0["owners"] == [0, 1, 1]  # LPT: 8x6 alone on rank 0, 6x5 and 5x3 on rank 1
+    for r in (r0, r1):
+        assert r["message"].startswith("_RaisingOnRank0's step on whole tensors raised on rank 0 of its shard axis, "
+                                       "the owner of parameters 'weight' of Linear (shape (6, 8)): "
+                                       "FloatingPointError: NaN in the update. Every rank"), r["message"]
+        assert r["changed0"] == r["changed2"] == [True] * 3  # before and after: every matrix stepped
+        assert r["changed1"] == [False, True, True]  # the raising owner's matrix as before, rank 1's stepped
+        # the same exchange whatever the owners computed: 2 all-to-alls, one flag element more per peer
+        assert r["wire0"] == r["wire1"] == r["wire2"]
+    assert r0["cause"] == "FloatingPointError('NaN in the update')" and r1["cause"] == "None"

@@ -16,6 +16,9 @@ reduced gradient *unless the owner holds the whole reduced gradient already*:
 - a parameter reduced straight to its owner (``paths.reduce_owner``, ``perparam.configure(owner_grad=
   "owner")``): its whole gradient is on the owner only (``owner_grads``).
 
+Out: each rank's piece of the scatter is led by one element, 1 when its step raised (``owner_step``
+raises that on every rank of the axis): ``K (K-1)`` elements per bucket summed over the ranks.
+
 Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` elements of parameter rows
 in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
 ``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. Every rank issues the same collectives with the same sizes
@@ -27,12 +30,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..comm.collectives import all_reduce_sum, exchange_uneven
+from ..comm.collectives import all_gather_objects, all_reduce_sum, exchange_uneven
 from . import owner_grads
 from .owner_grads import OwnerStepError
 from .param_grads import rows_digest
 
-__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "send_back", "travels"]
+__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "raised_texts", "send_back", "travels"]
 
 
 def local_grad(sp) -> torch.Tensor:
@@ -131,35 +134,52 @@ def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> di
     return out
 
 
-def _scatter(bucket, entries, wholes: dict):
-    """Post the all-to-all sending each rank its rows of the updated whole parameters: ``(work, recv)``."""
+def _scatter(bucket, entries, wholes: dict, raised: bool):
+    """Post the all-to-all sending each rank its rows of the updated whole parameters, each piece led by one
+    element: 1 when this rank's step raised (``raised``), else 0: ``(work, recv)``."""
     pg = bucket.group
     k, me = pg.size(), pg.rank()
-    pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
+    flag = torch.full((1,), float(raised), dtype=dtype, device=device)
+    pieces, send_splits, recv_splits = [], [1] * k, [1] * k
     for dest in range(k):
+        pieces.append(flag)
         for e in entries:
             if e.owner == me:
                 pieces.append(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest).reshape(-1))
                 send_splits[dest] += e.sp.layout.local_numel(dest)
     for e in entries:
         recv_splits[e.owner] += e.sp.layout.local_numel(me)
-    dtype = entries[0].sp.sharded.dtype
-    device = entries[0].sp.sharded._local_tensor.device
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-    logical = sum(e.sp.sharded.numel() for e in entries) * dtype.itemsize
-    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner scatter of {len(entries)} params")
+    logical = (sum(e.sp.sharded.numel() for e in entries) + k) * dtype.itemsize
+    return exchange_uneven(torch.cat(pieces), send_splits, recv_splits, pg, logical,
+                           f"owner scatter of {len(entries)} params")
 
 
-def send_back(bucket, entries, wholes: dict) -> None:
-    """Send each rank its rows of the updated whole parameters; copy them into the shards."""
-    work, recv = _scatter(bucket, entries, wholes)
+def send_back(bucket, entries, wholes: dict, raised: bool = False) -> list[torch.Tensor]:
+    """Send each rank its rows of the updated whole parameters (``raised``: this rank's step raised); copy
+    them into the shards, except those of an owner whose step raised (left as before the step; decided on
+    the device, no host read). Returns each owner rank's flag, a 1-element tensor (1 when its step raised,
+    else 0), the same on every rank of the axis."""
+    work, recv = _scatter(bucket, entries, wholes, raised)
     if work is not None:
         work.wait()
-    me, offset = bucket.group.rank(), 0
+    me, offset, flags = bucket.group.rank(), 0, []
     for owner in range(bucket.group.size()):
+        flag = recv[offset:offset + 1]
+        flags.append(flag)
+        offset += 1
         for e in entries:
             if e.owner == owner:
                 local = e.sp.sharded._local_tensor
                 n = e.sp.layout.local_numel(me)
-                local.copy_(recv[offset:offset + n].view(local.shape))
+                local.copy_(torch.where(flag == 0, recv[offset:offset + n].view(local.shape), local))
                 offset += n
+    return flags
+
+
+def raised_texts(bucket, text: str | None) -> list:
+    """Every rank's ``text`` over ``bucket``'s shard axis, in rank order (an object all-gather): the owners
+    whose step raised tell their exception, the others ``None``. Issued only after a flag of ``send_back``
+    said an owner raised (the same on every rank of the axis)."""
+    return all_gather_objects(text, bucket.group)

@@ -18,12 +18,16 @@ holds under the owner policy:
    that bucket's whole tensors alone (each group narrowed to them, their state re-keyed to them), while
    the next bucket's all-to-all is in flight; the other ranks skip the bucket. The owner's update is bit
    for bit the step the optimizer takes on one device from the same gradient and state;
-4. one all-to-all per bucket sends each rank its rows of the updated parameters, copied into its shard in
-   place, and the bucket's whole tensors are dropped (at most two buckets' alive). The step proper then
+4. one all-to-all per bucket sends each rank its rows of the updated parameters (each piece led by one
+   element: 1 when the sender's step raised), copied into its shard in place, and the bucket's whole tensors are dropped (at most two buckets' alive). The step proper then
    runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
    an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
    matrices' momentum per rank; an empty entry elsewhere, ``owner_state``); the step is counted on the parameters as any step
    (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
+
+A step that raises on an owner is raised on every rank of the axis (``OwnerStepRaised``, the owner's
+exception its cause) after the exchange, the raising owner's rows not copied: the flags of all buckets are
+read back once per step.
 
 Bytes on the wire per ``m x n`` matrix: ``(K-1)/K m n`` elements of parameter rows in, ``(K-1)/K m n``
 out, and ``(K-1)/K m n`` of gradient rows in where they travel: ``3 (K-1)/K m n`` after a reduce-scatter,
@@ -46,7 +50,7 @@ from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
 from . import owner_exchange, registration
 from .owner_exchange import OwnerStepError
 
-__all__ = ["BUCKET_BYTES", "OwnerStepError", "WholeMatrixShardError", "check", "is_whole_matrix", "plan",
+__all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix", "plan",
            "routing", "step_in", "step_out"]
 
 #: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
@@ -55,6 +59,11 @@ BUCKET_BYTES = 64 * 2**20
 _ATTR = "_perparam_owner_step"  # on the optimizer: the routed step in progress, or None
 _BUSY = "_perparam_owner_stepping"  # on the optimizer: True while its own step runs on whole tensors
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Routing
+
+
+class OwnerStepRaised(RuntimeError):
+    """The optimizer's own step raised on an owner rank: raised on every rank of that shard axis, naming the
+    owner rank, the parameters it stepped and the exception (on the owner its ``__cause__``)."""
 
 
 class WholeMatrixShardError(ShardingError, RuntimeError):
@@ -197,6 +206,8 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
     stock = type(optimizer).step.__wrapped__  # the class's step without torch's hook wrapper
     groups = [(group, group["params"]) for group in optimizer.param_groups]
     routed = {id(e.sp.sharded) for _, es in live for e in es}
+    flags: list = []  # per bucket and owner rank: (1-element tensor, 1 when its step raised; bucket, owner)
+    mine = None  # the exception this rank's step raised: its later buckets travel unstepped
     with torch.no_grad():
         moves = owner_exchange.travels(*live[0])
         posted = owner_exchange.gather(*live[0], moves)
@@ -209,10 +220,18 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
             if i + 1 < len(live):
                 moves = owner_exchange.travels(*live[i + 1])
                 posted = owner_exchange.gather(*live[i + 1], moves)
-            if wholes:
-                _step_whole(optimizer, groups, wholes, stock)
-            owner_exchange.send_back(bucket, entries, wholes)
+            raised = None
+            if wholes and mine is None:
+                try:
+                    _step_whole(optimizer, groups, wholes, stock)
+                except Exception as e:  # noqa: BLE001 - raised again on every rank below, as the cause here
+                    raised = mine = e
+            back = owner_exchange.send_back(bucket, entries, wholes, raised is not None)
+            flags += [(f, bucket, owner) for owner, f in enumerate(back)]
             del wholes
+    failed = [(b, owner) for (_, b, owner), bad in zip(flags, torch.cat([f for f, _, _ in flags]).tolist()) if bad]
+    if failed:  # the flags: the owner path's one host read per step
+        _raise_everywhere(optimizer, failed, mine)
     for group, params in groups:
         group["params"] = [p for p in params if id(p) not in routed]
     for pid in routed:  # an empty entry where this rank owns none (owner_state: DCP's empty-state test)
@@ -240,6 +259,26 @@ def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
             state = optimizer.state.pop(whole, None)
             if state is not None:
                 optimizer.state[p] = state
+
+
+def _raise_everywhere(optimizer, failed: list, mine: Exception | None) -> None:
+    """Raise ``OwnerStepRaised`` on every rank of the axes of ``failed`` (``(bucket, owner rank)`` pairs,
+    known alike on each axis' ranks from the flags): the owners share their exception's text (one object
+    all-gather per failed bucket, ``owner_exchange.raised_texts``); the owner raises it from its own exception."""
+    lines = []
+    for bucket in dict.fromkeys(b for b, _ in failed):
+        owners = [o for b, o in failed if b is bucket]
+        me = bucket.group.rank()
+        told = owner_exchange.raised_texts(bucket, f"{type(mine).__name__}: {mine}" if me in owners else None)
+        for owner in owners:
+            names = ", ".join(f"'{e.sp.fqn}' of {registration.class_name(e.sp.slots[0][0])} (shape "
+                              f"{tuple(e.sp.global_shape)})" for e in bucket.entries
+                              if e.owner == owner and e.sp.sharded.grad is not None)
+            lines.append(f"on rank {owner} of its shard axis, the owner of parameters {names}: {told[owner]}")
+    raise OwnerStepRaised(
+        f"{type(optimizer).__name__}'s step on whole tensors raised " + "; ".join(lines) + ". Every rank of that "
+        "axis raises this error; the raising owner's parameters keep their values from before the step (its "
+        "optimizer state of them as the raising step left it), the step proper did not run") from mine
 
 
 def _restore(optimizer) -> None:
