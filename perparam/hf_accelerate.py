@@ -73,6 +73,11 @@ def _inner(obj):
     return getattr(obj, "optimizer", obj)
 
 
+def _one_or_all(opts: list):
+    """What ``checkpoint.save``/``load`` take: ``None``, the one optimizer (the layout of earlier saves), or all."""
+    return None if not opts else opts[0] if len(opts) == 1 else opts
+
+
 class ShardedAccelerator(Accelerator):
     """``accelerate.Accelerator`` (same arguments) that trains, accumulates, clips, saves and resumes a model
     sharded by ``perparam.fully_shard``. ``prepare`` raises ``ShardingError`` for a sharded model with a
@@ -109,7 +114,8 @@ class ShardedAccelerator(Accelerator):
         for i, a in enumerate(args):
             if i in sharded:
                 out.append(self.prepare_model(a, device_placement=False, evaluation_mode=True))
-                self.sharded_models.append(a)
+                if not any(a is m for m in self.sharded_models):  # prepared again: saved once
+                    self.sharded_models.append(a)
             else:
                 out.append(prepared.pop(0))
                 if hasattr(out[-1], "param_groups"):
@@ -130,14 +136,22 @@ class ShardedAccelerator(Accelerator):
             return full_state_dict(inner)
         return super().get_state_dict(model, unwrap=unwrap)
 
-    def _pairs(self) -> list[tuple[nn.Module, object]]:
-        """Each sharded model with the prepared optimizer over its parameters (or ``None``)."""
-        pairs = []
-        for model in self.sharded_models:
-            own = {id(p) for p in model.parameters()}
-            opt = next((o for o in self.prepared_optimizers if any(id(p) in own for g in _inner(o).param_groups
-                                                           for p in g["params"])), None)
-            pairs.append((model, None if opt is None else _inner(opt)))
+    def _pairs(self) -> list[tuple[nn.Module, list]]:
+        """Each sharded model with every prepared optimizer over its parameters (e.g. Muon and AdamW on
+        disjoint parts). Raises ``CheckpointError`` for an optimizer over several sharded models (its shards
+        are saved with one model's checkpoint)."""
+        owned = [{id(p) for p in model.parameters()} for model in self.sharded_models]
+        pairs = [(model, []) for model in self.sharded_models]
+        for o in self.prepared_optimizers:
+            held = {id(p) for g in _inner(o).param_groups for p in g["params"]}
+            models = [i for i, own in enumerate(owned) if held & own]
+            if len(models) > 1:
+                raise checkpoint.CheckpointError(
+                    f"ShardedAccelerator: one optimizer holds parameters of sharded models {models} (in prepare's "
+                    "order); each sharded model is checkpointed with its optimizers' shards, so give each sharded "
+                    "model its own optimizer (one over its parameters)")
+            if models:
+                pairs[models[0]][1].append(_inner(o))
         return pairs
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
@@ -145,8 +159,8 @@ class ShardedAccelerator(Accelerator):
         perparam checkpoint in ``<output_dir>/perparam_state_<i>``. Every rank must call it. Returns the
         folder written."""
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        for i, (model, opt) in enumerate(self._pairs()):
-            checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, opt)
+        for i, (model, opts) in enumerate(self._pairs()):
+            checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, _one_or_all(opts))
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
@@ -158,10 +172,10 @@ class ShardedAccelerator(Accelerator):
             raise checkpoint.CheckpointError("ShardedAccelerator.load_state needs input_dir (the folder save_state "
                                              "returned) for a sharded model")
         super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        for i, (model, opt) in enumerate(self._pairs()):
+        for i, (model, opts) in enumerate(self._pairs()):
             path = os.path.join(input_dir, STATE_DIR.format(i))
             if not os.path.isdir(path):
                 raise checkpoint.CheckpointError(f"ShardedAccelerator.load_state({input_dir!r}): no {STATE_DIR.format(i)}"
                                                  "/ folder (the sharded model and every rank's optimizer shards); "
                                                  "load a folder ShardedAccelerator.save_state wrote")
-            checkpoint.load(path, model, opt)
+            checkpoint.load(path, model, _one_or_all(opts))
