@@ -40,7 +40,8 @@ class InvariantUnits:
 
     On an HSDP mesh (replicate R x shard S) K = R * S and the rank's index is ``replicate * S + shard``.
 
-    Raises ``InvariantError`` for U not a power of two, K not dividing U, tensor parallelism, ``grad_quant``
+    Raises ``InvariantError`` for U not a power of two, K not dividing U, a trainable parameter no
+    ``fully_shard`` call manages, tensor parallelism, ``grad_quant``
     (qgZ), a quantized all-gather of a parameter not stored quantized, a custom reduce-scatter, groups on
     different meshes."""
 
@@ -72,6 +73,12 @@ class InvariantUnits:
         per = units // self.world
         self.indices = range(self.rank * per, (self.rank + 1) * per)
         self._params = [p for g in groups for p in g.params]
+        managed = {id(p.sharded) for p in self._params}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in managed:
+                raise InvariantError(f"InvariantUnits: trainable parameter '{name}' is not managed by any fully_shard "
+                                     "call, so its gradient would stay this rank's units' alone (never reduced); "
+                                     "call fully_shard on the model (the root) too, or freeze it")
         self._stacks: dict[int, TreeStack] = {}
         self._count = 0  # units run this step
 

@@ -56,10 +56,17 @@ def _misuses(rank, world_size):
     out["split_mismatched"] = _error(lambda: _build(world_size)[1].split((x, y[:8])))
     out["split_not_tensor"] = _error(lambda: _build(world_size)[1].split({"x": x, "n": 3}))
     out["units_bool"] = _error(lambda: _build(world_size, units=True))
+
+    def unmanaged():  # the blocks sharded, the root's embedding and head left out: never reduced
+        model = TinyNet()
+        for block in model.blocks:
+            perparam.fully_shard(block, mesh=init_device_mesh("cpu", (world_size,)))
+        perparam.InvariantUnits(model, units=4)
+    out["unmanaged"] = _error(unmanaged)
     return out
 
 
-def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_and_ragged_batches():
+def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_ragged_batches_and_unsharded_params():
     for out in run_distributed(_misuses, 2):
         assert "iu.unit(u, step)" in out["swapped"] and "unit 1 given" in out["swapped"], out["swapped"]
         assert out["repeated"] and "in order" in out["repeated"], out["repeated"]
@@ -68,3 +75,4 @@ def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_and
         assert out["split_mismatched"] and "16" in out["split_mismatched"] and "8" in out["split_mismatched"]
         assert out["split_not_tensor"] and "'n'" in out["split_not_tensor"], out["split_not_tensor"]
         assert out["units_bool"] and "power of two" in out["units_bool"], out["units_bool"]
+        assert out["unmanaged"] and "'embed.weight'" in out["unmanaged"], out["unmanaged"]
