@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from accelerate import Accelerator
 from torch import nn
 
@@ -31,6 +32,7 @@ from . import checkpoint
 from .full_state import full_state_dict
 from .hf_entry import check_sharded, deferred_reduction, sharded_roots
 from .module import ShardedModule
+from .sharding.errors import ShardingError
 
 STATE_DIR = "perparam_state_{}"
 
@@ -80,11 +82,19 @@ def _one_or_all(opts: list):
 
 class ShardedAccelerator(Accelerator):
     """``accelerate.Accelerator`` (same arguments) that trains, accumulates, clips, saves and resumes a model
-    sharded by ``perparam.fully_shard``. ``prepare`` raises ``ShardingError`` for a sharded model with a
-    trainable parameter no ``fully_shard`` call manages."""
+    sharded by ``perparam.fully_shard``. Raises ``ShardingError`` at construction for a process group
+    accelerate does not see (launched without torchrun's variables). ``prepare`` raises ``ShardingError``
+    for a sharded model with a trainable parameter no ``fully_shard`` call manages."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.num_processes != ranks:
+            raise ShardingError(
+                f"ShardedAccelerator: accelerate sees {self.num_processes} process(es) but the process group has "
+                f"{ranks} ranks, so every rank would read the same batches (prepared data loaders not split) and "
+                "save as the main process; launch with torchrun or accelerate launch (or set RANK, LOCAL_RANK and "
+                "WORLD_SIZE before the first Accelerator)")
         self.sharded_models: list[nn.Module] = []  # in prepare's order
         self.prepared_optimizers: list = []  # every optimizer prepared (matched to a model by its parameters)
         # accelerate's documented hooks: its own model files skip the sharded models (their safetensors save and

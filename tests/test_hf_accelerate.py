@@ -163,6 +163,26 @@ def test_plain_accelerator_prepare_of_a_sharded_model_is_refused(runs):
         assert r["plain_prepare"] is not None and "perparam.hf_accelerate.ShardedAccelerator" in r["plain_prepare"]
 
 
+def _not_launched(rank: int, world: int) -> str | None:
+    """A process group of ``world`` ranks that accelerate does not see (no torchrun variables)."""
+    from perparam import ShardingError
+    from perparam.hf_accelerate import ShardedAccelerator
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        ShardedAccelerator(cpu=True)
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_sharded_accelerator_refuses_a_process_group_that_accelerate_does_not_see():
+    """Without torchrun's variables every rank would read the same batches and save as the main process."""
+    for message in run_distributed(_not_launched, 2):
+        assert message and "1 process" in message and "2 ranks" in message and "torchrun" in message, message
+
+
 def test_save_state_keeps_every_optimizer_of_a_sharded_model_once_and_refuses_one_optimizer_over_two(runs):
     (r0, r1), _ = runs
     for r in (r0, r1):
