@@ -65,20 +65,21 @@ class InvariantUnits:
         if units % self.world:
             raise InvariantError(f"InvariantUnits: the data-parallel world size {self.world} does not divide "
                                  f"units={units}; pick units a multiple of it")
+        managed = {id(p.sharded) for g in groups for p in g.params}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in managed:
+                raise InvariantError(f"InvariantUnits: trainable parameter '{name}' is not managed by any fully_shard "
+                                     "call, so its gradient would stay this rank's units' alone (never reduced); "
+                                     "call fully_shard on the model (the root) too, or freeze it")
         for g in groups:
             _check(g, part.mesh)
+        for g in groups:  # every group checked before any is changed
             g.invariant = True
             g.gradient_divide_factor = units
         self.groups, self.units, self.seed = groups, units, seed
         per = units // self.world
         self.indices = range(self.rank * per, (self.rank + 1) * per)
         self._params = [p for g in groups for p in g.params]
-        managed = {id(p.sharded) for p in self._params}
-        for name, p in model.named_parameters():
-            if p.requires_grad and id(p) not in managed:
-                raise InvariantError(f"InvariantUnits: trainable parameter '{name}' is not managed by any fully_shard "
-                                     "call, so its gradient would stay this rank's units' alone (never reduced); "
-                                     "call fully_shard on the model (the root) too, or freeze it")
         self._stacks: dict[int, TreeStack] = {}
         self._count = 0  # units run this step
 
