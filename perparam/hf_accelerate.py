@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from accelerate import Accelerator
 from torch import nn
 
@@ -31,6 +32,7 @@ from . import checkpoint
 from .full_state import full_state_dict
 from .hf_entry import check_sharded, deferred_reduction, sharded_roots
 from .module import ShardedModule
+from .sharding.errors import ShardingError
 
 STATE_DIR = "perparam_state_{}"
 
@@ -73,13 +75,26 @@ def _inner(obj):
     return getattr(obj, "optimizer", obj)
 
 
+def _one_or_all(opts: list):
+    """What ``checkpoint.save``/``load`` take: ``None``, the one optimizer (the layout of earlier saves), or all."""
+    return None if not opts else opts[0] if len(opts) == 1 else opts
+
+
 class ShardedAccelerator(Accelerator):
     """``accelerate.Accelerator`` (same arguments) that trains, accumulates, clips, saves and resumes a model
-    sharded by ``perparam.fully_shard``. ``prepare`` raises ``ShardingError`` for a sharded model with a
-    trainable parameter no ``fully_shard`` call manages."""
+    sharded by ``perparam.fully_shard``. Raises ``ShardingError`` at construction for a process group
+    accelerate does not see (launched without torchrun's variables). ``prepare`` raises ``ShardingError``
+    for a sharded model with a trainable parameter no ``fully_shard`` call manages."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.num_processes != ranks:
+            raise ShardingError(
+                f"ShardedAccelerator: accelerate sees {self.num_processes} process(es) but the process group has "
+                f"{ranks} ranks, so every rank would read the same batches (prepared data loaders not split) and "
+                "save as the main process; launch with torchrun or accelerate launch (or set RANK, LOCAL_RANK and "
+                "WORLD_SIZE before the first Accelerator)")
         self.sharded_models: list[nn.Module] = []  # in prepare's order
         self.prepared_optimizers: list = []  # every optimizer prepared (matched to a model by its parameters)
         # accelerate's documented hooks: its own model files skip the sharded models (their safetensors save and
@@ -109,7 +124,8 @@ class ShardedAccelerator(Accelerator):
         for i, a in enumerate(args):
             if i in sharded:
                 out.append(self.prepare_model(a, device_placement=False, evaluation_mode=True))
-                self.sharded_models.append(a)
+                if not any(a is m for m in self.sharded_models):  # prepared again: saved once
+                    self.sharded_models.append(a)
             else:
                 out.append(prepared.pop(0))
                 if hasattr(out[-1], "param_groups"):
@@ -130,14 +146,22 @@ class ShardedAccelerator(Accelerator):
             return full_state_dict(inner)
         return super().get_state_dict(model, unwrap=unwrap)
 
-    def _pairs(self) -> list[tuple[nn.Module, object]]:
-        """Each sharded model with the prepared optimizer over its parameters (or ``None``)."""
-        pairs = []
-        for model in self.sharded_models:
-            own = {id(p) for p in model.parameters()}
-            opt = next((o for o in self.prepared_optimizers if any(id(p) in own for g in _inner(o).param_groups
-                                                           for p in g["params"])), None)
-            pairs.append((model, None if opt is None else _inner(opt)))
+    def _pairs(self) -> list[tuple[nn.Module, list]]:
+        """Each sharded model with every prepared optimizer over its parameters (e.g. Muon and AdamW on
+        disjoint parts). Raises ``CheckpointError`` for an optimizer over several sharded models (its shards
+        are saved with one model's checkpoint)."""
+        owned = [{id(p) for p in model.parameters()} for model in self.sharded_models]
+        pairs = [(model, []) for model in self.sharded_models]
+        for o in self.prepared_optimizers:
+            held = {id(p) for g in _inner(o).param_groups for p in g["params"]}
+            models = [i for i, own in enumerate(owned) if held & own]
+            if len(models) > 1:
+                raise checkpoint.CheckpointError(
+                    f"ShardedAccelerator: one optimizer holds parameters of sharded models {models} (in prepare's "
+                    "order); each sharded model is checkpointed with its optimizers' shards, so give each sharded "
+                    "model its own optimizer (one over its parameters)")
+            if models:
+                pairs[models[0]][1].append(_inner(o))
         return pairs
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
@@ -145,8 +169,8 @@ class ShardedAccelerator(Accelerator):
         perparam checkpoint in ``<output_dir>/perparam_state_<i>``. Every rank must call it. Returns the
         folder written."""
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        for i, (model, opt) in enumerate(self._pairs()):
-            checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, opt)
+        for i, (model, opts) in enumerate(self._pairs()):
+            checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, _one_or_all(opts))
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
@@ -158,10 +182,10 @@ class ShardedAccelerator(Accelerator):
             raise checkpoint.CheckpointError("ShardedAccelerator.load_state needs input_dir (the folder save_state "
                                              "returned) for a sharded model")
         super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        for i, (model, opt) in enumerate(self._pairs()):
+        for i, (model, opts) in enumerate(self._pairs()):
             path = os.path.join(input_dir, STATE_DIR.format(i))
             if not os.path.isdir(path):
                 raise checkpoint.CheckpointError(f"ShardedAccelerator.load_state({input_dir!r}): no {STATE_DIR.format(i)}"
                                                  "/ folder (the sharded model and every rank's optimizer shards); "
                                                  "load a folder ShardedAccelerator.save_state wrote")
-            checkpoint.load(path, model, opt)
+            checkpoint.load(path, model, _one_or_all(opts))

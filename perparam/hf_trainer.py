@@ -37,6 +37,7 @@ from transformers import Trainer
 from . import checkpoint
 from .full_state import full_state_dict
 from .hf_entry import check_sharded, deferred_reduction, sharded_roots
+from .sharding.errors import ShardingError
 
 #: the folder, inside each ``checkpoint-N``, of the perparam checkpoint (model and optimizer shards)
 STATE_DIR = "perparam_state"
@@ -52,8 +53,9 @@ def _optimizer(optimizer) -> torch.optim.Optimizer:
 class ShardedTrainer(Trainer):
     """``transformers.Trainer`` (same arguments) for a model sharded by ``perparam.fully_shard``.
 
-    Raises ``ShardingError`` at construction for a model that is not sharded, or has a trainable parameter
-    no ``fully_shard`` call manages. On every rank it gathers ``save_model``'s full state dict (rank 0
+    Raises ``ShardingError`` at construction for a model that is not sharded, has a trainable parameter
+    no ``fully_shard`` call manages, or a process group that ``TrainingArguments`` does not see (launched
+    without torchrun's variables: every rank would read the same batches and write as rank 0). On every rank it gathers ``save_model``'s full state dict (rank 0
     writes it: ``from_pretrained`` loads it) and writes each checkpoint's optimizer shards with
     ``perparam.checkpoint.save``, so ``resume_from_checkpoint`` restores every rank's optimizer state.
     """
@@ -61,6 +63,13 @@ class ShardedTrainer(Trainer):
     def __init__(self, model: nn.Module | None = None, *args, **kwargs):
         check_sharded(model, "ShardedTrainer")
         super().__init__(model, *args, **kwargs)
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.args.world_size != ranks:
+            raise ShardingError(
+                f"ShardedTrainer: TrainingArguments sees {self.args.world_size} process(es) but the process group "
+                f"has {ranks} ranks, so every rank would read the same batches (no distributed sampler) and save "
+                "as rank 0; launch with torchrun (or set RANK, LOCAL_RANK and WORLD_SIZE before building "
+                "TrainingArguments)")
         # transformers' own switch for a model that owns its placement and gradient reduction: accelerate
         # prepares autocast only (no DDP wrap, no second sharding), every rank joins save_model's gathers
         self.is_distributed_loading_by_transformers = True

@@ -40,13 +40,14 @@ class InvariantUnits:
 
     On an HSDP mesh (replicate R x shard S) K = R * S and the rank's index is ``replicate * S + shard``.
 
-    Raises ``InvariantError`` for U not a power of two, K not dividing U, tensor parallelism, ``grad_quant``
+    Raises ``InvariantError`` for U not a power of two, K not dividing U, a trainable parameter no
+    ``fully_shard`` call manages, tensor parallelism, ``grad_quant``
     (qgZ), a quantized all-gather of a parameter not stored quantized, a custom reduce-scatter, groups on
     different meshes."""
 
     def __init__(self, model, units: int, seed: int = 0) -> None:
-        if not is_power_of_two(units):
-            raise InvariantError(f"InvariantUnits: units={units} must be a power of two (1, 2, 4, ...)")
+        if isinstance(units, bool) or not is_power_of_two(units):
+            raise InvariantError(f"InvariantUnits: units={units!r} must be a power of two (an int: 1, 2, 4, ...)")
         groups = [g for g in _groups(model) if g.params]  # a root wrapping only children holds none
         if not groups:
             raise InvariantError("InvariantUnits: the model has no fully_shard-ed group")
@@ -64,8 +65,15 @@ class InvariantUnits:
         if units % self.world:
             raise InvariantError(f"InvariantUnits: the data-parallel world size {self.world} does not divide "
                                  f"units={units}; pick units a multiple of it")
+        managed = {id(p.sharded) for g in groups for p in g.params}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in managed:
+                raise InvariantError(f"InvariantUnits: trainable parameter '{name}' is not managed by any fully_shard "
+                                     "call, so its gradient would stay this rank's units' alone (never reduced); "
+                                     "call fully_shard on the model (the root) too, or freeze it")
         for g in groups:
             _check(g, part.mesh)
+        for g in groups:  # every group checked before any is changed
             g.invariant = True
             g.gradient_divide_factor = units
         self.groups, self.units, self.seed = groups, units, seed
@@ -76,13 +84,26 @@ class InvariantUnits:
         self._count = 0  # units run this step
 
     def split(self, batch):
-        """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``).
-        Returns ``[(unit index, slice)]`` for this rank's units in order."""
+        """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``, the
+        same ``B`` for every tensor). Returns ``[(unit index, slice)]`` for this rank's units in order.
+
+        Raises ``InvariantError`` for ``B`` not divisible by U, tensors of different ``B``, a non-tensor entry."""
+        entries = batch.items() if isinstance(batch, dict) else (
+            enumerate(batch) if isinstance(batch, (tuple, list)) else [("batch", batch)])
+        sizes = {}
+        for key, x in entries:
+            if not isinstance(x, torch.Tensor) or not x.dim():
+                raise InvariantError(f"InvariantUnits.split: entry {key!r} is {type(x).__name__}, not a tensor with a "
+                                     "batch dim 0; pass only the tensors to split (keep the rest out of the batch)")
+            sizes[key] = x.shape[0]
+        if len(set(sizes.values())) > 1:
+            raise InvariantError(f"InvariantUnits.split: the tensors' dim 0 (the global batch) differ: {sizes}; "
+                                 "every entry must hold the same global batch")
+        if sizes and (b := next(iter(sizes.values()))) % self.units:
+            raise InvariantError(f"InvariantUnits.split: global batch {b} not divisible by units={self.units}")
+
         def cut(x, u):
-            b = x.shape[0]
-            if b % self.units:
-                raise InvariantError(f"InvariantUnits.split: global batch {b} not divisible by units={self.units}")
-            n = b // self.units
+            n = x.shape[0] // self.units
             return x[u * n:(u + 1) * n]
 
         def one(u):
@@ -96,7 +117,14 @@ class InvariantUnits:
     @contextlib.contextmanager
     def unit(self, index: int, step: int):
         """Around one unit's forward and backward: sync off, RNG seeded by ``(seed, step, index)``; on exit the
-        unit's gradients join the tree."""
+        unit's gradients join the tree. This rank's units run once each, in the order ``split`` gives (the
+        tree adds them in that order); anything else raises ``InvariantError``."""
+        expected = self.indices[self._done()] if self._done() < len(self.indices) else None
+        if index != expected:
+            raise InvariantError(
+                f"InvariantUnits.unit: unit {index!r} given, this rank runs units {list(self.indices)} once each "
+                f"in order and expects {'reduce() now' if expected is None else f'unit {expected} next'}; call "
+                "iu.unit(u, step) with the u of `for u, part in iu.split(batch)` (unit first, then the step)")
         for g in self.groups:
             g.requires_gradient_sync = False
         seeded = self._seed_accumulators()
@@ -164,7 +192,10 @@ class InvariantUnits:
         K), written at the slice's global index of one float64 vector (zeros elsewhere: all-reducing it adds
         only zeros, exact; a replicated parameter's slices by shard rank 0 alone), then summed in one fixed
         order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule). Returns the norm
-        (0-dim float32). Every rank calls it."""
+        (0-dim float32). Every rank calls it, after ``reduce()`` (else ``InvariantError``)."""
+        if self._done():
+            raise InvariantError(f"InvariantUnits.clip_grad_norm_: {self._done()} units run and not reduced yet; "
+                                 "call iu.reduce() first (the norm is of the reduced gradients)")
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -198,7 +229,12 @@ class InvariantUnits:
         return norm
 
     def mean(self, values) -> torch.Tensor:
-        """The mean of every unit's scalar loss (``values``: this rank's, in order), same on every rank."""
+        """The mean of every unit's scalar loss (``values``: this rank's, one per unit, in order), same on every
+        rank. Raises ``InvariantError`` when ``len(values)`` is not this rank's unit count."""
+        values = list(values)
+        if len(values) != len(self.indices):
+            raise InvariantError(f"InvariantUnits.mean: {len(values)} values given, this rank runs "
+                                 f"{len(self.indices)} units; pass one loss per unit of iu.split(batch), in order")
         mine = torch.zeros(self.units, dtype=torch.float64, device=self._device)
         for u, v in zip(self.indices, values):
             mine[u] = float(v)

@@ -88,7 +88,45 @@ def accelerate_run(rank: int, world: int, folder: str, shard: bool = True):
     from accelerate import Accelerator
 
     result["plain_prepare"] = ddp_refusal(Accelerator(cpu=True).prepare)
+    result.update(_two_optimizers_and_a_second_prepare(folder))
     return result
+
+
+def _two_optimizers_and_a_second_prepare(folder: str) -> dict:
+    """Muon-style split (two optimizers over one sharded model, the model prepared twice): ``save_state``
+    keeps both optimizers' shards, once; one optimizer over two sharded models is refused at ``save_state``."""
+    from perparam.checkpoint import CheckpointError
+    from perparam.hf_accelerate import ShardedAccelerator
+
+    accelerator = ShardedAccelerator(cpu=True)
+    model = sharded_llama()
+    embed = [model.model.embed_tokens.weight]
+    first = torch.optim.AdamW(embed, lr=1e-2)
+    second = torch.optim.AdamW([p for p in model.parameters() if p is not embed[0]], lr=1e-2)
+    model, first, second = accelerator.prepare(model, first, second)
+    model = accelerator.prepare(model)
+    ids = torch.randint(0, 33, (2, 7), generator=torch.Generator().manual_seed(0))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    first.step()
+    second.step()
+    location = accelerator.save_state(os.path.join(folder, "two"))
+    saved = {n: s.clone() for n, s in second.optimizer.state[next(iter(second.optimizer.state))].items()}
+    for p in second.optimizer.state.values():
+        p["exp_avg"].zero_()
+    accelerator.load_state(location)
+    after = second.optimizer.state[next(iter(second.optimizer.state))]
+    out = {"two_files": sorted(f for f in os.listdir(location) if f.startswith("perparam_state")),
+           "second_restored": all(torch.equal(saved[k], after[k]) for k in saved)}
+    both = ShardedAccelerator(cpu=True)
+    a, b = sharded_llama(), sharded_llama()
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=1e-2)
+    a, b, opt = both.prepare(a, b, opt)
+    try:
+        both.save_state(os.path.join(folder, "both"))
+        out["one_over_two"] = None
+    except CheckpointError as e:
+        out["one_over_two"] = str(e)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +161,31 @@ def test_plain_accelerator_prepare_of_a_sharded_model_is_refused(runs):
     (r0, r1), _ = runs
     for r in (r0, r1):
         assert r["plain_prepare"] is not None and "perparam.hf_accelerate.ShardedAccelerator" in r["plain_prepare"]
+
+
+def _not_launched(rank: int, world: int) -> str | None:
+    """A process group of ``world`` ranks that accelerate does not see (no torchrun variables)."""
+    from perparam import ShardingError
+    from perparam.hf_accelerate import ShardedAccelerator
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        ShardedAccelerator(cpu=True)
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_sharded_accelerator_refuses_a_process_group_that_accelerate_does_not_see():
+    """Without torchrun's variables every rank would read the same batches and save as the main process."""
+    for message in run_distributed(_not_launched, 2):
+        assert message and "1 process" in message and "2 ranks" in message and "torchrun" in message, message
+
+
+def test_save_state_keeps_every_optimizer_of_a_sharded_model_once_and_refuses_one_optimizer_over_two(runs):
+    (r0, r1), _ = runs
+    for r in (r0, r1):
+        assert r["two_files"] == ["perparam_state_0"], r["two_files"]  # the model prepared twice: saved once
+        assert r["second_restored"]  # the second optimizer's shards come back from the perparam checkpoint
+        assert r["one_over_two"] and "its own optimizer" in r["one_over_two"], r["one_over_two"]

@@ -239,6 +239,26 @@ def test_plain_trainer_given_a_sharded_model_is_refused_naming_sharded_trainer(r
         assert r["plain_trainer"] is not None and "perparam.hf_trainer.ShardedTrainer" in r["plain_trainer"]
 
 
+def _not_launched(rank: int, world: int, folder: str) -> str | None:
+    """A process group of ``world`` ranks that transformers does not see (no torchrun variables)."""
+    from perparam import ShardingError
+    from perparam.hf_trainer import ShardedTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        ShardedTrainer(model=sharded_llama(), args=_args(folder, 1), train_dataset=Tokens(8, 1), eval_dataset=Tokens(4, 2))
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_sharded_trainer_refuses_a_process_group_that_training_arguments_does_not_see(tmp_path):
+    """Without torchrun's variables every rank would read the same batches and write as rank 0."""
+    for message in run_distributed(_not_launched, 2, str(tmp_path)):
+        assert message and "1 process" in message and "2 ranks" in message and "torchrun" in message, message
+
+
 @pytest.mark.fast
 def test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call_manages():
     from perparam import ShardingError
