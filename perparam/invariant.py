@@ -73,6 +73,8 @@ class InvariantUnits:
                                      "call fully_shard on the model (the root) too, or freeze it")
         for g in groups:
             _check(g, part.mesh)
+        # what close() gives back: each group's setting before the mode
+        self._before = [(g, g.invariant, g.gradient_divide_factor, g.requires_gradient_sync) for g in groups]
         for g in groups:  # every group checked before any is changed
             g.invariant = True
             g.gradient_divide_factor = units
@@ -183,6 +185,29 @@ class InvariantUnits:
             g.requires_gradient_sync = True
         reduce_accumulated(self.groups)
         self._count = 0
+
+    def close(self) -> None:
+        """Leave the mode: every group back to the reduction, gradient divide factor and gradient sync it had
+        before ``InvariantUnits(...)`` (a plain ``backward()`` afterwards reduces as without the mode, divided
+        by K, not U). Also on leaving ``with perparam.InvariantUnits(...) as iu:``. Raises ``InvariantError``
+        between units (units run and not reduced)."""
+        if self._done():
+            raise InvariantError(f"InvariantUnits.close: {self._done()} units run and not reduced; call "
+                                 "iu.reduce() first")
+        for g, invariant, factor, sync in self._before:
+            g.invariant, g.gradient_divide_factor, g.requires_gradient_sync = invariant, factor, sync
+        self._before = []
+
+    def __enter__(self) -> InvariantUnits:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+        else:  # an exception is on its way: restore the settings without the check
+            self._stacks.clear()
+            self._count = 0
+            self.close()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -63,10 +63,27 @@ def _misuses(rank, world_size):
             perparam.fully_shard(block, mesh=init_device_mesh("cpu", (world_size,)))
         perparam.InvariantUnits(model, units=4)
     out["unmanaged"] = _error(unmanaged)
+
+    def after_close(model):  # this rank's rows, one plain backward: its local gradient shards
+        n = x.shape[0] // world_size
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        return [p.grad.to_local().clone() for p in model.parameters()]
+
+    model, inv = _build(world_size)
+    with inv:  # one step in the mode, then left: the next plain backward reduces as without it (/ K, not / U)
+        _run_units(model, inv, x, y, [((u, 0), s) for u, s in inv.split((x, y))])
+        inv.reduce()
+    left = after_close(model)
+    torch.manual_seed(0)
+    fresh = TinyNet()
+    perparam.fully_shard(fresh, mesh=init_device_mesh("cpu", (world_size,)))
+    out["closed_diff"] = max(float((a - b).abs().max()) if a.numel() else 0.0
+                             for a, b in zip(left, after_close(fresh)))
     return out
 
 
-def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_ragged_batches_and_unsharded_params():
+def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_ragged_batches_and_unsharded_params_and_close():
     for out in run_distributed(_misuses, 2):
         assert "iu.unit(u, step)" in out["swapped"] and "unit 1 given" in out["swapped"], out["swapped"]
         assert out["repeated"] and "in order" in out["repeated"], out["repeated"]
@@ -76,3 +93,4 @@ def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_rag
         assert out["split_not_tensor"] and "'n'" in out["split_not_tensor"], out["split_not_tensor"]
         assert out["units_bool"] and "power of two" in out["units_bool"], out["units_bool"]
         assert out["unmanaged"] and "'embed.weight'" in out["unmanaged"], out["unmanaged"]
+        assert out["closed_diff"] == 0.0, out["closed_diff"]
