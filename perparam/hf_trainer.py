@@ -70,6 +70,12 @@ class ShardedTrainer(Trainer):
                 f"has {ranks} ranks, so every rank would read the same batches (no distributed sampler) and save "
                 "as rank 0; launch with torchrun (or set RANK, LOCAL_RANK and WORLD_SIZE before building "
                 "TrainingArguments)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        if self.args.save_on_each_node and ranks > local:
+            raise ShardingError(
+                f"ShardedTrainer: save_on_each_node=True on {ranks // max(local, 1)} nodes: save_model gathers the full "
+                "state dict on rank 0 only, so the other nodes' writing ranks would have nothing to write; set "
+                "save_on_each_node=False (rank 0 writes; a shared output_dir reaches every node)")
         # transformers' own switch for a model that owns its placement and gradient reduction: accelerate
         # prepares autocast only (no DDP wrap, no second sharding), every rank joins save_model's gathers
         self.is_distributed_loading_by_transformers = True

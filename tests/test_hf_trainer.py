@@ -239,24 +239,36 @@ def test_plain_trainer_given_a_sharded_model_is_refused_naming_sharded_trainer(r
         assert r["plain_trainer"] is not None and "perparam.hf_trainer.ShardedTrainer" in r["plain_trainer"]
 
 
-def _not_launched(rank: int, world: int, folder: str) -> str | None:
-    """A process group of ``world`` ranks that transformers does not see (no torchrun variables)."""
+def _not_launched(rank: int, world: int, folder: str) -> dict:
+    """A process group of ``world`` ranks that transformers does not see (no torchrun variables); then the
+    same ranks launched as ``world`` nodes of one rank each with ``save_on_each_node=True``."""
     from perparam import ShardingError
     from perparam.hf_trainer import ShardedTrainer
 
+    def refusal(args) -> str | None:
+        try:
+            ShardedTrainer(model=sharded_llama(), args=args, train_dataset=Tokens(8, 1), eval_dataset=Tokens(4, 2))
+        except ShardingError as e:
+            return str(e)
+        return None
+
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
-    try:
-        ShardedTrainer(model=sharded_llama(), args=_args(folder, 1), train_dataset=Tokens(8, 1), eval_dataset=Tokens(4, 2))
-    except ShardingError as e:
-        return str(e)
-    return None
+    out = {"unseen": refusal(_args(folder, 1))}
+    launched(rank, world)
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # one rank per node
+    out["each_node"] = refusal(_args(folder, world, save_on_each_node=True))
+    return out
 
 
-def test_sharded_trainer_refuses_a_process_group_that_training_arguments_does_not_see(tmp_path):
-    """Without torchrun's variables every rank would read the same batches and write as rank 0."""
-    for message in run_distributed(_not_launched, 2, str(tmp_path)):
+def test_sharded_trainer_refuses_a_process_group_it_does_not_see_and_save_on_each_node_across_nodes(tmp_path):
+    """Without torchrun's variables every rank would read the same batches and write as rank 0; with
+    ``save_on_each_node=True`` on 2 nodes the second node's writing rank would have no state dict to write."""
+    for out in run_distributed(_not_launched, 2, str(tmp_path)):
+        message = out["unseen"]
         assert message and "1 process" in message and "2 ranks" in message and "torchrun" in message, message
+        message = out["each_node"]
+        assert message and "save_on_each_node=True on 2 nodes" in message and "=False" in message, message
 
 
 @pytest.mark.fast
