@@ -6,6 +6,7 @@ experts on their own mesh and ``InvariantUnits`` give what the default route giv
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,17 +24,24 @@ def _share(rank: int, world_size: int, idx, y):
     return (idx, y) if not world_size else (idx[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
 
 
+MODES = ("hold", "nosync", "unfreeze")
+
+
 def _accumulate(rank: int, world_size: int, mode: str) -> dict:
     """TinyNet's Muon + AdamW recipe, 4 steps of 2 micro-batches (global 12 each), on an HSDP 2x2 mesh when
     distributed; ``mode``: "hold" (``set_requires_all_reduce`` only on the last micro-batch), "nosync"
-    (``set_requires_gradient_sync`` likewise). Returns the parameters and, per step after the first,
+    (``set_requires_gradient_sync`` likewise), "unfreeze" ("hold", blocks[0].fc1.weight frozen in the first
+    micro-batch: it joins the held reduction in the second). Returns the parameters and, per step after the first,
     whether the owner matrices' gradients were reduced to their owners."""
     model, opts = _recipe(rank, world_size, None, (2, 2) if world_size else None)
     batches, to_owner = make_batches(8, 12), []
     for step in range(4):
         for i in range(2):
+            if mode == "unfreeze":  # an owner matrix frozen in the first micro-batch, trained in the second
+                model.blocks[0].fc1.weight.requires_grad_(i == 1)
             if world_size:
-                getattr(model, {"hold": "set_requires_all_reduce", "nosync": "set_requires_gradient_sync"}[mode])(i == 1)
+                setting = "set_requires_gradient_sync" if mode == "nosync" else "set_requires_all_reduce"
+                getattr(model, setting)(i == 1)
             idx, y = _share(rank, world_size, *batches[2 * step + i])
             (F.mse_loss(model(idx), y) / 2).backward()
         route = owner_step.routing(opts[0])
@@ -87,7 +95,7 @@ def _changed_grad(rank: int, world_size: int, how: str) -> str:
 def _hsdp_cases(rank: int, world_size: int) -> dict:
     previous = perparam.configure(owner_grad="owner")
     try:
-        out = {mode: _accumulate(rank, world_size, mode) for mode in ("hold", "nosync")}
+        out = {mode: _accumulate(rank, world_size, mode) for mode in MODES}
         out["norm"] = _norm_at_second_step(rank, world_size)
         out.update({how: _changed_grad(rank, world_size, how) for how in ("torch_clip", "unscale", "hook")})
         return out
@@ -96,10 +104,10 @@ def _hsdp_cases(rank: int, world_size: int) -> dict:
 
 
 def test_accumulation_held_or_unsynced_trains_like_one_process_and_a_changed_grad_is_refused_at_the_step():
-    want = {mode: one_process(_accumulate, mode)["params"] for mode in ("hold", "nosync")}
+    want = {mode: one_process(_accumulate, mode)["params"] for mode in MODES}
     norm = one_process(_norm_at_second_step)
     for r in run_distributed(_hsdp_cases, 4):  # HSDP 2x2
-        for mode in ("hold", "nosync"):
+        for mode in MODES:
             assert _max_diff(r[mode]["params"], want[mode]) <= 1e-5, (mode, _max_diff(r[mode]["params"], want[mode]))
             assert r[mode]["to_owner"] == [True] * 3  # every step after the first reduced to the owners
         assert abs(r["norm"] - norm) <= 1e-5 * norm  # perparam.clip_grad_norm_(inf): the norm, unchanged grads
@@ -116,6 +124,7 @@ def _composed(rank: int, world_size: int) -> dict:
         perparam.configure(owner_grad=previous.owner_grad)
 
 
+@pytest.mark.fast
 def test_owner_gradients_with_zero_stages_a_frozen_head_clip_and_accumulation_train_like_one_process():
     cases = ("accumulate", "clip", "stages", "frozen")
     want = {case: one_process(_compose, case)["params"] for case in cases}
