@@ -177,6 +177,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     shards: list[tuple[torch.Tensor, int]] = []
     refused: list[str] = []
     per_mesh: dict[int, int] = {}  # id(mesh) -> outside copies (meshes compare by value, roots may differ)
+    held_for_owner = []
     for i, p in enumerate(parameters):
         g = p.grad
         if g is None:
@@ -189,6 +190,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             if id(mesh) not in per_mesh:
                 per_mesh[id(mesh)] = _mesh_copies(mesh, distinct_axes, replicated_axes)
             held = owner_grads.clip_view(g)  # reduced to its owner: the owner's whole gradient counts
+            if held is not None:
+                held_for_owner.append(g)
             shards.append((g.to_local() if held is None else held,
                            copies(mesh.shape, g.placements) * per_mesh[id(mesh)]))
         except ValueError as e:
@@ -213,6 +216,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
                            "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                            "norm anyway, set `error_if_nonfinite=False`")
     clip_grads_with_norm_([_GradHolder(t) for t, _ in shards], max_norm, total, foreach)
+    for g in held_for_owner:  # a whole gradient held for its owner: its rows' record follows the scaling
+        owner_grads.refresh(g)
     return total
 
 

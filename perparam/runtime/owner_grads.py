@@ -5,7 +5,8 @@ On the owner, the whole reduced gradient (the parameter's shape, its stored dtyp
 ``.grad`` a DTensor over this rank's rows of it (a view, as stage 1's). On every other rank of the shard
 axis, ``.grad`` is a DTensor of its rows' shape filled with NaN: those rows were never reduced there, and
 NaN makes anything that reads them (a norm, a clip through torch) loudly wrong instead of silently.
-``perparam.clip_grad_norm_`` counts and scales the owner's whole gradient instead (``clip_view``).
+``perparam.clip_grad_norm_`` counts and scales the owner's whole gradient instead (``clip_view``, then
+``refresh``); any other change of the owner's rows before the step is refused there (``check_untouched``).
 Each such ``.grad`` is recorded by identity, so a ``.grad`` set to ``None`` or replaced is no longer one.
 
 Accumulation over backwards without ``zero_grad`` adds into the owner's whole gradient; a
@@ -58,6 +59,40 @@ def clip_view(grad) -> torch.Tensor | None:
     if entry is None:
         return None
     return entry[0] if entry[0] is not None else grad._local_tensor.new_empty(0)
+
+
+def refresh(grad) -> None:
+    """After ``perparam.clip_grad_norm_`` scaled the whole gradient held for ``grad`` (``clip_view``): record
+    the owner's rows as they are now, so ``check_untouched`` accepts them."""
+    entry = _HELD.get(grad)
+    if entry is not None and entry[0] is not None:
+        entry[1] = rows_digest(grad._local_tensor)
+
+
+def check_untouched(sp) -> None:
+    """On ``sp``'s owner, before its step: raise ``OwnerStepError`` when the owner's rows of ``.grad`` were
+    changed since the reduction wrote them (``torch.nn.utils.clip_grad_norm_``, a GradScaler-style unscale,
+    ``p.grad.mul_``, a post-accumulate-grad hook writing it): that changed only the owner's rows, not the
+    whole gradient the step reads, and on the other ranks the rows are NaN. Rows all zero
+    (``zero_grad(set_to_none=False)``) zero the whole gradient instead. The owner step raises it on every
+    rank of the axis (``OwnerStepRaised``)."""
+    grad = sp.sharded.grad
+    entry = _HELD.get(grad) if grad is not None else None
+    if entry is None or entry[0] is None:
+        return
+    rows = grad._local_tensor
+    if torch.equal(rows_digest(rows), entry[1]):
+        return
+    if not rows.any():
+        entry[0].zero_()
+        entry[1] = rows_digest(rows)
+        return
+    raise OwnerStepError(f"parameter '{sp.fqn}': its .grad was changed after backward (torch.nn.utils."
+                         "clip_grad_norm_, a GradScaler unscale, p.grad.mul_, a hook?), but under "
+                         "perparam.configure(owner_grad='owner') .grad holds only the owner's rows of the whole "
+                         "gradient (NaN on the other ranks) and the step reads the whole; clip with "
+                         "perparam.clip_grad_norm_ (it scales the whole), or keep configure(owner_grad='rows') "
+                         "to read or scale .grad before the step")
 
 
 def accumulate(sp, reduced: torch.Tensor | None) -> None:

@@ -47,7 +47,7 @@ import torch
 
 from ..sharding.errors import ShardingError
 from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
-from . import owner_exchange, registration
+from . import owner_exchange, owner_grads, registration
 from .owner_exchange import OwnerStepError
 
 __all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix", "plan",
@@ -223,6 +223,9 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
             raised = None
             if wholes and mine is None:
                 try:
+                    for e in entries:  # a .grad changed after a reduction to its owner: refused
+                        if id(e.sp.sharded) in wholes:
+                            owner_grads.check_untouched(e.sp)
                     _step_whole(optimizer, groups, wholes, stock)
                 except Exception as e:  # noqa: BLE001 - raised again on every rank below, as the cause here
                     raised = mine = e

@@ -10,7 +10,9 @@ The division by the part's divisor (``MeshPart.divisor``) and the accumulation i
 happen once, then.
 
 A held sum is keyed by (replicated?, reduce dtype, wire format of a low-precision reduce-scatter,
-``perparam.runtime.grad_quant``): the same reductions a group issues in every backward.
+``perparam.runtime.grad_quant``, reduced to the owners? ``paths.reduce_owner``): the same reductions a group
+issues in every backward. A reduction to the owners holds, on each rank, the whole gradients of the
+parameters it owns; the replicate axis' ranks own the same ones, so its all-reduce is the same.
 The *used* flags at the end of each piece are summed too, so a parameter some rank used in some
 micro-batch gets its gradient. On a 1D mesh there is no all-reduce and nothing is held.
 """
@@ -23,7 +25,7 @@ from .reduction import PendingReduce
 
 
 def _key(item: PendingReduce) -> tuple:
-    return (item.replicated, item.recv.dtype, item.kind)
+    return (item.replicated, item.recv.dtype, item.kind, item.to_owner)
 
 
 def hold(group, item: PendingReduce) -> bool:
@@ -70,8 +72,8 @@ def _laid_out(held: _Held, item: PendingReduce):
         return held.tensor
     where = {id(p): j for j, p in enumerate(item.params)}
     out = item.recv.new_zeros(item.recv.shape)
-    new = _pieces(item.params, item.offsets, item.replicated)
-    old = _pieces(held.params, held.offsets, item.replicated)
+    new = _pieces(item.params, item.offsets, item.replicated, item.to_owner)
+    old = _pieces(held.params, held.offsets, item.replicated, item.to_owner)
     flags_at, held_flags_at = item.recv.numel() - len(item.params), held.tensor.numel() - len(held.params)
     for i, p in enumerate(held.params):
         j = where[id(p)]
@@ -80,15 +82,19 @@ def _laid_out(held: _Held, item: PendingReduce):
     return out
 
 
-def _pieces(params: tuple, offsets: tuple[int, ...], replicated: bool) -> list[tuple[int, int]]:
+def _pieces(params: tuple, offsets: tuple[int, ...], replicated: bool,
+            to_owner: bool = False) -> list[tuple[int, int]]:
     """``(offset, numel)`` of each parameter's piece in a reduction's output: the padded local shards at the
-    reduce-scatter's ``offsets``, or (``replicated``: an all-reduce) the whole gradients one after another."""
-    if not replicated:
+    reduce-scatter's ``offsets``, or (``replicated``: an all-reduce) the whole gradients one after another,
+    or (``to_owner``: ``paths.reduce_owner``) the whole gradients of the parameters this rank owns one after
+    another, an empty piece for each other one."""
+    if not replicated and not to_owner:
         return [(o, p.layout.padded_local_numel) for o, p in zip(offsets, params)]
     out, cursor = [], 0
     for p in params:
-        out.append((cursor, p.layout.numel))
-        cursor += p.layout.numel
+        n = p.layout.numel if not to_owner or p.owner_rank == p.shard_rank else 0
+        out.append((cursor, n))
+        cursor += n
     return out
 
 
