@@ -1,9 +1,10 @@
 """A sharded model and its optimizer are freed by ``del`` (and a collection): perparam holds no built model
 alive (a sweep or an evaluation copy built in a loop would otherwise keep every model's shards resident).
-One process launch checks the variants: stages 1/2/3, ``reshard_after_forward=False``, the cpu offload tier,
-the owner path with ``torch.optim.Muon``, ``perparam.InvariantUnits``, a distributed checkpoint saved, bf16
-mixed precision, int8 all-gather and reduce-scatter, a full state dict loaded and the gradient norm clipped,
-forwards without a backward."""
+One process launch (2 ranks) checks the variants: stages 1/2/3, ``reshard_after_forward=False``, the cpu
+offload tier, the owner path with ``torch.optim.Muon`` (gradients reduce-scattered, or reduced to their
+owners: ``configure(owner_grad="owner")``), ``perparam.InvariantUnits``, a distributed checkpoint saved,
+bf16 mixed precision, int8 all-gather and reduce-scatter, a full state dict loaded and the gradient norm
+clipped, forwards without a backward."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.distributed import run_distributed
 from tests.models import TinyNet, make_batches
 
 VARIANTS = ["stage3", "stage1", "stage2", "no_reshard", "offload_cpu", "owner_muon", "invariant", "checkpoint",
-            "bf16", "int8", "full_state_clip", "forward_only"]
+            "bf16", "int8", "full_state_clip", "forward_only",
+            "owner_grad_muon"]
 
 
 def _build_and_train(variant: str, world_size: int, path: str):
@@ -35,7 +37,7 @@ def _build_and_train(variant: str, world_size: int, path: str):
         kw["reshard_after_forward"] = False
     elif variant == "offload_cpu":
         kw["offload_policy"] = "cpu"
-    elif variant == "owner_muon":
+    elif variant in ("owner_muon", "owner_grad_muon"):
         kw["param_policy"] = {"*": perparam.ParamPolicy(update="owner")}
     elif variant == "bf16":
         kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -49,7 +51,7 @@ def _build_and_train(variant: str, world_size: int, path: str):
     perparam.fully_shard(model, mesh=mesh, **kw)
     if full is not None:
         load_full_state_dict(model, full)
-    if variant == "owner_muon":  # Muon steps 2-D matrices only: the blocks' weights
+    if variant in ("owner_muon", "owner_grad_muon"):  # Muon steps 2-D matrices only: the blocks' weights
         opt = torch.optim.Muon([p for p in model.blocks.parameters() if p.ndim == 2], lr=0.02)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -81,7 +83,12 @@ def _alive_after_del(rank: int, world_size: int, path: str) -> dict[str, list[st
     collection ran (empty: all freed)."""
     out = {}
     for variant in VARIANTS:
-        refs = _build_and_train(variant, world_size, f"{path}/{variant}")
+        previous = perparam.configure(owner_grad="owner") if variant == "owner_grad_muon" else None
+        try:
+            refs = _build_and_train(variant, world_size, f"{path}/{variant}")
+        finally:
+            if previous is not None:
+                perparam.configure(owner_grad=previous.owner_grad)
         gc.collect()
         out[variant] = [n for n, r in zip(["model", "parameter", "optimizer", "units"], refs) if r() is not None]
     return out
