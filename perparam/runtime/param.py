@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -227,7 +228,7 @@ class ShardedParam(ParamGradients):
             if self.on_grad_ready is not None and self.unsharded.is_floating_point():
                 # also on a frozen parameter: it may be unfrozen later (the hook only fires on gradients)
                 self.unsharded.requires_grad_(True)
-                self.unsharded.register_post_accumulate_grad_hook(lambda _t: self.on_grad_ready(self))
+                self.unsharded.register_post_accumulate_grad_hook(_grad_ready_hook(weakref.ref(self)))
                 self.unsharded.requires_grad_(self.sharded.requires_grad)
         self.free()
 
@@ -376,3 +377,16 @@ class ShardedParam(ParamGradients):
         sharded = self.sharded
         for module, name in self.slots:
             module._parameters[name] = sharded
+
+
+def _grad_ready_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    """The unsharded parameter's post-accumulate-grad hook: calls the ShardedParam's ``on_grad_ready``.
+    It holds the ShardedParam weakly: a closure over it made the cycle ShardedParam -> ``unsharded`` ->
+    its hooks -> ShardedParam, which Python's collector does not free (the hooks are held on the tensor's
+    C++ side), and the ShardedParam holds its module (``slots``) and group: every sharded model, its
+    shards included, stayed resident after ``del`` (``tests/test_freed_after_del.py``)."""
+    def hook(_t: torch.Tensor) -> None:
+        sp = ref()
+        if sp is not None:  # else its model was freed during a backward: nothing left to reduce into
+            sp.on_grad_ready(sp)
+    return hook
