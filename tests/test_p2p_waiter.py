@@ -92,7 +92,8 @@ def test_a_torchrun_script_ending_in_destroy_process_group_exits_cleanly_after_z
     """A plain script (no perparam teardown, as FSDP2 users write it) that trains with the zero-copy
     reduce-scatter and calls ``destroy_process_group()`` last: both ranks exit 0. Was: every rank aborted
     at exit (SIGABRT, ``terminate called without an active exception``; 4 of 4 runs) because the waiter
-    thread's frame held the last gloo send/recv works while idle."""
+    thread's frame held the last gloo send/recv works while idle; then, under CPU load, because it freed
+    them just after reporting done (the test below)."""
     import socket
     import subprocess
     import sys
@@ -110,3 +111,55 @@ def test_a_torchrun_script_ending_in_destroy_process_group_exits_cleanly_after_z
                           text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in out, out
+
+
+class _Work:
+    """A stand-in for a gloo send/recv work: ``wait()`` blocks until ``release`` is set (then raises
+    ``fail`` if given); freeing it records whether the waiter's ``done`` was already set, and on which
+    thread."""
+
+    def __init__(self, done: threading.Event, freed: list, release: threading.Event | None = None,
+                 fail: Exception | None = None) -> None:
+        self.done, self.freed, self.release, self.fail = done, freed, release, fail
+
+    def wait(self) -> None:
+        if self.release is not None:
+            self.release.wait(30)
+        if self.fail is not None:
+            raise self.fail
+
+    def __del__(self) -> None:
+        self.freed.append((self.done.is_set(), threading.current_thread().name))
+
+
+def test_the_waiter_frees_every_work_on_its_thread_before_it_reports_done_and_ends_at_exit_once_its_works_finish(
+        monkeypatch):
+    """Freeing a c10d work releases and retakes the GIL; a daemon thread that retakes it while the
+    interpreter finalizes aborts the process ("terminate called without an active exception"), so the owner
+    must be unable to exit while the waiter still holds a work. Was: the waiter dropped its works after
+    setting ``done`` (the aborting rank's core: the waiter thread in ``Work``'s dealloc, ``take_gil`` ->
+    ``pthread_exit`` -> ``std::terminate``, the main thread in ``Py_FinalizeEx``); the torchrun script above
+    under 4 busy loops aborted in 12 of 20 runs, 0 of 20 with the fix (paired). At exit (``_stop_at_exit``)
+    a waiter with a work in flight is joined once the work finishes, so none is inside a wait when the
+    interpreter finalizes."""
+    from perparam.comm import point_to_point as p2p
+
+    monkeypatch.setattr(p2p, "_threads", __import__("weakref").WeakSet())
+    monkeypatch.setattr(p2p, "_waiters", {})
+    waiter = p2p._Waiter()
+    done, freed, errors = threading.Event(), [], []
+    works = [_Work(done, freed), _Work(done, freed, fail=RuntimeError("peer gone")), _Work(done, freed)]
+    waiter.watch(works, done, errors)
+    del works
+    assert done.wait(30)
+    assert freed == [(False, "perparam-p2p-waiter")] * 3, freed
+    assert [str(e) for e in errors] == ["peer gone"] and errors[0].__traceback__ is None
+
+    # at exit with a reduction in flight: joined once the work completes (released 0.2 s later)
+    p2p._waiters[(os.getpid(), 0)] = waiter
+    done, freed, release = threading.Event(), [], threading.Event()
+    waiter.watch([_Work(done, freed, release)], done, [])
+    threading.Timer(0.2, release.set).start()
+    p2p._stop_at_exit(timeout_s=30)
+    assert not waiter.thread.is_alive() and done.is_set() and freed == [(False, "perparam-p2p-waiter")]
+    assert p2p._waiters == {}

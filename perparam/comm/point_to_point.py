@@ -5,6 +5,7 @@ queue poll gloo's send/receive works. Counted as one all-gather or reduce-scatte
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -88,13 +89,24 @@ class _Waiter:
     (``ProcessGroupGloo``'s send and receive works report ``is_completed()`` only once waited on), so a
     reduction in flight can be polled without blocking (``_SumAfterPointToPoint.is_completed``). One per
     process group: ranks that run as threads of one process each have theirs, so one rank's wait never
-    holds up another's."""
+    holds up another's.
+
+    The thread frees every work it was given before it sets ``done``: freeing a work releases and retakes
+    the GIL (torch's ``Work`` binding), and a daemon thread that retakes it while the interpreter finalizes
+    is ended with ``pthread_exit``, which aborts the process from inside that C++ destructor ("terminate
+    called without an active exception"). Once ``done`` is set the owner may finish the script and exit;
+    the thread then runs only Python code until it blocks on its queue. At exit (``_stop_at_exit``) each
+    thread is told to end and joined, so none is still inside a wait when the interpreter finalizes."""
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="perparam-p2p-waiter", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="perparam-p2p-waiter", daemon=True)
+        self.thread.start()
+        _threads.add(self.thread)
 
     def watch(self, works: list, done: threading.Event, errors: list) -> None:
+        """Wait on ``works`` (the list is emptied: the thread holds the only references), then set
+        ``done``; a work's exception is appended to ``errors`` (without its traceback) first."""
         self.queue.put((works, done, errors))
 
     def retire(self) -> None:
@@ -107,15 +119,42 @@ class _Waiter:
             if item is None:
                 return
             works, done, errors = item
-            for work in works:
-                try:
-                    work.wait()
-                except Exception as e:  # re-raised by the owner's wait()
-                    errors.append(e)
-            done.set()
-            # hold no work while idle: a gloo send/recv work alive in this frame when the process group is
-            # destroyed aborts the process at exit ("terminate called without an active exception")
-            item = works = work = None
+            item = None
+            _wait_and_free(works, errors)
+            works = None
+            done.set()  # the last statement touching the item: no work is alive in this thread past here
+
+
+def _wait_and_free(works: list, errors: list) -> None:
+    """Wait on each work in order and drop it (``works`` ends empty): the last reference to every work goes
+    in this frame, before the caller sets ``done``."""
+    while works:
+        work = works.pop(0)
+        try:
+            work.wait()
+        except Exception as e:  # re-raised by the owner's wait(); a traceback would keep this frame's work
+            errors.append(e.with_traceback(None))
+        work = None
+
+
+_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # waiter threads, joined at exit
+
+
+@atexit.register
+def _stop_at_exit(timeout_s: float = 10.0) -> None:
+    """Tell every waiter thread of this process to end and join it (each at most ``timeout_s`` seconds):
+    atexit runs before the interpreter finalizes, so no waiter is then still waiting on, or freeing, a work
+    (an owner that exits with a reduction still in flight, on an error's way out; a work that never
+    completes leaves its thread to the interpreter after the timeout). A reduction issued later (another
+    exit hook) starts a new thread."""
+    with _lock:
+        waiters = list(_waiters.values())
+        _waiters.clear()
+    for waiter in waiters:
+        waiter.retire()
+    for thread in list(_threads):
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
 
 _waiters: dict[tuple[int, int], _Waiter] = {}  # (pid, id(process group)): a forked child starts its own
