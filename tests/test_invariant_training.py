@@ -140,21 +140,25 @@ def _train_on(mesh, units, steps, policy, clip=True):
     perparam.fully_shard(model, mesh=mesh, param_policy=policy[1])
     inv = perparam.InvariantUnits(model, units=units, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    losses = []
-    for step, (x, y) in enumerate(make_batches(steps, 16)):
-        mine = []
-        for u, (xu, yu) in inv.split((x, y)):
-            with inv.unit(u, step):
-                loss = torch.nn.functional.mse_loss(model(xu), yu)
-                loss.backward()
-            mine.append(loss.detach())
-        inv.reduce()
-        if clip:
-            inv.clip_grad_norm_(0.05)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(inv.mean(mine)))
+    losses = [_step(model, inv, opt, step, x, y, clip) for step, (x, y) in enumerate(make_batches(steps, 16))]
     return _hash(model), losses
+
+
+def _step(model, inv, opt, step, x, y, clip=True) -> float:
+    """One step in the mode: this rank's units one backward each, the tree reduction, the invariant clip
+    (``clip``), AdamW; returns the units' mean loss (the same bits at every K)."""
+    mine = []
+    for u, (xu, yu) in inv.split((x, y)):
+        with inv.unit(u, step):
+            loss = torch.nn.functional.mse_loss(model(xu), yu)
+            loss.backward()
+        mine.append(loss.detach())
+    inv.reduce()
+    if clip:
+        inv.clip_grad_norm_(0.05)
+    opt.step()
+    opt.zero_grad()
+    return float(inv.mean(mine))
 
 
 def _hash(model):
@@ -226,21 +230,7 @@ def _leg(rank, world_size, folder, leg):
     batches = make_batches(total, 16)
 
     def run(first, last):
-        losses = []
-        for step in range(first, last):
-            x, y = batches[step]
-            mine = []
-            for u, (xu, yu) in inv.split((x, y)):
-                with inv.unit(u, step):
-                    loss = torch.nn.functional.mse_loss(model(xu), yu)
-                    loss.backward()
-                mine.append(loss.detach())
-            inv.reduce()
-            inv.clip_grad_norm_(0.05)
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(inv.mean(mine)))
-        return losses
+        return [_step(model, inv, opt, step, *batches[step]) for step in range(first, last)]
 
     end = start + LEGS[leg][1]
     losses = run(start, end)
