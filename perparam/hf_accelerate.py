@@ -168,8 +168,9 @@ class ShardedAccelerator(Accelerator):
         """``Accelerator.save_state``, then each sharded model and its optimizer (every rank's shards) as a
         perparam checkpoint in ``<output_dir>/perparam_state_<i>``. Every rank must call it. Returns the
         folder written."""
+        pairs = self._pairs()  # its refusals before accelerate writes anything
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        for i, (model, opts) in enumerate(self._pairs()):
+        for i, (model, opts) in enumerate(pairs):
             checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, _one_or_all(opts))
         return location
 

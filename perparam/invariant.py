@@ -120,7 +120,9 @@ class InvariantUnits:
     def unit(self, index: int, step: int):
         """Around one unit's forward and backward: sync off, RNG seeded by ``(seed, step, index)``; on exit the
         unit's gradients join the tree. This rank's units run once each, in the order ``split`` gives (the
-        tree adds them in that order); anything else raises ``InvariantError``."""
+        tree adds them in that order); anything else raises ``InvariantError``. An exception inside the unit
+        gives up this rank's step (the tree and the gradients accumulated so far dropped): run the step again
+        from its first unit."""
         expected = self.indices[self._done()] if self._done() < len(self.indices) else None
         if index != expected:
             raise InvariantError(
@@ -130,9 +132,13 @@ class InvariantUnits:
         for g in self.groups:
             g.requires_gradient_sync = False
         seeded = self._seed_accumulators()
-        with torch.random.fork_rng(devices=self._rng_devices):
-            torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
-            yield
+        try:
+            with torch.random.fork_rng(devices=self._rng_devices):
+                torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
+                yield
+        except BaseException:
+            self._abandon()
+            raise
         for p in self._params:
             grad, p.grad_acc = p.grad_acc, None
             if id(p) in seeded:  # the left sibling, this unit's gradient added into it: a level-1 node
@@ -174,14 +180,15 @@ class InvariantUnits:
         if self._done() != len(self.indices):
             raise InvariantError(f"InvariantUnits.reduce: {self._done()} units run on this rank, "
                                  f"{len(self.indices)} expected")
+        for g in self.groups:  # checked before anything is changed
+            if not g.requires_all_reduce:  # HSDP's partial hold would add the held sums outside the tree
+                raise InvariantError(f"InvariantUnits.reduce: {g._what} has set_requires_all_reduce(False); the "
+                                     "mode reduces once per step: leave it True")
         for p in self._params:
             stack = self._stacks.pop(id(p), None)
             if stack is not None:
                 p.grad_acc = stack.result()
         for g in self.groups:
-            if not g.requires_all_reduce:  # HSDP's partial hold would add the held sums outside the tree
-                raise InvariantError(f"InvariantUnits.reduce: {g._what} has set_requires_all_reduce(False); the "
-                                     "mode reduces once per step: leave it True")
             g.requires_gradient_sync = True
         reduce_accumulated(self.groups)
         self._count = 0
@@ -204,10 +211,19 @@ class InvariantUnits:
     def __exit__(self, kind, value, tb) -> None:
         if kind is None:
             self.close()
-        else:  # an exception is on its way: restore the settings without the check
-            self._stacks.clear()
-            self._count = 0
+        else:  # an exception is on its way: this step's units dropped, the settings restored without the check
+            self._abandon()
             self.close()
+
+    def _abandon(self) -> None:
+        """This rank's step given up (an exception in a unit, or leaving the ``with`` on one): the tree's
+        partial sums and the gradients accumulated so far dropped, sync back on, so the next step (or a plain
+        backward after ``close``) starts from nothing; the step starts again from its first unit."""
+        self._stacks.clear()
+        self._count = 0
+        for g in self.groups:
+            g.drop_unsharded_grads()
+            g.requires_gradient_sync = True
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

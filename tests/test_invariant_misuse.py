@@ -70,6 +70,23 @@ def _misuses(rank, world_size):
         torch.nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
         return [p.grad.to_local().clone() for p in model.parameters()]
 
+    def reduced_grads(retry):  # one step; with `retry`, its second unit first raises and the step is run again
+        model, inv = _build(world_size)
+        parts = inv.split((x, y))
+        if retry:
+            try:
+                _run_units(model, inv, x, y, [((parts[0][0], 0), parts[0][1])])
+                with inv.unit(parts[1][0], 0):
+                    torch.nn.functional.mse_loss(model(parts[1][1][0]), parts[1][1][1]).backward()
+                    raise RuntimeError("a failing unit")
+            except RuntimeError:
+                pass
+        _run_units(model, inv, x, y, [((u, 0), s) for u, s in parts])
+        inv.reduce()
+        return [p.grad.to_local().clone() for p in model.parameters()]
+    out["retry_diff"] = max(float((a - b).abs().max()) if a.numel() else 0.0
+                            for a, b in zip(reduced_grads(True), reduced_grads(False)))
+
     model, inv = _build(world_size)
     with inv:  # one step in the mode, then left: the next plain backward reduces as without it (/ K, not / U)
         _run_units(model, inv, x, y, [((u, 0), s) for u, s in inv.split((x, y))])
@@ -94,3 +111,4 @@ def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_rag
         assert out["units_bool"] and "power of two" in out["units_bool"], out["units_bool"]
         assert out["unmanaged"] and "'embed.weight'" in out["unmanaged"], out["unmanaged"]
         assert out["closed_diff"] == 0.0, out["closed_diff"]
+        assert out["retry_diff"] == 0.0, out["retry_diff"]

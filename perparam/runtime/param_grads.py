@@ -47,7 +47,7 @@ def rows_digest(rows: torch.Tensor) -> torch.Tensor:
     bits = rows.contiguous().view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
         rows.element_size()])
     weights = torch.arange(bits.numel(), device=rows.device) % 251 + 1
-    return torch.dot(bits.to(torch.int64), weights)
+    return (bits.to(torch.int64) * weights).sum()  # not torch.dot: CUDA has no integer dot
 
 
 class ParamGradients:
