@@ -51,6 +51,30 @@ def test_the_owner_plan_puts_the_largest_matrix_first_onto_the_least_loaded_rank
         owner_plan([1], 0)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([((8, 4), (4, 8), (32, 2), (2, 32)), ((16, 2), (2, 16))]).flatmap(
+    lambda twins: st.lists(st.sampled_from(twins), min_size=1, max_size=12)), st.integers(1, 4))
+def test_matrices_of_equal_cost_are_dealt_round_the_ranks_shape_by_shape(shape_list, k):
+    # shapes of equal cost (8 x 4, 4 x 8, 32 x 2 and 2 x 32; 16 x 2 and 2 x 16), but a tall matrix is transposed
+    # before its products: each shape's matrices are spread over the ranks within one of each other
+    assert len({ns_cost(s) for s in shape_list}) == 1
+    plan = plan_shapes(shape_list, k)
+    for shape in set(shape_list):
+        per_rank = [sum(1 for s, r in zip(shape_list, plan.owners) if s == shape and r == rank) for rank in range(k)]
+        assert max(per_rank) - min(per_rank) <= 1, (shape, per_rank)
+
+
+def test_the_benchmark_gpts_tall_and_wide_twins_are_split_evenly():
+    # the 27.4M GPT's Muon matrices in the optimizer's order: dealt in list order all 2048 x 512 went to
+    # rank 0 and all 512 x 2048 to rank 1 (measured busiest / mean 1.082 for a planned 1.000)
+    blocks = [(1536, 512), (512, 512), (2048, 512), (512, 2048)] * 6
+    owners = plan_shapes(blocks, 2).owners
+    for shape in set(blocks):
+        assert [sum(1 for s, r in zip(blocks, owners) if s == shape and r == rank) for rank in (0, 1)] == [3, 3]
+    with pytest.raises(ValueError, match="kinds must have one entry per cost"):
+        owner_plan([1, 2], 2, kinds=[(1,)])
+
+
 @pytest.mark.parametrize("pp, ndim, requires_grad, match", [
     (ParamPolicy(update="whole"), 2, True, "update='whole'; use 'shard'"),
     (ParamPolicy(update="owner"), 2, False, "'w' is frozen, so no optimizer steps it"),
@@ -90,3 +114,12 @@ def test_perparam_plan_json_and_param_policy_token_give_the_owner_plan():
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 16, bias=False))
     owners = plan_to_json(plan_module(model, 2, param_policy={pattern: policy}))["owners"]
     assert owners["params"] == {"0.weight": 1, "1.weight": 0} and owners["max_over_mean"] == pytest.approx(1.6)  # 20480 of 25600
+
+
+def test_the_balance_benchmark_plays_every_rank_of_the_runtime_plan():
+    from benchmarks.muon_balance import hidden_shapes, measure
+
+    shapes = hidden_shapes(quick=True)
+    result = measure(shapes, 4, rounds=1)
+    assert result["planned"] == plan_shapes(shapes, 4).balance and sum(result["counts"]) == len(shapes) == 8
+    assert len(result["medians_ms"]) == 4 and all(m > 0 for m in result["medians_ms"])

@@ -160,7 +160,8 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
     for pg, items in per_pg.values():
         fixed = {i: kept[id(sp.sharded)].owner for i, (sp, _) in enumerate(items)
                  if id(sp.sharded) in kept and shard_group(kept[id(sp.sharded)].sp) is pg}
-        result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed)
+        result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed,
+                            kinds=[tuple(sp.global_shape) for sp, _ in items])
         loads[pg.group_name] = result.loads
         entries = [Entry(sp, owner) for (sp, _), owner in zip(items, result.owners)]
         for e in entries:  # where the reduction to owners sends its gradient (paths.reduce_owner)
