@@ -32,6 +32,7 @@ made (before any is made, when the free space says so).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import shutil
 import weakref
 
@@ -49,15 +50,22 @@ _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
 #: optimizers holding host-offloaded state that got the state_dict pre-hook (``bring_in``)
 _STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
-_order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
+_order: list[int] = []  # the groups (their _Group.key) in the last forward's order
 _current: list[int] = []
+_KEYS = itertools.count()
 
 
 class _Group(list):
-    """The ``ParamOffload``s with stored shards of one ``fully_shard`` call (its forward hooks hold it)."""
+    """The ``ParamOffload``s with stored shards of one ``fully_shard`` call (its forward hooks hold it).
+    ``key``: issued once per group by a counter, never reused (``id()`` of a freed group comes back for the
+    next one, which would then read ahead by the freed group's place in ``_order``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = next(_KEYS)
 
 
-_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> _Group, while its model lives
+_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> _Group, while its model lives
 
 
 class ParamOffload:
@@ -232,7 +240,7 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
                 slot.evict(write=True)
             group.append(po)
     if group:
-        _groups[id(group)] = group
+        _groups[group.key] = group
         for m in modules:
             m.register_forward_pre_hook(lambda *_, g=group: _before_forward(g), prepend=True)
             m.register_forward_hook(lambda *_, g=group: _after_forward(g), always_call=True)
@@ -246,7 +254,7 @@ def _read_ahead(po: ParamOffload) -> None:
 
 
 def _before_forward(group: _Group) -> None:
-    key = id(group)
+    key = group.key
     if key not in _current:
         _current.append(key)
     for po in group:
@@ -279,7 +287,7 @@ def _before_gather(group: _Group, read_ahead: int) -> None:
     queue of write-backs was measured slower than that)."""
     if read_ahead <= 0:
         return
-    key = id(group)
+    key = group.key
     backward = torch._C._current_graph_task_id() != -1
     if backward and key in _current:
         i = _current.index(key)
