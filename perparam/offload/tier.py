@@ -52,17 +52,14 @@ _hooks: list = []
 _STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
 _order: list[int] = []  # the groups (their _Group.key) in the last forward's order
 _current: list[int] = []
-_KEYS = itertools.count()
+_KEYS = itertools.count()  # a freed group's id() comes back for the next: a new model read ahead by its order
 
 
 class _Group(list):
-    """The ``ParamOffload``s with stored shards of one ``fully_shard`` call (its forward hooks hold it).
-    ``key``: issued once per group by a counter, never reused (``id()`` of a freed group comes back for the
-    next one, which would then read ahead by the freed group's place in ``_order``)."""
+    """The ``ParamOffload``s with stored shards of one ``fully_shard`` call (its forward hooks hold it)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.key = next(_KEYS)
+    def __init__(self) -> None:  # made empty (list.__new__); filled by append
+        self.key = next(_KEYS)  # never reused
 
 
 _groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> _Group, while its model lives
@@ -263,9 +260,7 @@ def _before_forward(group: _Group) -> None:
         if po.shard_slot is not None:
             po.shard_slot.fetch()
     if key in _order and _order.index(key) + 1 < len(_order):
-        for po in _groups.get(_order[_order.index(key) + 1], ()):
-            if po.shard_slot is not None:
-                po.shard_slot.fetch()
+        _fetch_shards(_groups.get(_order[_order.index(key) + 1], ()))
     for po in group:
         if po.shard_slot is not None:
             po.shard_slot.wait()
