@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import random
 import resource
 import sys
 import warnings
+
+from benchmarks.ports import free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(methods) - set(METHODS))
     if bad:
         sys.exit(f"--methods: unknown {bad}; choose from {list(METHODS)}")
-    mp.spawn(_run, args=(2, random.randint(20000, 40000), args.reps, methods), nprocs=2)
+    mp.spawn(_run, args=(2, free_port(), args.reps, methods), nprocs=2)
 
 
 if __name__ == "__main__":

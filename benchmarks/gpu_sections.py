@@ -68,13 +68,11 @@ def _sync(device: str) -> None:
 
 
 def free_port() -> str:
-    """A TCP port of 127.0.0.1 nothing listens on now: the sections' stores (fixed ports collided with
-    another run on a shared machine: ``EADDRINUSE``, the section failed)."""
-    import socket
+    """A TCP port of 127.0.0.1 nothing listens on now, as ``MASTER_PORT`` wants it (a string): the sections'
+    stores (fixed ports collided with another run on a shared machine: ``EADDRINUSE``, the section failed)."""
+    from benchmarks.ports import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(pick())
 
 
 @contextlib.contextmanager

@@ -73,13 +73,13 @@ def _transfer_rank(rank: int, k: int, n: int, reps: int, port: int, queue) -> No
 
 
 def _transfer(k: int, n: int, reps: int) -> None:
-    import random
-
     import torch.multiprocessing as mp
+
+    from benchmarks.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = random.randint(20000, 40000)
+    port = free_port()
     procs = [ctx.Process(target=_transfer_rank, args=(r, k, n, reps, port, queue)) for r in range(k)]
     for p in procs:
         p.start()

@@ -12,7 +12,6 @@ import argparse
 import io
 import json
 import multiprocessing as mp
-import random
 import statistics
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.ports import free_port
 from benchmarks.runner import JOBS
 
 
@@ -128,13 +128,13 @@ def ab_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def spawn_ranks(target, world: int, *args) -> list:
-    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes (``port``: a random
-    TCP port in 20000-40000 for ``init_gloo``); return what each put on ``queue``, sorted (rank first)."""
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes (``port``: a free TCP
+    port for ``init_gloo``, ``benchmarks.ports.free_port``); return what each put on ``queue``, sorted (rank first)."""
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
     queue = ctx.Queue()
-    port = random.randint(20000, 40000)
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()

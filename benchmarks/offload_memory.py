@@ -157,17 +157,18 @@ def run_config(config: str, args: dict, world: int, port: int) -> list[dict]:
 
 def main() -> None:
     from benchmarks.launch import disk_tier_parser
+    from benchmarks.ports import free_port
 
     parser = disk_tier_parser(__doc__, world=2, width=1024, layers=24, heads=16, vocab=24576, seq=64)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--timeout", type=float, default=1200.0)
-    parser.add_argument("--port", type=int, default=29561)
+    parser.add_argument("--port", type=int, default=None, help="the first config's port (default: a free one each)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     opts = vars(args)
     rows = {}
     for i, config in enumerate(args.configs.split(",")):
-        rows[config] = run_config(config, opts, args.world, args.port + i)
+        rows[config] = run_config(config, opts, args.world, free_port() if args.port is None else args.port + i)
     first = next(iter(rows.values()))[0]
     print(f"GPT {first['params']:,} parameters, fp32 AdamW, K = {args.world}: model state {first['model_state'] / 1e6:.1f} "
           f"MB per rank; 1 x {args.seq} tokens per rank; RssAnon in MB")

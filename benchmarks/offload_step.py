@@ -78,12 +78,13 @@ def run(offload, args, read_ahead: int = 2) -> tuple[list[float], dict]:
 
 def main() -> None:
     from benchmarks.launch import disk_tier_parser
+    from benchmarks.ports import free_port
 
     parser = disk_tier_parser(__doc__, layers=8, width=1024, batch=256, steps=5, pairs=2)
     parser.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     from perparam import OffloadPolicy

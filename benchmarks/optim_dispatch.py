@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import perparam
     from benchmarks.model import GPT, GPTConfig
+    from benchmarks.ports import free_port
     from perparam.runtime.group import group_of
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hook-rounds", type=int, default=200, help="rounds of the step hooks alone (default 200)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)
     shapes = [tuple(p.shape) for p in GPT(GPTConfig()).parameters()]

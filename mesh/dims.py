@@ -248,6 +248,15 @@ class Meshes:
     def dp_size(self) -> int:
         return self.dims.dp_size
 
+    @property
+    def dp_group(self):
+        """The process group of this rank's ``dp_size`` data-parallel ranks (those sharing its tp
+        coordinate), for reductions over what they computed. HSDP: the 2D ``dp_mesh`` flattened once
+        (a collective the first time: every rank asks for it)."""
+        if self.dims.hsdp:
+            return self.dp_mesh._flatten("dp").get_group()
+        return self.world_mesh["dp_shard"].get_group()
+
 
 def check_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """Check that ``mesh`` can be a data-parallel mesh for ``fully_shard``; returns it unchanged.

@@ -84,6 +84,8 @@ class InvariantUnits:
         self._params = [p for g in groups for p in g.params]
         self._stacks: dict[int, TreeStack] = {}
         self._count = 0  # units run this step
+        self._slots = None  # clip_grad_norm_'s layout of the norm's vector (_clip_slots)
+        self._clip_slots()
 
     def split(self, batch):
         """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``, the
@@ -225,6 +227,26 @@ class InvariantUnits:
             g.drop_unsharded_grads()
             g.requires_gradient_sync = True
 
+    def _clip_slots(self) -> tuple[list[tuple[int, int, bool]], int]:
+        """Per parameter ``(start of its slices in the norm's vector, shard dim d, counted here)`` and the
+        vector's length: fixed by the global shapes, meshes and placements, so worked out once (the global
+        offsets read the mesh's coordinates: host reads kept off the step)."""
+        if self._slots is None:
+            from torch.distributed.tensor import Shard
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            slots, total = [], 0
+            for p in self._params:
+                shape = p.sharded.shape
+                place = p.placements[-1]  # the shard axis's placement
+                d = place.dim if isinstance(place, Shard) and len(shape) else 0
+                _, offset = compute_local_shape_and_global_offset(shape, p.sharded.device_mesh, p.sharded.placements)
+                counted = isinstance(place, Shard) or p.shard_rank == 0
+                slots.append((total + (offset[d] if len(shape) else 0), d, counted))
+                total += shape[d] if len(shape) else 1
+            self._slots = (slots, total)
+        return self._slots
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the model's gradients by their global 2-norm, computed K-independently: per slice along a
@@ -233,25 +255,14 @@ class InvariantUnits:
         K), written at the slice's global index of one float64 vector (zeros elsewhere: all-reducing it adds
         only zeros, exact; a replicated parameter's slices by shard rank 0 alone), then summed in one fixed
         order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule). Returns the norm
-        (0-dim float32). Every rank calls it, after ``reduce()`` (else ``InvariantError``)."""
+        (0-dim float32, on the mesh's device: nothing is read back to the host; ``.item()`` it to log it).
+        Every rank calls it, after ``reduce()`` (else ``InvariantError``)."""
         if self._done():
             raise InvariantError(f"InvariantUnits.clip_grad_norm_: {self._done()} units run and not reduced yet; "
                                  "call iu.reduce() first (the norm is of the reduced gradients)")
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        entries, total = [], 0
-        for p in self._params:
-            g = p.sharded.grad
-            shape = p.sharded.shape
-            place = p.placements[-1]  # the shard axis's placement
-            d = place.dim if isinstance(place, Shard) and len(shape) else 0
-            if g is not None:
-                local = g.to_local()
-                _, offset = compute_local_shape_and_global_offset(shape, g.device_mesh, g.placements)
-                counted = isinstance(place, Shard) or p.shard_rank == 0
-                entries.append((total + (offset[d] if len(shape) else 0), local, d, counted))
-            total += shape[d] if len(shape) else 1
+        slots, total = self._clip_slots()
+        entries = [(start, g.to_local(), d, counted) for p, (start, d, counted) in zip(self._params, slots, strict=True)
+                   if (g := p.sharded.grad) is not None]
         vec = torch.zeros(total, dtype=torch.float64, device=self._device)
         for start, local, d, counted in entries:
             if counted and local.numel():
@@ -269,16 +280,17 @@ class InvariantUnits:
             local.mul_(coef.to(local.dtype))
         return norm
 
+    @torch.no_grad()
     def mean(self, values) -> torch.Tensor:
         """The mean of every unit's scalar loss (``values``: this rank's, one per unit, in order), same on every
-        rank. Raises ``InvariantError`` when ``len(values)`` is not this rank's unit count."""
+        rank: 0-dim float32 on the mesh's device (nothing read back to the host; ``.item()`` it to log). Raises ``InvariantError`` when ``len(values)`` is not this rank's unit count."""
         values = list(values)
         if len(values) != len(self.indices):
             raise InvariantError(f"InvariantUnits.mean: {len(values)} values given, this rank runs "
                                  f"{len(self.indices)} units; pass one loss per unit of iu.split(batch), in order")
         mine = torch.zeros(self.units, dtype=torch.float64, device=self._device)
         for u, v in zip(self.indices, values):
-            mine[u] = float(v)
+            mine[u] = v  # a device copy (float(v) read each loss back to the host: a sync per unit on CUDA)
         collectives.all_reduce_sum(mine, self.part.reduce_shard_pg, what="InvariantUnits.mean")
         if self.part.replicate_pg is not None:  # HSDP: the other replicas' units (zeros elsewhere: exact)
             collectives.all_reduce_sum(mine, self.part.reduce_replicate_pg, what="InvariantUnits.mean")

@@ -104,3 +104,40 @@ def test_only_a_rank_that_lacked_a_gradient_reads_the_summed_flags_back():
     assert r0["sites"] == {} and r0["branch_grad"]
     # rank 1 had no gradient for the branch: one read of the branch group's summed flags, which say rank 0 had
     assert list(r1["sites"].values()) == [1] and "tolist" in next(iter(r1["sites"])) and r1["branch_grad"]
+
+
+def _invariant_step(rank: int, world_size: int) -> list[dict]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = TinyNet(n_blocks=2)
+    for block in model.blocks:
+        perparam.fully_shard(block, mesh=mesh)
+    perparam.fully_shard(model, mesh=mesh)
+    iu = perparam.InvariantUnits(model, units=4, seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    counts = []
+    for step, (x, y) in enumerate(make_batches(2, 8)):
+        losses = []
+        for u, (xu, yu) in iu.split((x, y)):
+            with iu.unit(u, step):
+                loss = F.mse_loss(model(xu), yu)
+                loss.backward()
+            losses.append(loss.detach())
+        iu.reduce()
+        with HostSyncCounter() as syncs:  # what the step does after its units, with nothing read for a log
+            iu.clip_grad_norm_(1.0)
+            iu.mean(losses)
+        counts.append({site: n for site, n in syncs.sites.items() if site.startswith("perparam/")})
+        opt.step()
+        opt.zero_grad()
+    return counts
+
+
+@pytest.mark.fast
+def test_the_invariant_clip_and_mean_read_nothing_back():
+    """``InvariantUnits.clip_grad_norm_`` and ``InvariantUnits.mean`` keep their results on the device: no
+    ``.item()``/``float(t)``/``bool(t)`` of a device value (each a host sync on CUDA); the caller's own read
+    for a log is its choice."""
+    for world in (1, 2):
+        for counts in run_distributed(_invariant_step, world):
+            assert counts == [{}, {}], (world, counts)

@@ -175,9 +175,12 @@ def build_meshes(rank: int, world_size: int, sizes: tuple[int, int, int]) -> dic
     # the sub-meshes' process groups really connect the ranks they name
     t = torch.tensor([float(rank)])
     torch.distributed.all_reduce(t, group=meshes.dp_mesh.get_group(meshes.dp_mesh.ndim - 1))
+    dp = torch.tensor([float(rank)])
+    assert meshes.dp_group is meshes.dp_group  # HSDP's flattened once
+    torch.distributed.all_reduce(dp, group=meshes.dp_group)
     return {"world": _describe(meshes.world_mesh), "dp": _describe(meshes.dp_mesh),
             "tp": _describe(meshes.tp_mesh), "dp_rank": meshes.dp_rank, "dp_size": meshes.dp_size,
-            "shard_sum": t.item(), "dims": dims}
+            "shard_sum": t.item(), "dp_sum": dp.item(), "dims": dims}
 
 
 @pytest.mark.parametrize("sizes", [(2, 2, 1), (1, 2, 2), (1, -1, 1), (4, 1, 1), (2, 1, 2)])
@@ -204,6 +207,7 @@ def test_build_on_four_ranks(sizes):
                              "groups": [t], "coordinate": (ck,)}
         assert res["dp_size"] == r * s and res["dp_rank"] == ci * s + cj
         assert res["shard_sum"] == float(grid[ci, :, ck].sum())
+        assert res["dp_sum"] == float(grid[:, :, ck].sum())  # Meshes.dp_group: every dp rank, no tp peer
         dp_slices.add(res["dp_rank"])
     assert dp_slices == set(range(r * s))
 

@@ -367,3 +367,17 @@ def test_state_dict_of_an_optimizer_with_host_offloaded_state_brings_the_state_i
     tier._pre_step(plain, (), {})
     plain.state_dict()
     assert brought == [opt]  # an optimizer without host-offloaded state is left alone
+
+
+def test_an_offload_group_made_after_one_is_freed_never_takes_its_key():
+    """The tier's forward order (which group's shards to read ahead next) names groups by key. ``id()`` of
+    a freed group is handed to the next object of its size (CPython reuses the memory at once), so a new
+    model's group would read ahead by the freed model's order; the key is issued by a counter."""
+    from perparam.offload import tier
+
+    keys = set()
+    for _ in range(20):
+        group = tier._Group()  # made and freed, as a model's groups are when it is deleted
+        keys.add(group.key)
+        del group
+    assert len(keys) == 20

@@ -799,3 +799,41 @@ def test_an_exception_in_the_owners_step_is_raised_on_every_rank_instead_of_hang
         # the same exchange whatever the owners computed: 2 all-to-alls, one flag element more per peer
         assert r["wire0"] == r["wire1"] == r["wire2"]
     assert r0["cause"] == "FloatingPointError('NaN in the update')" and r1["cause"] == "None"
+
+
+def _state_dict_on_rank_0_only(rank: int, world_size: int) -> dict:
+    """Muon on owner parameters over a mesh whose process group times out after 3 s; one step, then
+    ``optimizer.state_dict()`` on rank 0 alone (``if rank == 0: torch.save(opt.state_dict(), ...)``)."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(world_size)), timeout=timedelta(seconds=3)), "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False))
+    for layer in model:
+        perparam.fully_shard(layer, mesh=mesh, param_policy=OWNER)
+    perparam.fully_shard(model, mesh=mesh, param_policy=OWNER)
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
+    opt.step()
+    out = {}
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            opt.state_dict()
+        except Exception as e:  # noqa: BLE001 - what it raises is the point
+            out = {"error": type(e).__name__, "message": str(e)}
+        out["seconds"] = time.monotonic() - start
+    dist.barrier()  # rank 1 waits here (on the default group) meanwhile
+    out["keys"] = sorted(opt.state_dict()["state"])  # the refused call left nothing behind: on every rank, works
+    return out
+
+
+def test_optimizer_state_dict_on_one_rank_with_owner_parameters_raises_naming_the_fix_instead_of_hanging():
+    r0, r1 = run_distributed(_state_dict_on_rank_0_only, 2, timeout=60)
+    assert r0["error"] == "CollectiveTimeoutError", r0
+    assert "call optimizer.state_dict() on every rank" in r0["message"] and "[1]" in r0["message"], r0
+    assert r0["keys"] == r1["keys"] == [0, 1]

@@ -109,3 +109,30 @@ def _refusals(rank: int, world_size: int) -> list[str]:
         messages.append(str(e.value))
     assert w.shape == (5, 3) and model[0].weight is w
     return messages
+
+
+class _Shard:
+    """What ``runtime.zero``'s write tracking reads of a ``ShardedParam``: its local shard, kept storage."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.sharded = SimpleNamespace(_local_tensor=torch.zeros(3))
+        self.aliases, self.aliases_lost, self.write_sig, self.kept = [], False, None, True
+
+    def local_shard(self) -> torch.Tensor:
+        return self.sharded._local_tensor
+
+
+def test_a_local_shard_replaced_by_a_new_tensor_counts_as_written_even_at_the_freed_ones_address():
+    """A shard replaced after the kept copy was gathered (``to_empty``, ``load_state_dict(assign=True)``) is
+    a write: the new tensor, made as the old one is freed, takes its ``id()`` and has its version (0), which
+    the baseline held, so the kept unsharded copy stayed in use."""
+    from perparam.runtime import zero
+
+    p = _Shard()
+    zero.note_gathered([p])
+    assert not zero.written(p)
+    p.sharded._local_tensor = None  # the old shard freed
+    p.sharded._local_tensor = torch.ones(3)  # its replacement
+    assert zero.written(p)

@@ -137,7 +137,58 @@ def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """A sharded module's forward waited in a collective that a peer rank did not issue (or a peer exited)."""
+    """A sharded module's forward waited in a collective that a peer rank did not issue (or a peer exited),
+    or a call that is a collective (``optimizer.state_dict()`` with owner parameters) was made on some ranks
+    only (``enter_together``)."""
+
+
+_ENTER_KEY = "perparam_enter/{}/{}/{}/"  # (process group name, what, call number) / rank
+#: process group -> what -> calls agreed so far (by the group object: ranks running as threads of one process
+#: each have theirs; a freed group's entry goes with it)
+_entered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def enter_together(group: dist.ProcessGroup, what: str, fix: str) -> None:
+    """Before the collectives of ``what`` (a call users make by hand, e.g. ``"optimizer.state_dict()"``), which
+    every rank of ``group`` must make: each rank posts its arrival in the default store and waits for its
+    peers' for the group's timeout. A peer that does not arrive (the call made on one rank: ``if rank == 0:
+    torch.save(opt.state_dict(), ...)``) raises ``CollectiveTimeoutError`` naming the missing ranks and
+    ``fix``, before any collective is issued, so the group stays usable (its own collective would have
+    timed out with gloo's "Application timeout caused pair closure", the group broken after it). The refused
+    call is withdrawn (its post deleted, the count kept), so a later call on every rank agrees. NCCL: the
+    peers that went on wait in their next collective, which this rank never issues; NCCL's watchdog aborts
+    them at the same timeout and may end the job before this error is printed. Nothing to agree through (no
+    default store, one rank): returns at once."""
+    if group.size() == 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank()
+    except (RuntimeError, ValueError, AttributeError):
+        return
+    counts = _entered.setdefault(group, {})
+    count = counts.get(what, 0) + 1
+    prefix = _ENTER_KEY.format(group.group_name, what, count)
+    try:
+        store.set(prefix + str(me), "1")
+    except RuntimeError:  # a store that cannot (torch's fake process group's)
+        return
+    keys = [prefix + str(r) for r in ranks]
+    timeout = _timeout(group)
+    try:
+        _wait(store, keys, timeout)
+    except (RuntimeError, dist.DistStoreError) as e:
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        try:
+            store.delete_key(prefix + str(me))
+        except (RuntimeError, NotImplementedError):
+            pass
+        raise CollectiveTimeoutError(
+            f"perparam: rank {me} called {what}, and ranks {missing} of process group {group.group_name!r} (ranks "
+            f"{ranks}) did not call it within its timeout of {timeout.total_seconds():.0f} s: {what} is a "
+            f"collective here; {fix}") from e
+    counts[what] = count
 
 
 #: what gloo's errors say when a peer did not issue the collective (a timeout) or exited while it waited

@@ -64,10 +64,12 @@ def optimizer_step(model: torch.nn.Module, optimizer, scheduler, iu, inputs: tor
 
 @torch.no_grad()
 def heldout_loss(model: torch.nn.Module, rows: torch.Tensor, device: torch.device, chunk: int, pieces: int,
-                 dp_rank: int, dp_size: int) -> float:
-    """Mean next-token loss (nats/token) over every rank's held-out ``rows`` ``[n, seq+1]`` (this rank's:
-    pieces ``dp_rank * pieces / dp_size ..`` of ``pieces`` equal pieces of the whole), the same bits at
-    every ``dp_size`` dividing ``pieces``; a collective (the parameters gathered once, one all-reduce)."""
+                 dp_rank: int, dp_size: int, group=None) -> float:
+    """Mean next-token loss (nats/token) over every data-parallel rank's held-out ``rows`` ``[n, seq+1]``
+    (this rank's: pieces ``dp_rank * pieces / dp_size ..`` of ``pieces`` equal pieces of the whole), the
+    same bits at every ``dp_size`` dividing ``pieces``; a collective (the parameters gathered once, one
+    all-reduce over ``group``, the ``dp_size`` data-parallel ranks: ``None`` is the world, right only when
+    every rank is a data-parallel one; the world summed ranks beside the dp axis into the pieces)."""
     mine = pieces // dp_size
     if rows.shape[0] % mine:
         raise ValueError(f"{rows.shape[0]} held-out rows cannot be cut into {mine} equal pieces")
@@ -87,5 +89,8 @@ def heldout_loss(model: torch.nn.Module, rows: torch.Tensor, device: torch.devic
                 sums[pieces] += piece[:, 1:].numel()
     finally:
         model.train(was_training)
-    dist.all_reduce(sums)  # each piece's entry: one rank's sum plus zeros (exact); the count: integers
+    if dist.get_world_size(group) != dp_size:
+        raise ValueError(f"dp_size {dp_size} but the reduction group has {dist.get_world_size(group)} ranks: "
+                         "pass the data-parallel process group")
+    dist.all_reduce(sums, group=group)  # each piece's entry: one rank's sum plus zeros (exact); the count: integers
     return (sum(sums[i] for i in range(pieces)) / sums[pieces]).item()  # in piece order

@@ -70,7 +70,7 @@ def evaluate(cfg: JobConfig, run: Run) -> float:
         return heldout_loss(run.model, run.eval_rows, run.device, run.micro)
     unit_rows = cfg.batch_size // cfg.invariant_units  # chunks of a training unit's rows
     return invariant_steps.heldout_loss(run.model, run.eval_rows, run.device, unit_rows, cfg.invariant_units,
-                                        run.meshes.dp_rank, run.meshes.dp_size)
+                                        run.meshes.dp_rank, run.meshes.dp_size, run.meshes.dp_group)
 
 
 def setup(cfg: JobConfig, data: PreparedData) -> Run:

@@ -32,6 +32,7 @@ made (before any is made, when the free space says so).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import shutil
 import weakref
 
@@ -49,15 +50,19 @@ _OWNERS: weakref.WeakSet = weakref.WeakSet()
 _hooks: list = []
 #: optimizers holding host-offloaded state that got the state_dict pre-hook (``bring_in``)
 _STATE_DICT_HOOKED: weakref.WeakSet = weakref.WeakSet()
-_order: list[int] = []  # the groups (ids of their _Group) in the last forward's order
+_order: list[int] = []  # the groups (their _Group.key) in the last forward's order
 _current: list[int] = []
+_KEYS = itertools.count()  # a freed group's id() comes back for the next: a new model read ahead by its order
 
 
 class _Group(list):
     """The ``ParamOffload``s with stored shards of one ``fully_shard`` call (its forward hooks hold it)."""
 
+    def __init__(self) -> None:  # made empty (list.__new__); filled by append
+        self.key = next(_KEYS)  # never reused
 
-_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> _Group, while its model lives
+
+_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> _Group, while its model lives
 
 
 class ParamOffload:
@@ -232,7 +237,7 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
                 slot.evict(write=True)
             group.append(po)
     if group:
-        _groups[id(group)] = group
+        _groups[group.key] = group
         for m in modules:
             m.register_forward_pre_hook(lambda *_, g=group: _before_forward(g), prepend=True)
             m.register_forward_hook(lambda *_, g=group: _after_forward(g), always_call=True)
@@ -246,7 +251,7 @@ def _read_ahead(po: ParamOffload) -> None:
 
 
 def _before_forward(group: _Group) -> None:
-    key = id(group)
+    key = group.key
     if key not in _current:
         _current.append(key)
     for po in group:
@@ -255,9 +260,7 @@ def _before_forward(group: _Group) -> None:
         if po.shard_slot is not None:
             po.shard_slot.fetch()
     if key in _order and _order.index(key) + 1 < len(_order):
-        for po in _groups.get(_order[_order.index(key) + 1], ()):
-            if po.shard_slot is not None:
-                po.shard_slot.fetch()
+        _fetch_shards(_groups.get(_order[_order.index(key) + 1], ()))
     for po in group:
         if po.shard_slot is not None:
             po.shard_slot.wait()
@@ -279,7 +282,7 @@ def _before_gather(group: _Group, read_ahead: int) -> None:
     queue of write-backs was measured slower than that)."""
     if read_ahead <= 0:
         return
-    key = id(group)
+    key = group.key
     backward = torch._C._current_graph_task_id() != -1
     if backward and key in _current:
         i = _current.index(key)

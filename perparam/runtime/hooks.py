@@ -109,7 +109,7 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
         ctx.grad_order = []
         ctx.backward_groups = []
         ctx.grad_order_closed = False
-    last = ctx.last_forward.get(id(root), [])
+    last = ctx.last_forward.get(root, [])
     ctx.forward_next = {g: last[i + 1] for i, g in enumerate(last[:-1])}
 
 
@@ -196,7 +196,7 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
             _register_pre_backward(group, output)
     if not recomputing and ctx.active_root is group and group.forward_depth == 0:
         ctx.active_root = None
-        ctx.last_forward[id(group)] = ctx.forward_order
+        ctx.last_forward[group] = ctx.forward_order
         for g in ctx.groups:  # prefetched for a forward that took another path this time: release
             if g.state is IDLE and g.pending_gather() is not None and g not in ctx.forward_seen:
                 g.free()

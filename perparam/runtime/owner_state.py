@@ -13,7 +13,9 @@ each bucket's shard axis, issued in the plan's order on every rank.
 (torch's post-hooks), so ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` and
 ``set_optimizer_state_dict`` (sharded or ``full_state_dict=True``) give and take an owner parameter's
 state as every other parameter's: ``state_dict()`` is then a collective over the shard axes while an owner
-is planned (call it on every rank, as DCP does). A rank that owns none of an optimizer's parameters keeps an
+is planned (call it on every rank, as DCP does; a call on some ranks only raises ``CollectiveTimeoutError``
+after the group's timeout, ``comm.sequence.enter_together``, instead of leaving gloo's collective to time
+out and break the group). A rank that owns none of an optimizer's parameters keeps an
 empty state entry for each routed one (``owner_step``), so DCP's "initialise the state by a step with zero
 gradients when it is empty" is decided alike on every rank.
 """
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm.collectives import all_gather_objects, exchange_uneven
+from ..comm.sequence import enter_together
 from . import owner_step
 
 
@@ -153,8 +156,12 @@ def install(optimizer: torch.optim.Optimizer) -> None:
 def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``state_dict["state"]`` (keyed by the parameters' indices in ``param_groups`` order) with each owner
     parameter's entry in checkpoint form, the same keys on every rank (none where no rank holds state)."""
-    if owner_step.routing(optimizer) is None:
+    route = owner_step.routing(optimizer)
+    if route is None:
         return state_dict
+    _enter_together(route, "optimizer.state_dict()", "call optimizer.state_dict() on every rank (then save it "
+                    "on one: sd = opt.state_dict(); if rank == 0: torch.save(sd, path)), as DCP's "
+                    "get_optimizer_state_dict does; its owner parameters' state is gathered from their owners")
     index: dict[int, int] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -177,9 +184,20 @@ def _load_state_dict_post(optimizer: torch.optim.Optimizer) -> None:
     route = owner_step.routing(optimizer)
     if route is None:
         return
+    _enter_together(route, "optimizer.load_state_dict()", "call optimizer.load_state_dict() on every rank with "
+                    "the same state dict; its owner parameters' state is sent to their owners")
     restore = [(e.sp.sharded, optimizer.state[e.sp.sharded]) for b in route.buckets for e in b.entries
                if e.sp.sharded in optimizer.state]
     own_state(optimizer, restore)
+
+
+def _enter_together(route, what: str, fix: str) -> None:
+    """Every rank of each bucket's shard axis reached ``what`` (in bucket order, as the collectives go)."""
+    seen = []
+    for bucket in route.buckets:
+        if all(bucket.group is not g for g in seen):
+            seen.append(bucket.group)
+            enter_together(bucket.group, what, fix)
 
 
 def routed_ids(optimizer: torch.optim.Optimizer) -> set[int]:

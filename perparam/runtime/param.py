@@ -105,11 +105,11 @@ class ShardedParam(ParamGradients):
         #: host slots), set by ``offload.tier.attach`` at ``fully_shard``; ``None``: not offloaded
         self.offload = None
         #: (weak reference, version) of each live tensor ``state_dict()`` handed out for the shard (they share
-        #: its storage), whether one died since the baseline, and (id, version) of the local shard when the
-        #: unsharded storage was last gathered (``runtime.zero.check_unwritten``)
+        #: its storage), whether one died since the baseline, and (weak reference, version) of the local shard
+        #: when the unsharded storage was last gathered (``runtime.zero.check_unwritten``)
         self.aliases: list = []
         self.aliases_lost = False
-        self.write_sig: tuple[int, int] | None = None
+        self.write_sig: tuple | None = None
         #: stage 1/2 at P (``runtime/shard_view.py``): the local shard as a view of the kept copy's own rows,
         #: the buffer it views, and the ``.data`` alias the ``state_dict()`` values are views of
         self._view: torch.Tensor | None = None

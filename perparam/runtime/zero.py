@@ -139,8 +139,8 @@ def _prune(p: ShardedParam) -> None:
 def written(p: ShardedParam) -> bool:
     """``p``'s local shard or a live tensor ``state_dict()`` handed out for it was written in place since the
     baseline (``note_gathered``), or such a tensor died since (it may have been)."""
-    local = p.local_shard()
-    if p.write_sig != (id(local), local._version):
+    local, sig = p.local_shard(), p.write_sig
+    if sig is None or sig[0]() is not local or sig[1] != local._version:  # another shard, or written
         return True
     _prune(p)
     return p.aliases_lost or any(ref()._version != version for ref, version in p.aliases)  # (live: pruned)
@@ -154,7 +154,8 @@ def note_gathered(params: list[ShardedParam], force: bool = False) -> None:
             p.aliases = [(ref, t._version) for ref, _ in p.aliases if (t := ref()) is not None]
         p.aliases_lost = False
         local = p.local_shard()
-        p.write_sig = (id(local), local._version) if force or p.kept or p.aliases else None
+        # the shard itself by weak reference: id() of a replaced, freed shard comes back for the new one
+        p.write_sig = (weakref.ref(local), local._version) if force or p.kept or p.aliases else None
 
 
 @torch.no_grad()
