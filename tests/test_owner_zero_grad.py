@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import perparam
 from perparam import ParamPolicy
-from perparam.runtime import owner_step
+from perparam.runtime import owner_grads, owner_step
 from tests.distributed import run_distributed
 from tests.models import TinyNet, full_params, make_batches
 
@@ -26,18 +26,24 @@ def _policy(stage: int | None):
 
 
 def _train(rank: int, world_size: int, owner_grad: str, set_to_none, stage: int | None = None,
-           micro: int = 1) -> dict:
+           micro: int = 1, hsdp: bool = False) -> dict:
     """TinyNet: Muon on the blocks' 2-D matrices, AdamW on the rest, 3 steps of the global batch 12 (``micro``
     micro-batches each, the first ``micro - 1`` without gradient sync), ``zero_grad(set_to_none=...)`` after
     each step (``set_to_none="foreach"``: ``torch._foreach_zero_`` over the ``.grad``s instead, as an
-    optimizer built with ``foreach=True`` zeroes them: no version counter of a DTensor moves)."""
+    optimizer built with ``foreach=True`` zeroes them: no version counter of a DTensor moves). ``hsdp``: on
+    a 2x2 (replicate, shard) mesh, the first micro-batches held without the replicas' all-reduce
+    (``set_requires_all_reduce(False)``) instead of unsynced."""
     previous = perparam.configure(owner_grad=owner_grad)
     try:
         torch.manual_seed(0)
         model = TinyNet(d=6)
+        mesh = None
+        if hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            perparam.fully_shard(block, param_policy=_policy(stage))
-        perparam.fully_shard(model, param_policy=_policy(stage))
+            perparam.fully_shard(block, mesh=mesh, param_policy=_policy(stage))
+        perparam.fully_shard(model, mesh=mesh, param_policy=_policy(stage))
         named = dict(model.named_parameters())
         hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
         rest = [p for p in named.values() if all(p is not h for h in hidden)]
@@ -47,13 +53,16 @@ def _train(rank: int, world_size: int, owner_grad: str, set_to_none, stage: int 
             opts = [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1),
                     torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
         share = 12 // world_size
+        to_owner = []  # per step: the owner matrices' gradients were reduced to their owners
         batches = make_batches(3 * micro, 12)
         for step in range(3):
             for i in range(micro):
                 idx, y = batches[step * micro + i]
                 idx, y = idx[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-                model.set_requires_gradient_sync(i == micro - 1)
+                getattr(model, "set_requires_all_reduce" if hsdp else "set_requires_gradient_sync")(i == micro - 1)
                 (F.mse_loss(model(idx), y) / micro).backward()
+            route = owner_step.routing(opts[0])
+            to_owner.append(route is not None and all(owner_grads.at_owner(e.sp) for e in route.by_id.values()))
             for opt in opts:
                 opt.step()
             if set_to_none == "foreach":
@@ -61,20 +70,21 @@ def _train(rank: int, world_size: int, owner_grad: str, set_to_none, stage: int 
             else:
                 for opt in opts:
                     opt.zero_grad(set_to_none=set_to_none)
-        return full_params(model)
+        return {**full_params(model), "to_owner": torch.tensor(to_owner)}
     finally:
         perparam.configure(owner_grad=previous.owner_grad)
 
 
-def _both(rank: int, world_size: int, owner_grad: str, stage, micro: int) -> list[dict]:
-    return [_train(rank, world_size, owner_grad, s, stage, micro) for s in (True, False, "foreach")]
+def _both(rank: int, world_size: int, owner_grad: str, stage, micro: int, hsdp: bool = False) -> list[dict]:
+    return [_train(rank, world_size, owner_grad, s, stage, micro, hsdp) for s in (True, False, "foreach")]
 
 
 def _assert_bitwise(results: list) -> None:
     for dropped, *zeroed in results:
         for how, got in zip(("zero_grad(set_to_none=False)", "foreach"), zeroed):
             for name, want in dropped.items():  # the bits, signed zeros included
-                assert torch.equal(got[name].view(torch.int32), want.view(torch.int32)), (
+                assert torch.equal(got[name].view(want.dtype if name == "to_owner" else torch.int32),
+                                   want.view(want.dtype if name == "to_owner" else torch.int32)), (
                     how, name, (got[name] - want).abs().max().item())
 
 
@@ -83,7 +93,14 @@ def test_zero_grad_in_place_trains_bitwise_like_set_to_none_with_gradients_reduc
     for world_size in (2, 3):  # K = 3: uneven (13 rows: 5/4/4) and empty shards (Embedding(5), Linear(6, 2))
         _assert_bitwise(run_distributed(_both, world_size, "owner", None, 1))
     # accumulation without sync onto the zeroed gradients
-    _assert_bitwise(run_distributed(_both, 2, "owner", None, 2))
+    results = run_distributed(_both, 2, "owner", None, 2)
+    _assert_bitwise(results)
+    assert all(r[1]["to_owner"].tolist() == [False, True, True] for r in results)  # planned at the first step
+
+
+def test_zero_grad_in_place_on_hsdp_with_held_reductions_trains_bitwise_like_set_to_none():
+    # the zeroed flags summed over the replicas too, and held over the micro-batches (runtime/partial.py)
+    _assert_bitwise(run_distributed(_both, 4, "owner", None, 2, True))
 
 
 @pytest.mark.parametrize("case", [("rows", None, 1), ("rows", None, 2), ("owner", 1, 1), ("owner", 2, 2),
