@@ -209,11 +209,6 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                        mesh.device_type, owner)
     except (PolicyError, ParamError, CompositionError, islands.IslandError, OffloadError) as e:
         raise ShardingError(str(e)) from None
-    for (fqn, _, _), policy, tp in zip(found, policies, tps):
-        if tp is not None and policy.update == "owner":
-            raise ShardingError(f"parameter '{fqn}' of {owner} is tensor-parallel and has update='owner': the owner "
-                                "path brings whole data-parallel shards to one rank, not tensor-parallel ones; drop "
-                                "update='owner' for it (or do not tensor-parallelize it)")
     _warn_low_precision_training(found, policies)
     sharded_params = []
     for (fqn, original, slots), res, tp, pmesh, prank in zip(found, resolved, tps, meshes, ranks):

@@ -97,3 +97,33 @@ def test_cli_plan_tp_and_factory_errors_are_one_line(argv, words, capsys):
 
 def measured_world() -> int:
     return 4
+
+
+def _fully_shard_refusal(param_policy) -> str:
+    """The error ``fully_shard`` raises on rank 0 of a dp x tp mesh (fake process group) for ``param_policy``."""
+    dist.init_process_group("fake", rank=0, world_size=DP * TP, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard", "tp"))
+        model = gpt2_tiny()
+        parallelize_module(model, mesh["tp"], gpt2_tp_plan())
+        with pytest.raises(perparam.ShardingError) as e:
+            perparam.fully_shard(model, mesh=mesh["dp_shard"], param_policy=param_policy)
+        return str(e.value)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["blocks.0.mlp.c_fc.weight", "blocks.1.attn.c_proj.bias"])  # split; replicated
+def test_plan_tp_refuses_an_owner_update_on_a_tensor_parallel_parameter_as_fully_shard_does(name, capsys):
+    # before: the planner printed an owner plan (exit 0) for what fully_shard refuses
+    runtime = _fully_shard_refusal({name: ParamPolicy(update="owner")})
+    assert f"'{name}'" in runtime and "tensor-parallel" in runtime and "update='owner'" in runtime, runtime
+    with pytest.raises(ValueError) as e:
+        plan_model("gpt2-tiny", DP, dtype=None, tp=TP, param_policy={name: ParamPolicy(update="owner")})
+    assert str(e.value) in runtime  # one check, one message (fully_shard's names its module too)
+    assert main(["plan", "--preset", "gpt2-tiny", "--world", str(DP * TP), "--tp", str(TP),
+                 "--param-policy", f"{name}=owner"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(e.value) in err, err
+    # the same matrix without tp is planned with an owner
+    assert plan_model("gpt2-tiny", DP, dtype=None, param_policy={name: ParamPolicy(update="owner")}).owner_params

@@ -304,8 +304,8 @@ def _after_forward(group: _Group) -> None:
 
 def _install() -> None:
     if not _hooks:
-        _hooks.append(register_optimizer_step_pre_hook(_pre_step))
-        _hooks.append(register_optimizer_step_post_hook(_post_step))
+        _hooks.append(register_optimizer_step_pre_hook(torch.compiler.disable(_pre_step)))  # eager when compiled
+        _hooks.append(register_optimizer_step_post_hook(torch.compiler.disable(_post_step)))
 
 
 def _offloads(optimizer) -> list[tuple[torch.Tensor, ParamOffload]]:

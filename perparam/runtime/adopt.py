@@ -46,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..sharding.errors import MetaParameterError, ShardingError
 from ..sharding.placement import placement_str
 from . import local_step, owner_state, owner_step
+from .untraced import untraced
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -100,7 +101,7 @@ def _install() -> None:
     """The optimizer step pre-hook, registered once, by the first ``fully_shard`` (not at import)."""
     global _pre_hook
     if _pre_hook is None:
-        _pre_hook = register_optimizer_step_pre_hook(_retarget)
+        _pre_hook = register_optimizer_step_pre_hook(untraced(_retarget))  # eager in a compiled step too
 
 
 def _count_step(optimizer) -> None:

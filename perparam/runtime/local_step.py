@@ -34,6 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..sharding.policy import OffloadPolicy
 from . import config, owner_step
+from .untraced import untraced
 
 #: the optimizers whose update is elementwise (plus scalars): exact on local shards
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -64,8 +65,9 @@ def install(optimizer: torch.optim.Optimizer, owners_of, count) -> None:
         owner_step.step_out(opt)
         count(opt)
 
-    pre = optimizer.register_step_pre_hook(pre_hook)
-    post = optimizer.register_step_post_hook(post_hook)
+    # eager also inside torch.compile(optimizer.step): perparam's bookkeeping is no graph code
+    pre = optimizer.register_step_pre_hook(untraced(pre_hook))
+    post = optimizer.register_step_post_hook(untraced(post_hook))
     # the swap must be invisible to the user's hooks (zero_grad() or an EMA in a post-hook, clipping in a
     # pre-hook): the swap-out is the first post-hook, the swap-in the last pre-hook (see ``_swap_in``)
     optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)

@@ -35,7 +35,8 @@ from . import owner_grads
 from .owner_grads import OwnerStepError
 from .param_grads import rows_digest
 
-__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "raised_texts", "send_back", "travels"]
+__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "raised_texts", "remember", "send_back",
+           "travels"]
 
 
 def local_grad(sp) -> torch.Tensor:
@@ -132,6 +133,18 @@ def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> di
                 lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
                 offset += n
     return out
+
+
+def remember(entries, moves: tuple[bool, ...], wholes: dict) -> None:
+    """Under ``configure(owner_grad="owner")``, after ``assemble``: for each entry whose gradient rows
+    travelled (reduce-scattered, not stage 1's whole gradient nor a qgZ one, which are never reduced to an
+    owner), keep the whole gradient the owner assembled for the current ``.grad`` (``owner_grads.remember``),
+    so the next reduction to the owner accumulates onto it, or replaces it when zeroed in place. On every
+    rank alike."""
+    for e, move in zip(entries, moves):
+        if move and not e.sp.policy.whole_grad and e.sp.policy.grad_quant is None:
+            held = wholes.get(id(e.sp.sharded))
+            owner_grads.remember(e.sp, held[1].grad if held is not None else None)
 
 
 def _scatter(bucket, entries, wholes: dict, raised: bool):

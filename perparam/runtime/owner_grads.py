@@ -9,9 +9,18 @@ NaN makes anything that reads them (a norm, a clip through torch) loudly wrong i
 ``refresh``); any other change of the owner's rows before the step is refused there (``check_untouched``).
 Each such ``.grad`` is recorded by identity, so a ``.grad`` set to ``None`` or replaced is no longer one.
 
-Accumulation over backwards without ``zero_grad`` adds into the owner's whole gradient; a
-``zero_grad(set_to_none=False)`` zeroes only the owner's rows, so when those are all zero and differ from
-what the reduction wrote (``rows_digest``), the whole gradient is zeroed first (as stage 1's).
+Accumulation over backwards without ``zero_grad`` adds into the owner's whole gradient. A
+``zero_grad(set_to_none=False)`` zeroes each rank's rows of ``.grad`` only, not the owner's whole gradient,
+and the owner alone cannot always tell (its rows may be empty or zero already; ``torch._foreach_zero_``, an
+optimizer's ``foreach`` zeroing, bumps no version counter of a DTensor). So every rank witnesses its own
+rows (``zeroed``: all zero, and changed since perparam wrote them, by version or digest), the reduction to
+the owners carries one flag per parameter from each rank (``paths.reduce_owner``), and the owner takes the
+reduced gradient alone, not added, where any rank's flag is set: decided from the same summed flags on
+every rank, on the device (no host read), bit for bit a fresh gradient.
+
+The first step of an optimizer (the one that plans the owners) steps gradients reduce-scattered as rows;
+``remember`` keeps the owner's whole gradient assembled for that step, so the next reduction to the owner
+adds onto it (accumulation over the step) or, zeroed in place, replaces it, as for a held one.
 """
 
 from __future__ import annotations
@@ -28,9 +37,23 @@ class OwnerStepError(ShardingError, RuntimeError):
     kind)."""
 
 
-#: sharded ``.grad`` DTensor -> [whole gradient on the owner or None elsewhere, digest of the owner's rows,
-#: the owner's rank it was reduced to]
+class _Held:
+    """What a sharded ``.grad`` of an owner parameter stands for: ``whole``, the whole gradient on the owner
+    (``None`` elsewhere); ``digest``, of this rank's rows when perparam wrote them (``None``: rows filled with
+    NaN by perparam, which are never all zero unless empty); ``owner``, the rank it was reduced to; ``version``,
+    the ``.grad`` DTensor's version counter then (an in-place op through it bumps it; a foreach op does not)."""
+
+    __slots__ = ("whole", "digest", "owner", "version")
+
+    def __init__(self, whole, digest, owner: int, version: int) -> None:
+        self.whole, self.digest, self.owner, self.version = whole, digest, owner, version
+
+
+#: sharded ``.grad`` DTensor -> ``_Held``: a gradient reduced to its owner
 _HELD: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: sharded ``.grad`` DTensor (rows, reduce-scattered) -> ``_Held``: its whole, as assembled on the owner for a
+#: step (``remember``), which the next reduction to the owner accumulates onto
+_PRIOR: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def at_owner(sp) -> bool:
@@ -43,12 +66,12 @@ def whole(sp) -> torch.Tensor | None:
     """On ``sp``'s owner, the whole reduced gradient it holds (``None`` elsewhere, or when none is held)."""
     grad = sp.sharded.grad
     entry = _HELD.get(grad) if grad is not None else None
-    return entry[0] if entry is not None else None
+    return entry.whole if entry is not None else None
 
 
 def reduced_to(sp) -> int:
     """The rank ``sp``'s held gradient was reduced to (``at_owner(sp)`` must hold)."""
-    return _HELD[sp.sharded.grad][2]
+    return _HELD[sp.sharded.grad].owner
 
 
 def clip_view(grad) -> torch.Tensor | None:
@@ -58,15 +81,15 @@ def clip_view(grad) -> torch.Tensor | None:
     entry = _HELD.get(grad)
     if entry is None:
         return None
-    return entry[0] if entry[0] is not None else grad._local_tensor.new_empty(0)
+    return entry.whole if entry.whole is not None else grad._local_tensor.new_empty(0)
 
 
 def refresh(grad) -> None:
     """After ``perparam.clip_grad_norm_`` scaled the whole gradient held for ``grad`` (``clip_view``): record
     the owner's rows as they are now, so ``check_untouched`` accepts them."""
     entry = _HELD.get(grad)
-    if entry is not None and entry[0] is not None:
-        entry[1] = rows_digest(grad._local_tensor)
+    if entry is not None and entry.whole is not None:
+        entry.digest = rows_digest(grad._local_tensor)
 
 
 def check_untouched(sp) -> None:
@@ -74,18 +97,18 @@ def check_untouched(sp) -> None:
     changed since the reduction wrote them (``torch.nn.utils.clip_grad_norm_``, a GradScaler-style unscale,
     ``p.grad.mul_``, a post-accumulate-grad hook writing it): that changed only the owner's rows, not the
     whole gradient the step reads, and on the other ranks the rows are NaN. Rows all zero
-    (``zero_grad(set_to_none=False)``) zero the whole gradient instead. The owner step raises it on every
-    rank of the axis (``OwnerStepRaised``)."""
+    (``zero_grad(set_to_none=False)`` between backward and the step) zero the whole gradient instead. The
+    owner step raises it on every rank of the axis (``OwnerStepRaised``)."""
     grad = sp.sharded.grad
     entry = _HELD.get(grad) if grad is not None else None
-    if entry is None or entry[0] is None:
+    if entry is None or entry.whole is None:
         return
     rows = grad._local_tensor
-    if torch.equal(rows_digest(rows), entry[1]):
+    if torch.equal(rows_digest(rows), entry.digest):
         return
     if not rows.any():
-        entry[0].zero_()
-        entry[1] = rows_digest(rows)
+        entry.whole.zero_()
+        entry.digest = rows_digest(rows)
         return
     raise OwnerStepError(f"parameter '{sp.fqn}': its .grad was changed after backward (torch.nn.utils."
                          "clip_grad_norm_, a GradScaler unscale, p.grad.mul_, a hook?), but under "
@@ -95,35 +118,87 @@ def check_untouched(sp) -> None:
                          "to read or scale .grad before the step")
 
 
-def accumulate(sp, reduced: torch.Tensor | None) -> None:
+def remember(sp, whole_grad: torch.Tensor | None) -> None:
+    """At an optimizer step whose gradient rows of ``sp`` travelled to the owner (reduce-scattered: the step
+    that planned the owners): keep ``whole_grad`` (the whole gradient the owner assembled; ``None`` on the
+    other ranks) for ``sp``'s current ``.grad``, so a later reduction to the owner accumulates onto it
+    (``accumulate``). Called on every rank alike; nothing visible changes."""
+    grad = sp.sharded.grad
+    if grad is None or grad in _HELD:
+        return
+    _PRIOR[grad] = _Held(whole_grad, rows_digest(grad._local_tensor), sp.owner_rank, grad._version)
+
+
+def _zeroed(grad, entry: _Held) -> torch.Tensor | None:
+    """This rank's witness that ``grad`` (standing for ``entry``) was zeroed in place since perparam wrote it:
+    its rows all zero (none: an empty shard) and changed (its version, or its digest, or NaN rows now not
+    NaN); a 0-dim bool on the device, ``None`` for no."""
+    rows = grad._local_tensor
+    zero = rows.count_nonzero() == 0
+    if grad._version != entry.version:
+        return zero
+    if entry.digest is None:  # perparam's NaN rows: all zero only where a write zeroed them
+        return zero if rows.numel() else None
+    return zero & (rows_digest(rows) != entry.digest)
+
+
+def zeroed_flags(params, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """``[len(params)]`` of ``dtype``: 1 where this rank witnesses that the ``.grad`` of a parameter of
+    ``params`` (reduced to its owner) was zeroed in place since perparam wrote it (``zeroed``), else 0, for
+    the reduction to the owners to sum over the ranks; ``None`` when none is (all zeros)."""
+    flags = []
+    for sp in params:
+        grad = sp.sharded.grad
+        entry = None if grad is None else _HELD.get(grad, _PRIOR.get(grad))
+        flags.append(None if entry is None else _zeroed(grad, entry))
+    if all(f is None for f in flags):
+        return None
+    no = torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([no if f is None else f for f in flags]).to(dtype)
+
+
+def _add(held: torch.Tensor, reduced: torch.Tensor, zeroed: torch.Tensor | None) -> None:
+    """``held += reduced``, or ``held = reduced`` where ``zeroed`` (a summed flag on the device) is > 0:
+    selected on the device, bit for bit a fresh gradient."""
+    if reduced.dtype != held.dtype:
+        reduced = reduced.to(held.dtype)
+    held.add_(reduced)
+    if zeroed is not None:
+        torch.where(zeroed > 0, reduced, held, out=held)
+
+
+def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = None) -> None:
     """Add the reduction's result into ``sp``'s gradient: ``reduced`` the whole summed and divided gradient in
-    wire order (a view of the reduction's buffer) on the owner, ``None`` on the others. Raises
-    ``OwnerStepError`` (on every rank alike) when ``.grad`` holds a gradient of another kind (one
-    reduce-scattered before the owners were planned, or the user's)."""
+    wire order (a view of the reduction's buffer) on the owner, ``None`` on the others; ``zeroed`` the
+    reduction's summed flag that some rank's ``.grad`` was zeroed in place (``zeroed_flags``): the owner then
+    takes ``reduced`` alone. A ``.grad`` kept for a step (``remember``) is accumulated onto. Raises
+    ``OwnerStepError`` (on every rank alike) when ``.grad`` holds a gradient of another kind (the user's)."""
     lay, p = sp.layout, sp.sharded
     grad = p.grad
     entry = _HELD.get(grad) if grad is not None else None
-    if grad is not None and entry is None:
+    prior = _PRIOR.pop(grad, None) if grad is not None and entry is None else None
+    if grad is not None and entry is None and prior is None:
         raise OwnerStepError(f"parameter '{sp.fqn}' has its gradient reduced to its owner (configure(owner_grad="
-                             "'owner')) but its .grad holds a gradient of another kind (reduce-scattered before its "
-                             "owner was planned at the optimizer's first step, or assigned); call zero_grad() "
-                             "after each step")
+                             "'owner')) but its .grad holds a gradient of another kind (assigned, or "
+                             "reduce-scattered and never stepped by the optimizer that planned its owner); call "
+                             "zero_grad() after each step")
     if reduced is not None:
         reduced = lay.from_wire(reduced.view(lay.rule.wire_shape(lay.global_shape)))
     if entry is not None:
-        held = entry[0]
-        if held is None:
+        if entry.whole is None:
             grad._local_tensor.fill_(float("nan"))
-            return
-        rows = lay.local_piece(held, sp.shard_rank)
-        if not torch.equal(rows_digest(rows), entry[1]) and not rows.any():
-            held.zero_()  # zero_grad(set_to_none=False) zeroed the owner's rows: the others' too
-        held.add_(reduced)
-        entry[1] = rows_digest(rows)
+        else:
+            _add(entry.whole, reduced, zeroed)
+            entry.digest = rows_digest(grad._local_tensor)
+        entry.version = grad._version
         return
     if sp._grad_spec is None:
         sp._grad_spec = _spec(sp.mesh, sp.placements, sp.global_shape, p.dtype)
-    if reduced is not None:
+    if reduced is not None and prior is not None and prior.whole is not None:
+        held = prior.whole  # the whole the step assembled (its own storage): accumulated onto, or replaced
+        _add(held, reduced, zeroed)
+        rows = lay.local_piece(held, sp.shard_rank)
+    elif reduced is not None:
         held = torch.empty(lay.global_shape, dtype=p.dtype, device=reduced.device)
         held.copy_(reduced)  # its own storage: ``reduced`` views the reduction's buffer
         rows = lay.local_piece(held, sp.shard_rank)
@@ -131,4 +206,4 @@ def accumulate(sp, reduced: torch.Tensor | None) -> None:
         held = None
         rows = torch.full(lay.local_shape(sp.shard_rank), float("nan"), dtype=p.dtype, device=p._local_tensor.device)
     p.grad = _dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
-    _HELD[p.grad] = [held, rows_digest(rows) if held is not None else None, sp.owner_rank]
+    _HELD[p.grad] = _Held(held, rows_digest(rows) if held is not None else None, sp.owner_rank, p.grad._version)

@@ -47,7 +47,7 @@ import torch
 
 from ..sharding.errors import ShardingError
 from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
-from . import owner_exchange, owner_grads, registration
+from . import config, owner_exchange, owner_grads, registration
 from .owner_exchange import OwnerStepError
 
 __all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix", "plan",
@@ -209,6 +209,7 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
     routed = {id(e.sp.sharded) for _, es in live for e in es}
     flags: list = []  # per bucket and owner rank: (1-element tensor, 1 when its step raised; bucket, owner)
     mine = None  # the exception this rank's step raised: its later buckets travel unstepped
+    keep = config.current().owner_grad == "owner"
     with torch.no_grad():
         moves = owner_exchange.travels(*live[0])
         posted = owner_exchange.gather(*live[0], moves)
@@ -218,6 +219,8 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
                 work.wait()
             wholes = owner_exchange.assemble(bucket, entries, moves, recv)
             del recv
+            if keep:  # the whole gradients assembled from rows: the next reduction to the owners adds onto them
+                owner_exchange.remember(entries, moves, wholes)
             if i + 1 < len(live):
                 moves = owner_exchange.travels(*live[i + 1])
                 posted = owner_exchange.gather(*live[i + 1], moves)

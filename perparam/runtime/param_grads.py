@@ -109,17 +109,29 @@ class ParamGradients:
 
         ``zero_grad(set_to_none=False)`` (the optimizer's or the module's) zeroes ``.grad``, i.e. this rank's
         rows only: when ``.grad`` changed in place since perparam last wrote the whole gradient (the
-        DTensor's version counter: a local decision, no collective depends on it) and this rank's rows are
+        DTensor's version counter; under ``update="owner"`` also the rows' digest, since a foreach zeroing
+        moves no counter: a local decision, no collective depends on it) and this rank's rows are
         all zero (none, for an empty shard), the whole gradient is zeroed before the sum is added, so every
-        row holds this backward's gradient, not earlier steps'. Rows changed in place to anything else
+        row holds this backward's gradient, not earlier steps'. (Not seen: a foreach zeroing on an owner whose
+        rows are empty or were zero already.) Rows changed in place to anything else
         (scaled by the user) leave the other rows as perparam wrote them."""
         whole = self.layout.from_wire(whole.view(self.layout.rule.wire_shape(self.layout.global_shape)))
         kept = self._whole_grad()
         if kept is not None:
             grad = self.sharded.grad  # an in-place op on it bumps its own counter (not the local tensor's)
-            if grad._version != self._whole_version and not grad._local_tensor.any():
-                kept.zero_()  # zeroed through .grad: the rows of the other ranks too
-            kept.add_(whole)
+            rows = grad._local_tensor
+            if grad._version != self._whole_version:
+                if not rows.any():
+                    kept.zero_()  # zeroed through .grad: the rows of the other ranks too
+                kept.add_(whole)
+            elif self._whole_digest is not None:  # update="owner": its whole may be stepped, so a foreach
+                # zeroing (``torch._foreach_zero_`` moves no DTensor's counter) is told by the rows' digest,
+                # on the device: all zero now and not what perparam wrote
+                zero = (rows.count_nonzero() == 0) & (rows_digest(rows) != self._whole_digest)
+                kept.add_(whole)
+                torch.where(zero, whole if whole.dtype == kept.dtype else whole.to(kept.dtype), kept, out=kept)
+            else:
+                kept.add_(whole)
             self._whole_version = grad._version
             self._note_whole(kept)
             return

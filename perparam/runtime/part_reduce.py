@@ -137,19 +137,23 @@ class Reductions:
         offloaded one starts its optimizer state's read-ahead at once (``offload.grad_ready()``)."""
         recv, n = item.recv, len(item.params)
         flags = item.summed_flags()  # before any hook or division; read back only where this rank lacked one
-        grads = recv.narrow(0, 0, recv.numel() - n)  # the flags are not divided: they only tell > 0
+        grads = recv.narrow(0, 0, recv.numel() - item.flag_rows * n)  # flags are not divided: they only tell > 0
         if self.call.all_reduce_hook is not None:
             self.call.all_reduce_hook(grads)
         divisor = self.divisor
         if item.to_owner:  # the whole gradients this rank owns, in order (paths.reduce_owner)
             grads.div_(divisor)
             me, offset = self.reduce_shard_pg.rank(), 0
+            zeroed = recv.narrow(0, recv.numel() - 2 * n, n)  # summed over the ranks: the same on every rank
             for i, (p, flag) in enumerate(zip(item.params, flags)):
                 whole = None
                 if p.owner_rank == me:
                     whole, offset = grads.narrow(0, offset, p.layout.numel), offset + p.layout.numel
+                # a .grad zeroed in place and unused by every rank now is replaced by the zeros reduced
+                # (``.grad`` is None, or not, on every rank alike)
+                if flag > 0 or p.sharded.grad is not None:
+                    owner_grads.accumulate(p, whole, zeroed[i])
                 if flag > 0:
-                    owner_grads.accumulate(p, whole)
                     self.ctx.grad_hooks_due.append((item.seq, i, p))
             return
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order

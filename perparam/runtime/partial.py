@@ -56,7 +56,8 @@ def merge(group, item: PendingReduce) -> None:
 
 
 class _Held:
-    """A held sum: the reduction output ``tensor`` of ``params`` (pieces at ``offsets``, then the used flags)."""
+    """A held sum: the reduction output ``tensor`` of ``params`` (pieces at ``offsets``, then the flags:
+    ``PendingReduce.flag_rows``)."""
 
     __slots__ = ("params", "offsets", "tensor")
 
@@ -74,11 +75,14 @@ def _laid_out(held: _Held, item: PendingReduce):
     out = item.recv.new_zeros(item.recv.shape)
     new = _pieces(item.params, item.offsets, item.replicated, item.to_owner)
     old = _pieces(held.params, held.offsets, item.replicated, item.to_owner)
-    flags_at, held_flags_at = item.recv.numel() - len(item.params), held.tensor.numel() - len(held.params)
+    rows = item.flag_rows  # rows of flags at the end: the used flags, and a reduction to owners' zeroed flags
+    flags_at = item.recv.numel() - rows * len(item.params)
+    held_flags_at = held.tensor.numel() - rows * len(held.params)
     for i, p in enumerate(held.params):
         j = where[id(p)]
         out.narrow(0, new[j][0], old[i][1]).copy_(held.tensor.narrow(0, *old[i]))
-        out[flags_at + j] = held.tensor[held_flags_at + i]
+        for r in range(rows):
+            out[flags_at + r * len(item.params) + j] = held.tensor[held_flags_at + r * len(held.params) + i]
     return out
 
 

@@ -35,8 +35,15 @@ class PendingReduce:
     part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
     used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
-    #: reduced to the owners (``paths.reduce_owner``): ``recv`` holds the whole gradients this rank owns
+    #: reduced to the owners (``paths.reduce_owner``): ``recv`` holds the whole gradients this rank owns,
+    #: then the zeroed flags (``owner_grads.zeroed_flags``), then the used flags
     to_owner: bool = False
+
+    @property
+    def flag_rows(self) -> int:
+        """How many ``[len(params)]`` rows of flags end ``recv``: the used flags last, and before them, for a
+        reduction to the owners, the zeroed flags."""
+        return 2 if self.to_owner else 1
 
     def summed_flags(self) -> list[float]:
         """Per parameter, the number of ranks that had a gradient for it (> 0: some rank did), from the

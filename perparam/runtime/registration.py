@@ -39,6 +39,7 @@ from torch.nn.utils import parametrize
 
 from ..sharding.errors import ShardingError
 from .state import TrainingState
+from .untraced import graph_holder
 
 #: ``module.__dict__`` key: a weak reference to the group whose ``fully_shard`` call took the module's tree
 #: (weak, so a deep copy of a module does not copy the group)
@@ -225,6 +226,8 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
     if not _GROUPS:
         return None
     hit = _lookup(param)
+    if hit is not None and graph_holder(module) and tree_group(module) is None:  # torch.compile's references
+        return None
     owner = tree_group(module)
     if hit is not None:
         group, sp = hit
@@ -243,7 +246,6 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             return None
         replaced = next((sp for sp in _owned(module) if _at_slot(sp, module, name)), None)
         if replaced is not None:
-
             raise ShardedTreeChangeError(replaced_message(replaced, module, name))
         back = _restore_vacated(module)
         raise ShardedTreeChangeError(

@@ -11,7 +11,8 @@ alias move that counter.
 
 ``untraced(fn)`` makes ``fn`` a graph break that runs eagerly, as FSDP2's hooks do: every entry point of
 the runtime (forward hooks, gradient hooks, the final callback, ``ShardedModule`` methods that unshard,
-reshard or reset) carries it. Outside a traced region it costs one ``torch.compiler.is_compiling()`` call
+reshard or reset, the optimizer step hooks of ``local_step`` and ``adopt``, so ``torch.compile(optimizer.step)``
+compiles the optimizer's arithmetic and never perparam's bookkeeping) carries it. Outside a traced region it costs one ``torch.compiler.is_compiling()`` call
 and imports nothing (``torch._dynamo`` is imported by ``torch.compile`` itself).
 """
 
@@ -36,3 +37,13 @@ def untraced(fn: _F) -> _F:
         return torch._dynamo.disable(fn, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def graph_holder(module: torch.nn.Module) -> bool:
+    """``module`` is one of ``torch.compile``'s holders of a traced graph's tensors (Dynamo's
+    ``FakeRootModule``, an ``fx.GraphModule``): it registers the parameters a compiled function reads
+    (``torch.compile(optimizer.step)`` reads every parameter it steps) as references for the graph, not as
+    a place of the model perparam would all-gather or reduce (``registration`` lets them through)."""
+    cls = type(module)
+    return (cls.__name__ == "FakeRootModule" and cls.__module__.startswith("torch._dynamo")) or isinstance(
+        module, torch.fx.GraphModule)

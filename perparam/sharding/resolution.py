@@ -235,6 +235,10 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
         if on_tp and policy.quant is not None and policy.quant.store_quantized:
             raise PolicyError(f"parameter '{name}' is tensor-parallel; store_quantized is not supported for "
                               "tensor-parallel parameters: quantize its communication only")
+        if on_tp and policy.update == "owner":  # fully_shard and perparam plan alike (this one check)
+            raise PolicyError(f"parameter '{name}' is tensor-parallel and has update='owner': the owner path brings "
+                              "whole data-parallel shards to one rank, not tensor-parallel ones; drop update='owner' "
+                              "for it (or do not tensor-parallelize it)")
         layout, pieces = shard_layout(dp_shape(p), policy, shard_count(policy.mesh, num_shards))
         out.append(ParamResolution(name, policy, layout, pieces))
     return out
