@@ -4,7 +4,8 @@
 Fresh large CPU buffers page-fault in on first touch, every time glibc maps them anew: measured on the
 27.4M GPT at K = 2, packing a bucket's rows with ``torch.cat`` into a new buffer cost 26-33 ms per step
 against a few ms into one already touched. A ``StagingPool`` keeps the buffers a step gave back and hands
-the smallest idle one that fits to the next request (a view of its first bytes), so after the first step
+an idle one of exactly the bytes asked for, else the smallest idle one that fits (a view of its first
+bytes), to the next request, so after the first step
 every staging buffer is memory already touched. Its idle bytes are bounded by what one step held at once
 (a step takes the same sizes again), and by ``max_idle_bytes``: a buffer given back beyond it is dropped.
 CUDA buffers are never kept (the caching allocator reuses memory already).
@@ -18,24 +19,27 @@ __all__ = ["StagingPool"]
 
 
 class StagingPool:
-    """Idle uint8 CPU buffers, handed out smallest-fit (a view of the first bytes of an idle one that is
-    large enough, else a new one), at most ``max_idle_bytes`` idle in all (``None``: unbounded)."""
+    """Idle uint8 CPU buffers, handed out exact size first, else smallest-fit (a view of the first bytes of an
+    idle one that is large enough), else new; at most ``max_idle_bytes`` idle in all (``None``: unbounded)."""
 
     def __init__(self, max_idle_bytes: int | None = None) -> None:
         self.max_idle_bytes = max_idle_bytes
         self._idle: list[torch.Tensor] = []  # whole buffers, by size ascending
         self._idle_bytes = 0
+        self.allocations = 0  # buffers ``take`` had to allocate (none once a step's sizes are pooled)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D ``dtype`` tensor of ``numel`` elements (contents undefined) on ``device``. Give it back with
         ``give_back`` once nothing reads or writes it any more (its collective has finished)."""
         nbytes = numel * dtype.itemsize
         if nbytes and device.type == "cpu":
-            for i, buf in enumerate(self._idle):
-                if buf.numel() >= nbytes and buf.device == device:
-                    del self._idle[i]
-                    self._idle_bytes -= buf.numel()
-                    return buf[:nbytes].view(dtype)
+            fits = [i for i, buf in enumerate(self._idle) if buf.numel() >= nbytes and buf.device == device]
+            if fits:  # one of exactly these bytes first (a step asks for the sizes the last one did), else the smallest
+                i = next((i for i in fits if self._idle[i].numel() == nbytes), fits[0])
+                buf = self._idle.pop(i)
+                self._idle_bytes -= buf.numel()
+                return buf[:nbytes].view(dtype)
+        self.allocations += bool(nbytes)
         with torch.inference_mode(False):  # kept across steps: must be writable outside inference mode too
             return torch.empty(numel, dtype=dtype, device=device)
 
