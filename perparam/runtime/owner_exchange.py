@@ -19,6 +19,11 @@ reduced gradient *unless the owner holds the whole reduced gradient already*:
 Out: each rank's piece of the scatter is led by one element, 1 when its step raised (``owner_step``
 raises that on every rank of the axis): ``K (K-1)`` elements per bucket summed over the ranks.
 
+An owner's own rows never pass through either all-to-all: in, they are copied from its shards into the
+whole tensors (``assemble``); out, from the stepped whole parameter into its shard (``scatter``, unless
+its step raised). Its piece to itself is empty in, the flag alone out. The send and receive buffers come
+from the step's ``StagingPool`` (``perparam.comm.staging``): rows are copied into them, not concatenated.
+
 Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` elements of parameter rows
 in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
 ``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. Every rank issues the same collectives with the same sizes
@@ -127,7 +132,7 @@ def gather(bucket, entries, moves: tuple[bool, ...], pool: StagingPool | None = 
     pieces, send_splits, recv_splits = [], [0] * k, [0] * k
     for dest in range(k):
         for e, move in zip(entries, moves):
-            if e.owner != dest:
+            if e.owner != dest or dest == me:  # this rank's own rows go straight from its shard (assemble)
                 continue
             if move:
                 pieces.append(local_grad(e.sp))
@@ -136,7 +141,8 @@ def gather(bucket, entries, moves: tuple[bool, ...], pool: StagingPool | None = 
     for e, move in zip(entries, moves):
         if e.owner == me:
             for src in range(k):
-                recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src)
+                if src != me:
+                    recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src)
     send = _take(pool, sum(send_splits), dtype, device)
     offset = 0
     for piece in pieces:
@@ -167,6 +173,11 @@ def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> di
         for e, move in mine:
             lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
             n, shape = lay.local_numel(src), lay.local_shape(src)
+            if src == me:  # this rank's own rows: from its shards, not through the exchange
+                if move:
+                    lay.local_piece(whole.grad, me).copy_(local_grad(e.sp).reshape(shape))
+                lay.local_piece(whole, me).copy_(e.sp.sharded._local_tensor.reshape(shape))
+                continue
             for target in ((whole.grad, whole) if move else (whole,)):
                 lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
                 offset += n
@@ -194,20 +205,25 @@ def scatter(bucket, entries, wholes: dict, raised: bool, pool: StagingPool | Non
     dtype = entries[0].sp.sharded.dtype
     device = entries[0].sp.sharded._local_tensor.device
     mine = [e for e in entries if e.owner == me]
-    send_splits = [1 + sum(e.sp.layout.local_numel(dest) for e in mine) for dest in range(k)]
+    send_splits = [1 + (0 if dest == me else sum(e.sp.layout.local_numel(dest) for e in mine)) for dest in range(k)]
     recv_splits = [1] * k
     for e in entries:
-        recv_splits[e.owner] += e.sp.layout.local_numel(me)
+        if e.owner != me:
+            recv_splits[e.owner] += e.sp.layout.local_numel(me)
     send = _take(pool, sum(send_splits), dtype, device)
     offset = 0
     for dest in range(k):
         send[offset] = float(raised)
         offset += 1
-        for e in mine:
+        for e in mine if dest != me else ():
             piece = e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest)
             n = piece.numel()
             send[offset:offset + n].view(piece.shape).copy_(piece)
             offset += n
+    if not raised:  # this rank's own rows of what it stepped: straight into its shards, not through the exchange
+        for e in mine:
+            local = e.sp.sharded._local_tensor
+            local.copy_(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], me).reshape(local.shape))
     recv = _take(pool, sum(recv_splits), dtype, device) if k > 1 else None
     logical = (sum(e.sp.sharded.numel() for e in entries) + k) * dtype.itemsize
     work, recv = exchange_uneven(send, send_splits, recv_splits, pg, logical,
@@ -227,7 +243,7 @@ def land(scattered: list) -> list[list[int]]:
         me, offset, at = bucket.group.rank(), 0, []
         for owner in range(bucket.group.size()):
             at.append(offset)
-            offset += 1 + sum(e.sp.layout.local_numel(me) for e in entries if e.owner == owner)
+            offset += 1 + (0 if owner == me else sum(e.sp.layout.local_numel(me) for e in entries if e.owner == owner))
         starts.append(at)
     heads = [recv[at] for recv, ats in zip(recvs, starts) for at in ats]
     values = iter(torch.stack(heads).tolist() if heads else [])
@@ -235,7 +251,7 @@ def land(scattered: list) -> list[list[int]]:
     for (bucket, entries, posted), recv, ats, raised in zip(scattered, recvs, starts, flags):
         me = bucket.group.rank()
         for owner, (offset, bad) in enumerate(zip(ats, raised)):
-            if bad:
+            if bad or owner == me:  # a raising owner's rows stay as before; this rank's own landed in scatter
                 continue
             offset += 1
             for e in entries:
