@@ -912,3 +912,39 @@ def test_the_scatters_land_after_the_last_buckets_step_from_buffers_reused_acros
             assert step.split().count("scatter") == 2 and "step" not in step.split("scatter waited")[1]
         # every send and receive buffer of steps 2 and 3 is one the first step touched
         assert r["allocations"][0] > 0 and r["allocations"] == [r["allocations"][0]] * 3
+
+
+class _CallsParentStep(torch.optim.Muon):
+    """A user's Muon subclass whose step calls ``super().step()`` (a wrapper adding a check or a log)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def _subclass_step(rank: int, world_size: int) -> list:
+    """Two steps of ``_CallsParentStep`` against the stock Muon (whose construction hooks ``Muon.step`` as
+    well, so the subclass's ``super().step()`` runs perparam's hooks a second time, inside the step proper)."""
+    model = _matrices(rank, world_size)
+    opt = _CallsParentStep(model.parameters(), lr=0.02)
+    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+    ref_opt = torch.optim.Muon(ref, lr=0.02)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):
+        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+        model(x).pow(2).sum().backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.full_tensor()
+        with CommCounter() as comm:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        groups = [len(g["params"]) for g in opt.param_groups]
+        out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
+                    comm.count("all_to_all"), groups))
+    return out
+
+
+def test_a_subclass_calling_its_parents_hooked_step_steps_each_owner_matrix_once():
+    for r in run_distributed(_subclass_step, 2):
+        assert r == [(0.0, 2, [3]), (0.0, 2, [3])]  # bitwise the stock step, one exchange, groups put back
