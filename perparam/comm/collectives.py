@@ -217,11 +217,12 @@ def tree_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, what: st
 
 
 def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                    group: dist.ProcessGroup, logical_bytes: int, what: str = "", async_op: bool = True):
+                    group: dist.ProcessGroup, logical_bytes: int, what: str = "", async_op: bool = True,
+                    recv: torch.Tensor | None = None):
     """One all-to-all of uneven pieces over ``group`` (``perparam.runtime.owner_step``): elements
     ``send_splits[r]`` of ``send`` (1-D, in rank order) go to rank r, ``recv_splits[r]`` elements arrive
-    from rank r. Returns ``(work, recv)``: ``recv`` a new 1-D tensor of ``sum(recv_splits)`` elements of
-    ``send``'s dtype, valid once ``work`` (``None`` for K = 1) is waited on. Recorded as an
+    from rank r. Returns ``(work, recv)``: ``recv`` (given: a 1-D tensor of ``sum(recv_splits)`` elements of
+    ``send``'s dtype; else a new one) valid once ``work`` (``None`` for K = 1: ``send`` itself) is waited on. Recorded as an
     ``"all_to_all"`` of the bytes sent to the other ranks; ``logical_bytes`` (the same on every rank: the
     bucket's whole bytes) is what the debug mode compares, since the pieces differ per rank."""
     k, me = group.size(), group.rank()
@@ -231,7 +232,11 @@ def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     _record("all_to_all", (sum(send_splits) - send_splits[me]) * item, group, send.dtype)
     if k == 1:
         return None, send
-    recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    if recv is None:
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    elif recv.numel() != sum(recv_splits) or recv.dtype != send.dtype:
+        raise ValueError(f"exchange_uneven ({what}): recv has {recv.numel()} {recv.dtype} elements, the pieces "
+                         f"{sum(recv_splits)} {send.dtype}")
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
     return (work if async_op else None), recv
 

@@ -19,6 +19,11 @@ reduced gradient *unless the owner holds the whole reduced gradient already*:
 Out: each rank's piece of the scatter is led by one element, 1 when its step raised (``owner_step``
 raises that on every rank of the axis): ``K (K-1)`` elements per bucket summed over the ranks.
 
+An owner's own rows never pass through either all-to-all: in, they are copied from its shards into the
+whole tensors (``assemble``); out, from the stepped whole parameter into its shard (``scatter``, unless
+its step raised). Its piece to itself is empty in, the flag alone out. The send and receive buffers come
+from the step's ``StagingPool`` (``perparam.comm.staging``): rows are copied into them, not concatenated.
+
 Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` elements of parameter rows
 in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
 ``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. Every rank issues the same collectives with the same sizes
@@ -31,12 +36,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import all_gather_objects, all_reduce_sum, exchange_uneven
+from ..comm.staging import StagingPool
 from . import owner_grads
 from .owner_grads import OwnerStepError
 from .param_grads import rows_digest
 
-__all__ = ["OwnerStepError", "assemble", "gather", "local_grad", "raised_texts", "remember", "send_back",
-           "travels"]
+__all__ = ["OwnerStepError", "Posted", "assemble", "gather", "land", "local_grad", "raised_texts", "remember",
+           "scatter", "travels"]
 
 
 def local_grad(sp) -> torch.Tensor:
@@ -87,29 +93,67 @@ def _owner_whole_grad(sp) -> torch.Tensor:
     return held if held is not None else sp._whole_grad()
 
 
-def gather(bucket, entries, moves: tuple[bool, ...]):
-    """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners:
-    ``(work, recv)``."""
+class Posted:
+    """An all-to-all of the owner path in flight: its work handle (``None`` once waited, or for K = 1) and its
+    send and receive buffers (from the step's ``StagingPool``, given back by ``release``)."""
+
+    __slots__ = ("pool", "recv", "send", "work")
+
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, pool: StagingPool | None) -> None:
+        self.work, self.send, self.recv, self.pool = work, send, recv, pool
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the exchange; returns the receive buffer."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.recv
+
+    def release(self) -> None:
+        """Give both buffers back to the pool (the exchange waited, the receive buffer read)."""
+        if self.pool is not None:
+            self.pool.give_back(self.send)
+            if self.recv is not self.send:
+                self.pool.give_back(self.recv)
+        self.send = self.recv = None
+
+
+def _take(pool: StagingPool | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return pool.take(numel, dtype, device) if pool is not None else torch.empty(numel, dtype=dtype, device=device)
+
+
+def gather(bucket, entries, moves: tuple[bool, ...], pool: StagingPool | None = None) -> Posted:
+    """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners; each
+    rank's rows are copied straight into the send buffer (from ``pool`` when given, as the receive buffer)."""
     pg = bucket.group
     k, me = pg.size(), pg.rank()
+    dtype = entries[0].sp.sharded.dtype
+    device = entries[0].sp.sharded._local_tensor.device
     pieces, send_splits, recv_splits = [], [0] * k, [0] * k
     for dest in range(k):
         for e, move in zip(entries, moves):
-            if e.owner != dest:
+            if e.owner != dest or dest == me:  # this rank's own rows go straight from its shard (assemble)
                 continue
             if move:
-                pieces.append(local_grad(e.sp).reshape(-1))
-            pieces.append(e.sp.sharded._local_tensor.reshape(-1))
+                pieces.append(local_grad(e.sp))
+            pieces.append(e.sp.sharded._local_tensor)
             send_splits[dest] += (2 if move else 1) * e.sp.layout.local_numel(me)
     for e, move in zip(entries, moves):
         if e.owner == me:
             for src in range(k):
-                recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src)
-    dtype = entries[0].sp.sharded.dtype
-    device = entries[0].sp.sharded._local_tensor.device
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+                if src != me:
+                    recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src)
+    send = _take(pool, sum(send_splits), dtype, device)
+    offset = 0
+    for piece in pieces:
+        n = piece.numel()
+        send[offset:offset + n].view(piece.shape).copy_(piece)
+        offset += n
+    recv = _take(pool, sum(recv_splits), dtype, device) if k > 1 else None
     logical = sum((2 if move else 1) * e.sp.sharded.numel() for e, move in zip(entries, moves)) * dtype.itemsize
-    return exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params")
+    work, recv = exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params",
+                                 recv=recv)
+    return Posted(work, send, recv, pool)
 
 
 def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> dict:
@@ -129,6 +173,11 @@ def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> di
         for e, move in mine:
             lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
             n, shape = lay.local_numel(src), lay.local_shape(src)
+            if src == me:  # this rank's own rows: from its shards, not through the exchange
+                if move:
+                    lay.local_piece(whole.grad, me).copy_(local_grad(e.sp).reshape(shape))
+                lay.local_piece(whole, me).copy_(e.sp.sharded._local_tensor.reshape(shape))
+                continue
             for target in ((whole.grad, whole) if move else (whole,)):
                 lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
                 offset += n
@@ -147,52 +196,76 @@ def remember(entries, moves: tuple[bool, ...], wholes: dict) -> None:
             owner_grads.remember(e.sp, held[1].grad if held is not None else None)
 
 
-def _scatter(bucket, entries, wholes: dict, raised: bool):
+def scatter(bucket, entries, wholes: dict, raised: bool, pool: StagingPool | None = None) -> Posted:
     """Post the all-to-all sending each rank its rows of the updated whole parameters, each piece led by one
-    element: 1 when this rank's step raised (``raised``), else 0: ``(work, recv)``."""
+    element: 1 when this rank's step raised (``raised``), else 0. The rows are copied into the send buffer
+    (from ``pool`` when given), so ``wholes`` may be dropped as soon as this returns."""
     pg = bucket.group
     k, me = pg.size(), pg.rank()
     dtype = entries[0].sp.sharded.dtype
     device = entries[0].sp.sharded._local_tensor.device
-    flag = torch.full((1,), float(raised), dtype=dtype, device=device)
-    pieces, send_splits, recv_splits = [], [1] * k, [1] * k
-    for dest in range(k):
-        pieces.append(flag)
-        for e in entries:
-            if e.owner == me:
-                pieces.append(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest).reshape(-1))
-                send_splits[dest] += e.sp.layout.local_numel(dest)
+    mine = [e for e in entries if e.owner == me]
+    send_splits = [1 + (0 if dest == me else sum(e.sp.layout.local_numel(dest) for e in mine)) for dest in range(k)]
+    recv_splits = [1] * k
     for e in entries:
-        recv_splits[e.owner] += e.sp.layout.local_numel(me)
-    logical = (sum(e.sp.sharded.numel() for e in entries) + k) * dtype.itemsize
-    return exchange_uneven(torch.cat(pieces), send_splits, recv_splits, pg, logical,
-                           f"owner scatter of {len(entries)} params")
-
-
-def send_back(bucket, entries, wholes: dict, raised: bool = False) -> list[torch.Tensor]:
-    """Send each rank its rows of the updated whole parameters (``raised``: this rank's step raised); copy
-    them into the shards, except those of an owner whose step raised (left as before the step; decided on
-    the device, no host read). Returns each owner rank's flag, a 1-element tensor (1 when its step raised,
-    else 0), the same on every rank of the axis."""
-    work, recv = _scatter(bucket, entries, wholes, raised)
-    if work is not None:
-        work.wait()
-    me, offset, flags = bucket.group.rank(), 0, []
-    for owner in range(bucket.group.size()):
-        flag = recv[offset:offset + 1]
-        flags.append(flag)
+        if e.owner != me:
+            recv_splits[e.owner] += e.sp.layout.local_numel(me)
+    send = _take(pool, sum(send_splits), dtype, device)
+    offset = 0
+    for dest in range(k):
+        send[offset] = float(raised)
         offset += 1
-        for e in entries:
-            if e.owner == owner:
-                local = e.sp.sharded._local_tensor
-                n = e.sp.layout.local_numel(me)
-                local.copy_(torch.where(flag == 0, recv[offset:offset + n].view(local.shape), local))
-                offset += n
+        for e in mine if dest != me else ():
+            piece = e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], dest)
+            n = piece.numel()
+            send[offset:offset + n].view(piece.shape).copy_(piece)
+            offset += n
+    if not raised:  # this rank's own rows of what it stepped: straight into its shards, not through the exchange
+        for e in mine:
+            local = e.sp.sharded._local_tensor
+            local.copy_(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], me).reshape(local.shape))
+    recv = _take(pool, sum(recv_splits), dtype, device) if k > 1 else None
+    logical = (sum(e.sp.sharded.numel() for e in entries) + k) * dtype.itemsize
+    work, recv = exchange_uneven(send, send_splits, recv_splits, pg, logical,
+                                 f"owner scatter of {len(entries)} params", recv=recv)
+    return Posted(work, send, recv, pool)
+
+
+def land(scattered: list) -> list[list[int]]:
+    """Finish the scatters ``scattered`` (``(bucket, entries, Posted)`` of ``scatter``, in the order posted):
+    wait for each, read every owner's flag at once (the owner path's one host read per step), copy the rows of
+    the owners whose step did not raise into the shards (a raising owner's left as before the step), give
+    the buffers back. Returns per bucket each owner rank's flag (1 when its step raised, else 0), the same
+    on every rank of the axis."""
+    recvs = [posted.wait() for _, _, posted in scattered]
+    starts = []  # per bucket, the offset of each owner's piece in its receive buffer
+    for bucket, entries, _ in scattered:
+        me, offset, at = bucket.group.rank(), 0, []
+        for owner in range(bucket.group.size()):
+            at.append(offset)
+            offset += 1 + (0 if owner == me else sum(e.sp.layout.local_numel(me) for e in entries if e.owner == owner))
+        starts.append(at)
+    heads = [recv[at] for recv, ats in zip(recvs, starts) for at in ats]
+    values = iter(torch.stack(heads).tolist() if heads else [])
+    flags = [[int(next(values) != 0) for _ in ats] for ats in starts]
+    for (bucket, entries, posted), recv, ats, raised in zip(scattered, recvs, starts, flags):
+        me = bucket.group.rank()
+        for owner, (offset, bad) in enumerate(zip(ats, raised)):
+            if bad or owner == me:  # a raising owner's rows stay as before; this rank's own landed in scatter
+                continue
+            offset += 1
+            for e in entries:
+                if e.owner == owner:
+                    local = e.sp.sharded._local_tensor
+                    n = e.sp.layout.local_numel(me)
+                    local.copy_(recv[offset:offset + n].view(local.shape))
+                    offset += n
+        posted.release()
     return flags
 
 
 def raised_texts(bucket, text: str | None) -> list:
     """Every rank's ``text`` over ``bucket``'s shard axis, in rank order (an object all-gather): the owners
-    whose step raised tell their exception, the others ``None``. Issued only after a flag of ``send_back``
+    whose step raised tell their exception, the others ``None``. Issued only after a flag of ``land``
     said an owner raised (the same on every rank of the axis)."""
     return all_gather_objects(text, bucket.group)
