@@ -4,6 +4,7 @@ from it, on 2 and 3 ranks (the first, middle and last rank) with two reduce dtyp
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,3 +75,30 @@ def test_pool_bytes_equal_the_buffers_one_unshard_and_one_reduction_take():
             assert direct == direct_predicted and packed == packed_predicted > direct
             assert rows == rows_predicted > packed
             assert (direct > 0) == (world > 2)  # K = 2: the zero-copy collectives take nothing
+
+
+@pytest.mark.fast
+def test_a_smallest_fit_pool_hands_out_an_exact_size_first_else_the_smallest_that_fits_as_a_view():
+    """The owner path's pool (``smallest_fit``, every size): a scatter reuses a gather's larger buffer."""
+    cpu = torch.device("cpu")
+    pool = BufferPool(min_bytes=0, smallest_fit=True)
+    big, small = pool.take(400, cpu), pool.take(40, cpu)
+    assert pool.allocations == 2
+    pool.give_back(big)
+    pool.give_back(small)
+    pool.give_back(small[:8])  # given back twice (a view of it): kept once
+    assert pool.idle_bytes() == 440
+    got = pool.take(32, cpu)  # the 40-byte buffer fits, not the 400-byte one
+    assert got.untyped_storage().data_ptr() == small.untyped_storage().data_ptr() and got.numel() == 32
+    exact = pool.take(400, cpu)
+    assert exact.untyped_storage().data_ptr() == big.untyped_storage().data_ptr() and exact.numel() == 400
+    assert pool.allocations == 2 and pool.idle_bytes() == 0
+    assert pool.take(0, cpu).numel() == 0 and pool.allocations == 2  # empty: nothing allocated
+    fresh = pool.take(4, cpu)
+    assert fresh.untyped_storage().data_ptr() not in (big.untyped_storage().data_ptr(),
+                                                      small.untyped_storage().data_ptr())
+    assert pool.allocations == 3
+    exact_only = BufferPool(min_bytes=0)
+    exact_only.give_back(exact_only.take(400, cpu))
+    exact_only.take(32, cpu)  # the group pools' behaviour: no fit, a new buffer
+    assert exact_only.allocations == 2 and exact_only.idle_bytes() == 400

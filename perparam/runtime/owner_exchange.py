@@ -22,7 +22,7 @@ raises that on every rank of the axis): ``K (K-1)`` elements per bucket summed o
 An owner's own rows never pass through either all-to-all: in, they are copied from its shards into the
 whole tensors (``assemble``); out, from the stepped whole parameter into its shard (``scatter``, unless
 its step raised). Its piece to itself is empty in, the flag alone out. The send and receive buffers come
-from the step's ``StagingPool`` (``perparam.comm.staging``): rows are copied into them, not concatenated.
+from the step's ``BufferPool`` (``perparam.comm.buffers``): rows are copied into them, not concatenated.
 
 Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` elements of parameter rows
 in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..comm.buffers import BufferPool
 from ..comm.collectives import all_gather_objects, all_reduce_sum, exchange_uneven
-from ..comm.staging import StagingPool
 from . import owner_grads
 from .owner_grads import OwnerStepError
 from .param_grads import rows_digest
@@ -95,11 +95,11 @@ def _owner_whole_grad(sp) -> torch.Tensor:
 
 class Posted:
     """An all-to-all of the owner path in flight: its work handle (``None`` once waited, or for K = 1) and its
-    send and receive buffers (from the step's ``StagingPool``, given back by ``release``)."""
+    send and receive buffers (from the step's ``BufferPool``, given back by ``release``)."""
 
     __slots__ = ("pool", "recv", "send", "work")
 
-    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, pool: StagingPool | None) -> None:
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, pool: BufferPool | None) -> None:
         self.work, self.send, self.recv, self.pool = work, send, recv, pool
 
     def wait(self) -> torch.Tensor:
@@ -118,11 +118,13 @@ class Posted:
         self.send = self.recv = None
 
 
-def _take(pool: StagingPool | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return pool.take(numel, dtype, device) if pool is not None else torch.empty(numel, dtype=dtype, device=device)
+def _take(pool: BufferPool | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if pool is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return pool.take(numel * dtype.itemsize, device).view(dtype)
 
 
-def gather(bucket, entries, moves: tuple[bool, ...], pool: StagingPool | None = None) -> Posted:
+def gather(bucket, entries, moves: tuple[bool, ...], pool: BufferPool | None = None) -> Posted:
     """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners; each
     rank's rows are copied straight into the send buffer (from ``pool`` when given, as the receive buffer)."""
     pg = bucket.group
@@ -196,7 +198,7 @@ def remember(entries, moves: tuple[bool, ...], wholes: dict) -> None:
             owner_grads.remember(e.sp, held[1].grad if held is not None else None)
 
 
-def scatter(bucket, entries, wholes: dict, raised: bool, pool: StagingPool | None = None) -> Posted:
+def scatter(bucket, entries, wholes: dict, raised: bool, pool: BufferPool | None = None) -> Posted:
     """Post the all-to-all sending each rank its rows of the updated whole parameters, each piece led by one
     element: 1 when this rank's step raised (``raised``), else 0. The rows are copied into the send buffer
     (from ``pool`` when given), so ``wholes`` may be dropped as soon as this returns."""

@@ -26,7 +26,7 @@ holds under the owner policy:
    110-180 ms of a 580-710 ms owner step). The bucket's whole tensors are dropped once its rows are in
    the send buffer. After the last bucket's step every scatter is waited for, every owner's flag read at
    once, and the rows copied into the shards in place (``owner_exchange.land``). The exchanges' send
-   and receive buffers come from a ``StagingPool`` kept with the plan (``perparam.comm.staging``): touched
+   and receive buffers come from a ``BufferPool`` of its own kept with the plan (``perparam.comm.buffers``, smallest fit): touched
    once, reused by every later step (a fresh buffer page-faults in each time: packing into one cost
    26-89 ms per step). The step proper then
    runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm.staging import StagingPool
+from ..comm.buffers import BufferPool
 from ..sharding.errors import ShardingError
 from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
 from . import config, owner_exchange, owner_grads, registration
@@ -143,8 +143,8 @@ class Routing:
     buckets: tuple[Bucket, ...]
     by_id: dict  # id(sharded parameter) -> Entry
     loads: dict  # process group name -> per-rank Newton-Schulz cost (``OwnerPlan.loads``)
-    #: the exchanges' send and receive buffers, kept from one step to the next (``perparam.comm.staging``)
-    staging: StagingPool = field(default_factory=StagingPool, compare=False)
+    #: the exchanges' send and receive buffers, kept from one step to the next (``perparam.comm.buffers``)
+    staging: BufferPool = field(default_factory=lambda: BufferPool(min_bytes=0, smallest_fit=True), compare=False)
 
 
 def shard_group(sp):
