@@ -100,32 +100,55 @@ def _wait(store, keys: list[str], timeout: timedelta) -> None:
     store.wait(keys, timeout - timedelta(seconds=time.monotonic() - start))
 
 
-def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
+class _Late(Exception):
+    """Peers of ``_arrive`` that did not post within the timeout (``missing``), and the store's error."""
+
+    def __init__(self, missing: list[int], timeout: timedelta, error: BaseException) -> None:
+        super().__init__(missing)
+        self.missing, self.timeout, self.error = missing, timeout, error
+
+
+def _arrive(group: dist.ProcessGroup, prefix: str, value: str):
+    """Post ``value`` at ``prefix + <this rank>`` in the default store and wait for every rank of ``group`` to
+    post at ``prefix``, for the group's timeout: ``(store, ranks, keys)``; ``None`` where there is nothing to
+    agree through (no default group or store, or a store that cannot set: torch's fake process group's).
+    Raises ``_Late`` naming the ranks that did not post."""
     try:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank()
-    except (RuntimeError, ValueError, AttributeError):  # no default group or store: nothing to agree through
-        return
-    seen.checks += 1
-    prefix = _KEY.format(group.group_name, seen.checks)
+    except (RuntimeError, ValueError, AttributeError):
+        return None
     try:
-        store.set(prefix + str(me), described)
-    except RuntimeError:  # a store that cannot (torch's fake process group's): nothing to agree through
-        return
+        store.set(prefix + str(me), value)
+    except RuntimeError:
+        return None
     keys = [prefix + str(r) for r in ranks]
     timeout = _timeout(group)
     try:
         _wait(store, keys, timeout)
     except (RuntimeError, dist.DistStoreError) as e:
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        raise _Late([r for r, k in zip(ranks, keys) if not store.check([k])], timeout, e) from e
+    return store, ranks, keys
+
+
+def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
+    seen.checks += 1
+    me = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        arrived = _arrive(group, _KEY.format(group.group_name, seen.checks), described)
+    except _Late as late:
         raise CollectiveMismatchError(
             f"perparam: rank {me} was about to issue {described} on process group {group.group_name!r} (ranks "
-            f"{ranks}), the first time in this order, and ranks {missing} did not reach the same point within "
-            f"{timeout.total_seconds():.0f} s: the ranks made different numbers of sharded calls (a rank-dependent "
+            f"{dist.get_process_group_ranks(group)}), the first time in this order, and ranks {late.missing} did "
+            f"not reach the same point within "
+            f"{late.timeout.total_seconds():.0f} s: the ranks made different numbers of sharded calls (a rank-dependent "
             "loop or branch, an extra forward on some ranks, different numbers of batches). Every rank must call "
             "the same sharded modules in the same order; perparam.set_debug(True) names each rank's collective, "
-            "and docs/evaluation.md shows how to evaluate different numbers of batches per rank") from e
+            "and docs/evaluation.md shows how to evaluate different numbers of batches per rank") from late.error
+    if arrived is None:
+        return
+    store, ranks, keys = arrived
     many = getattr(store, "multi_get", None)  # one round trip where the store has it
     posts = [p.decode() for p in (many(keys) if many is not None else [store.get(k) for k in keys])]
     if any(p != described for p in posts):
@@ -161,33 +184,23 @@ def enter_together(group: dist.ProcessGroup, what: str, fix: str) -> None:
     default store, one rank): returns at once."""
     if group.size() == 1:
         return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        ranks = dist.get_process_group_ranks(group)
-        me = dist.get_rank()
-    except (RuntimeError, ValueError, AttributeError):
-        return
     counts = _entered.setdefault(group, {})
     count = counts.get(what, 0) + 1
     prefix = _ENTER_KEY.format(group.group_name, what, count)
     try:
-        store.set(prefix + str(me), "1")
-    except RuntimeError:  # a store that cannot (torch's fake process group's)
-        return
-    keys = [prefix + str(r) for r in ranks]
-    timeout = _timeout(group)
-    try:
-        _wait(store, keys, timeout)
-    except (RuntimeError, dist.DistStoreError) as e:
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        arrived = _arrive(group, prefix, "1")
+    except _Late as late:
+        me = dist.get_rank()
         try:
-            store.delete_key(prefix + str(me))
+            dist.distributed_c10d._get_default_store().delete_key(prefix + str(me))
         except (RuntimeError, NotImplementedError):
             pass
         raise CollectiveTimeoutError(
-            f"perparam: rank {me} called {what}, and ranks {missing} of process group {group.group_name!r} (ranks "
-            f"{ranks}) did not call it within its timeout of {timeout.total_seconds():.0f} s: {what} is a "
-            f"collective here; {fix}") from e
+            f"perparam: rank {me} called {what}, and ranks {late.missing} of process group {group.group_name!r} "
+            f"(ranks {dist.get_process_group_ranks(group)}) did not call it within its timeout of "
+            f"{late.timeout.total_seconds():.0f} s: {what} is a collective here; {fix}") from late.error
+    if arrived is None:
+        return
     counts[what] = count
 
 
