@@ -356,3 +356,16 @@ def test_the_call_declares_its_feature_settings_and_reads_none():
     named |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in FEATURE_FLAGS}
     assert read == [], f"runtime/group.py reads feature flags (read them in the part or the path): {read}"
     assert len(named) <= MAX_CALL_SETTINGS, f"runtime/group.py names {len(named)} feature settings: {sorted(named)}"
+
+
+def test_no_test_file_imports_another():
+    """Helpers shared by test files live beside the harness (``tests/*_helpers.py``, ``tests/*_cases.py``,
+    ``tests/models.py``), never in a test module (CONTRIBUTING.md, "the test harness")."""
+    tests = Path(__file__).parent
+    bad = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{path.name}: {n}" for n in names if n.startswith("tests.test_")]
+    assert not bad, bad

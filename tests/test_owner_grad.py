@@ -16,7 +16,7 @@ from perparam import ParamPolicy
 from perparam.runtime import owner_grads, owner_step
 from tests.distributed import one_process, run_distributed
 from tests.models import TinyNet, full_params, make_batches
-from tests.test_whole_matrix import OWNER, _compose, _hidden_owner, _max_diff, _recipe
+from tests.owner_cases import OWNER, compose, hidden_owner, max_diff, recipe
 
 
 def _share(rank: int, world_size: int, idx, y):
@@ -33,7 +33,7 @@ def _accumulate(rank: int, world_size: int, mode: str) -> dict:
     (``set_requires_gradient_sync`` likewise), "unfreeze" ("hold", blocks[0].fc1.weight frozen in the first
     micro-batch: it joins the held reduction in the second). Returns the parameters and, per step after the first,
     whether the owner matrices' gradients were reduced to their owners."""
-    model, opts = _recipe(rank, world_size, None, (2, 2) if world_size else None)
+    model, opts = recipe(rank, world_size, None, (2, 2) if world_size else None)
     batches, to_owner = make_batches(8, 12), []
     for step in range(4):
         for i in range(2):
@@ -55,7 +55,7 @@ def _accumulate(rank: int, world_size: int, mode: str) -> dict:
 
 def _norm_at_second_step(rank: int, world_size: int) -> float:
     """The gradient norm before the second step (the first one reduced to the owners), one process: torch's."""
-    model, opts = _recipe(rank, world_size)
+    model, opts = recipe(rank, world_size)
     for step, (idx, y) in enumerate(make_batches(2, 12)):
         idx, y = _share(rank, world_size, idx, y)
         F.mse_loss(model(idx), y).backward()
@@ -71,7 +71,7 @@ def _changed_grad(rank: int, world_size: int, how: str) -> str:
     """The second step after ``how`` changed the gradients: "torch_clip" (``torch.nn.utils.clip_grad_norm_``),
     "unscale" (``p.grad.mul_``, as a GradScaler's unscale), "hook" (a post-accumulate-grad hook halving
     ``.grad``). Returns the step's error text."""
-    model, opts = _recipe(rank, world_size)
+    model, opts = recipe(rank, world_size)
     for step, (idx, y) in enumerate(make_batches(2, 12)):
         if how == "hook" and step == 1:
             for p in model.parameters():
@@ -108,7 +108,7 @@ def test_accumulation_held_or_unsynced_trains_like_one_process_and_a_changed_gra
     norm = one_process(_norm_at_second_step)
     for r in run_distributed(_hsdp_cases, 4):  # HSDP 2x2
         for mode in MODES:
-            assert _max_diff(r[mode]["params"], want[mode]) <= 1e-5, (mode, _max_diff(r[mode]["params"], want[mode]))
+            assert max_diff(r[mode]["params"], want[mode]) <= 1e-5, (mode, max_diff(r[mode]["params"], want[mode]))
             assert r[mode]["to_owner"] == [True] * 3  # every step after the first reduced to the owners
         assert abs(r["norm"] - norm) <= 1e-5 * norm  # perparam.clip_grad_norm_(inf): the norm, unchanged grads
         for how in ("torch_clip", "unscale", "hook"):
@@ -119,7 +119,7 @@ def test_accumulation_held_or_unsynced_trains_like_one_process_and_a_changed_gra
 def _composed(rank: int, world_size: int) -> dict:
     previous = perparam.configure(owner_grad="owner")
     try:
-        return {case: _compose(rank, world_size, case)["params"] for case in ("accumulate", "clip", "stages", "frozen")}
+        return {case: compose(rank, world_size, case)["params"] for case in ("accumulate", "clip", "stages", "frozen")}
     finally:
         perparam.configure(owner_grad=previous.owner_grad)
 
@@ -127,10 +127,10 @@ def _composed(rank: int, world_size: int) -> dict:
 @pytest.mark.fast
 def test_owner_gradients_with_zero_stages_a_frozen_head_clip_and_accumulation_train_like_one_process():
     cases = ("accumulate", "clip", "stages", "frozen")
-    want = {case: one_process(_compose, case)["params"] for case in cases}
+    want = {case: one_process(compose, case)["params"] for case in cases}
     for r in run_distributed(_composed, 3):
         for case in cases:
-            assert _max_diff(r[case], want[case]) <= 1e-5, (case, _max_diff(r[case], want[case]))
+            assert max_diff(r[case], want[case]) <= 1e-5, (case, max_diff(r[case], want[case]))
 
 
 def _other_routes(rank: int, world_size: int) -> dict:
@@ -157,7 +157,7 @@ def _other_routes(rank: int, world_size: int) -> dict:
             out[setting, "expert"] = full_params(model)
             for quant in ("bf16", "int8"):
                 policy = ParamPolicy(update="owner", grad_quant=quant, zero_stage=2)
-                model, opts = _recipe(rank, world_size, lambda n, p, policy=policy: _hidden_owner(n, p) and policy)
+                model, opts = recipe(rank, world_size, lambda n, p, policy=policy: hidden_owner(n, p) and policy)
                 for idx, y in make_batches(3, 12):
                     F.mse_loss(model(*_share(rank, world_size, idx, y)[:1]), _share(rank, world_size, idx, y)[1]).backward()
                     for opt in opts:
@@ -166,8 +166,8 @@ def _other_routes(rank: int, world_size: int) -> dict:
                 out[setting, quant] = full_params(model)
             model = TinyNet(d=6)
             for block in model.blocks:
-                perparam.fully_shard(block, param_policy=_hidden_owner)
-            perparam.fully_shard(model, param_policy=_hidden_owner)
+                perparam.fully_shard(block, param_policy=hidden_owner)
+            perparam.fully_shard(model, param_policy=hidden_owner)
             hidden = [p for n, p in model.named_parameters() if n.endswith("fc1.weight") or n.endswith("fc2.weight")]
             rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
             opts = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
@@ -189,4 +189,4 @@ def _other_routes(rank: int, world_size: int) -> dict:
 def test_experts_on_their_own_mesh_qgz_and_invariant_units_give_the_default_routes_result():
     for r in run_distributed(_other_routes, 4):
         for case in ("expert", "bf16", "int8", "invariant"):
-            assert _max_diff(r["owner", case], r["rows", case]) == 0.0, case
+            assert max_diff(r["owner", case], r["rows", case]) == 0.0, case

@@ -17,9 +17,8 @@ import perparam
 from perparam import CommCounter, ParamPolicy
 from perparam.runtime import owner_step
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, full_params, make_batches
-
-OWNER = ParamPolicy(update="owner")
+from tests.models import full_params, make_batches
+from tests.owner_cases import OWNER, compose, max_diff, recipe
 
 
 def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
@@ -85,36 +84,6 @@ def test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient(world_s
             assert diffs == [0.0, 0.0, 0.0, 2]
 
 
-def _hidden_owner(name: str, param) -> ParamPolicy | None:
-    """The owner policy for the blocks' hidden matrices (names relative to each block's fully_shard call)."""
-    return OWNER if name in ("fc1.weight", "fc2.weight") else None
-
-
-def _recipe(rank: int, world_size: int, policy=None, mesh_shape=None, muon: dict | None = None,
-            freeze_head: bool = False) -> tuple[nn.Module, list]:
-    """TinyNet sharded per block then at the root (``policy``: default ``_hidden_owner``; ``mesh_shape``:
-    an HSDP mesh), Muon (weight decay 0.1, ``muon``'s options) on the blocks' hidden matrices and AdamW
-    (weight decay 0.01) on the rest that is trainable."""
-    torch.manual_seed(0)
-    model = TinyNet(d=6)
-    if freeze_head:
-        model.head.requires_grad_(False)
-    policy = policy or _hidden_owner
-    if world_size:
-        mesh = None
-        if mesh_shape:
-            from torch.distributed.device_mesh import init_device_mesh
-            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        for block in model.blocks:
-            perparam.fully_shard(block, mesh=mesh, param_policy=policy)
-        perparam.fully_shard(model, mesh=mesh, param_policy=policy)
-    named = dict(model.named_parameters())
-    hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
-    rest = [p for p in named.values() if all(p is not h for h in hidden) and p.requires_grad]
-    return model, [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, **(muon or {})),
-                   torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
-
-
 def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
     """TinyNet (Embedding(5, 6), LayerNorms, Linear(6, 13), Linear(13, 6), Linear(6, 2)) for 10 steps of
     the global batch 12; ``kind``: "muon" (Muon on the blocks' 2-D matrices, AdamW on the rest),
@@ -127,11 +96,11 @@ def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
         finally:
             perparam.configure(owner_grad=previous.owner_grad)
     if kind == "adafactor":
-        model, _ = _recipe(rank, world_size, OWNER, mesh_shape)
+        model, _ = recipe(rank, world_size, OWNER, mesh_shape)
         opts = [torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)]
     else:
         extra = {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"} if kind == "muon_match" else {}
-        model, opts = _recipe(rank, world_size, None, mesh_shape, extra)
+        model, opts = recipe(rank, world_size, None, mesh_shape, extra)
     k = world_size or 1
     comm = None
     for i, (idx, y) in enumerate(make_batches(10, 12)):
@@ -153,17 +122,13 @@ def _train(rank: int, world_size: int, kind: str, mesh_shape=None) -> dict:
     return out
 
 
-def _max_diff(got: dict, want: dict) -> float:
-    return max((got[n] - want[n]).abs().max().item() for n in want)
-
-
 @pytest.mark.parametrize("kind", ["muon", "muon_match", "adafactor"])
 def test_whole_matrix_optimizers_on_the_owner_path_train_like_one_process(kind):
     want = one_process(_train, kind)["params"]
     for world_size in (1, 2, 3, 4):
         results = run_distributed(_train, world_size, kind)
         for r in results:
-            assert _max_diff(r["params"], want) <= 1e-5, (kind, world_size, _max_diff(r["params"], want))
+            assert max_diff(r["params"], want) <= 1e-5, (kind, world_size, max_diff(r["params"], want))
         counts = {r["all_to_all"][0] for r in results}
         assert len(counts) == 1  # the same collectives on every rank
 
@@ -173,11 +138,11 @@ def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
     want = one_process(_train, "muon")["params"]
     for world_size in (2, 3, 4):
         for r in run_distributed(_train, world_size, "muon_owner"):
-            assert _max_diff(r["params"], want) <= 1e-5, (world_size, _max_diff(r["params"], want))
+            assert max_diff(r["params"], want) <= 1e-5, (world_size, max_diff(r["params"], want))
     # HSDP 2x2: reduced to the owners of each replica's shard axis, the replicas' all-reduce after it
     results = run_distributed(_train, 4, "muon_owner", (2, 2))
     for r in results:
-        assert _max_diff(r["params"], want) <= 1e-5
+        assert max_diff(r["params"], want) <= 1e-5
     away = 4 * 78 * 4 - sum(_owner_rows_bytes(2))  # TinyNet's four 13 x 6 fp32 matrices over 2 shards
     # 2 (K-1)/K m n per replica group, and its scatter's flags
     assert sum(r["all_to_all"][1] for r in results) == 2 * (2 * away + _flag_bytes(2))
@@ -187,7 +152,7 @@ def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
 def test_muon_on_hsdp_2x2_trains_like_one_process():
     want = one_process(_train, "muon")["params"]
     for r in run_distributed(_train, 4, "muon", (2, 2)):
-        assert _max_diff(r["params"], want) <= 1e-5
+        assert max_diff(r["params"], want) <= 1e-5
 
 
 def test_the_owner_exchange_is_one_all_to_all_each_way_per_bucket_with_3_k_minus_1_over_k_m_n_bytes():
@@ -249,75 +214,13 @@ def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_
     assert run_distributed(_refused, 1, "Muon") == ["stepped"]
 
 
-def _compose(rank: int, world_size: int, case: str) -> dict:
-    """TinyNet with Muon on the blocks' hidden matrices (owner) and AdamW on the rest, 4 steps, composed
-    with ``case``: "accumulate" (2 micro-batches, the first without sync), "clip" (clip_grad_norm_ to 0.5
-    before the step), "stages" (fc1 at stage 1, fc2 at stage 2, the rest stage 3), "frozen" (the head
-    frozen), "dtensor_adamw" (``configure(local_optimizer_step=False)``), "adamw_owner" (an owner
-    parameter in AdamW). Returns the full parameters and the Newton-Schulz calls per step."""
-    import torch.optim._muon as muon_module
-
-    calls = []
-    original = muon_module._zeropower_via_newtonschulz
-
-    def counting(grad, ns_coefficients, ns_steps, eps):
-        # Newton-Schulz in fp32 here: the stock bf16 iteration turns the last-bit differences of a gradient
-        # summed in another order into bf16 rounding flips (0.002 after 4 clipped steps on some CPUs), which
-        # would hide what this test checks, the composition; the stock step is held bitwise by
-        # test_the_owner_update_is_bitwise_torch_muon_on_the_gathered_gradient.
-        calls.append(1)
-        a, b, c = ns_coefficients
-        x = grad.float()
-        tall = x.size(0) > x.size(1)
-        x = (x.T if tall else x) / x.norm().clamp(min=eps)
-        for _ in range(ns_steps):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        return x.T if tall else x
-
-    muon_module._zeropower_via_newtonschulz = counting
-    previous = perparam.configure(local_optimizer_step=case != "dtensor_adamw")
-    try:
-        def policy(name, param):
-            if name not in ("fc1.weight", "fc2.weight", "embed.weight"):
-                return None
-            if name == "embed.weight":
-                return OWNER if case == "adamw_owner" else None
-            stage = {"fc1.weight": 1, "fc2.weight": 2}[name] if case == "stages" else None
-            return ParamPolicy(update="owner", zero_stage=stage)
-
-        model, opts = _recipe(rank, world_size, policy, freeze_head=case == "frozen")
-        per_step = []
-        k = world_size or 1
-        for idx, y in make_batches(4, 12):
-            if world_size:
-                idx, y = idx[rank * 12 // k:(rank + 1) * 12 // k], y[rank * 12 // k:(rank + 1) * 12 // k]
-            chunks = 2 if case == "accumulate" else 1
-            for i, (xm, ym) in enumerate(zip(idx.chunk(chunks), y.chunk(chunks))):
-                if world_size and chunks > 1:
-                    model.set_requires_gradient_sync(i == chunks - 1)
-                (F.mse_loss(model(xm), ym) / chunks).backward()
-            if case == "clip":
-                params = [p for p in model.parameters() if p.grad is not None]
-                (perparam.clip_grad_norm_ if world_size else torch.nn.utils.clip_grad_norm_)(params, 0.5)
-            before = len(calls)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            per_step.append(len(calls) - before)
-        return {"params": full_params(model), "ns_calls": per_step}
-    finally:
-        perparam.configure(local_optimizer_step=previous.local_optimizer_step)
-        muon_module._zeropower_via_newtonschulz = original
-
-
 @pytest.mark.parametrize("case", ["accumulate", "clip", "stages", "frozen", "dtensor_adamw", "adamw_owner"])
 def test_the_owner_path_composes_and_trains_like_one_process(case):
-    want = one_process(_compose, case)
+    want = one_process(compose, case)
     for world_size in (2, 3):
-        results = run_distributed(_compose, world_size, case)
+        results = run_distributed(compose, world_size, case)
         for r in results:
-            assert _max_diff(r["params"], want["params"]) <= 1e-5, (case, world_size)
+            assert max_diff(r["params"], want["params"]) <= 1e-5, (case, world_size)
             assert r["ns_calls"] == r["ns_calls"][:1] * 4
         # Newton-Schulz once per matrix per optimizer step (never per micro-batch), on its owner only
         assert sum(r["ns_calls"][0] for r in results) == 4 == want["ns_calls"][0]
@@ -342,20 +245,20 @@ def _owned_state(model, opt) -> dict:
 
 
 def _uninterrupted(rank: int, world_size: int) -> dict:
-    model, opts = _recipe(rank, world_size)
+    model, opts = recipe(rank, world_size)
     _steps(model, opts, rank, world_size, 0, 6)
     return full_params(model)
 
 
 def _save(rank: int, world_size: int, path: str) -> dict:
-    model, opts = _recipe(rank, world_size)
+    model, opts = recipe(rank, world_size)
     _steps(model, opts, rank, world_size, 0, 3)
     perparam.checkpoint.save(path, model, opts)  # one checkpoint, both optimizers' state
     return {"muon": _owned_state(model, opts[0]), "adamw": _owned_state(model, opts[1])}
 
 
 def _resume(rank: int, world_size: int, path: str) -> dict:
-    model, opts = _recipe(rank, world_size)
+    model, opts = recipe(rank, world_size)
     perparam.checkpoint.load(path, model, opts)
     loaded = {"muon": _owned_state(model, opts[0]), "adamw": _owned_state(model, opts[1])}
     _steps(model, opts, rank, world_size, 3, 6)
@@ -386,7 +289,7 @@ def test_a_checkpoint_of_muon_and_adamw_state_round_trips_bit_exact_and_loads_on
         momentum_holders = [len(r["loaded"]["muon"]) for r in resumed]
         assert sum(momentum_holders) == 4  # four matrices' momentum, each on its owner only
         for r in resumed:
-            assert _max_diff(r["params"], want) <= 1e-5, (saved_k, loaded_k)
+            assert max_diff(r["params"], want) <= 1e-5, (saved_k, loaded_k)
 
 
 def _adafactor_save(rank: int, world_size: int, path: str, load: bool) -> dict:
@@ -548,7 +451,7 @@ def test_an_owner_checkpoint_loads_into_plain_shard0_parameters_and_fine_tunes_w
         for r in run_distributed(_muon_then_adamw, k, path, "adamw"):
             for name, tensor in saved.items():
                 assert torch.equal(r["loaded"][name], tensor), (k, name)
-            assert _max_diff(r["final"], want["final"]) <= 1e-5, k
+            assert max_diff(r["final"], want["final"]) <= 1e-5, k
 
 
 def _held_bytes(shapes, world_size: int) -> int:
