@@ -54,16 +54,24 @@ def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: 
         if add_later and step == 1:
             opt.add_param_group({"params": [model[0].weight]})
             ref_opt.add_param_group({"params": [ref[0]]})
-        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
-        model(x).pow(2).sum().backward()
-        for r, p in zip(ref, model.parameters()):
-            r.grad = p.grad.full_tensor()
-        with CommCounter() as comm:
-            opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)))
+        diff, comm = _step_beside_stock(model, opt, ref, ref_opt, g, rank, world_size)
+        diffs.append(diff)
     return diffs + [comm.count("all_to_all")]
+
+
+def _step_beside_stock(model, opt, ref, ref_opt, g, rank: int, world_size: int) -> tuple[float, CommCounter]:
+    """One step of the sharded ``opt`` and of ``ref_opt`` on one device fed the gathered gradient (this
+    rank's 3 rows of a batch drawn from ``g``): the largest parameter difference after it (0.0: bitwise)
+    and the step's collectives."""
+    x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
+    model(x).pow(2).sum().backward()
+    for r, p in zip(ref, model.parameters()):
+        r.grad = p.grad.full_tensor()
+    with CommCounter() as comm:
+        opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    return max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)), comm
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
@@ -834,17 +842,8 @@ def _subclass_step(rank: int, world_size: int) -> list:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(2):
-        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
-        model(x).pow(2).sum().backward()
-        for r, p in zip(ref, model.parameters()):
-            r.grad = p.grad.full_tensor()
-        with CommCounter() as comm:
-            opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        groups = [len(g["params"]) for g in opt.param_groups]
-        out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
-                    comm.count("all_to_all"), groups))
+        diff, comm = _step_beside_stock(model, opt, ref, ref_opt, g, rank, world_size)
+        out.append((diff, comm.count("all_to_all"), [len(group["params"]) for group in opt.param_groups]))
     return out
 
 
