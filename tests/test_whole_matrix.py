@@ -59,12 +59,24 @@ def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: 
     return diffs + [comm.count("all_to_all")]
 
 
-def _step_beside_stock(model, opt, ref, ref_opt, g, rank: int, world_size: int) -> tuple[float, CommCounter]:
+def _muon_beside_stock(rank: int, world_size: int, opt_cls=torch.optim.Muon, policy: ParamPolicy = OWNER):
+    """``_matrices`` sharded under ``policy`` with ``opt_cls`` (lr 0.02) on it, its full parameters' copies with the stock Muon,
+    and the batches' generator: what ``_step_beside_stock`` steps."""
+    model = _matrices(rank, world_size, policy)
+    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
+    return (model, opt_cls(model.parameters(), lr=0.02), ref, torch.optim.Muon(ref, lr=0.02),
+            torch.Generator().manual_seed(1))
+
+
+def _step_beside_stock(model, opt, ref, ref_opt, g, rank: int, world_size: int,
+                       before_step=None) -> tuple[float, CommCounter]:
     """One step of the sharded ``opt`` and of ``ref_opt`` on one device fed the gathered gradient (this
-    rank's 3 rows of a batch drawn from ``g``): the largest parameter difference after it (0.0: bitwise)
-    and the step's collectives."""
+    rank's 3 rows of a batch drawn from ``g``; ``before_step()`` run after backward): the largest parameter
+    difference after it (0.0: bitwise) and the step's collectives."""
     x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
     model(x).pow(2).sum().backward()
+    if before_step is not None:
+        before_step()
     for r, p in zip(ref, model.parameters()):
         r.grad = p.grad.full_tensor()
     with CommCounter() as comm:
@@ -478,25 +490,13 @@ def _stage1(rank: int, world_size: int) -> list:
     steps against ``torch.optim.Muon`` fed the gathered gradient; the third clipped first
     (``perparam.clip_grad_norm_`` scales each rank's rows in place). Per step: the largest difference, the
     all-to-alls' bytes this rank sent and the all-reduces at the step."""
-    model = _matrices(rank, world_size, ParamPolicy(update="owner", zero_stage=1))
-    opt = torch.optim.Muon(model.parameters(), lr=0.02)
-    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
-    ref_opt = torch.optim.Muon(ref, lr=0.02)
-    g = torch.Generator().manual_seed(1)
+    model, opt, ref, ref_opt, g = _muon_beside_stock(rank, world_size,
+                                                     policy=ParamPolicy(update="owner", zero_stage=1))
     out = []
     for step in range(3):
-        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
-        model(x).pow(2).sum().backward()
-        if step == 2:
-            perparam.clip_grad_norm_(list(model.parameters()), 0.1)
-        for r, p in zip(ref, model.parameters()):
-            r.grad = p.grad.full_tensor()
-        with CommCounter() as comm:
-            opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
-                    comm.bytes("all_to_all"), comm.count("all_reduce")))
+        clip = (lambda: perparam.clip_grad_norm_(list(model.parameters()), 0.1)) if step == 2 else None
+        diff, comm = _step_beside_stock(model, opt, ref, ref_opt, g, rank, world_size, clip)
+        out.append((diff, comm.bytes("all_to_all"), comm.count("all_reduce")))
     return out
 
 
@@ -551,11 +551,7 @@ def _to_owner(rank: int, world_size: int) -> list:
     previous = perparam.configure(owner_grad="owner")
     dist.all_to_all_single = spy
     try:
-        model = _matrices(rank, world_size)
-        opt = torch.optim.Muon(model.parameters(), lr=0.02)
-        ref = [p.detach().full_tensor().clone() for p in model.parameters()]
-        ref_opt = torch.optim.Muon(ref, lr=0.02)
-        g = torch.Generator().manual_seed(1)
+        model, opt, ref, ref_opt, g = _muon_beside_stock(rank, world_size)
         out = []
         for step in range(4):
             x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
@@ -793,23 +789,12 @@ def _staged(rank: int, world_size: int) -> dict:
 
     owner_step._step_whole, owner_exchange.scatter = step_whole, logged_scatter
     owner_step.BUCKET_BYTES = 400
-    model = _matrices(rank, world_size)
-    opt = torch.optim.Muon(model.parameters(), lr=0.02)
-    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
-    ref_opt = torch.optim.Muon(ref, lr=0.02)
-    g = torch.Generator().manual_seed(1)
+    model, opt, ref, ref_opt, g = _muon_beside_stock(rank, world_size)
     diffs = []
     for _ in range(3):
         events.append("step begins")
-        x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
-        model(x).pow(2).sum().backward()
-        for r, p in zip(ref, model.parameters()):
-            r.grad = p.grad.full_tensor()
-        opt.step()
+        diffs.append(_step_beside_stock(model, opt, ref, ref_opt, g, rank, world_size)[0])
         allocations.append(owner_step.routing(opt).staging.allocations)
-        ref_opt.step()
-        opt.zero_grad()
-        diffs.append(max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)))
     return {"diffs": diffs, "events": events, "allocations": allocations}
 
 
@@ -835,11 +820,7 @@ class _CallsParentStep(torch.optim.Muon):
 def _subclass_step(rank: int, world_size: int) -> list:
     """Two steps of ``_CallsParentStep`` against the stock Muon (whose construction hooks ``Muon.step`` as
     well, so the subclass's ``super().step()`` runs perparam's hooks a second time, inside the step proper)."""
-    model = _matrices(rank, world_size)
-    opt = _CallsParentStep(model.parameters(), lr=0.02)
-    ref = [p.detach().full_tensor().clone() for p in model.parameters()]
-    ref_opt = torch.optim.Muon(ref, lr=0.02)
-    g = torch.Generator().manual_seed(1)
+    model, opt, ref, ref_opt, g = _muon_beside_stock(rank, world_size, _CallsParentStep)
     out = []
     for _ in range(2):
         diff, comm = _step_beside_stock(model, opt, ref, ref_opt, g, rank, world_size)
