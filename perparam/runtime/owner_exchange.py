@@ -56,13 +56,13 @@ def local_grad(sp) -> torch.Tensor:
     return grad._local_tensor
 
 
-def _rows_intact(sp) -> bool:
+def _rows_intact(sp, device) -> torch.Tensor:
     """Stage 1: ``.grad`` still views the whole gradient the reduction wrote, and this rank's rows of it have
-    the bits they had then (``ParamGradients._whole_digest``)."""
+    the bits they had then (``ParamGradients._whole_digest``): a 0-dim bool on ``device``, read nothing back."""
     whole = sp._whole_grad()
     if whole is None or sp._whole_digest is None:
-        return False
-    return bool(torch.equal(rows_digest(sp.layout.local_piece(whole, sp.shard_rank)), sp._whole_digest))
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return rows_digest(sp.layout.local_piece(whole, sp.shard_rank)) == sp._whole_digest
 
 
 def travels(bucket, entries) -> tuple[bool, ...]:
@@ -80,7 +80,7 @@ def travels(bucket, entries) -> tuple[bool, ...]:
     whole = [i for i, e in enumerate(entries) if out[i] and e.sp.policy.whole_grad]
     if whole:
         device = entries[0].sp.sharded._local_tensor.device
-        flags = torch.tensor([int(_rows_intact(entries[i].sp)) for i in whole], dtype=torch.int32, device=device)
+        flags = torch.stack([_rows_intact(entries[i].sp, device) for i in whole]).to(torch.int32)
         all_reduce_sum(flags, bucket.group, what=f"owner stage-1 gradients intact ({len(whole)} params)")
         for i, n in zip(whole, flags.tolist()):
             out[i] = n != bucket.group.size()
