@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import perparam
@@ -102,3 +104,29 @@ def test_a_smallest_fit_pool_hands_out_an_exact_size_first_else_the_smallest_tha
     exact_only.give_back(exact_only.take(400, cpu))
     exact_only.take(32, cpu)  # the group pools' behaviour: no fit, a new buffer
     assert exact_only.allocations == 2 and exact_only.idle_bytes() == 400
+
+
+@pytest.mark.fast
+@settings(max_examples=150, deadline=None)
+@given(smallest_fit=st.booleans(), bound=st.one_of(st.none(), st.integers(0, 600)),
+       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 200)), max_size=40))
+def test_a_pool_never_hands_out_memory_in_use_and_keeps_its_bound(smallest_fit, bound, ops):
+    """Any sequence of takes (``True``, n bytes) and give-backs (``False``, of the i-th live buffer): no two
+    live buffers share bytes, each has the bytes asked for, and the idle bytes are what is idle, within the
+    bound."""
+    cpu = torch.device("cpu")
+    pool = BufferPool(max_idle_bytes=bound, min_bytes=0, smallest_fit=smallest_fit)
+    live = []
+    for take, n in ops:
+        if take:
+            buf = pool.take(n, cpu)
+            assert buf.numel() == n and buf.dtype == torch.uint8
+            live.append(buf)
+        elif live:
+            pool.give_back(live.pop(n % len(live)))
+        spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in live if b.numel())
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+        idle = [b for bufs in pool._idle.values() for b in bufs]
+        assert pool.idle_bytes() == sum(b.numel() for b in idle)
+        assert bound is None or pool.idle_bytes() <= bound
+        assert not any(i.data_ptr() <= s < i.data_ptr() + i.numel() for i in idle for s, _ in spans)
