@@ -117,7 +117,8 @@ def _matrices(rank: int, world_size: int, owner_grad: str, how: str) -> dict:
     2 x 5 matrix it owns, so only its peers can see that its ``.grad`` was zeroed. ``how``: "none"
     (``zero_grad()``), "zero" (``zero_grad(set_to_none=False)``), "foreach" (``torch._foreach_zero_`` over the
     ``.grad``s, as an optimizer built with ``foreach=True`` zeroes: no version counter moves), "keep"
-    (no zeroing at all: accumulated over the steps). Returns the bits of the parameters and the owners."""
+    (no zeroing at all: accumulated over the steps), "between" ("foreach", and at the last step also between
+backward and the step: the owner without rows learns it from its peers' witness in the gather). Returns the bits of the parameters and the owners."""
     previous = perparam.configure(owner_grad=owner_grad)
     try:
         torch.manual_seed(0)
@@ -129,15 +130,17 @@ def _matrices(rank: int, world_size: int, owner_grad: str, how: str) -> dict:
         perparam.fully_shard(model, param_policy=policy)
         opt = torch.optim.Muon(model.parameters(), lr=0.02)
         g = torch.Generator().manual_seed(1)
-        for _ in range(3):
+        for step in range(3):
             x = torch.randn(3 * world_size, 8, generator=g)[3 * rank:3 * rank + 3]
             model(x).pow(2).sum().backward()
+            if how == "between" and step == 2:  # zeroed after backward, before the step: a step on zeros
+                torch._foreach_zero_([p.grad for p in model.parameters()])
             opt.step()
             if how == "none":
                 opt.zero_grad()
             elif how == "zero":
                 opt.zero_grad(set_to_none=False)
-            elif how == "foreach":
+            elif how in ("foreach", "between"):
                 torch._foreach_zero_([p.grad for p in model.parameters()])
         route = owner_step.routing(opt)
         owners = [route.by_id[id(p)].owner for p in model.parameters()]
@@ -149,7 +152,7 @@ def _matrices(rank: int, world_size: int, owner_grad: str, how: str) -> dict:
 
 def _zeroings(rank: int, world_size: int) -> dict:
     return {(grad, how): _matrices(rank, world_size, grad, how) for grad in ("owner", "rows")
-            for how in ("none", "zero", "foreach", "keep")}
+            for how in ("none", "zero", "foreach", "keep", "between")}
 
 
 def test_a_gradient_zeroed_in_place_on_an_owner_with_no_rows_of_it_is_seen_by_its_peers():
@@ -162,6 +165,8 @@ def test_a_gradient_zeroed_in_place_on_an_owner_with_no_rows_of_it_is_seen_by_it
                      ("rows", "foreach")):
             for name in want:  # the bits, signed zeros included
                 assert torch.equal(r[case]["params"][name], want[name]), (case, name)
+        for name, bits in r["rows", "between"]["params"].items():  # a step on zeroed gradients, either route
+            assert torch.equal(r["owner", "between"]["params"][name], bits), name
         # gradients accumulated over the steps (never zeroed): onto the whole the first step assembled, as the
         # reduce-scatter route accumulates its rows (before: the second backward raised OwnerStepError)
         for name, bits in r["rows", "keep"]["params"].items():

@@ -164,8 +164,8 @@ def test_muon_with_gradients_reduced_to_their_owners_trains_like_one_process():
     for r in results:
         assert max_diff(r["params"], want) <= 1e-5
     away = 4 * 78 * 4 - sum(_owner_rows_bytes(2))  # TinyNet's four 13 x 6 fp32 matrices over 2 shards
-    # 2 (K-1)/K m n per replica group, and its scatter's flags
-    assert sum(r["all_to_all"][1] for r in results) == 2 * (2 * away + _flag_bytes(2))
+    # 2 (K-1)/K m n per replica group, its scatter's flags and its gather's witnesses of the 4 held gradients
+    assert sum(r["all_to_all"][1] for r in results) == 2 * (2 * away + _flag_bytes(2) + _witness_bytes(2, 4))
 
 
 @pytest.mark.fast
@@ -191,6 +191,12 @@ def test_the_owner_exchange_is_one_all_to_all_each_way_per_bucket_with_3_k_minus
 def _flag_bytes(world_size: int) -> int:
     """The scatter's flags of one fp32 bucket, summed over the ranks: one element from each rank to each other."""
     return world_size * (world_size - 1) * 4
+
+
+def _witness_bytes(world_size: int, held: int) -> int:
+    """The gather's witnesses of ``held`` fp32 gradients held on their owners (reduced to them), summed over
+    the ranks: one element from each other rank to the owner, whether it saw the gradient zeroed in place."""
+    return held * (world_size - 1) * 4
 
 
 def _owner_rows_bytes(world_size: int) -> list[int]:
@@ -585,9 +591,11 @@ def test_a_gradient_reduced_to_its_owner_steps_bitwise_with_2_k_minus_1_over_k_m
         for step in range(4):
             assert [r[step][0] for r in results] == [0.0] * world_size, step  # bitwise torch's Muon
             assert all(r[step][1] == r[step][2] for r in results)  # recorded = handed to gloo
-        # the first step's gradients were reduce-scattered (no owner planned yet): 3 (K-1)/K m n; then 2
-        flags = _flag_bytes(world_size)
-        assert [sum(r[step][1] for r in results) for step in range(4)] == [3 * away + flags] + [2 * away + flags] * 3
+        # the first step's gradients were reduce-scattered (no owner planned yet): 3 (K-1)/K m n; then 2, and
+        # the gather's witnesses of the 3 gradients held on their owners
+        flags, witnesses = _flag_bytes(world_size), _witness_bytes(world_size, 3)
+        assert [sum(r[step][1] for r in results) for step in range(4)] == (
+            [3 * away + flags] + [2 * away + flags + witnesses] * 3)
         assert [r[1][3] for r in results] == [{"all_gather": 6, "reduce_scatter": 3}] * world_size
 
 

@@ -26,7 +26,9 @@ from the step's ``BufferPool`` (``perparam.comm.buffers``): rows are copied into
 
 Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` elements of parameter rows
 in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
-``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. Every rank issues the same collectives with the same sizes
+``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. A gradient held on its owner (reduced to it) adds one element
+from each other rank, its witness that it saw the ``.grad`` zeroed in place (``owner_grads.witness``: an
+owner holding no rows of the matrix cannot see it itself): ``K-1`` elements per such matrix. Every rank issues the same collectives with the same sizes
 whatever it owns (empty pieces where it has none).
 """
 
@@ -132,19 +134,22 @@ def gather(bucket, entries, moves: tuple[bool, ...], pool: BufferPool | None = N
     dtype = entries[0].sp.sharded.dtype
     device = entries[0].sp.sharded._local_tensor.device
     pieces, send_splits, recv_splits = [], [0] * k, [0] * k
+    held = [not move and owner_grads.at_owner(e.sp) for e, move in zip(entries, moves)]  # the same on every rank
     for dest in range(k):
-        for e, move in zip(entries, moves):
+        for e, move, witnessed in zip(entries, moves, held):
             if e.owner != dest or dest == me:  # this rank's own rows go straight from its shard (assemble)
                 continue
             if move:
                 pieces.append(local_grad(e.sp))
             pieces.append(e.sp.sharded._local_tensor)
-            send_splits[dest] += (2 if move else 1) * e.sp.layout.local_numel(me)
-    for e, move in zip(entries, moves):
+            if witnessed:  # a gradient held on its owner: whether this rank saw it zeroed in place
+                pieces.append(owner_grads.witness(e.sp, dtype))
+            send_splits[dest] += (2 if move else 1) * e.sp.layout.local_numel(me) + witnessed
+    for e, move, witnessed in zip(entries, moves, held):
         if e.owner == me:
             for src in range(k):
                 if src != me:
-                    recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src)
+                    recv_splits[src] += (2 if move else 1) * e.sp.layout.local_numel(src) + witnessed
     send = _take(pool, sum(send_splits), dtype, device)
     offset = 0
     for piece in pieces:
@@ -152,7 +157,8 @@ def gather(bucket, entries, moves: tuple[bool, ...], pool: BufferPool | None = N
         send[offset:offset + n].view(piece.shape).copy_(piece)
         offset += n
     recv = _take(pool, sum(recv_splits), dtype, device) if k > 1 else None
-    logical = sum((2 if move else 1) * e.sp.sharded.numel() for e, move in zip(entries, moves)) * dtype.itemsize
+    logical = (sum((2 if move else 1) * e.sp.sharded.numel() for e, move in zip(entries, moves))
+               + k * sum(held)) * dtype.itemsize
     work, recv = exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params",
                                  recv=recv)
     return Posted(work, send, recv, pool)
@@ -163,16 +169,16 @@ def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> di
     parameters of ``entries`` this rank owns (a held whole gradient is used as it is, not copied)."""
     pg = bucket.group
     k, me = pg.size(), pg.rank()
-    mine = [(e, move) for e, move in zip(entries, moves) if e.owner == me]
-    out = {}
-    for e, move in mine:
+    mine = [(e, move, not move and owner_grads.at_owner(e.sp)) for e, move in zip(entries, moves) if e.owner == me]
+    out, witnessed = {}, {}
+    for e, move, _ in mine:
         p = e.sp.sharded
         whole = torch.empty(p.shape, dtype=p.dtype, device=recv.device)
         whole.grad = torch.empty_like(whole) if move else _owner_whole_grad(e.sp)
         out[id(p)] = (p, whole)
     offset = 0
     for src in range(k):
-        for e, move in mine:
+        for e, move, held in mine:
             lay, whole = e.sp.layout, out[id(e.sp.sharded)][1]
             n, shape = lay.local_numel(src), lay.local_shape(src)
             if src == me:  # this rank's own rows: from its shards, not through the exchange
@@ -183,6 +189,13 @@ def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> di
             for target in ((whole.grad, whole) if move else (whole,)):
                 lay.local_piece(target, src).copy_(recv[offset:offset + n].view(shape))
                 offset += n
+            if held:  # the peer's witness that it saw the held gradient zeroed in place (gather)
+                pid, flag = id(e.sp.sharded), recv[offset:offset + 1]
+                witnessed[pid] = flag if pid not in witnessed else witnessed[pid] + flag
+                offset += 1
+    for e, _, held in mine:
+        if held and id(e.sp.sharded) in witnessed:
+            owner_grads.zero_if_witnessed(e.sp, witnessed[id(e.sp.sharded)])
     return out
 
 

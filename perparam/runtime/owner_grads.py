@@ -142,6 +142,25 @@ def _zeroed(grad, entry: _Held) -> torch.Tensor | None:
     return zero & (rows_digest(rows) != entry.digest)
 
 
+def witness(sp, dtype: torch.dtype) -> torch.Tensor:
+    """``[1]`` of ``dtype``: 1 where this rank sees that the held ``.grad`` of ``sp`` (``at_owner(sp)``) was
+    zeroed in place since the reduction to its owner wrote it (``_zeroed``: its rows all zero and changed),
+    else 0; sent to the owner in the step's gather (``owner_exchange.gather``), so an owner holding no rows of
+    the matrix learns of a zeroing between backward and the step from its peers. On the device."""
+    grad = sp.sharded.grad
+    seen = _zeroed(grad, _HELD[grad])
+    if seen is None:
+        return torch.zeros(1, dtype=dtype, device=grad._local_tensor.device)
+    return seen.reshape(1).to(dtype)
+
+
+def zero_if_witnessed(sp, witnessed: torch.Tensor) -> None:
+    """On ``sp``'s owner, with ``witnessed`` the peers' ``witness`` flags summed (0-dim, on the device): the
+    held whole gradient becomes zero where a peer saw its rows zeroed in place, selected on the device."""
+    held = _HELD[sp.sharded.grad].whole
+    held.masked_fill_((witnessed > 0).reshape([1] * held.dim()), 0)
+
+
 def zeroed_flags(params, dtype: torch.dtype, device) -> torch.Tensor | None:
     """``[len(params)]`` of ``dtype``: 1 where this rank witnesses that the ``.grad`` of a parameter of
     ``params`` (reduced to its owner) was zeroed in place since perparam wrote it (``zeroed``), else 0, for
