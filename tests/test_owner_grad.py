@@ -70,7 +70,8 @@ def _norm_at_second_step(rank: int, world_size: int) -> float:
 def _changed_grad(rank: int, world_size: int, how: str) -> str:
     """The second step after ``how`` changed the gradients: "torch_clip" (``torch.nn.utils.clip_grad_norm_``),
     "unscale" (``p.grad.mul_``, as a GradScaler's unscale), "hook" (a post-accumulate-grad hook halving
-    ``.grad``). Returns the step's error text."""
+    ``.grad``); with "+clip", ``perparam.clip_grad_norm_`` after it (the AMP recipe: unscale, then clip),
+    which must not take the changed rows as its own. Returns the step's error text."""
     model, opts = recipe(rank, world_size)
     for step, (idx, y) in enumerate(make_batches(2, 12)):
         if how == "hook" and step == 1:
@@ -78,11 +79,13 @@ def _changed_grad(rank: int, world_size: int, how: str) -> str:
                 p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
         idx, y = _share(rank, world_size, idx, y)
         F.mse_loss(model(idx), y).backward()
-        if step == 1 and how == "torch_clip":
+        if step == 1 and how.startswith("torch_clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-        if step == 1 and how == "unscale":
+        if step == 1 and how.startswith("unscale"):
             for p in model.parameters():
                 p.grad.mul_(0.5)
+        if step == 1 and how.endswith("+clip"):
+            perparam.clip_grad_norm_(list(model.parameters()), 1.0)
         try:
             for opt in opts:
                 opt.step()
@@ -92,12 +95,15 @@ def _changed_grad(rank: int, world_size: int, how: str) -> str:
     return "no error"
 
 
+CHANGES = ("torch_clip", "unscale", "hook", "unscale+clip", "torch_clip+clip")
+
+
 def _hsdp_cases(rank: int, world_size: int) -> dict:
     previous = perparam.configure(owner_grad="owner")
     try:
         out = {mode: _accumulate(rank, world_size, mode) for mode in MODES}
         out["norm"] = _norm_at_second_step(rank, world_size)
-        out.update({how: _changed_grad(rank, world_size, how) for how in ("torch_clip", "unscale", "hook")})
+        out.update({how: _changed_grad(rank, world_size, how) for how in CHANGES})
         return out
     finally:
         perparam.configure(owner_grad=previous.owner_grad)
@@ -111,7 +117,7 @@ def test_accumulation_held_or_unsynced_trains_like_one_process_and_a_changed_gra
             assert max_diff(r[mode]["params"], want[mode]) <= 1e-5, (mode, max_diff(r[mode]["params"], want[mode]))
             assert r[mode]["to_owner"] == [True] * 3  # every step after the first reduced to the owners
         assert abs(r["norm"] - norm) <= 1e-5 * norm  # perparam.clip_grad_norm_(inf): the norm, unchanged grads
-        for how in ("torch_clip", "unscale", "hook"):
+        for how in CHANGES:
             assert "perparam.clip_grad_norm_" in r[how] and "owner_grad='owner'" in r[how], (how, r[how])
             assert "'fc1.weight'" in r[how]
 

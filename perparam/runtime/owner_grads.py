@@ -43,10 +43,11 @@ class _Held:
     NaN by perparam, which are never all zero unless empty); ``owner``, the rank it was reduced to; ``version``,
     the ``.grad`` DTensor's version counter then (an in-place op through it bumps it; a foreach op does not)."""
 
-    __slots__ = ("whole", "digest", "owner", "version")
+    __slots__ = ("whole", "digest", "owner", "version", "intact")
 
     def __init__(self, whole, digest, owner: int, version: int) -> None:
         self.whole, self.digest, self.owner, self.version = whole, digest, owner, version
+        self.intact = None  # between clip_view and refresh: the rows' bits were perparam's (0-dim bool)
 
 
 #: sharded ``.grad`` DTensor -> ``_Held``: a gradient reduced to its owner
@@ -81,15 +82,22 @@ def clip_view(grad) -> torch.Tensor | None:
     entry = _HELD.get(grad)
     if entry is None:
         return None
-    return entry.whole if entry.whole is not None else grad._local_tensor.new_empty(0)
+    if entry.whole is None:
+        return grad._local_tensor.new_empty(0)
+    entry.intact = rows_digest(grad._local_tensor) == entry.digest  # before the clip scales (``refresh``)
+    return entry.whole
 
 
 def refresh(grad) -> None:
     """After ``perparam.clip_grad_norm_`` scaled the whole gradient held for ``grad`` (``clip_view``): record
-    the owner's rows as they are now, so ``check_untouched`` accepts them."""
+    the owner's rows as they are now, so ``check_untouched`` accepts them, unless they had been changed
+    before the clip (an unscale, torch's clip: ``clip_view`` compared them): then the record stays one they
+    cannot match, and the step refuses (on the device, no host read)."""
     entry = _HELD.get(grad)
     if entry is not None and entry.whole is not None:
-        entry.digest = rows_digest(grad._local_tensor)
+        now = rows_digest(grad._local_tensor)
+        entry.digest = now if entry.intact is None else torch.where(entry.intact, now, now + 1)
+        entry.intact = None
 
 
 def check_untouched(sp) -> None:
