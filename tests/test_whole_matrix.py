@@ -716,9 +716,11 @@ def test_an_exception_in_the_owners_step_is_raised_on_every_rank_instead_of_hang
     assert r0["cause"] == "FloatingPointError('NaN in the update')" and r1["cause"] == "None"
 
 
-def _state_dict_on_rank_0_only(rank: int, world_size: int) -> dict:
+def _state_dict_on_rank_0_only(rank: int, world_size: int, call: str) -> dict:
     """Muon on owner parameters over a mesh whose process group times out after 3 s; one step, then
-    ``optimizer.state_dict()`` on rank 0 alone (``if rank == 0: torch.save(opt.state_dict(), ...)``)."""
+    ``optimizer.<call>()`` on rank 0 alone (``if rank == 0: torch.save(opt.state_dict(), ...)``; a
+    ``load_state_dict`` of the state dict taken on every rank), then a step and a ``state_dict()`` on every
+    rank."""
     import time
     from datetime import timedelta
 
@@ -734,23 +736,28 @@ def _state_dict_on_rank_0_only(rank: int, world_size: int) -> dict:
     opt = torch.optim.Muon(model.parameters(), lr=0.02)
     model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
     opt.step()
+    saved = opt.state_dict()
     out = {}
     if rank == 0:
         start = time.monotonic()
         try:
-            opt.state_dict()
+            opt.state_dict() if call == "state_dict" else opt.load_state_dict(saved)
         except Exception as e:  # noqa: BLE001 - what it raises is the point
             out = {"error": type(e).__name__, "message": str(e)}
         out["seconds"] = time.monotonic() - start
     dist.barrier()  # rank 1 waits here (on the default group) meanwhile
-    out["keys"] = sorted(opt.state_dict()["state"])  # the refused call left nothing behind: on every rank, works
+    # the refused call left nothing behind: a step and a state_dict() on every rank work
+    model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
+    opt.step()
+    out["keys"] = sorted(opt.state_dict()["state"])
     return out
 
 
-def test_optimizer_state_dict_on_one_rank_with_owner_parameters_raises_naming_the_fix_instead_of_hanging():
-    r0, r1 = run_distributed(_state_dict_on_rank_0_only, 2, timeout=60)
+@pytest.mark.parametrize("call", ["state_dict", "load_state_dict"])
+def test_optimizer_state_dict_on_one_rank_with_owner_parameters_raises_naming_the_fix_instead_of_hanging(call):
+    r0, r1 = run_distributed(_state_dict_on_rank_0_only, 2, call, timeout=60)
     assert r0["error"] == "CollectiveTimeoutError", r0
-    assert "call optimizer.state_dict() on every rank" in r0["message"] and "[1]" in r0["message"], r0
+    assert f"call optimizer.{call}() on every rank" in r0["message"] and "[1]" in r0["message"], r0
     assert r0["keys"] == r1["keys"] == [0, 1]
 
 def _raising_owner_two_buckets(rank: int, world_size: int) -> dict:

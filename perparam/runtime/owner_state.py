@@ -150,6 +150,7 @@ def install(optimizer: torch.optim.Optimizer) -> None:
         return
     _hooked.add(optimizer)
     optimizer.register_state_dict_post_hook(_state_dict_post)
+    optimizer.register_load_state_dict_pre_hook(_load_state_dict_pre)
     optimizer.register_load_state_dict_post_hook(_load_state_dict_post)
 
 
@@ -178,14 +179,23 @@ def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict
     return state_dict
 
 
+def _load_state_dict_pre(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Before ``load_state_dict`` changes anything: every rank is loading (a call on some ranks only raises
+    ``CollectiveTimeoutError`` there with the optimizer as it was, instead of a state half in checkpoint
+    form that the next step would trip over)."""
+    route = owner_step.routing(optimizer)
+    if route is not None:
+        _enter_together(route, "optimizer.load_state_dict()", "call optimizer.load_state_dict() on every rank "
+                        "with the same state dict; its owner parameters' state is sent to their owners")
+
+
 def _load_state_dict_post(optimizer: torch.optim.Optimizer) -> None:
-    """After ``load_state_dict``: the owner parameters' loaded states (checkpoint form: DTensors sharded like
-    the parameter, whole tensors on every rank) whole on their owners, empty elsewhere."""
+    """After ``load_state_dict`` (every rank reached it: ``_load_state_dict_pre``): the owner parameters'
+    loaded states (checkpoint form: DTensors sharded like the parameter, whole tensors on every rank) whole
+    on their owners, empty elsewhere."""
     route = owner_step.routing(optimizer)
     if route is None:
         return
-    _enter_together(route, "optimizer.load_state_dict()", "call optimizer.load_state_dict() on every rank with "
-                    "the same state dict; its owner parameters' state is sent to their owners")
     restore = [(e.sp.sharded, optimizer.state[e.sp.sharded]) for b in route.buckets for e in b.entries
                if e.sp.sharded in optimizer.state]
     own_state(optimizer, restore)
