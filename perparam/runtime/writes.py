@@ -129,20 +129,6 @@ def rebind(params) -> None:
             sp._writes += 1
 
 
-def _targets(name: str, args, kwargs) -> list:
-    """The tensors a call writes (its ``self`` for in-place methods, operators and ``torch.nn.init``; the
-    first list of a ``_foreach_*_`` / ``_fused_*_`` call; ``out=``)."""
-    found = []
-    if args and ((name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)
-                 or name in _INPLACE_OPERATORS):
-        first = args[0]
-        found.extend(first if isinstance(first, (list, tuple)) else (first,))
-    out = kwargs.get("out") if kwargs else None
-    if out is not None:
-        found.extend(out if isinstance(out, (list, tuple)) else (out,))
-    return found
-
-
 class TrackedDTensor(DTensor):
     """A sharded parameter's DTensor: DTensor in every respect, plus ``__torch_function__`` counting the
     writes of the calls made on it (see the module docstring)."""
@@ -155,49 +141,10 @@ class TrackedDTensor(DTensor):
         if name == "__get__" and func != _DATA_GET:  # attribute reads (requires_grad, grad, ...): the fast path
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args)
-        if name == "__set__" and func == _DATA_SET and owner_of(args[0]) is not None:
-            return _assign_data(owner_of(args[0]), args[0], args[1])
-        if name.endswith("_"):
-            if kwargs and "tensor" in kwargs and getattr(func, "__module__", None) == "torch.nn.init":
-                args, kwargs = (kwargs["tensor"], *args), {k: v for k, v in kwargs.items() if k != "tensor"}
-            if args and isinstance(args[0], TrackedDTensor) and (
-                    name in _RANDOM and func is getattr(torch.Tensor, name, None)
-                    or getattr(func, "__module__", None) == "torch.nn.init"):
-                drawn = _draw_full(owner_of(args[0]), args[0], func, args, kwargs or {})
-                if drawn is not None:
-                    return drawn
-        if name == "__setitem__" and owner_of(args[0]) is not None:
-            return _set_items(owner_of(args[0]), *args)
-        out = kwargs.get("out") if kwargs else None
-        if (isinstance(out, TrackedDTensor) and owner_of(out) is not None and out.is_floating_point()
-                and not any(isinstance(a, torch.Tensor) for a in args)):  # a factory into p: torch.eye(..., out=p)
-            drawn = _draw_full(owner_of(out), out, lambda full, **kw: func(*args, **kw, out=full), (out,),
-                               {k: v for k, v in kwargs.items() if k != "out"})
-            if drawn is not None:
-                return drawn
-        if name in _DECISIONS and _is_scratch(args[0]) and any(p.is_partial() for p in args[0].placements):
-            t = args[0]
-            args = (t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim), *args[1:])
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **(kwargs or {}))
-        for t in (_targets(name, args, kwargs) if name[-1:] == "_" or name in _INPLACE_OPERATORS or kwargs else ()):
-            sp = owner_of(t)
-            if sp is not None:
-                sp._writes += 1
-            window = t.__dict__.get(_WINDOW_KEY) if isinstance(t, TrackedDTensor) else None
-            if window is not None:
-                _write_back(t, *window)
-        if isinstance(result, DTensor) and type(result) is DTensor:
-            if name == "detach" or (name == "__get__" and func == _DATA_GET):
-                sp = owner_of(args[0])
-                if sp is not None or _is_scratch(args[0]):
-                    _track(result, sp)  # an alias sharing the shard: its writes are the parameter's
-            elif name == "__getitem__" and owner_of(args[0]) is not None:
-                _track(result, None)  # (never a parameter: its random draws are drawn as its own shape)
-                result.__dict__[_WINDOW_KEY] = (args[0], args[1])
-            elif name in _SCRATCH_FROM or name in _MASKS or any(_is_scratch(a) for a in args):
-                _track(result, None)
-        return result
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            handler = _HANDLERS[name] = _handler_for(name)
+        return handler(func, name, args, kwargs)
 
     def __deepcopy__(self, memo):
         # torch's deepcopy of a wrapper subclass wants clone() to return the subclass: copy as a DTensor
@@ -211,6 +158,150 @@ class TrackedDTensor(DTensor):
         if type(new) is DTensor:
             new.__class__ = TrackedDTensor
         return new
+
+
+# ``TrackedDTensor.__torch_function__``'s table: a call's handler by the called function's ``__name__``
+# (``_HANDLERS``; a name first seen is classified once by ``_handler_for``; attribute reads other than ``.data``,
+# the most frequent calls, take the fast path before it). A handler runs the call as DTensor does (``_call``:
+# ``out=`` counted), then counts the writes its kind makes and tracks what the result is.
+
+
+def _call(func, args, kwargs):
+    """Run ``func`` as DTensor does; a write into ``out=`` counted (a factory into a sharded parameter,
+    ``torch.eye(n, out=p)``, drawn in full as ``_draw_full`` draws)."""
+    if not kwargs:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args)
+    out = kwargs.get("out")
+    if (isinstance(out, TrackedDTensor) and owner_of(out) is not None and out.is_floating_point()
+            and not any(isinstance(a, torch.Tensor) for a in args)):
+        drawn = _draw_full(owner_of(out), out, lambda full, **kw: func(*args, **kw, out=full), (out,),
+                           {k: v for k, v in kwargs.items() if k != "out"})
+        if drawn is not None:
+            return drawn
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    if out is not None:
+        _count(out)
+    return result
+
+
+def _count(written) -> None:
+    """One write on each written tensor's owner; a written window is written back into its parameter."""
+    for t in written if isinstance(written, (list, tuple)) else (written,):
+        sp = owner_of(t)
+        if sp is not None:
+            sp._writes += 1
+        window = t.__dict__.get(_WINDOW_KEY) if isinstance(t, TrackedDTensor) else None
+        if window is not None:
+            _write_back(t, *window)
+
+
+def _derived(result, args):
+    """What is computed from a scratch tensor is scratch too."""
+    if type(result) is DTensor and any(_is_scratch(a) for a in args):
+        _track(result, None)
+    return result
+
+
+def _reads(func, name, args, kwargs):
+    """Every name in no other row (views, arithmetic, reductions; ``out=`` counted by ``_call``)."""
+    return _derived(_call(func, args, kwargs), args)
+
+
+def _writes_first(func, name, args, kwargs):
+    """In-place methods and operators (``mul_``, ``p += x``), ``torch._foreach_*_`` and fused optimizer kernels
+    (their first argument, a list)."""
+    result = _call(func, args, kwargs)
+    if args:
+        _count(args[0])
+    return _derived(result, args)
+
+
+def _initializes(func, name, args, kwargs):
+    """``torch.nn.init.*`` and ``Tensor``'s random in-place methods: drawn in full where ``_draw_full`` applies,
+    else a write of the first argument."""
+    nn_init = getattr(func, "__module__", None) == "torch.nn.init"
+    if nn_init and kwargs and "tensor" in kwargs:
+        args, kwargs = (kwargs["tensor"], *args), {k: v for k, v in kwargs.items() if k != "tensor"}
+    if args and isinstance(args[0], TrackedDTensor) and (
+            nn_init or name in _RANDOM and func is getattr(torch.Tensor, name, None)):
+        drawn = _draw_full(owner_of(args[0]), args[0], func, args, kwargs or {})
+        if drawn is not None:
+            return drawn
+    return _writes_first(func, name, args, kwargs)
+
+
+def _sets_items(func, name, args, kwargs):
+    """``p[index] = x`` (one process's meaning, ``_set_items``); into a window or a scratch tensor: a write."""
+    sp = owner_of(args[0])
+    if sp is not None:
+        return _set_items(sp, *args)
+    return _writes_first(func, name, args, kwargs)
+
+
+def _sets_attribute(func, name, args, kwargs):
+    """``p.data = x`` (one process's meaning, ``_assign_data``); other attribute writes as DTensor does."""
+    sp = owner_of(args[0]) if func == _DATA_SET else None
+    if sp is not None:
+        return _assign_data(sp, args[0], args[1])
+    return _reads(func, name, args, kwargs)
+
+
+def _aliases(func, name, args, kwargs):
+    """``detach()``, ``.data``: an alias sharing the shard, so its writes are the parameter's."""
+    result = _call(func, args, kwargs)
+    if type(result) is DTensor:
+        sp = owner_of(args[0])
+        if sp is not None or _is_scratch(args[0]):
+            _track(result, sp)
+    return result
+
+
+def _windows(func, name, args, kwargs):
+    """``p[index]``: a window (never a parameter: its random draws are drawn as its own shape)."""
+    result = _call(func, args, kwargs)
+    if type(result) is DTensor and owner_of(args[0]) is not None:
+        _track(result, None)
+        result.__dict__[_WINDOW_KEY] = (args[0], args[1])
+        return result
+    return _derived(result, args)
+
+
+def _scratch(func, name, args, kwargs):
+    """``_SCRATCH_FROM`` and ``_MASKS``: the result is scratch."""
+    result = _call(func, args, kwargs)
+    if type(result) is DTensor:
+        _track(result, None)
+    return result
+
+
+def _decides(func, name, args, kwargs):
+    """``_DECISIONS``: a Python value of a scratch ``Partial`` is read from the whole tensor."""
+    t = args[0]
+    if _is_scratch(t) and any(p.is_partial() for p in t.placements):
+        args = (t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim), *args[1:])
+    return _derived(_call(func, args, kwargs), args)
+
+
+#: ``torch.nn.init``'s in-place functions, by name (``Tensor.normal_`` and ``uniform_`` share theirs:
+#: ``_initializes`` tells them apart)
+_INIT = frozenset(n for n, f in vars(torch.nn.init).items()
+                  if n.endswith("_") and callable(f) and getattr(f, "__module__", None) == "torch.nn.init")
+_HANDLERS = {
+    "__get__": _aliases,  # ``.data`` (every other attribute read takes the fast path)
+    "__set__": _sets_attribute, "detach": _aliases, "__getitem__": _windows,
+    **dict.fromkeys(_INPLACE_OPERATORS, _writes_first), "__setitem__": _sets_items,
+    **dict.fromkeys(_RANDOM | _INIT, _initializes),
+    **dict.fromkeys(_SCRATCH_FROM | _MASKS, _scratch),
+    **dict.fromkeys(_DECISIONS, _decides),
+    **dict.fromkeys(_NOT_WRITES, _reads),
+}
+
+
+def _handler_for(name: str):
+    """A name in no row yet: an in-place method (``name_``, not a dunder) writes its first argument."""
+    return _writes_first if name.endswith("_") and not name.startswith("__") else _reads
 
 
 def _write_back(window, base, index) -> None:
