@@ -47,11 +47,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from . import checkpoint_async as background
-from .checkpoint_files import FORMAT, MANIFEST, _commit, _read_manifest, _SafeReader, _write_json, latest  # noqa: F401
+from .checkpoint_files import (  # noqa: F401 (FORMAT, latest, survey: re-exported)
+    FORMAT,
+    MANIFEST,
+    _commit,
+    _read_manifest,
+    _SafeReader,
+    _write_json,
+    latest,
+    leftovers,
+    survey,
+    target_problem,
+)
+from .checkpoint_integrity import CheckpointDamagedError, DigestingWriter, damage, disk_full
 from .checkpoint_optim import (
     _info,
     _json,
@@ -117,19 +128,77 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     ``extra``: a small JSON-serialisable dict (step, data position, seeds) returned by ``load``.
     ``keep``: how many complete checkpoints of ``path``'s series to keep (its siblings named like it up
-    to trailing digits, e.g. ``step-000030``; oldest removed first; ``None``: all). An existing checkpoint at ``path`` is replaced only once the new one is complete. Returns
-    ``path``. Raises ``CheckpointError`` for non-JSON ``extra`` or optimizer options, before writing, and
-    the error of an earlier ``async_save`` still unreported (after waiting for it).
+    to trailing digits, e.g. ``step-000030``, the one saved included; oldest removed first; ``None``: all;
+    0, negative or not a whole number: refused); only perparam checkpoints count and are ever removed.
+    ``path`` must be new, an empty folder or a perparam checkpoint, which is replaced only once the new one
+    is complete; a file, a link, ``""``, ``.`` or a folder holding anything else is refused on every rank
+    before anything is written. The manifest records every file's size and SHA-256 (``load`` checks them).
+    Returns ``path``. Raises ``CheckpointError`` for the refusals above and non-JSON ``extra`` or optimizer
+    options, before writing; for a failed write (a full disk named as ENOSPC) after removing the partial
+    folder, on every rank; and the error of an earlier ``async_save`` still unreported (after waiting for it).
     """
     background.wait_pending()
-    path = Path(path)
+    path = _agreed_target(path, keep)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
-    with _single_process_quiet():
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
-    _barrier()  # every rank's files are written
+    return _write_and_commit(state, path, tmp, token, manifest, keep, None)
+
+
+def _agreed_target(raw, keep) -> Path:
+    """``raw`` as a ``Path``, or ``CheckpointError`` on every rank (before anything is written) when any rank
+    finds it may not be written (``checkpoint_files.target_problem``) or the ranks were given different
+    paths. A collective."""
+    mine = (os.fspath(raw) if isinstance(raw, (str, os.PathLike)) else repr(raw), target_problem(raw, keep))
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    problem = next(((r, why) for r, (_, why) in enumerate(everyone) if why), None)
+    if problem is None and len({p for p, _ in everyone}) > 1:
+        problem = (0, f"the ranks were given different paths ({', '.join(sorted({p for p, _ in everyone}))}): "
+                      "every rank passes the same checkpoint folder")
+    if problem is not None:
+        where = f" (found on rank {problem[0]})" if len(everyone) > 1 else ""
+        raise CheckpointError(f"perparam.checkpoint.save: {problem[1]}{where}. Nothing was written")
+    return Path(raw)
+
+
+def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: dict, keep, group) -> Path:
+    """Every rank writes its files into ``tmp`` (hashing them), rank 0 commits with every file's checksum;
+    on a failure anywhere every rank raises ``CheckpointError`` (naming a full disk) once ``tmp`` is removed.
+    ``group``: the process group (``None``: the default one)."""
+    no_dist = not dist.is_initialized()
+    writer = DigestingWriter(tmp)
+    failed: BaseException | None = None
+    try:
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    except BaseException as e:  # noqa: B036 (DCP's CheckpointException): raised on every rank, all writes over
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        failed = e
+    files = None
+    if failed is None:  # every rank's digests to every rank (also: every rank's files are written)
+        files = [writer.digests]
+        if not no_dist and dist.get_world_size(group) > 1:
+            files = [None] * dist.get_world_size(group)
+            dist.all_gather_object(files, writer.digests, group=group)
+    note = None
     if _rank() == 0:
-        _commit(path, tmp, token, manifest, keep)
-    _barrier()
+        try:
+            if failed is None:
+                _commit(path, tmp, token, manifest, keep, {k: v for d in files for k, v in d.items()})
+        except Exception as e:  # every rank must hear of it, not wait in the broadcast below
+            failed = e
+        if failed is not None:
+            note = f"{disk_full(failed, path.parent) or background.cause(failed)}; the partial folder {tmp.name} was removed"
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not no_dist and dist.get_world_size(group) > 1:
+        box = [note]
+        dist.broadcast_object_list(box, src=0, group=group)
+        note = box[0]
+    if note:
+        raise CheckpointError(f"saving {path} failed: {note}; nothing else changed (the previous checkpoint, if "
+                              "any, is as it was)")
     return path
 
 
@@ -155,30 +224,13 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
                               "group): its background writer needs a process group of its own per process; use "
                               "perparam.checkpoint.save (blocking) there")
     background.wait_pending()
-    path = Path(path)
+    path = _agreed_target(path, keep)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
     group = background.checkpoint_group()  # created by the first asynchronous save: a collective
     staged = background.snapshot(state)
 
     def write() -> Path:
-        with _single_process_quiet():
-            dcp.save(staged, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=group is None)
-        failed = None
-        if group is not None:
-            dist.barrier(group=group)  # every rank's files are written
-        if _rank() == 0:
-            try:
-                _commit(path, tmp, token, manifest, keep)
-            except Exception as e:  # every rank must hear of it, not wait in the broadcast below
-                failed = f"{type(e).__name__}: {e}"
-        if group is not None:
-            box = [failed]
-            dist.broadcast_object_list(box, src=0, group=group)
-            failed = box[0]
-        if failed:
-            raise CheckpointError(f"the background save of {path} was written but not committed ({failed}); "
-                                  "the previous checkpoint is unchanged")
-        return path
+        return _write_and_commit(staged, path, tmp, token, manifest, keep, group)
 
     return background.submit(write, path)
 
@@ -210,9 +262,9 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():  # a save killed between its two renames left the previous one as .old: done with it
-            for stale in path.parent.glob(f".{path.name}.old-*"):
+            for stale in leftovers(path, "old"):
                 shutil.rmtree(stale, ignore_errors=True)
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
+        for stale in leftovers(path, "tmp"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return state, manifest, tmp, token
@@ -266,7 +318,8 @@ def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> li
     return out
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         verify: bool = True) -> dict:
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``: what ``save`` was given, one
     optimizer or a sequence of them in the same order); every rank calls it.
 
@@ -274,10 +327,16 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     ``extra`` dict given to ``save``. Waits for this process's ``async_save`` still in flight first (and
     raises its failure). Raises ``CheckpointError`` before changing anything when ``path`` is
     missing, incomplete or foreign, or names, shapes or dtypes differ (all differences in one message).
+    With ``verify`` (the default), every file's size and SHA-256 are checked against the manifest first, the
+    files split between the ranks: ``CheckpointDamagedError`` (a ``CheckpointError``) on every rank names
+    the first damaged file and what is wrong with it (missing, truncated, overwritten, changed in place);
+    checkpoints saved before checksums are loaded unchecked.
     """
     background.wait_pending()  # an async_save of this process still writing (perhaps this very checkpoint)
     path = Path(path)
     manifest = _read_manifest(path)
+    if verify:
+        _verify(path, manifest.get("files") or {})
     current = _model_state(model)
     problems = _differences(manifest["model"], current, "model")
     targets = {f"model.{k}": torch.zeros_like(v) for k, v in current.items()}
@@ -316,5 +375,19 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return manifest.get("extra", {})
 
 
-__all__ = ["CheckpointError", "PendingSave", "async_save", "full_state_dict", "latest", "load", "load_full_state_dict",
-           "save", "wait_pending"]
+def _verify(path: Path, files: dict[str, dict]) -> None:
+    """Check ``files`` (name -> size and checksum) in ``path``: rank r hashes every K-th name from the r-th, the
+    ranks share what they found, and every rank raises the same ``CheckpointDamagedError``. A collective."""
+    names = sorted(files)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    found = [damage(path, files, names[_rank()::world])]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, damage(path, files, names[_rank()::world]))
+    wrong = sorted(w for part in found for w in part)
+    if wrong:
+        raise CheckpointDamagedError(path, wrong[0][0], wrong[0][1], more=len(wrong) - 1)
+
+
+__all__ = ["CheckpointDamagedError", "CheckpointError", "PendingSave", "async_save", "full_state_dict", "latest", "load", "load_full_state_dict",
+           "save", "survey", "wait_pending"]

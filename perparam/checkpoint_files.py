@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -17,10 +18,23 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from . import checkpoint_async as background
+from .checkpoint_integrity import (
+    MANIFEST_SUM,
+    CheckpointDamagedError,
+    damage,
+    file_digest,
+    manifest_damage,
+    seal,
+)
 from .full_state import CheckpointError
 
 MANIFEST = "perparam_checkpoint.json"
 FORMAT = "perparam-checkpoint/1"
+METADATA = ".metadata"
+#: the names a perparam checkpoint's folder holds: the manifest, DCP's metadata and its data files
+OWN_FILE = re.compile(r"(perparam_checkpoint\.json|\.metadata|__\d+_\d+\.distcp)")
+#: what a save leaves beside ``path`` while it runs: ``.<name>.tmp-<token>``, ``.<name>.old-<token>``
+TOKEN = r"[0-9a-f]{12}"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -50,10 +64,13 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None) -> None:
-    """Rank 0, once every rank's files are in ``tmp``: the manifest, the atomic rename(s), ``keep``."""
+def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None, files: dict | None = None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: the manifest (with ``files``, every data file's size
+    and checksum, and DCP's metadata file's), the atomic rename(s), ``keep``."""
     manifest["saved_ns"] = time.time_ns()
-    _write_json(tmp / MANIFEST, manifest)
+    if files is not None:
+        manifest["files"] = {**files, METADATA: file_digest(tmp / METADATA)}
+    _write_json(tmp / MANIFEST, seal(manifest))
     if path.exists():
         old = path.parent / f".{path.name}.old-{token}"
         os.rename(path, old)
@@ -62,10 +79,10 @@ def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None)
     else:
         os.rename(tmp, path)
     _fsync_dir(path.parent)
-    if keep is not None:
-        for stale in _series(path)[:-keep]:
-            if stale != path:
-                shutil.rmtree(stale, ignore_errors=True)
+    if keep is not None:  # the newest keep - 1 others of the series stay beside path; only checkpoints count
+        others = [d for d in _series(path) if d != path]
+        for stale in others[:max(0, len(others) - (keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write_json(target: Path, data: dict) -> None:
@@ -103,7 +120,81 @@ def _series(path: Path) -> list[Path]:
     prefix = path.name.rstrip("0123456789")
     if prefix == path.name:
         return [path]
-    return [d for d in _complete(path.parent) if d.name.startswith(prefix) and d.name[len(prefix):].isdigit()]
+    return [d for d in _complete(path.parent) if d.name.startswith(prefix) and d.name[len(prefix):].isdigit()
+            and is_checkpoint(d)]
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """The names in ``folder`` that no perparam checkpoint holds (a user's notes, another tool's files)."""
+    return sorted(e.name for e in folder.iterdir() if not (OWN_FILE.fullmatch(e.name) and e.is_file()))
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """``folder`` is a perparam checkpoint, complete or damaged: a manifest and nothing but a checkpoint's
+    files (so replacing it or pruning it with ``keep`` loses nothing else)."""
+    return folder.is_dir() and not folder.is_symlink() and (folder / MANIFEST).is_file() and not foreign_entries(folder)
+
+
+def target_problem(raw, keep) -> str | None:
+    """Why ``save``/``async_save`` must not write to ``raw`` (the path as given) with ``keep``, or ``None``:
+    an empty path, one that names no folder of its own (``.``, ``..``, ``/``), a file, a symbolic link, a
+    folder that is neither empty nor a perparam checkpoint; ``keep`` not ``None`` or a whole number >= 1."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        return (f"keep={keep!r}: pass how many checkpoints of the series to keep, 1 or more (the one saved "
+                "included), or keep=None to keep them all")
+    if not isinstance(raw, (str, os.PathLike)) or not os.fspath(raw):
+        return f"the path {raw!r} is empty: pass the checkpoint's own folder, e.g. 'checkpoints/step-000100'"
+    path = Path(raw)
+    if path.name in ("", ".", ".."):
+        return f"{os.fspath(raw)!r} names no folder of its own: pass the checkpoint's own folder inside it"
+    if path.is_symlink():
+        return f"{path} is a symbolic link: pass the folder itself"
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a perparam checkpoint: pass another path, or remove it yourself"
+    if path.is_dir() and not is_checkpoint(path):
+        listed = foreign_entries(path)
+        if listed:
+            shown = ", ".join(listed[:4]) + (f" and {len(listed) - 4} more" if len(listed) > 4 else "")
+            return (f"{path} is a folder that is not a perparam checkpoint (it holds {shown}): a save replaces "
+                    "only a perparam checkpoint or an empty folder; pass another path")
+        if not (path / MANIFEST).is_file() and any(path.iterdir()):
+            return (f"{path} holds checkpoint files but no {MANIFEST} (an unfinished or damaged checkpoint of "
+                    "another tool?): pass another path, or remove it yourself")
+    return None
+
+
+def leftovers(path: Path, kind: str) -> list[Path]:
+    """What a killed save of ``path`` left beside it: ``.<name>.<kind>-<token>`` folders (``tmp``, ``old``)."""
+    pattern = re.compile(re.escape(f".{path.name}.{kind}-") + TOKEN)
+    return [p for p in path.parent.glob(f".{path.name}.{kind}-*") if pattern.fullmatch(p.name) and p.is_dir()]
+
+
+def survey(folder: str | os.PathLike) -> list[tuple[Path, str | None]]:
+    """The checkpoints in ``folder`` (visible folders holding a manifest or DCP metadata), newest first, each
+    with what is wrong with it as far as it is known without reading the data (a missing, unreadable or
+    changed manifest, a data file missing or of the wrong size), or ``None``. Newest: by the manifest's
+    save time, or the folder's time where the manifest cannot be read."""
+    found = []
+    folder = Path(folder)
+    for d in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if d.name.startswith(".") or not d.is_dir() or not ((d / MANIFEST).exists() or (d / METADATA).exists()):
+            continue
+        when, problem = d.stat().st_mtime_ns, None
+        if not (d / MANIFEST).is_file():
+            found.append((when, d, f"{MANIFEST} is missing"))
+            continue
+        try:
+            manifest = _read_manifest(d)
+            when = manifest.get("saved_ns", when)
+            wrong = damage(d, manifest.get("files", {}), sorted(manifest.get("files", {})), hashes=False)
+            if wrong:
+                problem = f"{wrong[0][0]} {wrong[0][1]}"
+        except CheckpointDamagedError as e:
+            problem = f"{e.file} {e.what}"
+        except CheckpointError as e:
+            problem = str(e)
+        found.append((when, d, problem))
+    return [(d, problem) for _, d, problem in sorted(found, key=lambda t: (t[0], t[1].name), reverse=True)]
 
 
 def latest(folder: str | os.PathLike) -> Path | None:
@@ -131,8 +222,14 @@ def _read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a complete perparam checkpoint (no {MANIFEST}){hint}")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path / MANIFEST} is damaged ({e}); load an earlier checkpoint") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointDamagedError(path, MANIFEST, f"cannot be read (truncated or overwritten: {e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointDamagedError(path, MANIFEST, "is not a manifest (overwritten)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    changed = manifest_damage(manifest)
+    if changed:
+        raise CheckpointDamagedError(path, MANIFEST, changed)
+    manifest.pop(MANIFEST_SUM, None)
     return manifest
