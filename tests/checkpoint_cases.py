@@ -1,15 +1,18 @@
 """Shared by the checkpoint safety tests (``test_checkpoint_target.py``, ``test_checkpoint_integrity.py``):
 a trained model with its optimizer state, of two kinds ("adamw": TinyNet with AdamW; "owner": Muon on
 owner parameters plus AdamW, ``tests/owner_cases.recipe``), saved sync or async, its full state, and a bit
-flipped inside one named record of a saved checkpoint."""
+flipped inside one named record of a saved checkpoint, and a small tmpfs to fill (a real full disk)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import subprocess
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -88,3 +91,19 @@ def flip_bit(path: Path, key_part: str) -> str:
     data[offset + start + (entry.file_size // 8) * 4 + 3] ^= 0x40  # float32, little-endian: the exponent's top
     (path / name).write_bytes(bytes(data))
     return name
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str = "1m"):
+    folder.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command: a full file system cannot be made here")
+    if done.returncode:
+        pytest.skip(f"a small tmpfs cannot be mounted here ({done.stderr.strip()[:120]}): needs root")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

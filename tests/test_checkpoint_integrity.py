@@ -6,11 +6,9 @@ save or an async save (a real one: a small tmpfs) is named as ENOSPC and the par
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch.distributed as dist
 
 from perparam import checkpoint
 from perparam.checkpoint import CheckpointDamagedError, CheckpointError
-from tests.checkpoint_cases import build, flip_bit, saved, state, train
+from tests.checkpoint_cases import build, flip_bit, saved, small_tmpfs, state, train
 from tests.distributed import run_distributed
 
 
@@ -112,22 +110,6 @@ def test_survey_names_the_damaged_newest_and_latest_skips_it(tmp_path):
 
 
 # -- a full disk ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def small_tmpfs(folder: Path, size: str = "1m"):
-    folder.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                              capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip("no mount command: a full file system cannot be made here")
-    if done.returncode:
-        pytest.skip(f"a small tmpfs cannot be mounted here ({done.stderr.strip()[:120]}): needs root")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
 def save_on_full_disk(rank: int, world_size: int, disk: str, kind: str, mode: str) -> dict:
     model, opt = build(rank, world_size, kind)
     disk = Path(disk)

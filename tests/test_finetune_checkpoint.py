@@ -4,6 +4,7 @@ ranks) continues exactly where the uninterrupted run is; bad --resume folders st
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,16 @@ def test_a_save_folder_holding_a_users_step_folder_stops_before_any_worker_start
     assert "step-000002 is a folder that is not a perparam checkpoint (it holds notes.txt)" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert (tmp_path / "ckpt" / "step-000002" / "notes.txt").read_text() == "mine"
+
+
+def test_a_full_disk_during_the_background_save_is_one_line_naming_enospc(tmp_path, text_dir):
+    from tests.checkpoint_cases import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", size="256k") as disk:
+        proc = run_finetune(*TINY, "--text", str(text_dir), "--nproc", "2", "--save", str(disk / "ckpt"))
+        left = sorted(os.listdir(disk / "ckpt"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the checkpoint of step 4 could not be written" in err[0] and "ENOSPC" in err[0], err[0]
+    assert "partial folder .step-000004.tmp-" in err[0] and left == [], (err[0], left)
