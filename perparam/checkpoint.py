@@ -162,7 +162,8 @@ def _agreed_target(raw, keep) -> Path:
     return Path(raw)
 
 
-def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: dict, keep, group) -> Path:
+def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: dict, keep, group,
+                      in_background: bool = False) -> Path:
     """Every rank writes its files into ``tmp`` (hashing them), rank 0 commits with every file's checksum;
     on a failure anywhere every rank raises ``CheckpointError`` (naming a full disk) once ``tmp`` is removed.
     ``group``: the process group (``None``: the default one)."""
@@ -197,8 +198,8 @@ def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: 
         dist.broadcast_object_list(box, src=0, group=group)
         note = box[0]
     if note:
-        raise CheckpointError(f"saving {path} failed: {note}; nothing else changed (the previous checkpoint, if "
-                              "any, is as it was)")
+        what = f"the background save of {path}" if in_background else f"saving {path}"
+        raise CheckpointError(f"{what} failed: {note}; the previous checkpoint is unchanged")
     return path
 
 
@@ -230,7 +231,7 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     staged = background.snapshot(state)
 
     def write() -> Path:
-        return _write_and_commit(staged, path, tmp, token, manifest, keep, group)
+        return _write_and_commit(staged, path, tmp, token, manifest, keep, group, in_background=True)
 
     return background.submit(write, path)
 

@@ -121,7 +121,7 @@ def disk_full(exc: BaseException, folder: Path) -> str | None:
             continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return f"no space left on the device holding {folder} ({errno.errorcode[e.errno]})"
+            return f"{os.strerror(e.errno)} ({errno.errorcode[e.errno]}) on the file system holding {folder}"
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             todo += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
@@ -132,5 +132,5 @@ def disk_full(exc: BaseException, folder: Path) -> str | None:
         return None
     free = st.f_bavail * st.f_frsize
     if free < (1 << 20):
-        return f"no space left on the device holding {folder} (ENOSPC: {free} bytes free)"
+        return f"No space left on device (ENOSPC: {free} bytes free) on the file system holding {folder}"
     return None
