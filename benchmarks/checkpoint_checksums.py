@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 def _no_checksums():
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from perparam import checkpoint_integrity
+    from perparam.checkpoint import integrity as checkpoint_integrity
 
     hashing = checkpoint_integrity.DigestingWriter.write_data
     checkpoint_integrity.DigestingWriter.write_data = FileSystemWriter.write_data
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from perparam import checkpoint
-    from perparam.checkpoint_integrity import file_digest
+    from perparam.checkpoint.integrity import file_digest
     from perparam.finetune.gguf_loader import find_gguf, load_llama
 
     torch.set_num_threads(1)

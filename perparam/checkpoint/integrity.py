@@ -1,7 +1,7 @@
 """A perparam checkpoint's checksums: every file's size and SHA-256 in the manifest, taken by the rank that
 wrote it (``DigestingWriter``: DCP's file writer that hashes what it has just written, in the write phase,
 so the ranks hash in parallel), the manifest's own checksum, and the check at load (``damage``: which file
-is missing, truncated, grown or changed in place), raised as ``CheckpointDamagedError``; and the naming
+is missing, truncated, grown or changed in place), raised as ``perparam.errors.CheckpointDamagedError``; and the naming
 of a full disk (``disk_full``).
 
 Why SHA-256: strong (any flipped bit, truncation or overwrite is found, and two checkpoints' files never
@@ -22,24 +22,9 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from .full_state import CheckpointError
-
 HASH = "sha256"
 MANIFEST_SUM = "manifest_sha256"
 _CHUNK = 8 << 20
-
-
-class CheckpointDamagedError(CheckpointError):
-    """A checkpoint whose files are not what its save wrote: ``path`` (the checkpoint), ``file`` (the first
-    damaged file's name) and ``what`` (missing, truncated, grown, changed in place, or a damaged manifest).
-    Nothing was loaded; an older checkpoint may be intact (``perparam.checkpoint.latest`` /
-    ``perparam finetune --resume`` take the newest intact one)."""
-
-    def __init__(self, path: Path, file: str, what: str, more: int = 0) -> None:
-        self.path, self.file, self.what = Path(path), file, what
-        others = f" (and {more} more damaged file{'s' if more > 1 else ''})" if more else ""
-        super().__init__(f"checkpoint {path} is damaged: {file} {what}{others}; nothing was loaded: load an "
-                         "earlier checkpoint")
 
 
 def file_digest(path: Path) -> dict:

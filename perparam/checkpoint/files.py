@@ -17,16 +17,15 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from . import checkpoint_async as background
-from .checkpoint_integrity import (
+from ..errors import CheckpointDamagedError, CheckpointError
+from . import background
+from .integrity import (
     MANIFEST_SUM,
-    CheckpointDamagedError,
     damage,
     file_digest,
     manifest_damage,
     seal,
 )
-from .full_state import CheckpointError
 
 MANIFEST = "perparam_checkpoint.json"
 FORMAT = "perparam-checkpoint/1"
@@ -37,7 +36,7 @@ OWN_FILE = re.compile(r"(perparam_checkpoint\.json|\.metadata|__\d+_\d+\.distcp)
 TOKEN = r"[0-9a-f]{12}"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata classes, ``collections.OrderedDict`` and torch's dtype/layout/format objects."""
 
     def find_class(self, module: str, name: str):
@@ -54,23 +53,23 @@ class _MetadataUnpickler(pickle.Unpickler):
                               "to unpickle it (the checkpoint was not written by torch.distributed.checkpoint)")
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = MetadataUnpickler(f).load()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None, files: dict | None = None) -> None:
+def commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None, files: dict | None = None) -> None:
     """Rank 0, once every rank's files are in ``tmp``: the manifest (with ``files``, every data file's size
     and checksum, and DCP's metadata file's), the atomic rename(s), ``keep``."""
     manifest["saved_ns"] = time.time_ns()
     if files is not None:
         manifest["files"] = {**files, METADATA: file_digest(tmp / METADATA)}
-    _write_json(tmp / MANIFEST, seal(manifest))
+    write_json(tmp / MANIFEST, seal(manifest))
     if path.exists():
         old = path.parent / f".{path.name}.old-{token}"
         os.rename(path, old)
@@ -78,14 +77,14 @@ def _commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None,
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if keep is not None:  # the newest keep - 1 others of the series stay beside path; only checkpoints count
-        others = [d for d in _series(path) if d != path]
+        others = [d for d in series(path) if d != path]
         for stale in others[:max(0, len(others) - (keep - 1))]:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _write_json(target: Path, data: dict) -> None:
+def write_json(target: Path, data: dict) -> None:
     part = target.with_suffix(".part")
     with open(part, "w") as f:
         json.dump(data, f, indent=1)
@@ -94,7 +93,7 @@ def _write_json(target: Path, data: dict) -> None:
     os.replace(part, target)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -102,7 +101,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _complete(folder: Path) -> list[Path]:
+def complete(folder: Path) -> list[Path]:
     """The complete checkpoints in ``folder``, oldest first."""
     found = []
     for d in folder.iterdir() if folder.is_dir() else []:
@@ -114,13 +113,13 @@ def _complete(folder: Path) -> list[Path]:
     return [d for _, d in sorted(found)]
 
 
-def _series(path: Path) -> list[Path]:
+def series(path: Path) -> list[Path]:
     """The complete checkpoints beside ``path`` named like it up to its trailing digits (``step-000030``:
     ``step-*``), oldest first; a name without trailing digits is a series of one."""
     prefix = path.name.rstrip("0123456789")
     if prefix == path.name:
         return [path]
-    return [d for d in _complete(path.parent) if d.name.startswith(prefix) and d.name[len(prefix):].isdigit()
+    return [d for d in complete(path.parent) if d.name.startswith(prefix) and d.name[len(prefix):].isdigit()
             and is_checkpoint(d)]
 
 
@@ -184,7 +183,7 @@ def survey(folder: str | os.PathLike) -> list[tuple[Path, str | None]]:
             found.append((when, d, f"{MANIFEST} is missing"))
             continue
         try:
-            manifest = _read_manifest(d)
+            manifest = read_manifest(d)
             when = manifest.get("saved_ns", when)
             wrong = damage(d, manifest.get("files", {}), sorted(manifest.get("files", {})), hashes=False)
             if wrong:
@@ -204,11 +203,11 @@ def latest(folder: str | os.PathLike) -> Path | None:
     folder = Path(folder)
     if (folder / MANIFEST).is_file():
         return folder
-    found = _complete(folder)
+    found = complete(folder)
     return found[-1] if found else None
 
 
-def _read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict:
     if not path.is_dir():
         moved = sorted(path.parent.glob(f".{path.name}.old-*"))
         if moved and (moved[-1] / MANIFEST).is_file():

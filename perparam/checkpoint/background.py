@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .full_state import CheckpointError
+from ..errors import CheckpointError
 
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
