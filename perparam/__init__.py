@@ -10,7 +10,7 @@ from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
 from .comm.sequence import CollectiveTimeoutError
-from .full_state import CheckpointError
+from .errors import CheckpointDamagedError, CheckpointError
 from .invariant import InvariantError, InvariantUnits
 from .module import (
     DeepcopyError,
@@ -36,6 +36,7 @@ from .sharding.errors import MetaParameterError
 from .sharding.policy import MixedPrecisionPolicy, OffloadPolicy, ParamPolicy, PolicyError, QuantPolicy
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",

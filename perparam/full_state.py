@@ -18,13 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .errors import CheckpointError
 from .runtime import zero
 from .runtime.group import group_of
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint or full state dict that cannot be saved or loaded; the message says what is wrong and
-    what to do. (Defined here, below ``perparam.checkpoint``, which re-exports it.)"""
 
 
 def _policy_meshes(model: nn.Module) -> list:

@@ -171,7 +171,7 @@ class ShardedAccelerator(Accelerator):
         pairs = self._pairs()  # its refusals before accelerate writes anything
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         for i, (model, opts) in enumerate(pairs):
-            checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, _one_or_all(opts))
+            checkpoint.save(os.path.join(location, STATE_DIR.format(i)), model, _one_or_all(opts), keep=None)
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):

@@ -23,7 +23,7 @@ import functools
 
 from torch import nn
 
-from .full_state import CheckpointError
+from .errors import CheckpointError
 from .runtime.registration import ShardedTreeChangeError, class_name
 
 #: methods that change the module tree: name -> what they change

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import checkpoint_async
+from .checkpoint import background as checkpoint_background
 
 
 @contextlib.contextmanager
@@ -57,7 +57,7 @@ def distributed_session(backend: str | None = None, timeout_s: float | None = No
         yield
     finally:
         try:
-            checkpoint_async.release()  # a checkpoint still written in the background (async_save) uses the groups
+            checkpoint_background.release()  # a checkpoint still written in the background (async_save) uses the groups
         finally:
             gc.collect()
             if created and dist.is_initialized():

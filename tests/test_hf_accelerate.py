@@ -126,6 +126,11 @@ def _two_optimizers_and_a_second_prepare(folder: str) -> dict:
         out["one_over_two"] = None
     except CheckpointError as e:
         out["one_over_two"] = str(e)
+    three = ShardedAccelerator(cpu=True)  # three sharded models: perparam_state_0..2 are no series to prune
+    models = [sharded_llama() for _ in range(3)]
+    three.prepare(*models, *[torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models])
+    location = three.save_state(os.path.join(folder, "three"))
+    out["three_files"] = sorted(f for f in os.listdir(location) if f.startswith("perparam_state"))
     return out
 
 
@@ -189,3 +194,4 @@ def test_save_state_keeps_every_optimizer_of_a_sharded_model_once_and_refuses_on
         assert r["two_files"] == ["perparam_state_0"], r["two_files"]  # the model prepared twice: saved once
         assert r["second_restored"]  # the second optimizer's shards come back from the perparam checkpoint
         assert r["one_over_two"] and "its own optimizer" in r["one_over_two"], r["one_over_two"]
+        assert r["three_files"] == ["perparam_state_0", "perparam_state_1", "perparam_state_2"], r["three_files"]

@@ -251,8 +251,8 @@ REBOUND = {("perparam.runtime.config", "_current"): "the RuntimeConfig itself",
            ("perparam.comm.debug", "_enabled"): "set_debug", ("perparam.comm.debug", "_timeout_s"): "set_debug",
            ("perparam.runtime.adopt", "_generation"): "a counter", ("perparam.runtime.adopt", "_pre_hook"): "a hook handle",
            ("perparam.api", "_WARNED_LOW_PRECISION"): "warned once",
-           ("perparam.checkpoint_async", "_GROUP"): "the writer's process group",
-           ("perparam.checkpoint_async", "_EXECUTOR"): "the writer thread",
+           ("perparam.checkpoint.background", "_GROUP"): "the writer's process group",
+           ("perparam.checkpoint.background", "_EXECUTOR"): "the writer thread",
            ("perparam.offload.tier", "_order"): "the last forward's order", ("perparam.offload.tier", "_current"): "this one's",
            ("perparam.offload.mapped", "_EXECUTORS"): "the I/O threads", ("perparam.offload.mapped", "_libc"): "libc"}
 
@@ -369,3 +369,32 @@ def test_no_test_file_imports_another():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             bad += [f"{path.name}: {n}" for n in names if n.startswith("tests.test_")]
     assert not bad, bad
+
+
+def _private_names_across(folder: Path) -> list[str]:
+    """``from .sibling import _name`` and ``sibling._name`` between the files of ``folder`` (a package)."""
+    siblings = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "") in siblings:
+                found += [f"{path.name}: from .{node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in siblings
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.name}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_checkpoint_family_is_one_folder_that_imports_no_private_name_across_its_files():
+    folder = PACKAGE / "checkpoint"
+    assert (folder / "__init__.py").is_file() and not sorted(PACKAGE.glob("checkpoint*.py"))
+    assert _private_names_across(folder) == []
+    homes = [m for m, p in CORE.items() for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.ClassDef) and node.name in ("CheckpointError", "CheckpointDamagedError")]
+    assert homes == ["perparam.errors", "perparam.errors"], homes  # one home for the family's errors
+
+
+def test_the_private_name_reader_sees_both_spellings(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import _x, y\nfrom . import b\nb._z()\nb.__name__\n")
+    (tmp_path / "b.py").write_text("")
+    assert _private_names_across(tmp_path) == ["a.py: from .b import _x", "a.py: b._z"]

@@ -13,22 +13,38 @@ if TYPE_CHECKING:
 
 
 def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> int:
-    """``--resume DIR``: load the newest complete checkpoint (any world size or mesh) and return its step;
+    """``--resume DIR``: load the newest intact checkpoint (any world size or mesh) and return its step;
     ``optimizer``: the job's ``optimizers.JobOptimizers`` (each one's state is restored) or one torch
-    optimizer; ``scheduler`` (its ``JobSchedule``) continues at that step (:func:`schedule.restore`)."""
+    optimizer; ``scheduler`` (its ``JobSchedule``) continues at that step (:func:`schedule.restore`).
+    Newer checkpoints that are damaged (a manifest that cannot be read, a file missing, cut short or changed
+    since the save: ``perparam.checkpoint.survey`` and the checksums ``load`` verifies, on every rank alike)
+    are skipped, and rank 0 says which and why in one line; none intact: :class:`FinetuneInputError`."""
     if not cfg.resume:
         return 0
     from perparam import checkpoint
 
     finish_saves(cfg, rank)  # a checkpoint of this process still being written may be the newest
 
-    newest = checkpoint.latest(cfg.resume)
-    extra = checkpoint.load(newest, model, _saved(optimizer))
+    skipped, extra, chosen = [], None, None
+    for path, problem in checkpoint.survey(cfg.resume):
+        if problem is None:
+            try:
+                extra, chosen = checkpoint.load(path, model, _saved(optimizer)), path
+                break
+            except checkpoint.CheckpointDamagedError as exc:  # raised on every rank: nothing was loaded
+                problem = f"{exc.file} {exc.what}"
+        skipped.append(f"{path.name} ({problem})")
+    if rank == 0 and skipped:
+        print(f"--resume {cfg.resume}: skipped {'; '.join(skipped)}; "
+              + (f"resuming from {chosen.name}" if chosen else "no intact checkpoint left"), flush=True)
+    if chosen is None:
+        raise FinetuneInputError(f"--resume {cfg.resume}: no intact checkpoint in it (skipped: {'; '.join(skipped)}); "
+                                 "pass the --save folder of an earlier run")
     if scheduler is not None:
         scheduler.restore(extra.get("lr_scheduler"), int(extra["step"]), cfg.lr)
     lifecycle.checkpoint_done(int(extra["step"]), cfg.resume)  # named if stopped before the next save
     if rank == 0:
-        print(f"resumed from {newest} at step {extra['step']}", flush=True)
+        print(f"resumed from {chosen} at step {extra['step']}", flush=True)
     return int(extra["step"])
 
 
@@ -55,6 +71,8 @@ def save_if_due(cfg: JobConfig, model, optimizer, step: int, rank: int, schedule
                                         extra=extra, keep=2)
     except OSError as exc:
         raise _unwritable(cfg, step, exc.strerror or str(exc)) from None
+    except checkpoint.CheckpointError as exc:  # refused on every rank before anything was written
+        raise FinetuneInputError(f"--save {cfg.save}: {exc}") from None
     _in_flight.append((pending, step))
 
 

@@ -225,16 +225,24 @@ def check_checkpoint_args(cfg: JobConfig) -> None:
     save, every, resume = cfg.save, cfg.save_every, cfg.resume
     if every < 0 or (every and not save):
         raise FinetuneInputError(f"--save-every {every}: pass a positive number of steps together with --save DIR")
+    if save and Path(save).is_dir():  # what the run would write over: DIR/step-NNNNNN
+        for entry in sorted(Path(save).iterdir()):
+            problem = checkpoint.target_problem(entry, 2) if re.fullmatch(r"step-\d{6}", entry.name) else None
+            if problem:
+                raise FinetuneInputError(f"--save {save}: {problem}")
     if resume:
         if Path(resume).exists() and not Path(resume).is_dir():
             raise FinetuneInputError(f"--resume {resume} is a file, not a folder: pass the --save folder of "
                                      "the run to continue")
         if not Path(resume).is_dir():
             raise FinetuneInputError(f"--resume {resume}: no such folder")
-        newest = checkpoint.latest(resume)
+        found = checkpoint.survey(resume)
+        newest = next((path for path, problem in found if problem is None), None)
         if newest is None:
-            raise FinetuneInputError(f"--resume {resume}: no complete checkpoint in it (a save that never finished "
-                                     "leaves none); pass the --save folder of an earlier run")
+            damaged = "; ".join(f"{path.name}: {problem}" for path, problem in found[:3])
+            raise FinetuneInputError(f"--resume {resume}: no complete checkpoint in it (" + (
+                f"damaged: {damaged}" if found else "a save that never finished leaves none") +
+                "); pass the --save folder of an earlier run")
         extra = json.loads((newest / checkpoint.MANIFEST).read_text()).get("extra", {})
         lora.check_resume(extra, cfg.lora_config(), resume)
         saved = extra.get("optimizer", "adamw")  # checkpoints from before --optimizer: AdamW

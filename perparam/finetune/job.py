@@ -311,7 +311,7 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
     import gc
     import sys
 
-    from perparam import checkpoint_async
+    from perparam.checkpoint import background as checkpoint_background
 
     launched = float(os.environ.get("PERPARAM_LAUNCH_TIME", time.time()))  # wall_s: from launch
     run = None
@@ -332,7 +332,7 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
         # kept into interpreter teardown it was seen to abort the process at exit
         run = None  # noqa: F841
         with contextlib.suppress(Exception):  # on a failure's way out: a background write still running
-            checkpoint_async.release()  # waited for (and its group dropped) before the groups go
+            checkpoint_background.release()  # waited for (and its group dropped) before the groups go
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

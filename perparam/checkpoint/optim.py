@@ -10,20 +10,20 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .full_state import CheckpointError
-from .offload import tier as offload_tier
-from .runtime import adopt, owner_state
+from ..errors import CheckpointError
+from ..offload import tier as offload_tier
+from ..runtime import adopt, owner_state
 
 
-def _info(t: torch.Tensor) -> dict:
+def info(t: torch.Tensor) -> dict:
     return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dtensor": isinstance(t, DTensor)}
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
+def optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
     adopt._retarget(optimizer, (), {})  # built before fully_shard: point it at the sharded parameters now
     names = {id(p): n for n, p in model.named_parameters()}
     groups = []
@@ -40,7 +40,7 @@ def _optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch
     return groups
 
 
-def _json(value, what: str):
+def as_json(value, what: str):
     try:
         json.dumps(value)
     except (TypeError, ValueError) as e:
@@ -48,7 +48,7 @@ def _json(value, what: str):
     return value
 
 
-def _listed(optimizer) -> list[tuple[str, torch.optim.Optimizer]]:
+def listed(optimizer) -> list[tuple[str, torch.optim.Optimizer]]:
     """``save``/``load``'s ``optimizer`` as ``[(key prefix, optimizer)]``: one optimizer's state under
     ``optim.<name>.<key>``, the ``i``-th of a sequence's (Muon and AdamW) under ``optim<i>.<name>.<key>``."""
     if optimizer is None:
@@ -58,34 +58,34 @@ def _listed(optimizer) -> list[tuple[str, torch.optim.Optimizer]]:
     return [(f"optim{i}.", opt) for i, opt in enumerate(optimizer)]
 
 
-def _optimizer_entry(model: nn.Module, optimizer, state: dict, prefix: str) -> dict:
+def optimizer_entry(model: nn.Module, optimizer, state: dict, prefix: str) -> dict:
     """The manifest entry of ``optimizer`` (class, groups by parameter name, non-tensor state); its
     tensors go into ``state`` under ``prefix``. A collective (owner state)."""
     offload_tier.bring_in(optimizer)  # offloaded state read back once, ahead of DCP's reads
     groups, opt_state = [], {}
-    named_groups = _optimizer_params(model, optimizer)
+    named_groups = optimizer_params(model, optimizer)
     owned = owner_state.sharded_state(optimizer)  # update="owner": whole on the owner -> sharded like p
     for group, named in zip(optimizer.param_groups, named_groups):
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
-        groups.append({"params": [n for n, _ in named], "options": _json(options, "optimizer options")})
+        groups.append({"params": [n for n, _ in named], "options": as_json(options, "optimizer options")})
         for name, p in named:
             entries = {}
             for key, value in owned.get(id(p), optimizer.state.get(p, {})).items():
                 if isinstance(value, torch.Tensor):
                     state[f"{prefix}{name}.{key}"] = value
-                    entries[key] = _info(value)
+                    entries[key] = info(value)
                 else:
-                    entries[key] = {"value": _json(value, f"optimizer state '{key}' of '{name}'")}
+                    entries[key] = {"value": as_json(value, f"optimizer state '{key}' of '{name}'")}
             if entries:
                 opt_state[name] = entries
     return {"class": type(optimizer).__name__, "param_groups": groups, "state": opt_state}
 
 
-def _optimizer_targets(model: nn.Module, optimizer, saved: dict | None, prefix: str, targets: dict,
+def optimizer_targets(model: nn.Module, optimizer, saved: dict | None, prefix: str, targets: dict,
                        problems: list[str]) -> list[tuple[torch.Tensor, dict]]:
     """``load``: fresh tensors for ``optimizer``'s saved state (added to ``targets`` under ``prefix``),
     as ``[(parameter, state)]``; a mismatch with the manifest entry ``saved`` goes into ``problems``."""
-    named_groups = _optimizer_params(model, optimizer)
+    named_groups = optimizer_params(model, optimizer)
     restore: list[tuple[torch.Tensor, dict]] = []
     if saved is None:
         problems.append("the checkpoint has no optimizer state for this optimizer (or a different number of "
@@ -103,19 +103,19 @@ def _optimizer_targets(model: nn.Module, optimizer, saved: dict | None, prefix: 
                     if "value" in info:
                         state[key] = info["value"]
                     elif info["shape"] == list(p.shape) and isinstance(p, DTensor):  # sharded like p
-                        state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros_like(p, dtype=_dtype(info["dtype"]))
+                        state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros_like(p, dtype=dtype_of(info["dtype"]))
                     else:
                         state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros(
-                            info["shape"], dtype=_dtype(info["dtype"]), device=_local(p).device)
+                            info["shape"], dtype=dtype_of(info["dtype"]), device=local(p).device)
                 restore.append((p, state))
     return restore
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _restore_loaded(optimizer, saved: dict, restore: list[tuple[torch.Tensor, dict]]) -> None:
+def restore_loaded(optimizer, saved: dict, restore: list[tuple[torch.Tensor, dict]]) -> None:
     """``load``, once every tensor is read: ``optimizer``'s state and group options from the checkpoint."""
     owner_state.own_state(optimizer, restore)  # update="owner": onto the owners of the current plan
     routed = owner_state.routed_ids(optimizer)  # an empty entry on the other ranks (owner_state's docstring)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .full_state import CheckpointError
+from ..errors import CheckpointError
 
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -60,7 +60,7 @@ class PendingSave:
             _forget(self)
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"the background save of {self.path} failed ({_cause(e)}); the previous "
+            raise CheckpointError(f"the background save of {self.path} failed ({cause(e)}); the previous "
                                   "checkpoint is unchanged") from e
         _forget(self)
         return self.path
@@ -69,7 +69,7 @@ class PendingSave:
         return f"PendingSave({str(self.path)!r}, done={self.done()})"
 
 
-def _cause(e: BaseException) -> str:
+def cause(e: BaseException) -> str:
     """One line per failing rank: DCP's ``CheckpointException`` carries each rank's exception in ``failures``."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
