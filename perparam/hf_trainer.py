@@ -37,12 +37,24 @@ from transformers import Trainer
 from . import checkpoint
 from .full_state import full_state_dict
 from .hf_entry import check_sharded, deferred_reduction, sharded_roots
+from .runtime import owner_step
+from .runtime.group import group_of
 from .sharding.errors import ShardingError
 
 #: the folder, inside each ``checkpoint-N``, of the perparam checkpoint (model and optimizer shards)
 STATE_DIR = "perparam_state"
 #: the stock trainer's scheduler file name (``transformers.trainer.SCHEDULER_NAME``)
 SCHEDULER_NAME = "scheduler.pt"
+
+
+#: ``TrainingArguments.optim`` values whose optimizer steps parameters inside backward (a per-parameter hook:
+#: LOMO's fused backward, the layerwise GaLore/APOLLO), before perparam has reduced the gradients across ranks
+IN_BACKWARD = ("lomo", "adalomo", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+               "galore_adafactor_layerwise", "apollo_adamw_layerwise")
+
+
+def _optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))
 
 
 def _optimizer(optimizer) -> torch.optim.Optimizer:
@@ -76,9 +88,34 @@ class ShardedTrainer(Trainer):
                 f"ShardedTrainer: save_on_each_node=True on {ranks // max(local, 1)} nodes: save_model gathers the full "
                 "state dict on rank 0 only, so the other nodes' writing ranks would have nothing to write; set "
                 "save_on_each_node=False (rank 0 writes; a shared output_dir reaches every node)")
+        optim = _optim_name(self.args)
+        if optim in IN_BACKWARD:
+            raise ShardingError(
+                f"ShardedTrainer: TrainingArguments(optim={optim!r}) steps each parameter inside backward from a "
+                "per-parameter hook, before perparam has reduced its gradient across ranks (the update would use one "
+                "rank's gradient); choose an optimizer stepped after backward: optim='adamw_torch', 'adafactor', or "
+                f"{optim.replace('_layerwise', '')!r} for GaLore/APOLLO")
         # transformers' own switch for a model that owns its placement and gradient reduction: accelerate
         # prepares autocast only (no DDP wrap, no second sharding), every rank joins save_model's gathers
         self.is_distributed_loading_by_transformers = True
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """The stock optimizer, refused before training starts (one line) when it steps whole tensors
+        (``perparam.runtime.owner_step.is_whole_matrix``: Adafactor, GaLore's projected groups, ...) and holds a
+        parameter sharded without ``ParamPolicy(update="owner")``: its first step would fail or be wrong."""
+        optimizer = super().create_optimizer(model)
+        held = [sp for m in self.model.modules() if (g := group_of(m)) is not None for sp in g.params]
+        sp = owner_step.unrouted(_optimizer(optimizer), held)
+        if sp is not None:
+            name = next((n for n, p in self.model.named_parameters() if p is sp.sharded), sp.fqn)
+            raise ShardingError(
+                f"ShardedTrainer: TrainingArguments(optim={_optim_name(self.args)!r}) builds "
+                f"{type(_optimizer(optimizer)).__name__}, which computes each parameter's update from the whole "
+                f"tensor, and '{name}' (shape {tuple(sp.global_shape)}) is sharded over {sp.layout.num_shards} ranks "
+                "without an owner; shard the model with fully_shard(..., param_policy=lambda name, p: "
+                "ParamPolicy(update='owner') if p.requires_grad else None) on each module (one rank steps each "
+                "whole parameter, docs/whole-matrix-optimizers.md), or choose optim='adamw_torch'")
+        return optimizer
 
     def _defer_fsdp_gradient_reduction(self):
         """The micro-batches before the last of an accumulation window: no reduction (gradients accumulate
