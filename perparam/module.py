@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import hf_methods
 from .comm import sequence
 from .errors import ShardingError
+from .hf import methods as hf_methods
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
 from .runtime import hooks, readers, recast, writes, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of

@@ -369,3 +369,16 @@ def test_no_test_file_imports_another():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             bad += [f"{path.name}: {n}" for n in names if n.startswith("tests.test_")]
     assert not bad, bad
+
+
+def test_the_hf_family_imports_no_private_name_across_its_files():
+    """``perparam/hf/``: no file imports an underscore name from another module (each file's helpers stay
+    its own; a shared one is public)."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("perparam.hf"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not found, found
