@@ -34,7 +34,6 @@ print(sorted(m for m in ("transformers", "accelerate", "peft") if m in sys.modul
 """
 
 
-@pytest.mark.fast
 def test_importing_perparam_loads_neither_transformers_nor_accelerate():
     """The core never imports the Hugging Face libraries (``perparam.hf.trainer`` and ``.accelerator`` do,
     imported by path): ``import perparam``, and ``perparam.hf`` with its files that need neither, in a fresh
