@@ -166,7 +166,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         if isinstance(m, ShardedModule):
             raise ShardingError(
                 f"fully_shard was already applied to this {registration.class_name(m)}; call it once per module "
-                "(FSDP2 refuses a second call too). What the first call set changes through the module's setters "
+                "(FSDP2 refuses a second call too: Each distinct composable distributed API can only be applied to a "
+                "module once). What the first call set changes through the module's setters "
                 "(set_reshard_after_forward, set_reshard_after_backward, set_gradient_divide_factor, "
                 "set_modules_to_forward_prefetch) and .to(dtype); for another mesh, policy or grouping, gather the "
                 "weights with perparam.full_state.full_state_dict(model), build the model again, shard it with the "

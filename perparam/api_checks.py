@@ -87,7 +87,8 @@ def _check_containers(modules: list[nn.Module], found) -> None:
             kind = type(m).__name__
             values = ".values()" if kind == "ModuleDict" else ""
             raise ShardingError(
-                f"fully_shard({kind}): a {kind} has no forward, so the hooks that all-gather its parameters would "
+                f"fully_shard({kind}): fully_shard does not support containers that do not implement forward: a "
+                f"{kind} has no forward, so the hooks that all-gather its parameters would "
                 f"never run. Pass its modules as a list, fully_shard(list(container{values})) (one group, one "
                 "all-gather for them all), or call fully_shard on each of them")
 
@@ -133,7 +134,8 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     try:
         check_dp_mesh(mesh)
     except MeshError as e:
-        raise ShardingError(f"fully_shard: {e}") from None
+        words = f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: " if mesh.ndim > 2 else "fully_shard: "
+        raise ShardingError(f"{words}{e}") from None
 
 
 def _collect(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],

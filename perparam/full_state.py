@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import CheckpointError
-from .runtime import zero
+from .runtime import take, zero
 from .runtime.group import group_of
 
 
@@ -281,46 +281,12 @@ def _take(module: nn.Module, name: str, sp, key: str, value: torch.Tensor) -> nn
             f"load_state_dict(assign=True): '{key}' ('{sp.fqn}') has its unsharded parameter registered now (after "
             "unshard(), or between a forward and its backward): assigning would replace the gathered copy, not the "
             "shard. Call reshard() on the sharded module first, then load")
-    shard = sp.local_shard()
-    why = _misfit(sp, value)
+    why = take.misfit(sp, value)
     if why:
         raise CheckpointError(
             f"load_state_dict(assign=True): '{key}' cannot become the sharded parameter '{sp.fqn}': {why}. Pass "
             f"distribute_tensor(full, param.device_mesh, param.placements) for it (param = the model's "
-            f"state_dict()['{key}']: {_spec_text(sp.sharded)}), or the full unsharded tensor; a stored-quantized "
+            f"state_dict()['{key}']: {take.spec_text(sp.sharded)}), or the full unsharded tensor; a stored-quantized "
             "parameter takes its codes (and '<name>_qscale' scales)")
-    local = value._local_tensor.detach()
-    if local.is_meta:
-        return registered  # nothing to take: the shard stays as it is (on meta, like the value)
-    local = local.to(device=sp.mesh_device, dtype=shard.dtype)
-    with torch.no_grad():
-        if not shard.is_meta:
-            shard.copy_(local)
-        else:  # the meta-device start: the given storage becomes the shard's, in the same parameter object
-            fresh = nn.Parameter(DTensor(local.contiguous(), sp.sharded._spec, requires_grad=False),
-                                 requires_grad=sp.sharded.requires_grad)
-            fresh.__dict__.update(sp.sharded.__dict__)  # attributes the user set (swap_tensors swaps __dict__)
-            torch.utils.swap_tensors(sp.sharded, fresh)
-    sp.kept_key = None  # a stage-1/2 kept copy is refreshed at the next all-gather
+    take.take(sp, value)
     return registered
-
-
-def _misfit(sp, value: torch.Tensor) -> str:
-    """Why ``value`` cannot be taken as ``sp``'s shard by ``load_state_dict(assign=True)``; "" when it can."""
-    if sp.stored_quantized and value.is_floating_point():
-        return "a float value for a stored-quantized parameter (its codes are stored)"
-    if not isinstance(value, DTensor):
-        return (f"a plain tensor of shape {tuple(value.shape)}, neither a DTensor nor the full tensor of shape "
-                f"{sp.global_shape}")
-    if value.device_mesh != sp.mesh or tuple(value.placements) != tuple(sp.placements):
-        return f"a DTensor of {_spec_text(value)}"
-    if tuple(value.shape) != tuple(sp.sharded.shape):
-        return f"a DTensor of global shape {tuple(value.shape)}, not {tuple(sp.sharded.shape)}"
-    if tuple(value._local_tensor.shape) != tuple(sp.local_shard().shape):
-        return (f"this rank's local shape {tuple(value._local_tensor.shape)} is not the shard's "
-                f"{tuple(sp.local_shard().shape)}")
-    return ""
-
-
-def _spec_text(t: DTensor) -> str:
-    return f"mesh {t.device_mesh}, placements {tuple(t.placements)}"

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import hf_methods
 from .comm import sequence
 from .errors import ShardingError
+from .hf import methods as hf_methods
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
 from .runtime import hooks, readers, recast, writes, zero
 from .runtime.group import GROUP_ATTR, ParamGroup, group_of
@@ -67,7 +67,8 @@ class ShardedModule(ShardedModuleSettings):
         the original's group, hooks and process groups, so its forward would all-gather the original's
         parameters and leave its own sharded."""
         raise DeepcopyError(
-            f"copy.deepcopy of {class_name(self)}, a module sharded by fully_shard, is not supported: the copy would "
+            f"copy.deepcopy of {class_name(self)}, a module sharded by fully_shard, is not supported (FSDP2: FSDP does "
+            "not support deepcopy. Please use state dict for serialization): the copy would "
             "keep the original's group and hooks (its forward would all-gather the original's parameters). "
             "Deepcopy the model before fully_shard and shard the copy with calls of its own, or build it again "
             "and load the values: state = perparam.full_state.full_state_dict(model) on every rank, then "

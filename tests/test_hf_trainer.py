@@ -286,7 +286,7 @@ def test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call
 def test_the_private_trainer_methods_the_piece_overrides_are_unchanged():
     """transformers 5.24.0's private extension points ``ShardedTrainer`` relies on: the names, the signatures
     and where the trainer reads ``is_distributed_loading_by_transformers``. A failure here means the pinned
-    transformers changed them: update perparam/hf_trainer.py and docs/huggingface.md."""
+    transformers changed them: update perparam/hf/trainer.py and docs/huggingface.md."""
     from transformers import Trainer
 
     signatures = {name: str(inspect.signature(getattr(Trainer, name))) for name in (

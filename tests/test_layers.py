@@ -398,3 +398,16 @@ def test_the_private_name_reader_sees_both_spellings(tmp_path):
     (tmp_path / "a.py").write_text("from .b import _x, y\nfrom . import b\nb._z()\nb.__name__\n")
     (tmp_path / "b.py").write_text("")
     assert _private_names_across(tmp_path) == ["a.py: from .b import _x", "a.py: b._z"]
+
+
+def test_the_hf_family_imports_no_private_name_across_its_files():
+    """``perparam/hf/``: no file imports an underscore name from another module (each file's helpers stay
+    its own; a shared one is public)."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("perparam.hf"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not found, found

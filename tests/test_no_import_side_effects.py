@@ -27,6 +27,21 @@ def test_importing_perparam_registers_no_optimizer_hook():
     subprocess.run([sys.executable, "-c", _NO_HOOKS], check=True, timeout=120)
 
 
+_NO_HF = """
+import sys
+import perparam, perparam.hf, perparam.hf.entry, perparam.hf.methods, perparam.hf_entry, perparam.hf_methods
+print(sorted(m for m in ("transformers", "accelerate", "peft") if m in sys.modules))
+"""
+
+
+def test_importing_perparam_loads_neither_transformers_nor_accelerate():
+    """The core never imports the Hugging Face libraries (``perparam.hf.trainer`` and ``.accelerator`` do,
+    imported by path): ``import perparam``, and ``perparam.hf`` with its files that need neither, in a fresh
+    interpreter leave transformers, accelerate and peft out of ``sys.modules``."""
+    out = subprocess.run([sys.executable, "-c", _NO_HF], check=True, timeout=120, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def steps_of_other_optimizers(rank: int, world_size: int) -> list[int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # 3 and 2 rows on 2-3 ranks: uneven, empty

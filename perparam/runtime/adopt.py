@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..sharding.errors import MetaParameterError, ShardingError
 from ..sharding.placement import placement_str
-from . import local_step, owner_state, owner_step
+from . import local_step, mixed_step, owner_state, owner_step
 from .untraced import untraced
 
 #: original parameter -> the sharded parameter that replaced it (weak on the original)
@@ -159,6 +159,7 @@ def _retarget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if isinstance(optimizer, FLATTENING_OPTIMIZERS):
         _check_flattenable(optimizer, mine)
     owner_step.check(optimizer, mine)  # a whole-matrix optimizer on shards: refused, never silently wrong
+    mixed_step.watch(optimizer, mine, lambda opt: _held.get(opt, ()))  # another's DTensor mix error, named
     owner_step.plan(optimizer, mine)  # the owners of its update="owner" parameters
     owner_state.install(optimizer)  # their state in state_dict()/load_state_dict() as any parameter's
     _held[optimizer] = mine

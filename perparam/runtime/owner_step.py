@@ -60,11 +60,11 @@ import torch
 from ..comm.buffers import BufferPool
 from ..sharding.errors import ShardingError
 from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
-from . import config, owner_exchange, owner_grads, registration
+from . import config, owner_exchange, owner_grads, registration, whole_matrix
 from .owner_exchange import OwnerStepError
 
-__all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix", "plan",
-           "routing", "step_in", "step_out"]
+__all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix",
+           "mixed_step_error", "owner_fix", "plan", "routing", "step_in", "step_out", "unrouted"]
 
 #: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
 BUCKET_BYTES = 64 * 2**20
@@ -96,34 +96,62 @@ WHOLE_MATRIX_OPTIMIZERS: tuple[type, ...] = tuple(
 DECLARATION = "perparam_whole_matrix"
 
 
-def is_whole_matrix(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s step needs whole tensors: its class's ``perparam_whole_matrix`` when set,
-    else whether it is one of ``WHOLE_MATRIX_OPTIMIZERS`` (or a subclass)."""
-    declared = getattr(type(optimizer), DECLARATION, None)
+def is_whole_matrix(optimizer: torch.optim.Optimizer | type) -> bool:
+    """Whether ``optimizer``'s step (an instance or its class) needs whole tensors: its class's
+    ``perparam_whole_matrix`` when set, else whether it is one of ``WHOLE_MATRIX_OPTIMIZERS`` or of
+    ``whole_matrix.KNOWN`` (or a subclass)."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    declared = getattr(cls, DECLARATION, None)
     if declared is not None:
         return bool(declared)
-    return isinstance(optimizer, WHOLE_MATRIX_OPTIMIZERS)
+    return issubclass(cls, WHOLE_MATRIX_OPTIMIZERS) or whole_matrix.known(cls)[0]
+
+
+def unrouted(optimizer: torch.optim.Optimizer, held):
+    """The first ``ShardedParam`` of ``held`` (in ``optimizer``'s order) a whole-matrix ``optimizer`` would
+    step on a shard (sharded over more than one rank, not under the owner policy), or ``None``."""
+    if not is_whole_matrix(optimizer):
+        return None
+    by_id = {id(sp.sharded): sp for sp in held}
+    for group in optimizer.param_groups:
+        if getattr(type(optimizer), DECLARATION, None) is None and not whole_matrix.steps_whole(optimizer, group):
+            continue
+        for sp in (by_id[id(p)] for p in group["params"] if id(p) in by_id):
+            if sp.policy.update != "owner" and sp.layout.gathered and sp.layout.num_shards > 1:
+                return sp
+    return None
+
+
+def owner_fix(sp) -> str:
+    """The fix a refusal names for ``sp``: the owner policy (or an elementwise optimizer)."""
+    return (f"Give it an owner rank that steps it whole: fully_shard(..., param_policy={{'{sp.fqn}': "
+            "ParamPolicy(update='owner')}) (or a pattern such as '*.weight'), or step it with an elementwise "
+            "optimizer (AdamW)")
 
 
 def check(optimizer: torch.optim.Optimizer, held) -> None:
     """Raise ``WholeMatrixShardError`` for the first parameter (in ``optimizer``'s order) of ``held``
     (``ShardedParam``s) a whole-matrix ``optimizer`` would step on a shard: sharded over more than one rank,
     not under the owner policy. Decided from policies and mesh sizes, the same on every rank."""
-    if not is_whole_matrix(optimizer):
+    sp = unrouted(optimizer, held)
+    if sp is None:
         return
-    by_id = {id(sp.sharded): sp for sp in held}
-    for sp in (by_id[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in by_id):
-        if sp.policy.update == "owner" or not sp.layout.gathered or sp.layout.num_shards == 1:
-            continue
-        name = type(optimizer).__name__
-        raise WholeMatrixShardError(
-            f"{name} computes each parameter's update from the whole tensor, and parameter '{sp.fqn}' of "
-            f"{registration.class_name(sp.slots[0][0])} (shape {tuple(sp.global_shape)}) is sharded over "
-            f"{sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. Give it an owner "
-            f"rank that steps it whole: fully_shard(..., param_policy="
-            f"{{'{sp.fqn}': ParamPolicy(update='owner')}}) (or a pattern such as '*.weight'), or step it with an "
-            "elementwise optimizer (AdamW). A custom optimizer declares itself elementwise with the class "
-            f"attribute {DECLARATION} = False")
+    raise WholeMatrixShardError(
+        f"{type(optimizer).__name__} computes each parameter's update from the whole tensor, and parameter "
+        f"'{sp.fqn}' of {registration.class_name(sp.slots[0][0])} (shape {tuple(sp.global_shape)}) is sharded over "
+        f"{sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. {owner_fix(sp)}. A "
+        f"custom optimizer declares itself elementwise with the class attribute {DECLARATION} = False")
+
+
+def mixed_step_error(optimizer: torch.optim.Optimizer, sp, func, error: BaseException) -> WholeMatrixShardError:
+    """The error for ``optimizer``'s step raising DTensor's "got mixed torch.Tensor and DTensor" with
+    ``sp`` (the parameter it was stepping, or the first sharded one it holds) sharded."""
+    return WholeMatrixShardError(
+        f"{type(optimizer).__name__}'s step failed on parameter '{sp.fqn}' of {registration.class_name(sp.slots[0][0])} "
+        f"(shape {tuple(sp.global_shape)}), a DTensor over {sp.layout.num_shards} rank(s): {getattr(func, '__name__', func)} "
+        "got mixed torch.Tensor and DTensor (the step combines plain tensors with the parameter's shards, as an "
+        f"optimizer that reads whole tensors does). {owner_fix(sp)}. A custom optimizer declares itself whole-matrix "
+        f"with the class attribute {DECLARATION} = True (refused before its first step)")
 
 
 @dataclass(frozen=True)

@@ -235,14 +235,16 @@ class ShardedParam(ParamGradients):
     def recast(self) -> bool:
         """Follow a cast of the sharded DTensor to another floating-point dtype (``module.to(dtype)``,
         ``perparam.runtime.recast``): the stored dtype becomes the shard's, a ``param_dtype`` / ``reduce_dtype``
-        equal to the old stored / compute dtype follows it, the layout and wire pieces are derived again and
+        the policy did not give (``ResolvedPolicy.given``) and equal to the old stored / compute dtype follows
+        it (one the policy gave stays, as FSDP2's: a bf16 model with ``param_dtype=torch.bfloat16`` cast to fp32
+        computes and reduces in bf16), the layout and wire pieces are derived again and
         the unsharded buffers dropped (made again in the new compute dtype at the next unshard; a stage-1/2
         kept copy is gathered again). Returns whether anything changed."""
         new, pol = self.local_shard().dtype, self.policy
         if new == pol.stored_dtype or self.stored_quantized:
             return False
-        param = new if pol.param_dtype == pol.stored_dtype else pol.param_dtype
-        reduce = param if pol.reduce_dtype == pol.param_dtype else pol.reduce_dtype
+        param = new if pol.param_dtype == pol.stored_dtype and "param_dtype" not in pol.given else pol.param_dtype
+        reduce = param if pol.reduce_dtype == pol.param_dtype and "reduce_dtype" not in pol.given else pol.reduce_dtype
         self.policy = dataclasses.replace(pol, stored_dtype=new, param_dtype=param, reduce_dtype=reduce)
         self.layout, self.pieces = shard_layout(self.layout.global_shape, self.policy, self.layout.num_shards)
         self.free()

@@ -37,6 +37,18 @@ class Reductions:
         own = self.call.parts[0]
         return own.num_shards * own.num_replicas if factor is None else factor
 
+    def predivisor(self, dtype: torch.dtype) -> float:
+        """What gradients reduced in ``dtype`` are divided by before the reduction, the rest of ``divisor``
+        after it: for a dtype of narrow range (not fp32/bf16: fp16), about the square root of ``divisor``
+        (its largest power-of-two factor ``f`` with ``f * f < divisor``, as FSDP2's), so neither the sum nor
+        the gradients over-/underflow; 1 otherwise, and under ``InvariantUnits`` (its own division)."""
+        divisor, pre = self.divisor, 1
+        if dtype in (torch.float32, torch.bfloat16) or self.call.invariant:
+            return 1
+        while divisor % pre == 0 and divisor / pre > pre:
+            pre *= 2
+        return pre
+
     def _reduce_sets(self, params) -> dict[tuple, list[ShardedParam]]:
         """``params`` split into the sets reduced together, in order: keyed (whole, reduce dtype, wire
         format, to owner); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter
@@ -63,10 +75,13 @@ class Reductions:
         for (whole, dtype, wire, to_owner), members in sets:
             params = tuple(members)
             tensors, used = zip(*(grads[id(p)] for p in params))
+            pre = self.predivisor(dtype)
+            if pre != 1:  # (the zeros of an unused gradient stay zeros)
+                torch._foreach_div_([t for t, u in zip(tensors, used) if u], pre)
             plan = None if whole else self._reduce_plan(params, wire)
             path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors), to_owner)
             item = path.issue(self, params, tensors, used, dtype, plan)
-            item.part = self
+            item.part, item.predivided = self, pre
             pending.append(item)
         return pending
 
@@ -140,9 +155,11 @@ class Reductions:
         grads = recv.narrow(0, 0, recv.numel() - item.flag_rows * n)  # flags are not divided: they only tell > 0
         if self.call.all_reduce_hook is not None:
             self.call.all_reduce_hook(grads)
-        divisor = self.divisor
+        divisor = self.divisor / item.predivided
+        divisor = None if divisor == 1 else divisor  # (1: a sum, or one rank: no division pass)
         if item.to_owner:  # the whole gradients this rank owns, in order (paths.reduce_owner)
-            grads.div_(divisor)
+            if divisor is not None:
+                grads.div_(divisor)
             me, offset = self.reduce_shard_pg.rank(), 0
             zeroed = recv.narrow(0, recv.numel() - 2 * n, n)  # summed over the ranks: the same on every rank
             for i, (p, flag) in enumerate(zip(item.params, flags)):
@@ -157,7 +174,8 @@ class Reductions:
                     self.ctx.grad_hooks_due.append((item.seq, i, p))
             return
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
-            grads.div_(divisor)
+            if divisor is not None:
+                grads.div_(divisor)
             divided = range(n)
             pieces = grads.split([p.layout.numel for p in item.params])
             targets = [piece if p.policy.whole_grad else piece.view(p.layout.global_shape)  # (tp-local)
@@ -168,7 +186,7 @@ class Reductions:
             # .grad of their own dtype in one foreach division here, the rest in their accumulation's pass
             fresh = [i for i, (p, flag) in enumerate(zip(item.params, flags))
                      if flag > 0 and p.sharded.grad is None and p.sharded.dtype == recv.dtype]
-            if fresh:
+            if fresh and divisor is not None:
                 torch._foreach_div_([targets[i] for i in fresh], divisor)
             divided = set(fresh)
         due = self.ctx.grad_hooks_due

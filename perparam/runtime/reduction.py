@@ -38,6 +38,8 @@ class PendingReduce:
     #: reduced to the owners (``paths.reduce_owner``): ``recv`` holds the whole gradients this rank owns,
     #: then the zeroed flags (``owner_grads.zeroed_flags``), then the used flags
     to_owner: bool = False
+    #: what the gradients were divided by before they went on the wire (``MeshPart.predivisor``: fp16)
+    predivided: float = 1
 
     @property
     def flag_rows(self) -> int:

@@ -9,19 +9,19 @@ parameters (``torch.nn.utils.parametrize``, ``weight_norm`` and ``spectral_norm`
 ``torch.nn.modules.module`` (installed by the first ``fully_shard``) look at every such registration into
 a module of a sharded tree and at every registration of a parameter perparam manages:
 
-* a managed parameter put back where it already is: accepted (no change);
+* a managed parameter put back where it already is: accepted (no change); replaced by a DTensor of its
+  mesh, placements and shapes (computed from sharded parameters): its values taken, the parameter stays
+  (``take``; FSDP2 takes it at lazy init);
 * a managed parameter registered at a new place while its old place is in a module that left the tree
-  (``parametrize.remove_parametrizations`` moves ``parametrizations.<name>.original`` back to the module,
-  with or without ``unshard()`` first): the parameter *moves* there: it keeps its group, its sharded
-  object (the optimizer's) and trains as the unsharded model's would; its value (the merged weight) is
-  re-sharded (``move``);
+  (``parametrize.remove_parametrizations`` moves ``parametrizations.<name>.original`` back, with or without
+  ``unshard()`` first): it *moves* there, keeping its group and sharded object (the optimizer's); its
+  value (the merged weight) is re-sharded (``move``);
 * any other registration of a managed parameter at a second place (``register_parametrization``,
   ``spectral_norm``, pruning, a QAT module swap, tying weights after sharding), a new parameter in a
   sharded tree (``weight_norm``, ``prune.remove``, a fused module, an assignment), or a new parameter
   that holds a DTensor computed from sharded parameters: refused at that call with
-  ``ShardedTreeChangeError``, naming the parameter and the module and saying what to do instead. A
-  managed place the utility emptied on its way there is put back first, so the module is left as it was
-  wherever torch has not changed more than that (the message says so otherwise).
+  ``ShardedTreeChangeError``, naming the parameter and the module and the fix. A managed place the utility
+  emptied on its way is put back first (the message says when torch changed more than that).
 
 What no hook sees (``del module.weight``, ``module._parameters[...] = ...``, ``torch.func``'s swaps) is
 refused by the slot check at the next forward or ``unshard()`` (``ShardedParam.check_slots``).
@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 from ..sharding.errors import ShardingError
+from . import take
 from .state import TrainingState
 from .untraced import graph_holder
 
@@ -90,9 +91,7 @@ def tree_group(module: nn.Module):
     copy of one of its modules, as ``fuse_conv_bn_eval`` makes, nor a module that left it), or ``None``."""
     ref = module.__dict__.get(_TREE_ATTR)
     group = ref() if ref is not None else None
-    if group is None or id(module) not in _tree_ids(group):
-        return None
-    return group
+    return None if group is None or id(module) not in _tree_ids(group) else group
 
 
 _GENERATION = [0]  # bumped when perparam creates parameter objects; the lookup table below is rebuilt then
@@ -132,9 +131,7 @@ def _table() -> dict:
 def _lookup(tensor) -> tuple | None:
     """``(group, ShardedParam)`` when ``tensor`` is a sharded or unsharded parameter perparam holds."""
     entry = _table()["ids"].get(id(tensor))
-    if entry is None:
-        return None
-    group, sp = entry[0](), entry[1]()
+    group, sp = (entry[0](), entry[1]()) if entry is not None else (None, None)
     if group is None or sp is None or not (tensor is sp.sharded or tensor is sp.unsharded):
         return None
     return group, sp
@@ -246,6 +243,9 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             return None
         replaced = next((sp for sp in _owned(module) if _at_slot(sp, module, name)), None)
         if replaced is not None:
+            if module._parameters.get(name) is replaced.sharded and not take.misfit(replaced, param):
+                take.take(replaced, param)  # a DTensor of its spec: the values taken (FSDP2's lazy-init reset)
+                return replaced.sharded
             raise ShardedTreeChangeError(replaced_message(replaced, module, name))
         back = _restore_vacated(module)
         raise ShardedTreeChangeError(

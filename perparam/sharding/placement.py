@@ -225,8 +225,9 @@ def normalize(placement: Placement | None, ndim: int) -> Placement:
     placement = Shard(0) if placement is None else placement
     if type(placement) is Shard:
         if ndim == 0:
-            raise ValueError("is 0-dim, so it cannot be sharded on any dim; pass ParamPolicy(placement=Replicate()) "
-                             "for it (or placement='auto')")
+            raise ValueError("is 0-dim, so it cannot be sharded on any dim (FSDP2: fully_shard doesn't support scalar "
+                             "parameters); pass ParamPolicy(placement=Replicate()) for it (or placement='auto'), or "
+                             "change it to a 1D tensor with numel equal to 1")
         if not -ndim <= placement.dim < ndim:
             raise ValueError(f"has {ndim} dims: placement Shard({placement.dim}) is out of range; use a dim in "
                              f"[0, {ndim - 1}]")

@@ -118,8 +118,7 @@ class ParamPolicy:
     placement: Placement | str | None = None
     master_dtype: torch.dtype | None = None
     zero_stage: int | None = None
-    #: where its persistent state lives: an ``OffloadPolicy`` or a tier name (``None``: the call's
-    #: ``offload_policy``, else ``"device"``)
+    #: where its persistent state lives: an ``OffloadPolicy`` or a tier name (``None``: the call's, else ``"device"``)
     offload: OffloadPolicy | str | None = None
     mesh: DeviceMesh | None = None
     #: ZeRO++'s qgZ (DeepSpeed's ``zero_quantized_gradients``) for this parameter: its gradient's
@@ -171,6 +170,7 @@ class ResolvedPolicy:
     #: ``"owner"``: one rank steps the whole parameter (``ParamPolicy.update``); ``"shard"`` otherwise,
     #: including a parameter ``placement="auto"`` replicated (whole on every rank: nothing to route)
     update: str = "shard"
+    given: frozenset = frozenset()  #: the dtype fields the policy gave: ``module.to(dtype)`` keeps them
 
     @cached_property  # a pure function of the fields, read per parameter per reduction
     def keeps_unsharded(self) -> bool:
@@ -365,8 +365,9 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, 
         raise PolicyError(f"ParamPolicy.mesh of '{name}' must be a torch.distributed.device_mesh.DeviceMesh "
                           f"(1D, or 2D (replicate, shard)) or None for the call's mesh, got {type(pp.mesh).__name__}")
     update = _check_update(name, pp, ndim, requires_grad, gathered, tier)
+    given = frozenset(f for f in ("param_dtype", "reduce_dtype") if getattr(pp, f) or is_float and getattr(mp, f))
     return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage,
-                          tier, pp.mesh, grad_quant, update)
+                          tier, pp.mesh, grad_quant, update, given)
 
 
 def _check_update(name: str, pp: ParamPolicy, ndim: int, requires_grad: bool, gathered: bool,
