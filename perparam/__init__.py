@@ -9,6 +9,7 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
+from .comm.peers import PeerLostError
 from .comm.sequence import CollectiveTimeoutError
 from .full_state import CheckpointError
 from .invariant import InvariantError, InvariantUnits
@@ -48,6 +49,7 @@ __all__ = [
     "OffloadError",
     "OffloadPolicy",
     "ParamPolicy",
+    "PeerLostError",
     "PolicyError",
     "PrefetchError",
     "QuantPolicy",

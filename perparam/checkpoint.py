@@ -61,6 +61,7 @@ from .checkpoint_optim import (
     _optimizer_targets,
     _restore_loaded,
 )
+from .comm.peers import lost_peers, note_checkpoint, register
 from .full_state import (  # all but per_rank_keys re-exported (__all__)
     CheckpointError,
     full_state_dict,
@@ -110,6 +111,7 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- save -----------------------------------------------------------------------------------------------
+@lost_peers("perparam.checkpoint.save")
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          extra: dict | None = None, keep: int | None = 2) -> Path:
     """Save ``model`` (and ``optimizer``: one, or a sequence of them, e.g. Muon and AdamW on disjoint
@@ -122,6 +124,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     the error of an earlier ``async_save`` still unreported (after waiting for it).
     """
     background.wait_pending()
+    register()  # this rank's host and pid: a PeerLostError names a peer that dies during the save
     path = Path(path)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
     with _single_process_quiet():
@@ -130,9 +133,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if _rank() == 0:
         _commit(path, tmp, token, manifest, keep)
     _barrier()
+    note_checkpoint(path)
     return path
 
 
+@lost_peers("perparam.checkpoint.async_save")
 def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                extra: dict | None = None, keep: int | None = 2) -> background.PendingSave:
     """``save`` that returns once the state is copied to CPU memory and writes in a background thread, on a
@@ -155,6 +160,7 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
                               "group): its background writer needs a process group of its own per process; use "
                               "perparam.checkpoint.save (blocking) there")
     background.wait_pending()
+    register()
     path = Path(path)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
     group = background.checkpoint_group()  # created by the first asynchronous save: a collective
@@ -178,6 +184,7 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
         if failed:
             raise CheckpointError(f"the background save of {path} was written but not committed ({failed}); "
                                   "the previous checkpoint is unchanged")
+        note_checkpoint(path)
         return path
 
     return background.submit(write, path)
@@ -266,6 +273,7 @@ def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> li
     return out
 
 
+@lost_peers("perparam.checkpoint.load")
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``: what ``save`` was given, one
     optimizer or a sequence of them in the same order); every rank calls it.
@@ -313,6 +321,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
     for (_, opt), saved, restore in zip(listed, saved_all, restores):
         _restore_loaded(opt, saved, restore)
+    note_checkpoint(path)
     return manifest.get("extra", {})
 
 

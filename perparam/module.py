@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import hf_methods
-from .comm import sequence
+from .comm import peers, sequence
 from .errors import ShardingError
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
 from .runtime import hooks, readers, recast, writes, zero
@@ -81,7 +81,8 @@ class ShardedModule(ShardedModuleSettings):
             if explained is None:
                 group = group_of(self)
                 path = f" '{group.path}'" if group is not None and group.path else ""
-                explained = sequence.explain_wait(e, f"the forward of {class_name(self)}{path}")
+                where = f"the forward of {class_name(self)}{path}"
+                explained = peers.explain(e, where) or sequence.explain_wait(e, where)
             if explained is None:
                 raise
             raise explained from e
