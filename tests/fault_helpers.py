@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal as signals
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,12 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -39,6 +32,8 @@ class Fault:
     detected_s: list = field(default_factory=list)
     left_stopped: bool = False
     ckpt: str = ""
+    #: per rank: seconds from the signal to its exit (None: killed by the harness at the timeout)
+    exited_s: list = field(default_factory=list)
 
     def error_line(self, rank: int) -> str:
         """The last non-empty stderr line of ``rank`` (Python's last traceback line: the error)."""
@@ -54,10 +49,16 @@ def _reader(stream, sink: list, stamps: list) -> None:
 
 def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, watchdog: float | None = None,
               timeout: float = 90.0) -> Fault:
-    port = _free_port()
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # the store is hosted here, as torchrun's agent hosts it (port 0: the kernel picks a free one, no race)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ckpt = tempfile.mkdtemp(prefix="perparam-fault-")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}
     argv = [sys.executable, "-m", "tests.fault_worker", phase, str(victim), str(at), ckpt]
     if watchdog is not None:
         argv.append(str(watchdog))
@@ -71,29 +72,28 @@ def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, wa
             threading.Thread(target=_reader, args=(stream, sink, stamps), daemon=True).start()
     deadline = time.monotonic() + timeout
     sent = None
-    try:
-        while sent is None and time.monotonic() < deadline:
-            if any(line.startswith(phase + " ") for line in outs[victim]):
-                time.sleep(0.3)  # the survivors reach their wait
-                procs[victim].send_signal(sig)
-                sent = time.monotonic()
-            elif procs[victim].poll() is not None:
-                break
-            time.sleep(0.02)
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        left_stopped = any(_state(p.pid) == "T" for p in procs if p.poll() is None)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    exited: list = [None] * world  # seconds from the signal to each process's exit
+    while time.monotonic() < deadline:
+        if sent is None and any(line.startswith(f"in-{phase} ") for line in outs[victim]):
+            time.sleep(0.3)  # the survivors reach their wait
+            procs[victim].send_signal(sig)
+            sent = time.monotonic()
+        for rank, p in enumerate(procs):
+            if exited[rank] is None and p.poll() is not None:
+                exited[rank] = time.monotonic() - (sent or time.monotonic())
+        if all(x is not None for x in exited):
+            break
+        time.sleep(0.02)
+    left_stopped = any(_state(p.pid) == "T" for p in procs if p.poll() is None)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    del store
     time.sleep(0.1)  # the readers drain
     detected = [(stamps[0] - sent) if (stamps and sent is not None) else None for stamps in err_t]
     return Fault([p.returncode for p in procs], ["".join(o) for o in outs], ["".join(e) for e in errs],
-                 procs[victim].pid, detected, left_stopped, ckpt)
+                 procs[victim].pid, detected, left_stopped, ckpt, exited)
 
 
 def _state(pid: int) -> str:
@@ -108,7 +108,8 @@ if __name__ == "__main__":  # python -m tests.fault_helpers WORLD PHASE KILL|STO
     f = run_fault(w, ph, signals.SIGKILL if how == "KILL" else signals.SIGSTOP,
                   watchdog=float(sys.argv[4]) if len(sys.argv) > 4 else None)
     for r in range(w):
-        print(f"--- rank {r}: exit {f.codes[r]}, first stderr line {f.detected_s[r]} s after the signal, "
+        print(f"--- rank {r}: exit {f.codes[r]} {f.exited_s[r]} s after the signal, first stderr line "
+              f"{f.detected_s[r]} s after it, "
               f"{len(f.err[r].splitlines())} stderr lines")
         print(f.err[r][-3000:])
     print("left stopped:", f.left_stopped)

@@ -4,7 +4,7 @@ store, as ``init_process_group("gloo")`` does without torchrun), gloo's default 
 ``try``: what the user sees is what Python prints.
 
 ``python -m tests.fault_worker PHASE VICTIM STEP CKPT [WATCHDOG]``: at step ``STEP`` the rank ``VICTIM``
-prints ``PHASE <pid>`` on stdout once it is inside ``PHASE`` (``forward``, ``backward``, ``step``: the
+prints ``in-PHASE <pid>`` on stdout once it is inside ``PHASE`` (``forward``, ``backward``, ``step``: the
 optimizer step, ``save``: ``perparam.checkpoint.save`` writing its files, ``async_save``: the background
 write, waited for) and stays there, so the harness can SIGKILL or SIGSTOP it in that phase. Every rank saves
 a checkpoint at step 1 (the last complete one), and prints ``step N`` after each step. ``WATCHDOG``: run
@@ -26,7 +26,7 @@ import perparam.checkpoint
 
 
 def _stay(phase: str) -> None:
-    print(f"{phase} {os.getpid()}", flush=True)
+    print(f"in-{phase} {os.getpid()}", flush=True)
     time.sleep(60)
 
 

@@ -67,6 +67,7 @@ class StepWatchdog:
         self._paused = 0
         self._stop = threading.Event()
         self.expired: str | None = None
+        self.beat_cpu_s = 0.0  # CPU seconds the heartbeat thread has used (time.thread_time, read in it)
         peers.register()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -127,6 +128,7 @@ class StepWatchdog:
                     store.set(f"steps/{self.rank}", str(self.steps))
             except Exception:  # noqa: BLE001 (a store that stopped answering: the check below still runs)
                 pass
+            self.beat_cpu_s = time.thread_time()
             waited = time.monotonic() - self.last
             bound = self.bound()
             if waited > bound and self.expired is None:
