@@ -10,7 +10,7 @@ was).
 from __future__ import annotations
 
 import os
-import signal as signals
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,7 +75,8 @@ def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, wa
     exited: list = [None] * world  # seconds from the signal to each process's exit
     while time.monotonic() < deadline:
         if sent is None and any(line.startswith(f"in-{phase} ") for line in outs[victim]):
-            time.sleep(0.3)  # the survivors reach their wait
+            if sig != signal.SIGSTOP:  # (a stop is sent at once: the watchdog's bound runs from the last step)
+                time.sleep(0.3)  # the survivors reach their wait
             procs[victim].send_signal(sig)
             sent = time.monotonic()
         for rank, p in enumerate(procs):
@@ -105,7 +106,7 @@ def _state(pid: int) -> str:
 
 if __name__ == "__main__":  # python -m tests.fault_helpers WORLD PHASE KILL|STOP [WATCHDOG]: print what a user sees
     w, ph, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    f = run_fault(w, ph, signals.SIGKILL if how == "KILL" else signals.SIGSTOP,
+    f = run_fault(w, ph, signal.SIGKILL if how == "KILL" else signal.SIGSTOP,
                   watchdog=float(sys.argv[4]) if len(sys.argv) > 4 else None)
     for r in range(w):
         print(f"--- rank {r}: exit {f.codes[r]} {f.exited_s[r]} s after the signal, first stderr line "

@@ -17,7 +17,7 @@ from tests.fault_helpers import run_fault
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-BOUND = 3.0  # seconds: the watchdog's bound in these runs (set, not derived: the first steps are short)
+BOUND = 6.0  # seconds: the watchdog's bound in these runs (set, not derived; a loaded 2-core machine: slack)
 
 
 def _check(world: int, phase: str, victim: int) -> None:

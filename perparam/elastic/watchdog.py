@@ -15,7 +15,7 @@ this rank's last ``step()``. Past the bound it asks which peer is at fault:
   The ranks with the fewest steps done are the ones stuck (a rank that finished the step waits for them
   in the next); they leave (exit 1), which ends the others' waits as a dead peer's would.
 
-One line (stderr, by the lowest surviving rank) says which rank, on which host and pid, was stopped and
+One line (stderr, by the first survivor to claim it in the store) says which rank, on which host and pid, was stopped and
 why; the same text is posted in the store, and each survivor's ``PeerLostError`` carries it.
 
 The bound: ``timeout`` seconds when given; else ``max(factor x median step time, floor)`` over the last
@@ -155,9 +155,9 @@ class StepWatchdog:
             self.expired = line
             if self.on_expire is not None:
                 return self.on_expire(line)
-            first = min(r for r in range(self.world) if r not in {r for r, _ in lost})
-            peers.post_verdict(line, share=0 not in {r for r, _ in lost})  # rank 0 may hold the store
-            if self.rank == first:
+            gone = {r for r, _ in lost}
+            peers.post_verdict(line, share=0 not in gone)  # rank 0 may hold the store
+            if self._first_to_say(gone):
                 os.write(2, (line + "\n").encode())
             far = False
             for r, _ in lost:
@@ -183,6 +183,15 @@ class StepWatchdog:
         peers.post_verdict(line)
         os.write(2, (line + "\n").encode())
         self._leave()
+
+    def _first_to_say(self, gone: set[int]) -> bool:
+        """Whether this rank says the line: the first to claim it in the store, else (rank 0, which may host
+        the store, is among ``gone``) the lowest surviving rank."""
+        store = peers.store() if 0 not in gone else None
+        if store is not None:
+            with contextlib.suppress(Exception):
+                return store.compare_set("said", "", str(self.rank)).decode() == str(self.rank)
+        return self.rank == min(r for r in range(self.world) if r not in gone)
 
     def _remote(self) -> bool:
         host = socket.gethostname()
