@@ -10,7 +10,7 @@ from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
 from .comm.peers import PeerLostError
-from .comm.sequence import CollectiveTimeoutError
+from .comm.timeouts import CollectiveTimeoutError
 from .full_state import CheckpointError
 from .invariant import InvariantError, InvariantUnits
 from .module import (

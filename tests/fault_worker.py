@@ -4,7 +4,8 @@ store, as ``init_process_group("gloo")`` does without torchrun), gloo's default 
 ``try``: what the user sees is what Python prints.
 
 ``python -m tests.fault_worker PHASE VICTIM STEP CKPT [WATCHDOG]``: at step ``STEP`` the rank ``VICTIM``
-prints ``in-PHASE <pid>`` on stdout once it is inside ``PHASE`` (``forward``, ``backward``, ``step``: the
+prints ``in-PHASE <pid>`` on stdout once it is inside ``PHASE`` (``start``: before the step's forward,
+``forward``, ``backward``, ``step``: the
 optimizer step, ``save``: ``perparam.checkpoint.save`` writing its files, ``async_save``: the background
 write, waited for) and stays there, so the harness can SIGKILL or SIGSTOP it in that phase. Every rank saves
 a checkpoint at step 1 (the last complete one), and prints ``step N`` after each step. ``WATCHDOG``: run
@@ -83,6 +84,8 @@ def main() -> None:
         watchdog = StepWatchdog(timeout=watchdog_s or None)
     for n in range(at + 3):
         step["n"] = n
+        if trap and n == at and phase == "start":  # before this step's forward: the peers wait for it
+            _stay("start")
         x = torch.randn(8, 16)
         model(x).square().mean().backward()
         optimizer.step()

@@ -55,6 +55,18 @@ def test_a_middle_rank_killed_is_named_by_both_survivors(phase):
     _check(3, phase, victim=1)
 
 
+def test_a_peer_killed_before_the_first_forward_is_named_by_the_wait_in_the_store():
+    # step 0: the survivor agrees its first all-gathers with its peers through the store (comm/sequence.py),
+    # a wait no closed connection ends: without the lookup, the process group's 30-minute timeout
+    fault = run_fault(2, "start", signal.SIGKILL, at=0)
+    assert fault.codes == [1, -signal.SIGKILL], fault.err
+    assert count_tracebacks(fault.err[0]) == 1, fault.err[0]
+    assert re.fullmatch(rf"\[rank0\]: perparam\.PeerLostError: perparam: rank 0 lost rank 1 \(host \S+, pid "
+                        rf"{fault.victim_pid}: process gone\) during a wait for the peers in the store \(before a "
+                        r"collective\); last complete checkpoint: none saved or loaded by this process \(its post "
+                        r"never came\)", fault.error_line(0)), fault.err[0]
+
+
 def test_the_lost_peer_error_is_exported_and_pickles_with_its_fields():
     error = perparam.PeerLostError("perparam: rank 0 lost rank 1", [1], "/ckpt/step-4", "Connection reset by peer")
     assert isinstance(error, perparam.CollectiveTimeoutError) and "PeerLostError" in perparam.__all__

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .sequence import CollectiveTimeoutError
+from .timeouts import CollectiveTimeoutError
 
 #: what a collective's or a store's error says when a peer is gone (or the connection to it broke)
 LOST = ("by peer", "Connection closed", "Connection refused", "Broken pipe", "Socket closed",
@@ -260,6 +260,19 @@ def explain(error: BaseException, where: str) -> PeerLostError | None:
     lost, problem = find_lost(wait_s=2.0 if broke else 0.0)
     if not lost and not broke:
         return None
+    return _error(lost, problem, where, _first_line(text))
+
+
+def lost_error(where: str) -> PeerLostError | None:
+    """``PeerLostError`` when a peer is found dead or stopped now (``find_lost``, no waiting), else None: for
+    a wait that no connection to the peer ends (the store's agreement before a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    lost, problem = find_lost(wait_s=0.0)
+    return _error(lost, problem, where, "its post never came") if lost else None
+
+
+def _error(lost: list[tuple[int, str]], problem: str | None, where: str, cause: str) -> PeerLostError:
     me = dist.get_rank()
     if lost:
         who = "; ".join(f"rank {r} ({what})" for r, what in lost)
@@ -271,9 +284,8 @@ def explain(error: BaseException, where: str) -> PeerLostError | None:
     why = verdict([r for r, _ in lost])
     saved = _state["checkpoint"]
     line = (f"perparam: rank {me} lost {who} during {where}" + (f" [{why}]" if why else "") +
-            f"; last complete checkpoint: {saved or 'none saved or loaded by this process'}"
-            f" ({_first_line(text)})")
-    return PeerLostError(line, [r for r, _ in lost], saved, _first_line(text))
+            f"; last complete checkpoint: {saved or 'none saved or loaded by this process'} ({cause})")
+    return PeerLostError(line, [r for r, _ in lost], saved, cause)
 
 
 class lost_peers:  # noqa: N801 (a context manager and decorator, used as a function)
