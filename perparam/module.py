@@ -77,6 +77,8 @@ class ShardedModule(ShardedModuleSettings):
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
+            if isinstance(e, peers.PeerLostError):  # the frames below (modules, hooks, c10d) say nothing more
+                raise e.with_traceback(None) from None
             explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
             if explained is None:
                 group = group_of(self)

@@ -146,6 +146,18 @@ class StepWatchdog:
         host = socket.gethostname()
         table = peers.roster()
         why = self._why(waited, bound)
+        dead = [r for r, what in lost if what.endswith("process gone")]
+        lost = [(r, what) for r, what in lost if r not in dead]
+        if dead and not lost:  # a dead peer this rank's wait did not notice: nothing to kill; leave
+            names = ", ".join(f"rank {r} (host {table.get(r, ('?',))[0]}, pid {table.get(r, ('?', '?'))[1]})"
+                              for r in dead)
+            line = (f"perparam: {names} {'is' if len(dead) == 1 else 'are'} gone and rank {self.rank} still waits: "
+                    f"{why}; it leaves so that the group ends or restarts")
+            self.expired = line
+            if self.on_expire is not None:
+                return self.on_expire(line)
+            os.write(2, (line + "\n").encode())
+            return self._leave()
         if lost:
             names = ", ".join(f"rank {r} (host {table.get(r, ('?',))[0]}, pid {table.get(r, ('?', '?'))[1]})"
                               for r, _ in lost)
