@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from ..comm.peers import lost_peers
+from ..comm.peers import explain
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -39,14 +39,19 @@ _PHASES = {"pre_forward": "the forward", "post_forward": "the forward", "_pre_ba
 def untraced(fn: _F) -> _F:
     """``fn`` run eagerly, never traced by ``torch.compile`` (a graph break where a traced region calls it)."""
 
-    where = lost_peers(_PHASES.get(fn.__name__, "the optimizer step" if "hook" in fn.__name__ else fn.__name__))
+    where = _PHASES.get(fn.__name__, "the optimizer step" if "hook" in fn.__name__ else fn.__name__)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with where:  # a collective whose peer is gone: PeerLostError (nothing added while none fails)
+        try:  # (a try costs nothing while nothing is raised)
             if not torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
             return torch._dynamo.disable(fn, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
+        except RuntimeError as e:  # a collective whose peer is gone: PeerLostError
+            lost = explain(e, where)
+            if lost is None:
+                raise
+            raise lost from None
 
     return wrapper  # type: ignore[return-value]
 
