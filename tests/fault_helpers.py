@@ -48,7 +48,7 @@ def _reader(stream, sink: list, stamps: list) -> None:
 
 
 def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, watchdog: float | None = None,
-              timeout: float = 90.0) -> Fault:
+              timeout: float = 240.0) -> Fault:
     from datetime import timedelta
 
     import torch.distributed as dist
