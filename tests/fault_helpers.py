@@ -10,6 +10,7 @@ was).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,7 @@ def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, wa
             p.kill()
             p.wait()
     del store
+    shutil.rmtree(ckpt, ignore_errors=True)  # its checkpoints: only the path is reported
     time.sleep(0.1)  # the readers drain
     detected = [(stamps[0] - sent) if (stamps and sent is not None) else None for stamps in err_t]
     return Fault([p.returncode for p in procs], ["".join(o) for o in outs], ["".join(e) for e in errs],
