@@ -9,7 +9,8 @@ from .api import ShardingError, fully_shard
 from .clip import clip_grad_norm_
 from .comm.collectives import CommCounter
 from .comm.debug import CollectiveMismatchError, set_debug
-from .comm.sequence import CollectiveTimeoutError
+from .comm.peers import PeerLostError
+from .comm.timeouts import CollectiveTimeoutError
 from .errors import CheckpointDamagedError, CheckpointError
 from .invariant import InvariantError, InvariantUnits
 from .module import (
@@ -49,6 +50,7 @@ __all__ = [
     "OffloadError",
     "OffloadPolicy",
     "ParamPolicy",
+    "PeerLostError",
     "PolicyError",
     "PrefetchError",
     "QuantPolicy",

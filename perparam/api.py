@@ -25,6 +25,7 @@ from .api_checks import (
     _reshard_after_forward,
     default_mesh,
 )
+from .comm import peers
 from .comm.process_groups import warm_up
 from .errors import ShardingError
 from .full_state import install_load_hooks
@@ -234,6 +235,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                                     part.reduce_replicate_pg)]
             + ([group.parts[0].secondary.pg] if secondary_size is not None else [])
             + [dist.group.WORLD], mesh.device_type)  # WORLD: clip_grad_norm_'s all-reduce
+    peers.register()  # this rank's host and pid in the store: a PeerLostError can name a peer that dies
     with _GROUPS_LOCK:
         _GROUPS.add(group)
     for sp in sharded_params:

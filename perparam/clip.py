@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mesh import AXIS_NAMES, default_device_type
 
 from .comm import collectives
+from .comm.peers import lost_peers
 from .runtime import owner_grads
 
 __all__ = ["clip_grad_norm_", "copies", "outside_copies", "local_contribution", "combine", "DISTINCT_AXES",
@@ -135,6 +136,7 @@ def combine(contributions: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 @torch.no_grad()
+@lost_peers("perparam.clip_grad_norm_")
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None, *,
                     distinct_axes: Collection[str] = DISTINCT_AXES,

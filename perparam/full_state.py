@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .comm.peers import lost_peers
 from .errors import CheckpointError
 from .runtime import take, zero
 from .runtime.group import group_of
@@ -67,6 +68,7 @@ def _refuse_per_rank(what: str, state: dict, model: nn.Module) -> None:
             f"{'gathered' if what == 'full_state_dict' else 'loaded'}")
 
 
+@lost_peers("perparam.full_state.full_state_dict")
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The unsharded ``state_dict`` of ``model`` as CPU tensors on rank 0 (``None`` on the other ranks);
     every rank calls it. Stored-quantized parameters come as their codes, with their ``_qscale`` scales.
@@ -163,6 +165,7 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
             module.reset_non_persistent_buffers()
 
 
+@lost_peers("perparam.full_state.load_full_state_dict")
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None, *, src: int = 0) -> None:
     """Load an unsharded ``state_dict`` held by rank ``src`` only (the other ranks pass ``None``) into the
     sharded ``model``; every rank calls it. A model still on the meta device is materialised first on the

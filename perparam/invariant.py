@@ -21,6 +21,7 @@ import contextlib
 import torch
 
 from .comm import collectives
+from .comm.peers import lost_peers
 from .runtime.accumulation import reduce_accumulated
 from .sharding.errors import ShardingError
 from .sharding.tree_sum import TreeStack, is_power_of_two, tree_sum
@@ -177,6 +178,7 @@ class InvariantUnits:
         return sum(t.nbytes for s in self._stacks.values() for _, t in s._stack)
 
     @torch.no_grad()
+    @lost_peers("InvariantUnits.reduce()")
     def reduce(self) -> None:
         """Every rank: the tree-order reduction of this rank's units into the sharded ``.grad``, / U."""
         if self._done() != len(self.indices):
@@ -248,6 +250,7 @@ class InvariantUnits:
         return self._slots
 
     @torch.no_grad()
+    @lost_peers("InvariantUnits.clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the model's gradients by their global 2-norm, computed K-independently: per slice along a
         parameter's shard dim ``d`` (``Shard(d)``; dim 0 when replicated), whole on every rank that holds it,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .comm import sequence
+from .comm import peers, sequence
 from .errors import ShardingError
 from .hf import methods as hf_methods
 from .module_settings import ShardedModuleSettings, _groups_below, check_divide_factor  # noqa: F401 (re-exported)
@@ -78,11 +78,14 @@ class ShardedModule(ShardedModuleSettings):
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
+            if isinstance(e, peers.PeerLostError):  # the frames below (modules, hooks, c10d) say nothing more
+                raise e.with_traceback(None) from None
             explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
             if explained is None:
                 group = group_of(self)
                 path = f" '{group.path}'" if group is not None and group.path else ""
-                explained = sequence.explain_wait(e, f"the forward of {class_name(self)}{path}")
+                where = f"the forward of {class_name(self)}{path}"
+                explained = peers.explain(e, where) or sequence.explain_wait(e, where)
             if explained is None:
                 raise
             raise explained from e

@@ -64,8 +64,9 @@ def test_ranks_making_different_numbers_of_sharded_calls_raise_naming_the_collec
         results = run_distributed(different_calls, world, "train")
         for rank, (checks, kind, message) in enumerate(results):
             assert checks[1] == checks[2] == checks[3] > 0, checks  # nothing checked once the steps repeat
-            if rank == 0:  # its collectives are the ones it issued before: it waits in one (no partner)
-                assert kind in ("CollectiveMismatchError", "CollectiveTimeoutError"), message
+            if rank == 0:  # its collectives are the ones it issued before: it waits in one (no partner); its
+                # peers may have raised and exited before its timeout: then it lost them (PeerLostError)
+                assert kind in ("CollectiveMismatchError", "CollectiveTimeoutError", "PeerLostError"), message
                 continue
             assert kind == "CollectiveMismatchError", message
             assert "group #0 'a'" in message and "different numbers of sharded calls" in message, message

@@ -152,6 +152,8 @@ def test_bad_loop_sample_and_plot_flags_give_one_line_errors(capsys, tmp_path, t
             (["--min-lr", "-1"], "--min-lr -1.0 must be a finite number >= 0"),
             (["--eval-every", "-2"], "--eval-every -2 must be between 1 and --steps 4"),
             (["--eval-every", "5"], "--eval-every 5 must be between 1 and --steps 4"),
+            (["--step-timeout", "0"], "--step-timeout 0.0 must be a positive number of seconds"),
+            (["--step-timeout", "nan"], "--step-timeout nan must be a positive number of seconds"),
             (["--generate", ""], "--generate '' is empty"),
             (["--generate", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
             (["--generate", "x", "--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),

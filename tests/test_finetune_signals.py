@@ -141,6 +141,37 @@ def test_a_killed_worker_stops_the_run(tmp_path):
     run.assert_nothing_left()
 
 
+def test_a_killed_worker_after_a_checkpoint_names_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = Run(tmp_path, flags=("--save", str(ckpt), "--save-every", "2"))
+    run.wait_for_step(text="checkpoint: step 2 in")
+    os.kill(_workers_of(run.proc.pid)[-1], signal.SIGKILL)
+    status, err = run.finish()
+    assert status == 1 and count_tracebacks(err) == 0, err
+    assert re.fullmatch(r"perparam finetune: error: rank \d was killed by signal 9 \(its output is above\); the other "
+                        rf"ranks were stopped; last checkpoint: step \d+ in {re.escape(str(ckpt.absolute()))}",
+                        err.strip().splitlines()[-1]), err
+    run.assert_nothing_left()
+
+
+def test_a_stopped_worker_is_named_and_killed_by_the_step_watchdog(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = Run(tmp_path, flags=("--save", str(ckpt), "--save-every", "2", "--step-timeout", "3"))
+    run.wait_for_step(text="checkpoint: step 2 in")
+    workers = _workers_of(run.proc.pid)
+    os.kill(workers[-1], signal.SIGSTOP)  # without the watchdog: a hang until --pg-timeout (300 s)
+    status, err = run.finish()
+    assert status == 1 and count_tracebacks(err) == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    said = re.fullmatch(rf"perparam: rank (\d) \(host \S+, pid {workers[-1]}\) was stopped: rank \d saw no step for "
+                        r"[\d.]+ s, over the step watchdog's bound of 3.0 s \(set\); killed it", lines[0])
+    assert said, err
+    assert re.fullmatch(rf"perparam finetune: error: rank {said[1]} was killed by signal 9 \(its output is above\); "
+                        r"the other ranks were stopped; last checkpoint: step \d+ in .+", lines[1]), err
+    run.assert_nothing_left()
+
+
 def test_a_stale_temporary_folder_is_removed_at_the_next_start(tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()

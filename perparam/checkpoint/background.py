@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..comm.peers import explain
 from ..errors import CheckpointError
 
 _LOCK = threading.Lock()
@@ -58,6 +59,9 @@ class PendingSave:
             if not self._future.done():  # timeout_s passed (TimeoutError) or the wait was interrupted
                 raise
             _forget(self)
+            lost = explain(e, f"the background save of {self.path}")  # a peer died or stopped: say which
+            if lost is not None:
+                raise lost from None
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"the background save of {self.path} failed ({cause(e)}); the previous "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..comm.peers import lost_peers, note_checkpoint
 from ..errors import CheckpointDamagedError, CheckpointError
 from ..runtime import zero
 from . import background
@@ -32,6 +33,7 @@ def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> li
     return out
 
 
+@lost_peers("perparam.checkpoint.load")
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          verify: bool = True) -> dict:
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``: what ``save`` was given, one
@@ -86,6 +88,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
     for (_, opt), saved, restore in zip(pairs, saved_all, restores):
         restore_loaded(opt, saved, restore)
+    note_checkpoint(path)
     return manifest.get("extra", {})
 
 

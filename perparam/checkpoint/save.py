@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..comm.peers import lost_peers, note_checkpoint, register
 from ..errors import CheckpointError
 from . import background
 from .files import FORMAT, commit, leftovers, target_problem
@@ -26,6 +27,7 @@ from .optim import as_json, info, listed, optimizer_entry
 from .ranks import barrier, from_rank0, model_state, per_mesh_keys, rank, single_process_quiet
 
 
+@lost_peers("perparam.checkpoint.save")
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          extra: dict | None = None, keep: int | None = 2) -> Path:
     """Save ``model`` (and ``optimizer``: one, or a sequence of them, e.g. Muon and AdamW on disjoint
@@ -43,6 +45,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     folder, on every rank; and the error of an earlier ``async_save`` still unreported (after waiting for it).
     """
     background.wait_pending()
+    register()  # this rank's host and pid: a PeerLostError names a peer that dies during the save
     path = _agreed_target(path, keep)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
     return _write_and_commit(state, path, tmp, token, manifest, keep, None)
@@ -105,9 +108,11 @@ def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: 
     if note:
         what = f"the background save of {path}" if in_background else f"saving {path}"
         raise CheckpointError(f"{what} failed: {note}; the previous checkpoint is unchanged")
+    note_checkpoint(path)
     return path
 
 
+@lost_peers("perparam.checkpoint.async_save")
 def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                extra: dict | None = None, keep: int | None = 2) -> background.PendingSave:
     """``save`` that returns once the state is copied to CPU memory and writes in a background thread, on a
@@ -130,6 +135,7 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
                               "group): its background writer needs a process group of its own per process; use "
                               "perparam.checkpoint.save (blocking) there")
     background.wait_pending()
+    register()  # this rank's host and pid: a PeerLostError names a peer that dies during the save
     path = _agreed_target(path, keep)
     state, manifest, tmp, token = _prepare(path, model, optimizer, extra)
     group = background.checkpoint_group()  # created by the first asynchronous save: a collective

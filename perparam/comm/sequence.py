@@ -41,7 +41,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import peers
 from .debug import CollectiveMismatchError
+from .timeouts import CollectiveTimeoutError  # noqa: F401 (re-exported: raised here)
 
 _KEY = "perparam_seq/{}/{}/"  # (process group name, check number) / rank
 
@@ -97,7 +99,17 @@ def _wait(store, keys: list[str], timeout: timedelta) -> None:
             return
         time.sleep(pause)
         pause = min(2 * pause, 2e-3)
-    store.wait(keys, timeout - timedelta(seconds=time.monotonic() - start))
+    while True:  # in slices of a second: a peer that died or stopped meanwhile never posts (PeerLostError)
+        left = timeout.total_seconds() - (time.monotonic() - start)
+        try:
+            store.wait(keys, timedelta(seconds=max(min(left, 1.0), 0.001)))
+            return
+        except (RuntimeError, dist.DistStoreError):
+            if left <= 1.0:
+                raise
+        lost = peers.lost_error("a wait for the peers in the store (before a collective)")
+        if lost is not None:
+            raise lost
 
 
 class _Late(Exception):
@@ -127,6 +139,8 @@ def _arrive(group: dist.ProcessGroup, prefix: str, value: str):
     timeout = _timeout(group)
     try:
         _wait(store, keys, timeout)
+    except peers.PeerLostError:
+        raise
     except (RuntimeError, dist.DistStoreError) as e:
         raise _Late([r for r, k in zip(ranks, keys) if not store.check([k])], timeout, e) from e
     return store, ranks, keys
@@ -157,12 +171,6 @@ def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
             f"perparam: the ranks of process group {group.group_name!r} were about to issue different collectives "
             "(they made different numbers of sharded calls, or called other sharded modules; "
             "perparam.set_debug(True) checks every collective):\n" + lines)
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A sharded module's forward waited in a collective that a peer rank did not issue (or a peer exited),
-    or a call that is a collective (``optimizer.state_dict()`` with owner parameters) was made on some ranks
-    only (``enter_together``)."""
 
 
 _ENTER_KEY = "perparam_enter/{}/{}/{}/"  # (process group name, what, call number) / rank

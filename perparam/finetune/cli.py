@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from perparam import quant
+from perparam import PeerLostError, quant
 from perparam.finetune import invariant_flags, lifecycle, loop_flags, lora, offload_flags, optimizers
 from perparam.finetune.errors import FinetuneInputError, check_output_path
 from perparam.finetune.optimizers import OPTIMIZERS
@@ -318,7 +318,9 @@ def run_worker(cfg: JobConfig) -> int:
         run_job(cfg, data)
     except (torch.distributed.DistError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if not any(s in first for s in PEER_LOST):
+        if isinstance(exc, PeerLostError):  # perparam named the rank already; its cause, shortened
+            first = exc.cause
+        elif not any(s in first for s in PEER_LOST):
             raise
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first).split(". ")[0]  # drop the C++ location
         gone = peers.who_is_gone(wait_s=2.0)  # a peer's sockets close a moment before its process is gone
@@ -438,8 +440,9 @@ def _launch(cfg: JobConfig) -> int:
         if code == 2:  # bad input found by a worker (a non-finite loss): it said so in one line already
             return 2
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        saved = lifecycle.saved_text(lifecycle.read_progress(progress)[2])
         print(f"perparam finetune: error: rank {rank} {how} (its output is above); the other ranks were "
-              "stopped", file=sys.stderr, flush=True)
+              f"stopped; {saved}", file=sys.stderr, flush=True)
         return 2 if code == 2 else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -67,6 +67,7 @@ class JobConfig:
     min_lr: float | None = None
     eval_every: int = 0
     plot: str | None = None
+    step_timeout: float | None = None  # --step-timeout (perparam.elastic.StepWatchdog); None: derived
     # where parameters' state lives (offload_flags.py)
     offload: list[str] | None = None
     memory_budget: int | None = None  # bytes; --memory-budget's text (2e9, 1.5GiB) is parsed here

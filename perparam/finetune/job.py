@@ -147,6 +147,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     accumulation, clipping, the schedule); held-out loss every ``--eval-every`` steps; stops every rank on a
     non-finite loss."""
     from perparam import CommCounter
+    from perparam.elastic import StepWatchdog
 
     stream = steps.step_stream(data.train, cfg.batch_size, cfg.grad_accum, cfg.seed)
     peak, _ = throughput.machine_peak(run.device, train.PARAM_DTYPES[cfg.param_dtype])  # FLOP/s, all ranks
@@ -154,7 +155,9 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     losses, lrs, norms, start, step_s = [], [], [], time.perf_counter(), 0.0
     evals = [(run.first_step, run.loss_before)]  # the held-out loss of the model this run starts from
     tokens_per_step = cfg.batch_size * cfg.grad_accum * data.seq_len
-    with CommCounter() as comm:  # perparam's collectives of the training steps (not tp's, not eval's)
+    # a stopped or hung rank is named and killed within --step-timeout (a dead one's path: the agent's)
+    watchdog = StepWatchdog(cfg.step_timeout)
+    with CommCounter() as comm, watchdog:  # perparam's collectives of the training steps (not tp's, eval's)
         for step in range(run.first_step, cfg.steps):
             if cfg.crash_at_step is not None and step == cfg.crash_at_step and run.rank == run.world - 1:
                 os._exit(17)  # test hook: a worker dying mid-run
@@ -170,6 +173,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                                               cfg.grad_accum, cfg.max_grad_norm)
                 losses.append(mean_over_ranks(result.loss))
             step_s += time.perf_counter() - began
+            watchdog.step()
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
                                          f"pass a smaller --lr (this run: {cfg.lr})")
@@ -183,12 +187,14 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                             grad_norm=result.grad_norm, eta_s=elapsed / done * (cfg.steps - step - 1))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 issued = len(comm.records)
-                evals.append((step + 1, evaluate(cfg, run)))
+                with watchdog.paused():  # not a step: its own (first_timeout) bound
+                    evals.append((step + 1, evaluate(cfg, run)))
                 del comm.records[issued:]  # the evaluation's all-gathers are not the training step's
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             issued = len(comm.records)
-            save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
+            with watchdog.paused():
+                save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
             del comm.records[issued:]  # nor a checkpoint's (Muon's momentum sent to its rows' ranks)
         finish_saves(cfg, run.rank)  # the last checkpoint, written while the loop went on
     progress.close()

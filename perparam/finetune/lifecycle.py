@@ -10,7 +10,11 @@
   request); it removes the launcher's temporary folder and exits within about a second.
 - A peer that is gone (a node that died, a worker killed) is not an interruption: the worker that finds
   it says so in one line naming the rank or node that is gone and the last checkpoint, and exits 1
-  (:mod:`perparam.finetune.peers`). Under ``torchrun`` across nodes this holds also when the surviving
+  (:mod:`perparam.finetune.peers`); under ``perparam finetune`` the agent stops the other workers at
+  once, and the launcher's line names the rank, how it ended and the last checkpoint (``perparam
+  finetune: error: rank 1 was killed by signal 9 (its output is above); the other ranks were stopped;
+  last checkpoint: step 4 in DIR``). A stopped or hung worker is named and killed by the step watchdog
+  (``--step-timeout``, :class:`perparam.elastic.StepWatchdog`), and the run ends as for a dead one. Under ``torchrun`` across nodes this holds also when the surviving
   node's agent, having lost the rendezvous store with the node that hosted it, stops its workers with
   SIGTERM: the worker tells that from a user's signal by probing the stores and the roster of ranks.
 - A temporary folder left by a launcher that no longer runs (SIGKILL before the workers started, a power
@@ -56,11 +60,16 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
+def saved_text(checkpoint: tuple[int, str] | None) -> str:
+    """``"last checkpoint: step 30 in DIR"`` (``checkpoint``: ``(step, folder)`` of the last complete
+    ``--save``), or ``"nothing saved"``: the end of every line that says why the job stopped."""
+    return "nothing saved" if checkpoint is None else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}"
+
+
 def interrupted_line(step: int | None, total: int | None, checkpoint: tuple[int, str] | None = None) -> str:
     """The launcher's one line; ``checkpoint``: ``(step, folder)`` of the last complete ``--save``."""
     where = "before training started" if step is None else f"at step {step}/{total}"
-    saved = "nothing saved" if checkpoint is None else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}"
-    return f"perparam finetune: interrupted {where}; {saved}"
+    return f"perparam finetune: interrupted {where}; {saved_text(checkpoint)}"
 
 
 # ----------------------------------------------------------------------------------------- launcher side

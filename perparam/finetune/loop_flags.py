@@ -5,7 +5,8 @@ one-line checks (before any worker starts, exit 2) and their hand-over to the wo
   ``--temperature``, ``--top-k``, ``--sample-seed`` (``--seed`` is the data order's);
 - training loop (:mod:`perparam.finetune.steps`, :mod:`perparam.finetune.schedule`): ``--grad-accum``,
   ``--max-grad-norm``, ``--warmup-steps``, ``--min-lr``, ``--eval-every``;
-- ``--plot PATH.png`` (:mod:`perparam.finetune.plot`).
+- ``--plot PATH.png`` (:mod:`perparam.finetune.plot`);
+- ``--step-timeout SECONDS``: the bound of the step watchdog (:class:`perparam.elastic.StepWatchdog`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--lr to this at the last step (default: --lr, no decay)")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="held-out loss every N steps during training (default 0: before and after only)")
+    parser.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a rank whose step takes longer is stopped or hung: it is named and killed "
+                        "(perparam.elastic.StepWatchdog; default: 8 x the median step, at least 10 s)")
     parser.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG of the training and "
                         "held-out loss and the learning rate (needs matplotlib: the plot extra)")
 
@@ -60,6 +64,9 @@ def check(cfg: JobConfig) -> None:
     if cfg.eval_every < 0 or cfg.eval_every > max(cfg.steps, 1):
         raise FinetuneInputError(f"--eval-every {cfg.eval_every} must be between 1 and --steps {cfg.steps} "
                                  "(or 0: no evaluation during training)")
+    if cfg.step_timeout is not None and not (math.isfinite(cfg.step_timeout) and cfg.step_timeout > 0):
+        raise FinetuneInputError(f"--step-timeout {cfg.step_timeout} must be a positive number of seconds "
+                                 "(leave it out: 8 x the median step time, at least 10 s)")
     check_plot_path(cfg.plot)  # its path is proven writable with the other outputs (cli.check_outputs)
 
 
@@ -89,4 +96,6 @@ def worker_argv(cfg: JobConfig) -> list[str]:
         argv += ["--min-lr", repr(cfg.min_lr)]
     if cfg.plot:
         argv += ["--plot", cfg.plot]
+    if cfg.step_timeout is not None:
+        argv += ["--step-timeout", repr(cfg.step_timeout)]
     return argv

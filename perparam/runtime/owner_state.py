@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm.collectives import all_gather_objects, exchange_uneven
+from ..comm.peers import lost_peers
 from ..comm.sequence import enter_together
 from . import owner_step
 
@@ -149,9 +150,10 @@ def install(optimizer: torch.optim.Optimizer) -> None:
     if optimizer in _hooked or owner_step.routing(optimizer) is None:
         return
     _hooked.add(optimizer)
-    optimizer.register_state_dict_post_hook(_state_dict_post)
-    optimizer.register_load_state_dict_pre_hook(_load_state_dict_pre)
-    optimizer.register_load_state_dict_post_hook(_load_state_dict_post)
+    # their exchanges are collectives: a peer gone meanwhile raises PeerLostError
+    optimizer.register_state_dict_post_hook(lost_peers("optimizer.state_dict()")(_state_dict_post))
+    optimizer.register_load_state_dict_pre_hook(lost_peers("optimizer.load_state_dict()")(_load_state_dict_pre))
+    optimizer.register_load_state_dict_post_hook(lost_peers("optimizer.load_state_dict()")(_load_state_dict_post))
 
 
 def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

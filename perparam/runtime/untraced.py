@@ -13,7 +13,9 @@ alias move that counter.
 the runtime (forward hooks, gradient hooks, the final callback, ``ShardedModule`` methods that unshard,
 reshard or reset, the optimizer step hooks of ``local_step`` and ``adopt``, so ``torch.compile(optimizer.step)``
 compiles the optimizer's arithmetic and never perparam's bookkeeping) carries it. Outside a traced region it costs one ``torch.compiler.is_compiling()`` call
-and imports nothing (``torch._dynamo`` is imported by ``torch.compile`` itself).
+and imports nothing (``torch._dynamo`` is imported by ``torch.compile`` itself). Being every entry point, it
+is also where a collective that failed because a peer is gone becomes ``perparam.PeerLostError``
+(``perparam.comm.peers``), on the error path only.
 """
 
 from __future__ import annotations
@@ -24,17 +26,32 @@ from typing import TypeVar
 
 import torch
 
+from ..comm.peers import explain
+
 _F = TypeVar("_F", bound=Callable)
+
+#: what a runtime entry point is part of, for ``PeerLostError``'s message (by function name)
+_PHASES = {"pre_forward": "the forward", "post_forward": "the forward", "_pre_backward": "the backward",
+           "_late_grad": "the backward", "_final_callback": "the end of the backward", "unshard": "unshard()",
+           "wait": "unshard()'s wait", "reset": "reset()"}
 
 
 def untraced(fn: _F) -> _F:
     """``fn`` run eagerly, never traced by ``torch.compile`` (a graph break where a traced region calls it)."""
 
+    where = _PHASES.get(fn.__name__, "the optimizer step" if "hook" in fn.__name__ else fn.__name__)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        return torch._dynamo.disable(fn, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
+        try:  # (a try costs nothing while nothing is raised)
+            if not torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return torch._dynamo.disable(fn, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
+        except RuntimeError as e:  # a collective whose peer is gone: PeerLostError
+            lost = explain(e, where)
+            if lost is None:
+                raise
+            raise lost from None
 
     return wrapper  # type: ignore[return-value]
 
