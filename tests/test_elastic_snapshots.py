@@ -143,3 +143,26 @@ def test_a_shard_lost_with_its_replica_stops_with_one_line_on_every_rank(tmp_pat
     assert len(set(lines)) == 1 and "\n" not in lines[0]
     assert lines[0].startswith("no complete in-memory snapshot: rank(s) [3] of the newest (step 3, 4 ranks)")
     assert "resume from your last disk checkpoint" in lines[0]
+
+
+def flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged,start", [
+    (("r0-own-s1",), 3),  # its replica (held by rank 1) passes: step 3 still restored
+    (("r0-own-s1", "r0-by1-s1"), 2),  # both copies of rank 0's step 3 refused: step 2, the other slot
+    (("r1-own-s1@header", "r1-by0-s1@header"), 2),  # a damaged header: refused as well
+])
+def test_a_corrupted_slot_is_refused_by_its_checksum(tmp_path, straight, damaged, start):
+    job = uuid.uuid4().hex
+    run_distributed(run, 2, str(tmp_path), job, 3)
+    for name in damaged:
+        name, _, where = name.partition("@")
+        flip(tmp_path / job / name, 20 if where == "header" else 4096 + 8000)  # a tensor byte of the payload
+    got = run_distributed(run, 2, str(tmp_path), job, None)
+    assert got[0]["start"] == start
+    for key, value in straight[2][0]["state"].items():  # the lost step is rerun: the same bits at the end
+        assert torch.equal(got[0]["state"][key], value), key

@@ -4,11 +4,14 @@ elastic agent restarts the workers (docs/fault-tolerance.md); ``StepWatchdog``: 
 within a bound.
 
 ``State(model, optimizers, scheduler=None, **user_state)``: ``state.commit()`` after each step,
-``step = state.restore()`` at start. ``SnapshotError``: what cannot be snapshotted or restored.
+``step = state.restore()`` at start; ``init_process_group`` for workers the agent restarts.
+``SnapshotError``: what cannot be snapshotted or restored.
 """
+
+from perparam.session import init_process_group  # re-exported: where elastic users look
 
 from .errors import SnapshotError
 from .state import State
 from .watchdog import StepWatchdog
 
-__all__ = ["SnapshotError", "State", "StepWatchdog"]
+__all__ = ["SnapshotError", "State", "StepWatchdog", "init_process_group"]

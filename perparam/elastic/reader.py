@@ -10,7 +10,6 @@ each requested piece from the payload straight into DCP's target (no file, no un
 from __future__ import annotations
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from .description import Description, Entry
 

@@ -44,7 +44,7 @@ def _gather(value) -> list:
     return out
 
 
-def _choose(seen: list[list[Copy]], refused: set) -> tuple[int, int, dict[int, list[tuple[int, Copy]]]] | None:
+def _choose(seen, refused: set) -> tuple[int, int, dict[int, list[tuple[int, Copy]]]] | None:
     """``(generation, world size, origin -> [(rank that sees it, copy)])`` of the newest complete generation."""
     by_gen: dict[tuple[int, int], dict[int, list[tuple[int, Copy]]]] = {}
     for rank, copies in enumerate(seen):
@@ -59,7 +59,7 @@ def _choose(seen: list[list[Copy]], refused: set) -> tuple[int, int, dict[int, l
     return gen, world, by_gen[(gen, world)]
 
 
-def _missing_line(seen: list[list[Copy]], folder: Path) -> str:
+def _missing_line(seen, folder: Path) -> str:
     newest = max((c.header.generation, c.header.world_size) for copies in seen for c in copies)
     have = {c.header.origin for copies in seen for c in copies if (c.header.generation, c.header.world_size) == newest}
     lost = sorted(set(range(newest[1])) - have)
@@ -73,9 +73,14 @@ def find(folder: Path) -> tuple[int, int, list[tuple[Description, torch.Tensor]]
     complete generation, or None when no snapshot of this job exists. A collective. Raises
     ``SnapshotError`` (on every rank alike) when snapshots exist but none is complete."""
     host = socket.gethostname()
-    mine = [Copy(host, str(p), h) for p, h in scan(folder)]
-    seen = _gather(mine)
+    found, damaged = scan(folder)
+    mine = [Copy(host, str(p), h) for p, h in found]
+    seen, damaged_everywhere = zip(*_gather((mine, damaged)))
     if not any(seen):
+        names = sorted({n for d in damaged_everywhere for n in d})
+        if names:  # not a job that never committed: every slot's header is damaged
+            raise SnapshotError(f"no in-memory snapshot can be read: the headers of {', '.join(names[:4])} in {folder} "
+                                "are damaged; resume from your last disk checkpoint, or remove that folder to start afresh")
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     refused: set = set()

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .slots import Header, SlotFile, read_header
+from .slots import HEADER_BYTES, Header, SlotFile, read_header
 
 ROOT_ENV = "PERPARAM_SNAPSHOT_DIR"
 DEFAULT_ROOT = "/dev/shm/perparam-snapshots"
@@ -63,12 +63,13 @@ class Store:
         self._held.clear()
 
 
-def scan(folder: Path) -> list[tuple[Path, Header]]:
+def scan(folder: Path) -> tuple[list[tuple[Path, Header]], list[str]]:
     """The slot files in ``folder`` whose header is whole (the payload is checked later, by ``Slot.verify``),
-    sorted by name."""
-    found = []
+    sorted by name; and the names of those whose header is damaged (not whole, and not zeroed either: a
+    zeroed header is a slot that was being written)."""
+    found, damaged = [], []
     if not folder.is_dir():
-        return found
+        return found, damaged
     for path in sorted(folder.iterdir()):
         m = NAME.fullmatch(path.name)
         if not m:
@@ -76,7 +77,19 @@ def scan(folder: Path) -> list[tuple[Path, Header]]:
         header = read_header(path)
         if header is not None and header.origin == int(m.group(1)):
             found.append((path, header))
-    return found
+        elif header is None and any(zeroed_or_short(path)):
+            damaged.append(path.name)
+    return found, damaged
+
+
+def zeroed_or_short(path: Path) -> list[bool]:
+    """``[True]`` when ``path``'s header bytes are neither all zero nor missing (a damaged header)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError:
+        return []
+    return [len(raw) == HEADER_BYTES and any(raw)]
 
 
 def remove(folder: Path) -> None:
