@@ -414,6 +414,7 @@ def _launch(cfg: JobConfig) -> int:
         if name.startswith("torch.distributed.elastic"):  # (the agent's loggers set their own level)
             logging.getLogger(name).setLevel(logging.CRITICAL)
     saved_env = dict(os.environ)
+    run_id = uuid.uuid4().hex  # also names the in-memory snapshots' folder (--max-restarts)
     tmp = lifecycle.make_tmpdir()
     progress = os.path.join(tmp, "progress")
     try:
@@ -430,7 +431,7 @@ def _launch(cfg: JobConfig) -> int:
         prepared = os.path.join(tmp, "data.pt")
         torch.save(vars(data), prepared)
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc,
-                              run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                              run_id=run_id, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                               local_addr="127.0.0.1",
                               max_restarts=cfg.max_restarts, monitor_interval=0.1, shutdown_timeout=5,
                               logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
@@ -457,6 +458,10 @@ def _launch(cfg: JobConfig) -> int:
         return 2 if code == 2 else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if cfg.max_restarts:  # workers that failed for good leave their snapshots in /dev/shm: not ours to keep
+            from perparam.elastic.store import job_folder, remove
+
+            remove(job_folder(run_id))
         os.environ.clear()
         os.environ.update(saved_env)
     return 0
