@@ -53,7 +53,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     manifest = read_manifest(path)
     if verify:
         _verify(path, manifest.get("files") or {})
-    return load_from(manifest, SafeReader(path), model, optimizer, source=f"checkpoint {path}")
+    extra = load_from(manifest, SafeReader(path), model, optimizer, source=f"checkpoint {path}")
+    note_checkpoint(path)
+    return extra
 
 
 def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *, source: str = "the checkpoint") -> dict:
@@ -95,7 +97,6 @@ def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *, sourc
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
     for (_, opt), saved, restore in zip(pairs, saved_all, restores):
         restore_loaded(opt, saved, restore)
-    note_checkpoint(path)
     return manifest.get("extra", {})
 
 
