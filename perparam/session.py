@@ -22,6 +22,23 @@ import torch.distributed as dist
 from .checkpoint import background as checkpoint_background
 
 
+def init_process_group(backend: str = "gloo", **kwargs) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)``; under torch's elastic agent (and without
+    ``store``/``init_method`` given) on the agent's store under a prefix of its own per restart
+    (``TORCHELASTIC_RESTART_COUNT``). The workers of every attempt share the agent's TCPStore, and the keys an
+    attempt wrote stay there: a restarted rank that comes up before its peers reads the previous attempt's gloo
+    addresses and fails with ``Gloo connectFullMesh failed ... Connection refused`` (measured: torch 2.13,
+    ``torchrun --standalone --max-restarts 1``, one rank 5 s slower to start: every restart failed; with the
+    prefix none did). ``distributed_session`` and ``perparam finetune`` start their groups through it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "store" not in kwargs and "init_method" not in kwargs:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=kwargs.get("timeout") or timedelta(minutes=5))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs.update(store=dist.PrefixStore(f"perparam/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **kwargs)
+
+
 @contextlib.contextmanager
 def distributed_session(backend: str | None = None, timeout_s: float | None = None) -> Iterator[None]:
     """Initialise the default process group (unless one exists) and, at the end of the block, collect
@@ -52,7 +69,7 @@ def distributed_session(backend: str | None = None, timeout_s: float | None = No
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
-        dist.init_process_group(backend, **kwargs)
+        init_process_group(backend, **kwargs)
     try:
         yield
     finally:

@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 #: the features whose one parity (or collective-count) test on gloo ranks the fast loop keeps; each file
 #: must keep at least one fast test (a new feature adds its file here with its marked test)
 FEATURES = (
-    "test_fully_shard_parity.py", "test_writes_seen.py", "test_init_matches_unsharded.py",
+    "test_fully_shard_parity.py", "test_writes_seen.py", "test_init_matches_unsharded.py", "test_elastic_slots.py",
     "test_collective_counts.py", "test_policies.py", "test_hsdp.py", "test_tensor_parallel.py",
     "test_runtime_routes.py", "test_rank_dependent_use.py", "test_precision_islands.py", "test_nf4.py",
     "test_zero_dim_params.py", "test_full_state_dict.py", "test_meta_assign_load.py", "test_stored_dtype.py",

@@ -3,7 +3,7 @@
 Floors, lowest first: ``perparam/sharding/`` (pure: what each rank holds) < ``perparam/comm/`` (collectives)
 < ``perparam/runtime/`` (groups, hooks) < the face (``perparam/*.py``: ``fully_shard``, ``ShardedModule``,
 checkpoints). ``perparam/memory/`` (the planner) and ``perparam/offload/`` (the tiers' files and hooks)
-stand beside them on ``sharding/`` alone; ``perparam/finetune/`` is a
+stand beside them on ``sharding/`` alone; ``perparam/elastic/`` (in-memory snapshots) stands on the face; ``perparam/finetune/`` is a
 user of the face (and of ``memory/``). Every import counts: top-level, inside functions and under
 ``TYPE_CHECKING``, so no circle can hide in a function-local import.
 """
@@ -27,7 +27,8 @@ ALLOWED = {
     "memory": {"sharding", "memory"},
     "offload": {"sharding", "offload"},
     "face": {"sharding", "comm", "runtime", "memory", "offload", "face"},
-    "finetune": {"face", "memory", "offload", "finetune"},
+    "elastic": {"sharding", "comm", "runtime", "memory", "offload", "face", "elastic"},
+    "finetune": {"face", "memory", "offload", "elastic", "finetune"},
 }
 
 #: tensor factories: called at a sharding module's import they would allocate
@@ -232,7 +233,8 @@ COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", 
 #: torch.distributed themselves, each for a reason of its own
 ISSUE_DIST = {"perparam.comm": "the collectives",
               "perparam.checkpoint": "ranks agree on what a save writes (all_gather_object), barriers",
-              "perparam.full_state": "a full state dict gathered or broadcast one tensor at a time"}
+              "perparam.full_state": "a full state dict gathered or broadcast one tensor at a time",
+              "perparam.elastic": "snapshots: replicas sent point-to-point, the ranks agree on the newest complete one"}
 ISSUE_COMM = {"perparam.runtime.paths": "the paths",
               "perparam.runtime.zero_copy": "the zero-copy all-gather (paths.gather_zero_copy)",
               "perparam.runtime.zero_copy_reduce": "the zero-copy reduce-scatter (paths.reduce_zero_copy)",

@@ -45,9 +45,9 @@ from ..errors import CheckpointDamagedError, CheckpointError
 from ..full_state import full_state_dict, load_full_state_dict
 from .background import PendingSave
 from .files import FORMAT, MANIFEST, latest, survey, target_problem
-from .load import load
-from .save import async_save, save, wait_pending
+from .load import load, load_from
+from .save import async_save, capture, save, wait_pending
 
-__all__ = ["FORMAT", "MANIFEST", "CheckpointDamagedError", "CheckpointError", "PendingSave", "async_save",
-           "full_state_dict", "latest", "load", "load_full_state_dict", "save", "survey", "target_problem",
-           "wait_pending"]
+__all__ = ["FORMAT", "MANIFEST", "CheckpointDamagedError", "CheckpointError", "PendingSave", "async_save", "capture",
+           "full_state_dict", "latest", "load", "load_from", "load_full_state_dict", "save", "survey",
+           "target_problem", "wait_pending"]

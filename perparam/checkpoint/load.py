@@ -53,6 +53,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     manifest = read_manifest(path)
     if verify:
         _verify(path, manifest.get("files") or {})
+    extra = load_from(manifest, SafeReader(path), model, optimizer, source=f"checkpoint {path}")
+    note_checkpoint(path)
+    return extra
+
+
+def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *, source: str = "the checkpoint") -> dict:
+    """``load`` from a manifest (``save.capture``'s) and any DCP ``StorageReader`` holding the tensors it names,
+    saved on any world size or mesh; ``source`` names it in errors. Every rank calls it (a collective).
+    Returns the manifest's ``extra``. Raises ``CheckpointError`` before changing anything on a mismatch."""
     current = model_state(model)
     problems = _differences(manifest["model"], current, "model")
     targets = {f"model.{k}": torch.zeros_like(v) for k, v in current.items()}
@@ -65,22 +74,22 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                 for (prefix, opt), saved in zip(pairs, saved_all)]
     per_mesh = per_mesh_keys(targets, model)  # the same tensors as ``targets``, under the keys ``save`` wrote
     try:  # DCP's own metadata, read safely, before anything is touched
-        SafeReader(path).read_metadata()
+        reader.read_metadata()
     except CheckpointError as e:
         problems.insert(0, str(e))
     except (OSError, pickle.UnpicklingError, EOFError) as e:
         problems.insert(0, f"its DCP metadata (.metadata) cannot be read ({e}): the save did not finish")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise CheckpointError(f"checkpoint {path} does not match: {shown}. Nothing was loaded")
+        raise CheckpointError(f"{source} does not match: {shown}. Nothing was loaded")
     try:
         with single_process_quiet():
-            dcp.load(per_mesh, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
+            dcp.load(per_mesh, storage_reader=reader, no_dist=not dist.is_initialized())
     except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"reading {path} failed ({type(e).__name__}: {str(e)[:300]}); the files are damaged or "
-                              "incomplete: load an earlier checkpoint. Nothing was loaded") from e
+        raise CheckpointError(f"reading {source} failed ({type(e).__name__}: {str(e)[:300]}); the files are damaged "
+                              "or incomplete: load an earlier checkpoint. Nothing was loaded") from e
     # every tensor read: now change the model and the optimizer
     with torch.no_grad():
         for k, v in current.items():
@@ -88,7 +97,6 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     zero.invalidate()  # stage-1/2 kept copies: refreshed at the next all-gather
     for (_, opt), saved, restore in zip(pairs, saved_all, restores):
         restore_loaded(opt, saved, restore)
-    note_checkpoint(path)
     return manifest.get("extra", {})
 
 

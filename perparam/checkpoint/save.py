@@ -153,9 +153,12 @@ def wait_pending() -> None:
     background.wait_pending()
 
 
-def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tuple[dict, dict, Path, str]:
-    """The state dict to write (the model's and the optimizer's tensors), the manifest, the temporary folder
-    and the save's token; removes what killed saves left behind. A collective."""
+def capture(model: nn.Module, optimizer=None, extra: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """What ``save`` writes, without writing it: the state dict (``model.<name>`` and the optimizers' tensors,
+    this rank's DTensors as they are, no copy) and the manifest (JSON: names, shapes, dtypes, optimizer options
+    and non-tensor state, ``extra``). Every rank calls it (owner state of whole-matrix optimizers is moved: a
+    collective there, none otherwise). ``load_from(manifest, reader, ...)`` takes them back from any
+    ``torch.distributed.checkpoint`` storage reader (``perparam.elastic``'s in-memory snapshots use it)."""
     extra = as_json(extra or {}, "extra")
     state = {f"model.{k}": v for k, v in model_state(model).items()}
     manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
@@ -166,6 +169,14 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
             manifest["optimizer"] = entry
         else:
             manifest.setdefault("optimizers", []).append(entry)
+    return state, manifest
+
+
+def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tuple[dict, dict, Path, str]:
+    """The state dict to write (the model's and the optimizer's tensors), the manifest, the temporary folder
+    and the save's token; removes what killed saves left behind. A collective."""
+    state, manifest = capture(model, optimizer, extra)
+    extra = manifest["extra"]
     _check_same_on_every_rank(state, extra)
     state = per_mesh_keys(state, model)
     manifest = json.loads(json.dumps(manifest))  # a copy: later changes to extra or the options stay out

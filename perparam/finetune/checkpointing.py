@@ -105,6 +105,11 @@ def _announce_finished(cfg: JobConfig, rank: int, wait: bool) -> None:
             print(f"checkpoint: step {step} in {path}", flush=True)
 
 
+def optimizers_saved(optimizer):
+    """What ``perparam.checkpoint`` (and ``perparam.elastic.State``) take for the job's optimizers."""
+    return _saved(optimizer)
+
+
 def _saved(optimizer):
     """What ``perparam.checkpoint`` takes: a ``JobOptimizers``' ``saved`` (one optimizer, or Muon and AdamW
     as a list), or a torch optimizer as it is."""

@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perparam import PeerLostError, quant
-from perparam.finetune import invariant_flags, lifecycle, loop_flags, lora, offload_flags, optimizers
+from perparam.finetune import (
+    invariant_flags,
+    lifecycle,
+    loop_flags,
+    lora,
+    offload_flags,
+    optimizers,
+    snapshots,
+)
 from perparam.finetune.errors import FinetuneInputError, check_output_path
 from perparam.finetune.optimizers import OPTIMIZERS
 from perparam.finetune.peers import PEER_LOST  # error texts of a collective whose peer died or timed out
@@ -117,6 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     invariant_flags.add_arguments(parser)  # --invariant-units
     loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
     offload_flags.add_arguments(parser)  # --offload, --memory-budget, --offload-dir
+    snapshots.add_arguments(parser)  # --max-restarts, --snapshot-every
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -196,6 +205,7 @@ def check_sizes(cfg: JobConfig, world: int, model_cfg=None, outputs: bool = True
     cfg.lora_config()  # --lora/--qlora values and conflicts
     loop_flags.check(cfg)  # samples, the training loop's options, the plot
     offload_flags.check(cfg)
+    snapshots.check(cfg)
     invariant_flags.check(cfg, world)  # --invariant-units: its rule and the flags it refuses
     optimizers.check_config(cfg)  # --optimizer muon with flags it cannot compose with
     check_checkpoint_args(cfg)
@@ -344,6 +354,7 @@ def _worker_argv(cfg: JobConfig, prepared: str) -> list[str]:
         argv += ["--param-dtype", cfg.param_dtype]
     argv += offload_flags.worker_argv(cfg)
     argv += invariant_flags.worker_argv(cfg)
+    argv += snapshots.worker_argv(cfg)
     if cfg.gguf_path:
         argv += ["--gguf", cfg.gguf_path]
     if cfg.summary_json:
@@ -403,6 +414,7 @@ def _launch(cfg: JobConfig) -> int:
         if name.startswith("torch.distributed.elastic"):  # (the agent's loggers set their own level)
             logging.getLogger(name).setLevel(logging.CRITICAL)
     saved_env = dict(os.environ)
+    run_id = uuid.uuid4().hex  # also names the in-memory snapshots' folder (--max-restarts)
     tmp = lifecycle.make_tmpdir()
     progress = os.path.join(tmp, "progress")
     try:
@@ -419,9 +431,9 @@ def _launch(cfg: JobConfig) -> int:
         prepared = os.path.join(tmp, "data.pt")
         torch.save(vars(data), prepared)
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc,
-                              run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                              run_id=run_id, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                               local_addr="127.0.0.1",
-                              max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
+                              max_restarts=cfg.max_restarts, monitor_interval=0.1, shutdown_timeout=5,
                               logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
         elastic_launch(config, sys.executable)(*_worker_argv(cfg, prepared))
     except (Exception, lifecycle.Interrupted) as exc:
@@ -446,6 +458,10 @@ def _launch(cfg: JobConfig) -> int:
         return 2 if code == 2 else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if cfg.max_restarts:  # workers that failed for good leave their snapshots in /dev/shm: not ours to keep
+            from perparam.elastic.store import job_folder, remove
+
+            remove(job_folder(run_id))
         os.environ.clear()
         os.environ.update(saved_env)
     return 0

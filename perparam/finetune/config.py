@@ -72,6 +72,9 @@ class JobConfig:
     offload: list[str] | None = None
     memory_budget: int | None = None  # bytes; --memory-budget's text (2e9, 1.5GiB) is parsed here
     offload_dir: str | None = None
+    # restarts from in-memory snapshots (snapshots.py)
+    max_restarts: int = 0
+    snapshot_every: int = 1
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:

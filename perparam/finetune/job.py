@@ -29,11 +29,12 @@ from perparam.finetune import (
     offload_flags,
     optimizers,
     peers,
+    snapshots,
     steps,
     throughput,
     train,
 )
-from perparam.finetune.checkpointing import finish_saves, resume_from, save_if_due
+from perparam.finetune.checkpointing import finish_saves, optimizers_saved, resume_from, save_if_due
 from perparam.finetune.config import JobConfig
 from perparam.finetune.data import PreparedData, rank_slice
 from perparam.finetune.errors import FinetuneInputError, write_output
@@ -61,6 +62,7 @@ class Run:
     model_cfg: object = None  # the model's LlamaConfig
     offload: object = None  # offload_flags.OffloadChoice: --offload / --memory-budget
     iu: object = None  # perparam.InvariantUnits under --invariant-units (invariant_steps.py), else None
+    snapshots: object = None  # snapshots.JobSnapshots when the agent may restart the workers, else None
 
 
 def evaluate(cfg: JobConfig, run: Run) -> float:
@@ -119,11 +121,14 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     eval_rows = rank_slice(data.heldout, meshes.dp_rank, meshes.dp_size)
     micro = max(1, cfg.batch_size // meshes.dp_size)
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
+    snaps = snapshots.JobSnapshots(cfg, model, optimizers_saved(optimizer)) if snapshots.enabled() else None
+    restored = snaps.restore(scheduler, cfg.lr, rank, first_step) if snaps is not None else 0
     run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, float("nan"),
-              first_step, scheduler, llama_cfg, offload, iu)
+              restored or first_step, scheduler, llama_cfg, offload, iu, snaps)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
-    # samples "before" are)
-    run.loss_before = evaluate(cfg, run)
+    # samples "before" are); after a restart, the one the job started from (kept in the snapshot)
+    run.loss_before = snaps.state.loss_before if restored else evaluate(cfg, run)
+    first_step = run.first_step
     if rank == 0:
         at = f" (step {first_step}, resumed)" if first_step else ""
         print(f"held-out loss before{at}: {run.loss_before:.4f}", flush=True)
@@ -154,12 +159,16 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     progress = train.Progress(run.rank == 0, cfg.steps)
     losses, lrs, norms, start, step_s = [], [], [], time.perf_counter(), 0.0
     evals = [(run.first_step, run.loss_before)]  # the held-out loss of the model this run starts from
+    if run.snapshots is not None and run.snapshots.state.restored_at_step:  # a restart: what ran before it
+        kept = run.snapshots.state
+        losses, lrs, norms, evals = list(kept.losses), list(kept.lrs), list(kept.norms), [tuple(e) for e in kept.evals]
     tokens_per_step = cfg.batch_size * cfg.grad_accum * data.seq_len
     # a stopped or hung rank is named and killed within --step-timeout (a dead one's path: the agent's)
     watchdog = StepWatchdog(cfg.step_timeout)
     with CommCounter() as comm, watchdog:  # perparam's collectives of the training steps (not tp's, eval's)
         for step in range(run.first_step, cfg.steps):
-            if cfg.crash_at_step is not None and step == cfg.crash_at_step and run.rank == run.world - 1:
+            if (cfg.crash_at_step is not None and step == cfg.crash_at_step and run.rank == run.world - 1
+                    and not snapshots.restarts()):
                 os._exit(17)  # test hook: a worker dying mid-run
             began = time.perf_counter()
             if run.iu is not None:  # the step's global rows, cut into the same units at every --nproc
@@ -193,6 +202,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             issued = len(comm.records)
+            if run.snapshots is not None:  # in memory, every --snapshot-every steps: what a restart continues from
+                run.snapshots.commit(losses, lrs, norms, evals, run.loss_before, run.scheduler)
             with watchdog.paused():
                 save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
             del comm.records[issued:]  # nor a checkpoint's (Muon's momentum sent to its rows' ranks)
@@ -284,6 +295,8 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         print("perparam collectives per step and rank: "
               + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in loop.comm_per_step.items()), flush=True)
     summary.update(extra or {})
+    if run.snapshots is not None:
+        summary.update(run.snapshots.summary())
     if run.rank == 0 and cfg.plot:
         from perparam.finetune.plot import write_run_plot
 
@@ -332,7 +345,10 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
 
             merged = {} if cfg.lora is None else {"state_fn": lora.merged_state_dict}  # adapters merged in
             exported = export_model(run.model, run.model.cfg, cfg.export, cfg.export_dtype, cfg.gguf_path, **merged)
-        return report(cfg, run, data, loop, launched, exported, samples.after())
+        summary = report(cfg, run, data, loop, launched, exported, samples.after())
+        if run.snapshots is not None:  # the job is done: its snapshots leave this node's memory
+            run.snapshots.close()
+        return summary
     finally:
         # free the sharded model (reference cycles: hooks <-> groups) before the process group goes;
         # kept into interpreter teardown it was seen to abort the process at exit

@@ -182,8 +182,10 @@ def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # one core per rank; the launcher also sets OMP_NUM_THREADS=1
         backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    if not dist.is_initialized():  # on a store of its own per restart of torch's elastic agent
+        from perparam.session import init_process_group
+
+        init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size(), device
 
 

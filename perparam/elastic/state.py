@@ -1,0 +1,200 @@
+"""``State``: commit a training loop's state to memory after a step, restore it at start (the shape of
+Horovod Elastic's ``State.commit()`` / ``restore()``), for a loop under ``torchrun --max-restarts N``.
+
+``commit()`` after each optimizer step (every ``every``-th is kept): this rank's shards of the parameters and
+of every optimizer state tensor, the optimizers' options and non-tensor state, the step, the scheduler, the
+RNG states and the user's own small state go into a slot in host shared memory (``slots.py``: a copy of the
+local tensors, a checksum, the header last), and a replica goes to a rank on the next node (``replica.py``,
+overlapped with the next step). ``restore()`` at start finds the newest generation that every shard has
+complete, own or replica (``restore.py``), loads it onto the current mesh (any number of ranks, through
+``perparam.checkpoint.load_from``) and returns the number of steps done: the step to continue from.
+
+Memory per rank: two slots (double-buffered: one is always complete while the other is written) of its own
+snapshot and two of the replica it holds, i.e. ``2 x (own + replica)`` bytes, each ``own`` being its local
+state's bytes plus a page of header and a small description (``bytes_mapped()``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import random
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from perparam import checkpoint
+from perparam.full_state import per_rank_keys
+
+from .description import Description, Layout, local_of
+from .errors import SnapshotError
+from .reader import SnapshotReader
+from .replica import ReplicaLink
+from .restore import find
+from .slots import Header, align
+from .store import Store, job_folder, remove
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:  # no c10d work left in flight at interpreter exit
+    for state in list(_live):
+        state.finish()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _refuse_what_cannot_compose(model: torch.nn.Module, state: dict) -> None:
+    for name, p in model.named_parameters():
+        offload = getattr(getattr(p, "policy", None), "offload", None)
+        if getattr(offload, "tier", None) == "disk":
+            raise SnapshotError(f"parameter '{name}' is offloaded to the disk tier: in-memory snapshots would copy it "
+                                "back into memory every step; use OffloadPolicy('cpu') or no offload with "
+                                "perparam.elastic, or save to disk with perparam.checkpoint")
+    per_rank = sorted(per_rank_keys(state, model))  # a collective
+    if per_rank:
+        raise SnapshotError(f"'{per_rank[0]}' is a different tensor on each rank (experts on their own "
+                            "ParamPolicy(mesh=...) mesh): in-memory snapshots cannot reshard it; shard the experts on "
+                            "the data-parallel mesh, or save with perparam.checkpoint")
+
+
+class State:
+    """A training loop's state, committed to memory and restored after a restart. Every rank builds it.
+
+    ``model``: the sharded model; ``optimizers``: one optimizer or a sequence of them; ``scheduler``: an LR
+    scheduler (``state_dict``/``load_state_dict``) or None; ``every``: keep every ``every``-th commit (steps
+    recomputed after a failure: up to ``every - 1`` plus the one running); ``job``/``root``: where the slots
+    live (``store.py``); ``user_state``: small picklable values, read and set as attributes
+    (``state.epoch = 3``), saved with each commit and put back by ``restore``. Raises ``SnapshotError`` for
+    what cannot compose (the disk offload tier, experts on their own mesh, tensor parallelism's strided
+    shards), on every rank, before anything is written.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers, scheduler=None, *, every: int = 1, job: str | None = None,
+                 root=None, **user_state) -> None:
+        if every < 1:
+            raise SnapshotError(f"State(every={every}): commit every 1 or more steps")
+        object.__setattr__(self, "_user", dict(user_state))
+        self.model, self.optimizers, self.scheduler, self.every = model, optimizers, scheduler, every
+        self.step = 0
+        self.rank, self.world = _rank_world()
+        self.folder = job_folder(job, root)
+        tensors, _ = checkpoint.capture(model, optimizers)
+        _refuse_what_cannot_compose(model, tensors)
+        self._layout = Layout()
+        self._layout.entries(tensors)  # tensor parallelism's strided shards refused here
+        self.store = Store(self.folder, self.rank)
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.link = ReplicaLink(self.store, self.rank, self.world, self.group) if self.world > 1 else None
+        self.last_commit_s = 0.0
+        _live.add(self)
+
+    # user state as attributes
+    def __getattr__(self, name: str):
+        user = object.__getattribute__(self, "_user")
+        if name in user:
+            return user[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._user:
+            self._user[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def commit(self) -> None:
+        """After an optimizer step: count it, and snapshot every ``every``-th. Every rank calls it."""
+        self.step += 1
+        if self.step % self.every == 0:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """Snapshot now, as generation ``self.step`` (own slot, then the replica's transfer started)."""
+        start = time.perf_counter()
+        tensors, manifest = checkpoint.capture(self.model, self.optimizers, {"step": self.step})
+        entries, tensor_bytes = self._layout.entries(tensors)
+        extra = pickle.dumps({"step": self.step, "user": self._user, "rng": _rng_state(),
+                              "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None})
+        raw = Description(self.rank, self.world, manifest, extra, entries).dumps()
+        base = align(len(raw))
+        payload_bytes = base + tensor_bytes
+        if self.link is not None:
+            self.link.finish()  # the previous transfer: its source slot is about to be reused two commits on
+        slot = self.store.own(self.step % 2)
+        slot.begin(payload_bytes)
+        slot.map[4096:4096 + len(raw)] = raw
+        with torch.no_grad():
+            for entry, value in zip(entries, tensors.values()):
+                if entry.nbytes:
+                    dst = slot.payload(entry.nbytes, base + entry.at).view(value.dtype).view(entry.shape)
+                    dst.copy_(local_of(value))
+        header = Header(self.step, payload_bytes, len(raw), slot.checksum(payload_bytes), self.rank, self.world)
+        slot.finish(header)
+        if self.link is not None:
+            self.link.send(header, slot)
+        self.last_commit_s = time.perf_counter() - start
+
+    def restore(self) -> int:
+        """Load the newest complete snapshot of this job onto the current mesh and return the number of steps
+        it had done (0, changing nothing, when there is none). Every rank calls it, before training. Raises
+        ``SnapshotError`` on every rank when snapshots exist but none is complete (a shard and its replica
+        lost), naming the lost ranks; nothing is loaded then."""
+        found = find(self.folder)
+        if found is None:
+            return 0
+        gen, world, snapshots = found
+        checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model, self.optimizers,
+                             source=f"the in-memory snapshot of step {gen}")
+        mine = pickle.loads(snapshots[self.rank if self.rank < world else 0][0].extra)
+        if self.scheduler is not None and mine["scheduler"] is not None:
+            self.scheduler.load_state_dict(mine["scheduler"])
+        self._user.update(mine["user"])
+        if world == self.world:  # another number of ranks: each rank's stream cannot be mapped to a new rank
+            _set_rng_state(mine["rng"])
+        self.step = gen
+        return gen
+
+    def bytes_mapped(self) -> int:
+        """Bytes of shared memory this rank's slots take (own and held replica, both slots each)."""
+        return self.store.bytes_mapped()
+
+    def finish(self) -> None:
+        """Wait for the replica transfer in flight (its slot becomes readable)."""
+        if self.link is not None:
+            self.link.finish()
+
+    def close(self, remove_snapshots: bool = True) -> None:
+        """At the end of training: wait for transfers, unmap the slots and (by default) delete this job's
+        snapshots from this node's memory. Every rank calls it."""
+        self.finish()
+        self.store.close()
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        if remove_snapshots and self.rank == 0 or remove_snapshots and self.world > 1 and _first_on_node():
+            remove(self.folder)
+        _live.discard(self)
+
+
+def _first_on_node() -> bool:
+    return os.environ.get("LOCAL_RANK") == "0"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+

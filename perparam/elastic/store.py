@@ -1,0 +1,97 @@
+"""Where a job's snapshots live on a node: one folder per job in host shared memory, two slot files per
+rank for its own state and two for the replica it holds of another rank's.
+
+``<root>/<job>/r<origin>-own-s<slot>``: rank ``origin``'s own snapshot, slot ``generation % 2``;
+``<root>/<job>/r<origin>-by<holder>-s<slot>``: the replica of rank ``origin``'s snapshot that rank ``holder``
+received. ``root`` is ``$PERPARAM_SNAPSHOT_DIR``, else ``/dev/shm/perparam-snapshots`` (tmpfs: memory of
+the node, not disk). ``job`` is the elastic run id (``$TORCHELASTIC_RUN_ID``, the same for every restart of
+a job), else the agent's pid, so that two jobs on one node never share slots.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .slots import HEADER_BYTES, Header, SlotFile, read_header
+
+ROOT_ENV = "PERPARAM_SNAPSHOT_DIR"
+DEFAULT_ROOT = "/dev/shm/perparam-snapshots"
+NAME = re.compile(r"r(\d+)-(own|by\d+)-s([01])")
+
+
+def default_job() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return run_id
+    return f"agent{os.getppid()}"
+
+
+def job_folder(job: str | None = None, root: str | os.PathLike | None = None) -> Path:
+    return Path(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT) / (job or default_job())
+
+
+class Store:
+    """This rank's slot files in ``folder`` (created with mode 0700)."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.folder, self.rank = Path(folder), rank
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._own: dict[int, SlotFile] = {}
+        self._held: dict[tuple[int, int], SlotFile] = {}
+
+    def own(self, slot: int) -> SlotFile:
+        if slot not in self._own:
+            self._own[slot] = SlotFile(self.folder / f"r{self.rank}-own-s{slot}")
+        return self._own[slot]
+
+    def held(self, origin: int, slot: int) -> SlotFile:
+        """The slot where this rank keeps its replica of rank ``origin``'s snapshot."""
+        if (origin, slot) not in self._held:
+            self._held[(origin, slot)] = SlotFile(self.folder / f"r{origin}-by{self.rank}-s{slot}")
+        return self._held[(origin, slot)]
+
+    def bytes_mapped(self) -> int:
+        return sum(s.capacity for s in [*self._own.values(), *self._held.values()])
+
+    def close(self) -> None:
+        for s in [*self._own.values(), *self._held.values()]:
+            s.close()
+        self._own.clear()
+        self._held.clear()
+
+
+def scan(folder: Path) -> tuple[list[tuple[Path, Header]], list[str]]:
+    """The slot files in ``folder`` whose header is whole (the payload is checked later, by ``Slot.verify``),
+    sorted by name; and the names of those whose header is damaged (not whole, and not zeroed either: a
+    zeroed header is a slot that was being written)."""
+    found, damaged = [], []
+    if not folder.is_dir():
+        return found, damaged
+    for path in sorted(folder.iterdir()):
+        m = NAME.fullmatch(path.name)
+        if not m:
+            continue
+        header = read_header(path)
+        if header is not None and header.origin == int(m.group(1)):
+            found.append((path, header))
+        elif header is None and any(zeroed_or_short(path)):
+            damaged.append(path.name)
+    return found, damaged
+
+
+def zeroed_or_short(path: Path) -> list[bool]:
+    """``[True]`` when ``path``'s header bytes are neither all zero nor missing (a damaged header)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError:
+        return []
+    return [len(raw) == HEADER_BYTES and any(raw)]
+
+
+def remove(folder: Path) -> None:
+    """Remove a job's snapshots (at the job's successful end)."""
+    shutil.rmtree(folder, ignore_errors=True)

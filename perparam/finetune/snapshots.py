@@ -1,0 +1,93 @@
+"""``perparam finetune --max-restarts N``: a worker that dies is restarted by torch's elastic agent, and the
+new workers continue from the in-memory snapshot of the last completed step (``perparam.elastic``).
+
+- ``--max-restarts N`` (launcher): the agent restarts the worker group up to N times (``LaunchConfig``'s
+  ``max_restarts``); under plain ``torchrun --max-restarts N`` the same, read from the agent's
+  ``TORCHELASTIC_MAX_RESTARTS``. Snapshots are taken whenever restarts are allowed.
+- ``--snapshot-every N``: commit every N steps (default 1: no completed step is recomputed).
+
+What the loop reports is part of the snapshot (the losses, learning rates, gradient norms and held-out losses
+so far, the held-out loss before training, the schedule), so a run that lost a rank reports the uninterrupted
+run's numbers. The summary records ``restarts`` (the agent's restart count at the end) and
+``restored_at_step`` (the step each restart continued from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from perparam.finetune.errors import FinetuneInputError
+
+if TYPE_CHECKING:
+    from perparam.finetune.config import JobConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restart the workers up to N "
+                        "times when one dies; they continue from in-memory snapshots of the last step (default 0)")
+    parser.add_argument("--snapshot-every", type=int, default=1, metavar="N",
+                        help="with --max-restarts: snapshot every N steps (default 1)")
+
+
+def check(cfg: JobConfig) -> None:
+    """One-line :class:`FinetuneInputError` for bad values and what cannot compose with the snapshots."""
+    if cfg.max_restarts < 0:
+        raise FinetuneInputError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
+    if cfg.snapshot_every < 1:
+        raise FinetuneInputError(f"--snapshot-every {cfg.snapshot_every} must be 1 or more")
+    if cfg.max_restarts and cfg.tp > 1:
+        raise FinetuneInputError(f"--max-restarts with --tp {cfg.tp}: in-memory snapshots do not hold tensor-parallel "
+                                 "shards; run without --tp, or use --save/--resume")
+    if cfg.max_restarts and any("disk" in spec for spec in cfg.offload or ()):
+        raise FinetuneInputError("--max-restarts with --offload ...=disk: in-memory snapshots would bring the disk "
+                                 "tier back into memory every step; offload to 'cpu', or use --save/--resume")
+
+
+def worker_argv(cfg: JobConfig) -> list[str]:
+    return ["--snapshot-every", str(cfg.snapshot_every)]
+
+
+def enabled() -> bool:
+    """Whether the agent that started this worker may restart it."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+
+
+def restarts() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class JobSnapshots:
+    """The job's ``perparam.elastic.State``: the model, the optimizers and what the loop reports."""
+
+    def __init__(self, cfg: JobConfig, model, optimizers) -> None:
+        from perparam.elastic import State
+
+        self.state = State(model, optimizers, every=cfg.snapshot_every, losses=[], lrs=[], norms=[], evals=[],
+                           loss_before=None, schedule=None, restored_at_step=[])
+
+    def restore(self, scheduler, lr: float, rank: int, first_step: int) -> int:
+        """The step the last snapshot completed (0 when there is none: steps then count from ``first_step``,
+        ``--resume``'s); the schedule continues there."""
+        step = self.state.restore()
+        if not step:
+            self.state.step = first_step
+        else:
+            scheduler.restore(self.state.schedule, step, lr)
+            self.state.restored_at_step = [*self.state.restored_at_step, step]
+            if rank == 0:
+                print(f"restart {restarts()}: continuing from the in-memory snapshot of step {step}", flush=True)
+        return step
+
+    def commit(self, losses: list, lrs: list, norms: list, evals: list, loss_before: float, scheduler) -> None:
+        s = self.state
+        s.losses, s.lrs, s.norms, s.evals = list(losses), list(lrs), list(norms), [list(e) for e in evals]
+        s.loss_before, s.schedule = loss_before, scheduler.state_dict()
+        s.commit()
+
+    def summary(self) -> dict:
+        return {"restarts": restarts(), "restored_at_step": self.state.restored_at_step}
+
+    def close(self) -> None:
+        self.state.close()
