@@ -33,13 +33,13 @@ def policy() -> dict:
             "wpe.weight": ParamPolicy(placement="auto")}
 
 
-def measured(param_policy) -> dict[int, int]:
-    """Parameter bytes each dp shard rank holds after parallelize_module + fully_shard, per tp rank."""
-    out: dict[int, set] = {}
-    for rank in range(DP * TP):
-        dist.init_process_group("fake", rank=rank, world_size=DP * TP, store=FakeStore())
+def measured_by_coordinate(param_policy, dp: int = DP, tp: int = TP) -> dict[tuple[int, int], int]:
+    """Parameter bytes each (dp shard rank, tp rank) holds after parallelize_module + fully_shard."""
+    out: dict[tuple[int, int], int] = {}
+    for rank in range(dp * tp):
+        dist.init_process_group("fake", rank=rank, world_size=dp * tp, store=FakeStore())
         try:
-            mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard", "tp"))
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
             torch.manual_seed(0)
             model = gpt2_tiny()
             parallelize_module(model, mesh["tp"], gpt2_tp_plan())
@@ -49,9 +49,17 @@ def measured(param_policy) -> dict[int, int]:
             assert attn.c_attn.weight.placements[1:] == (Shard(0),)  # (dp_shard, tp): column-parallel
             assert attn.c_proj.weight.placements[1:] == (Shard(1),)  # row-parallel ...
             assert attn.c_proj.bias.placements == (Shard(0), Replicate())  # ... its bias replicated on tp
-            out.setdefault(mesh.get_coordinate()[0], set()).add(storage_bytes(model.parameters()))
+            out[tuple(mesh.get_coordinate())] = storage_bytes(model.parameters())
         finally:
             dist.destroy_process_group()
+    return out
+
+
+def measured(param_policy) -> dict[int, int]:
+    """Parameter bytes each dp shard rank holds (every tp split of gpt2-tiny divides by TP = 2)."""
+    out: dict[int, set] = {}
+    for (d, _), value in measured_by_coordinate(param_policy).items():
+        out.setdefault(d, set()).add(value)
     assert all(len(v) == 1 for v in out.values())  # the tp ranks of one dp rank hold the same bytes
     return {r: v.pop() for r, v in out.items()}
 
@@ -81,8 +89,29 @@ def test_cli_plan_tp_and_param_policy_factory(capsys):
     assert json.loads(capsys.readouterr().out)["trainable_params"] < plan_model("gpt2-tiny", 2).trainable_params
 
 
+@pytest.mark.parametrize("dp", [2, 4])
+def test_plan_tp_bytes_per_tp_rank_equal_fully_shard_when_a_split_dim_does_not_divide_by_tp(dp):
+    # tp = 3 over width 64: the MLP's 256 rows and 64 columns split as torch.chunk splits them, 86/86/84 and
+    # 22/22/20 (before: refused,
+    # "dim 1 has size 64, which does not divide over the tp axis of size 3"; fully_shard refused it too)
+    got = measured_by_coordinate(None, dp=dp, tp=3)
+    for t in range(3):
+        plan = plan_model("gpt2-tiny", dp, dtype=None, tp=3, tp_rank=t)
+        for d in range(dp):
+            assert got[(d, t)] == plan.rank(d).params, (d, t, got, plan.rank(d))
+    assert got[(0, 0)] == got[(0, 1)] > got[(0, 2)]  # torch.chunk: the first tp ranks hold the larger chunks
+    assert plan_model("gpt2-tiny", dp, dtype=None, tp=3).rank(0).params == got[(0, 0)]  # the default: the most
+    with pytest.raises(ValueError, match="tp_rank must be in"):
+        plan_model("gpt2-tiny", 2, dtype=None, tp=3, tp_rank=3)
+
+
+def test_cli_plan_tp_that_does_not_divide_a_split_dim_plans_tp_rank_0(capsys):
+    assert main(["plan", "--preset", "gpt2-tiny", "--dtype", "model", "--json", "--world", "6", "--tp", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rank"]["params_bytes"] == plan_model("gpt2-tiny", 2, dtype=None, tp=3).rank(0).params
+
+
 @pytest.mark.parametrize("argv,words", [
-    (["--tp", "3", "--world", "6"], ["'blocks.0.attn.c_proj.weight'", "dim 1", "does not divide", "tp axis of size 3"]),
     (["--tp", "4", "--world", "6"], ["--tp", "divisor"]),
     (["--param-policy-factory", "tests.test_plan_tp:nothing"], ["--param-policy-factory", "no attribute"]),
     (["--param-policy-factory", "tests.test_plan_tp"], ["--param-policy-factory", "package.module:function"]),

@@ -139,9 +139,10 @@ class ModelPlan:
     per_rank: tuple[RankBytes, ...]
     unsharded: RankBytes
     nominal_params: int | None = None
-    #: ranks of the tensor-parallel axis; ``per_rank[r]`` is then what each of the T ranks of dp shard
-    #: rank ``r`` holds (tp splits evenly, so they hold the same)
+    #: ranks of the tensor-parallel axis; ``per_rank[r]`` is what tp rank ``tp_rank`` of dp shard rank ``r``
+    #: holds (a split dim that does not divide by T is split as ``torch.chunk`` does: tp rank 0 holds the most)
     tp: int = 1
+    tp_rank: int = 0
 
     # -- owners ----------------------------------------------------------------------------------------
     @property
@@ -229,7 +230,7 @@ def plan_module(
     module: nn.Module, world_size: int, *, dtype: torch.dtype | None = torch.float16,
     grad_bytes: Number | None = None, optim_bytes: Number = 12, model_name: str = "model",
     nominal_params: int | None = None, param_policy=None, mp_policy=None, tp: int = 1,
-    tp_plan: Mapping[str, object] | None = None,
+    tp_plan: Mapping[str, object] | None = None, tp_rank: int = 0,
 ) -> ModelPlan:
     """The sharding plan of ``module`` (any device, meta included) over ``world_size`` ranks.
 
@@ -242,7 +243,9 @@ def plan_module(
     ``ValueError`` here (e.g. a 0-dim parameter without ``ParamPolicy(placement=Replicate())``).
     ``tp``, ``tp_plan``: a tensor-parallel axis of ``tp`` ranks and ``parallelize_module``'s plan for it
     (``perparam.memory.tp_plan``); ``world_size`` stays the dp shard axis's K, and a parameter the plan
-    splits is sharded over dp as its tp-local tensor, as ``fully_shard`` does.
+    splits is sharded over dp as its tp-local tensor, as ``fully_shard`` does. ``tp_rank``: the tp coordinate
+    whose ranks are planned; a split dim that does not divide by ``tp`` leaves the tp ranks different shapes
+    (``torch.chunk``'s: tp rank 0, the default, holds the most).
 
     Per-rank sums run over the distinct ``(shape, dtype, dim, trainable)`` groups, not over every parameter,
     so K = 1024 on GPT-2 XL takes milliseconds.
@@ -261,7 +264,7 @@ def plan_module(
     aliases = aliases_of(module)
     on_tp = tp_placements(module, tp_plan) if tp > 1 else {}
     on_tp = {n: on_tp[a] for n, names in aliases.items() for a in names if a in on_tp}  # by first name
-    named = [(n, nn.Parameter(torch.empty(tp_local_shape(n, tuple(p.shape), on_tp[n], tp) if n in on_tp else p.shape,
+    named = [(n, nn.Parameter(torch.empty(tp_local_shape(tuple(p.shape), on_tp[n], tp, tp_rank) if n in on_tp else p.shape,
                                           dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
     compute_dtypes = buffer_dtypes([("", module)], lambda m: False)  # norms compute in their statistics' dtype
@@ -298,13 +301,13 @@ def plan_module(
         _whole(trainable * optim_bytes),
     )
     return ModelPlan(model_name, world_size, tuple(plans), grad_bytes, optim_bytes, per_rank, unsharded,
-                     nominal_params, tp)
+                     nominal_params, tp, tp_rank)
 
 
 def plan_model(
     spec: str, world_size: int, *, dtype: torch.dtype | None = torch.float16, grad_bytes: Number | None = None,
     optim_bytes: Number = 12, nominal_params: int | None = None, param_policy=None, tp: int = 1,
-    tp_plan: Mapping[str, object] | str | None = None,
+    tp_plan: Mapping[str, object] | str | None = None, tp_rank: int = 0,
 ) -> ModelPlan:
     """``plan_module`` of a preset (``"gpt2-xl"``) or ``package.module:factory`` built on the meta device.
 
@@ -320,7 +323,7 @@ def plan_model(
     return plan_module(
         module, world_size, dtype=dtype, grad_bytes=grad_bytes, optim_bytes=optim_bytes, model_name=spec,
         nominal_params=preset_nominal if nominal_params is None else nominal_params, param_policy=param_policy,
-        tp=tp, tp_plan=tp_plan,
+        tp=tp, tp_plan=tp_plan, tp_rank=tp_rank,
     )
 
 
@@ -340,6 +343,7 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
         "model": plan.model_name,
         "world_size": plan.world_size,
         "tp": plan.tp,
+        "tp_rank": plan.tp_rank,
         "num_params": plan.num_params,
         "trainable_params": plan.trainable_params,
         "num_tensors": len(plan.params),

@@ -176,7 +176,7 @@ def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0, p
     itemsizes = sorted({p.layout.itemsize for p in plan.params})
     grad = f"{'/'.join(map(str, itemsizes))} (as params)" if plan.grad_bytes is None else _num(plan.grad_bytes)
     placements = sorted({placement_str(p.placements) for p in plan.params})
-    tp = f" x tp = {plan.tp} (each tp rank holds this)" if plan.tp > 1 else ""
+    tp = f" x tp = {plan.tp} (tp rank {plan.tp_rank}; tp rank 0 holds the most)" if plan.tp > 1 else ""
     summary = _table(f"Plan: {plan.model_name} on a shard axis of K = {plan.world_size} ranks{tp} (no processes)")
     summary.show_header = False
     summary.add_column("")

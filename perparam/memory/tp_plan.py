@@ -14,7 +14,10 @@ module              ``ColwiseParallel``                    ``RowwiseParallel``
 
 Every other parameter is not tensor-parallel (a plain tensor, the same on every tp rank), as after
 ``parallelize_module``. ``fully_shard`` then shards each tp-local tensor over the dp shard axis
-(``perparam.runtime.tp``), which needs every tp-split dim to divide by T; the same is checked here.
+(``perparam.runtime.tp``). A tp-split dim that does not divide by T is split as DTensor splits it
+(``torch.chunk``: 9 rows over T = 2 give tp rank 0 five rows and tp rank 1 four), so the tp ranks of one dp
+rank may hold different bytes; ``tp_local_shape`` gives one tp rank's shape, by the function the runtime's
+layout uses (``perparam.sharding.placement.chunk_extent``).
 
 ``GPT2_TP_PLAN`` is the Megatron-LM plan of the GPT-2 presets (Shoeybi et al., 2019): the attention's fused
 q/k/v projection and the MLP's first projection column-parallel, the attention output and the MLP's second
@@ -30,6 +33,8 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from perparam.sharding.placement import chunk_extent
 
 _COLWISE = {nn.Linear: {"weight": Shard(0), "bias": Shard(0)}, nn.Embedding: {"weight": Shard(1)}}
 _ROWWISE = {nn.Linear: {"weight": Shard(1), "bias": Replicate()}, nn.Embedding: {"weight": Shard(0)}}
@@ -73,13 +78,12 @@ def tp_placements(module: nn.Module, tp_plan: Mapping[str, object]) -> dict[str,
     return out
 
 
-def tp_local_shape(name: str, shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
-    """The shape one tp rank holds of a parameter of ``shape`` placed ``placement`` over ``tp`` ranks.
-    Raises ``ValueError`` when the split dim does not divide by ``tp`` (``fully_shard`` refuses it)."""
+def tp_local_shape(shape: tuple[int, ...], placement: Placement, tp: int, tp_rank: int = 0) -> tuple[int, ...]:
+    """The shape tp rank ``tp_rank`` of ``tp`` holds of a parameter of ``shape`` placed ``placement``: DTensor's
+    ``torch.chunk`` split (the first tp ranks hold the larger chunks, so tp rank 0 holds the most)."""
     if not isinstance(placement, Shard):
         return shape
     d = placement.dim
-    if shape[d] % tp:
-        raise ValueError(f"parameter '{name}' dim {d} has size {shape[d]}, which does not divide over the tp axis "
-                         f"of size {tp}; pad the layer to a multiple of {tp} or pick another --tp")
-    return (*shape[:d], shape[d] // tp, *shape[d + 1:])
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank must be in [0, {tp}), got {tp_rank}")
+    return (*shape[:d], chunk_extent(shape[d], tp, tp_rank)[1], *shape[d + 1:])

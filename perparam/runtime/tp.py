@@ -6,6 +6,12 @@ data-parallel axis, and the parameter becomes a DTensor on the combined ``(dp...
 dp axis shards the same tensor dim the tp axis already split, the dp placement is a ``_StridedShard``
 (the tp split happened first), so ``full_tensor()`` and distributed checkpoints stay exact; FSDP2 uses the
 same placement for the same reason.
+
+A tp-sharded dim need not divide over its tp axis: DTensor splits it as ``torch.chunk`` does (9 rows over
+tp = 2: five and four), and so does FSDP2. Every rank of one data-parallel group shares one tp coordinate,
+so each rank lays its dp shards out from its own tp-local tensor (``perparam.runtime.param``) and the
+ranks of one dp group agree on every collective's sizes; the ``_StridedShard`` placement names the split
+for every coordinate at once, and DTensor's own shape arithmetic finds each rank's rows from it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..sharding.placement import chunk_extent, rule
+from ..sharding.placement import rule
 
 
 class CompositionError(ValueError):
@@ -42,7 +48,7 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
 
     ``dp_placement``: the parameter's concrete dp placement (``perparam.sharding.placement.rule`` says what it
     becomes on the combined mesh). Raises ``CompositionError`` when the meshes have no axis names, are not sub-meshes of one mesh, share
-    an axis, or when a tp-sharded dim does not divide evenly over its axis.
+    an axis, or for a tp placement other than ``Shard`` and ``Replicate``.
     """
     tp_mesh = param.device_mesh
     tp_placements = tuple(param.placements)
@@ -73,19 +79,8 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
     if order != sorted(order):
         raise CompositionError(f"the dp axes {dp_mesh.mesh_dim_names} must come before the tp axes "
                                f"{tp_mesh.mesh_dim_names} in the mesh {root.mesh_dim_names}")
-    for axis, placement in enumerate(tp_placements):
-        if isinstance(placement, Shard):
-            size, parts = param.shape[placement.dim], tp_mesh.size(axis)
-            if size % parts:
-                local = [chunk_extent(size, parts, i)[1] for i in range(parts)]
-                raise CompositionError(
-                    f"parameter '{name}' dim {placement.dim} has size {size}, which does not divide over the tp axis "
-                    f"of size {parts}: DTensor (and FSDP2) shard it unevenly ({', '.join(map(str, local))} per tp "
-                    "rank), but perparam lays out the dp shards, the all-gather slots and the _StridedShard placement "
-                    "once for all tp ranks of the combined mesh, from one tp-local shape, so uneven tp shards are "
-                    f"refused rather than laid out wrong. Pad the layer to a multiple of {parts} (e.g. "
-                    f"{-(-size // parts) * parts}), or leave '{name}' out of the tensor-parallel plan (replicated on tp)")
-        elif not isinstance(placement, Replicate):
+    for placement in tp_placements:
+        if not isinstance(placement, (Shard, Replicate)):
             raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and Replicate "
                                    "can be composed with data parallelism")
     tp_sizes = [tp_mesh.size(a) for a in range(len(tp_placements))]
