@@ -75,6 +75,7 @@ class ParamGroup(OwnPartViews):
         self.ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
         self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
+        self.saved_hooks: list = []  # perparam.runtime.saved: the saved-tensor hooks of a forward running
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
         self.islands: list = []  # perparam.runtime.islands.Island: modules computing in their own dtype
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...
