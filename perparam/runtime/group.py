@@ -63,6 +63,8 @@ class ParamGroup(OwnPartViews):
         # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
         self.requires_all_reduce = True
         self.invariant = False  # perparam.InvariantUnits: reduce in the units' tree order (paths/reduce_invariant)
+        #: ``gate(group)`` before a backward reaches the group (perparam.InvariantUnits: refuses outside a unit)
+        self.grad_gate = None
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None
         #: ``hook(read_ahead)`` from ``perparam.offload.tier.attach``: reads disk-tier shards in before an

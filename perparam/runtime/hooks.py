@@ -297,6 +297,8 @@ def _backward_gathers(ctx: IterationContext, group: ParamGroup) -> None:
 
 @untraced
 def _pre_backward(group: ParamGroup) -> None:
+    if group.grad_gate is not None and group.state is not PRE_BACKWARD:
+        group.grad_gate(group)  # before anything is issued: it may refuse
     ctx = group.ctx
     _queue_final_callback(ctx)
     if group.state is PRE_BACKWARD:
@@ -322,6 +324,8 @@ def grad_ready(group: ParamGroup, _param=None) -> None:
 def _late_grad(group: ParamGroup) -> None:
     # outside a backward the hooks saw (manual unshard, a graph built with create_graph), or after the
     # group's post-backward (a parameter also used before the group's forward): reduce at the final callback
+    if group.grad_gate is not None:
+        group.grad_gate(group)
     group.transition(PRE_BACKWARD)
     group.reduced = False
     _queue_final_callback(group.ctx)
