@@ -21,6 +21,7 @@ import contextlib
 import torch
 
 from . import invariant_guard
+from .clip import check_max_norm
 from .comm import collectives
 from .comm.peers import lost_peers
 from .runtime.accumulation import reduce_accumulated
@@ -283,7 +284,9 @@ class InvariantUnits:
         only zeros, exact; a replicated parameter's slices by shard rank 0 alone), then summed in one fixed
         order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule). Returns the norm
         (0-dim float32, on the mesh's device: nothing is read back to the host; ``.item()`` it to log it).
-        Every rank calls it, after ``reduce()`` (else ``InvariantError``)."""
+        Every rank calls it, after ``reduce()`` (else ``InvariantError``); a negative or NaN ``max_norm`` raises
+        ``ValueError`` (``perparam.clip.check_max_norm``)."""
+        check_max_norm(max_norm)
         if self._done():
             raise InvariantError(f"InvariantUnits.clip_grad_norm_: {self._done()} units run and not reduced yet; "
                                  "call iu.reduce() first (the norm is of the reduced gradients)")
@@ -331,7 +334,7 @@ def _sibling_sum(p, acc: torch.Tensor, version: int) -> torch.Tensor:
     if acc._version == version:
         return acc.add_(torch.zeros_like(acc))
     if acc._version != version + 1:
-        raise InvariantError(f"InvariantUnits: parameter {p.fqn} received its gradient in "
+        raise InvariantError(f"InvariantUnits: parameter '{p.path}' received its gradient in "
                              f"{acc._version - version} pieces in one unit (used again after its group's "
                              "backward); the tree order cannot be kept: use it inside one group's forward")
     return acc
@@ -359,7 +362,7 @@ def _check(g, mesh) -> None:
     if g.reduce_scatter_comm is not None:
         raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
     for p in g.params:
-        name = p.fqn
+        name = f"'{p.path}'"
         if p.tp:
             raise InvariantError(f"InvariantUnits: parameter {name} uses tensor parallelism, refused")
         if p.policy.grad_quant is not None:
