@@ -164,8 +164,9 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     mp = group.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
-    if group.forward_depth == 1 and not _recomputing() and torch.is_grad_enabled():
-        saved.push(group, _saved_unpacked)  # last: nothing after it raises, post_forward pops it
+    frees = group.reshard_after_forward and not (group is group.ctx.active_root and group.auto_reshard_after_forward)
+    if frees and group.forward_depth == 1 and not _recomputing() and torch.is_grad_enabled():  # storage freed
+        saved.push(group, _saved_unpacked)  # after forward: its backward must gather; last, post_forward pops it
     return args, kwargs
 
 
