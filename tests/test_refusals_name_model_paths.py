@@ -118,7 +118,7 @@ def test_refusals_after_fully_shard_of_the_root_name_the_parameter_by_its_model_
     assert "fully_shard(..., param_policy={'mlp.up.weight': ParamPolicy(update='owner')})" in muon, muon
     assert "parameter 'layers.1.mlp.up.weight' (Linear.weight) was replaced" in refusals["replaced"]
     assert "sharded parameter 'layers.1.mlp.down.weight' (global shape [7, 5]" in refusals["data"]
-    assert "parameter 'layers.0.mlp.up.weight' of Layer is on the meta device" in refusals["meta"]
+    assert "Parameter 'layers.0.mlp.up.weight' of Layer is on the meta device" in refusals["meta"]
 
 
 def test_before_the_root_is_sharded_a_parameter_is_named_inside_its_call(refusals):
