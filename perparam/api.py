@@ -256,7 +256,25 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     group.islands = island_list
     registration.watch(group, ignored, on_move=_set_up_places)
     group.offload_hook = offload_tier.attach(sharded_params, modules, owner, scratches)
+    if isinstance(module, nn.Module):
+        _name_in_model(module)
     return module
+
+
+def _name_in_model(module: nn.Module) -> None:
+    """Every parameter sharded in ``module``'s tree, this call's and earlier calls' below it, named by its path
+    from ``module`` (``layers.1.mlp.up.weight``): the outermost module sharded so far, the root once the last
+    call (bottom-up) has run; what refusals print (``ShardedParam.path``)."""
+    paths: dict[int, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+    for m in module.modules():
+        g = group_of(m)
+        for sp in g.params if g is not None else ():
+            owner, attr = sp.slots[0]
+            if id(owner) in paths:
+                sp.path = f"{paths[id(owner)]}.{attr}".lstrip(".")
+    registration.bump()  # names cached from the old paths (``MeshPart._what``) are made again
 
 
 

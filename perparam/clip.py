@@ -136,6 +136,21 @@ def combine(contributions: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 @torch.no_grad()
+def check_max_norm(max_norm) -> None:
+    """Raise ``ValueError`` naming ``max_norm`` unless it is ``>= 0`` (``float('inf')`` included: the norm
+    measured, the gradients left as they are): a negative one flips every gradient's sign, NaN makes every
+    gradient NaN (torch's ``clip_grad_norm_`` does both silently). A tensor on an accelerator is not read
+    back for this (a host sync)."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.device.type != "cpu":
+        return
+    value = float(max_norm)
+    if not value >= 0:
+        harm = "make every gradient NaN" if value != value else "flip the sign of every gradient"
+        raise ValueError(f"clip_grad_norm_: max_norm={value!r} would {harm}; pass the largest global norm to "
+                         "allow (>= 0, e.g. 1.0), or float('inf') to measure the norm and leave the gradients as "
+                         "they are")
+
+
 @lost_peers("perparam.clip_grad_norm_")
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None, *,
@@ -156,7 +171,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     ``foreach`` mean what they mean to torch.
 
     Raises ``TypeError`` for a ``norm_type`` or ``max_norm`` that is not a number (a str such as ``"1"``, a
-    bool); ``ValueError`` unless ``norm_type > 0`` (``inf`` included) or when an axis name is in both
+    bool); ``ValueError`` for a negative or NaN ``max_norm`` (``check_max_norm``), unless ``norm_type > 0`` (``inf`` included) or when an axis name is in both
     collections; ``ValueError`` on every rank when a rank holds a gradient the rule cannot count (a
     ``Partial`` placement, a mesh cut along an axis in neither collection); ``RuntimeError`` for a
     non-finite norm with ``error_if_nonfinite=True``.
@@ -167,6 +182,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             raise TypeError(f"clip_grad_norm_: {name} must be a number (e.g. 2.0, 1 or float('inf')), got "
                             f"{value!r} ({type(value).__name__})")
     norm_type = float(norm_type)
+    check_max_norm(max_norm)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be > 0 (2.0, 1.0, any p, or float('inf'))")
     if set(distinct_axes) & set(replicated_axes):

@@ -20,6 +20,8 @@ import contextlib
 
 import torch
 
+from . import invariant_guard
+from .clip import check_max_norm
 from .comm import collectives
 from .comm.peers import lost_peers
 from .runtime.accumulation import reduce_accumulated
@@ -87,6 +89,10 @@ class InvariantUnits:
         self._count = 0  # units run this step
         self._slots = None  # clip_grad_norm_'s layout of the norm's vector (_clip_slots)
         self._clip_slots()
+        # the refusals while the mode is on (perparam.invariant_guard)
+        self._in_unit, self._reduced, self._refused = False, False, None
+        self._sharded_ids = {id(p.sharded) for p in self._params}
+        invariant_guard.install(self, InvariantError)
 
     def split(self, batch):
         """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``, the
@@ -135,6 +141,7 @@ class InvariantUnits:
         for g in self.groups:
             g.requires_gradient_sync = False
         seeded = self._seed_accumulators()
+        self._in_unit, self._reduced = True, False
         try:
             with torch.random.fork_rng(devices=self._rng_devices):
                 torch.manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
@@ -142,6 +149,8 @@ class InvariantUnits:
         except BaseException:
             self._abandon()
             raise
+        finally:
+            self._in_unit = False
         for p in self._params:
             grad, p.grad_acc = p.grad_acc, None
             if id(p) in seeded:  # the left sibling, this unit's gradient added into it: a level-1 node
@@ -180,7 +189,14 @@ class InvariantUnits:
     @torch.no_grad()
     @lost_peers("InvariantUnits.reduce()")
     def reduce(self) -> None:
-        """Every rank: the tree-order reduction of this rank's units into the sharded ``.grad``, / U."""
+        """Every rank: the tree-order reduction of this rank's units into the sharded ``.grad``, / U. First the
+        ranks agree (one flag all-reduced) whether any refused a gradient outside a unit in this step: then
+        ``InvariantError`` on every rank and the step given up."""
+        flag = torch.tensor([1.0 if self._refused else 0.0], dtype=torch.float64, device=self._device)
+        collectives.all_reduce_sum(flag, self.part.reduce_shard_pg, what="InvariantUnits.agree")
+        if self.part.replicate_pg is not None:
+            collectives.all_reduce_sum(flag, self.part.reduce_replicate_pg, what="InvariantUnits.agree")
+        invariant_guard.agreed(self, flag)
         if self._done() != len(self.indices):
             raise InvariantError(f"InvariantUnits.reduce: {self._done()} units run on this rank, "
                                  f"{len(self.indices)} expected")
@@ -196,6 +212,7 @@ class InvariantUnits:
             g.requires_gradient_sync = True
         reduce_accumulated(self.groups)
         self._count = 0
+        self._reduced = True
 
     def close(self) -> None:
         """Leave the mode: every group back to the reduction, gradient divide factor and gradient sync it had
@@ -208,6 +225,14 @@ class InvariantUnits:
         for g, invariant, factor, sync in self._before:
             g.invariant, g.gradient_divide_factor, g.requires_gradient_sync = invariant, factor, sync
         self._before = []
+        invariant_guard.uninstall(self)
+
+    def _gate(self, group) -> None:
+        """Each group's ``grad_gate`` while the mode is on: a backward reaching ``group`` outside a unit is
+        refused (``perparam.invariant_guard``)."""
+        if not self._in_unit:
+            self._refused = invariant_guard.outside_unit(self, group)
+            raise InvariantError(self._refused)
 
     def __enter__(self) -> InvariantUnits:
         return self
@@ -259,7 +284,9 @@ class InvariantUnits:
         only zeros, exact; a replicated parameter's slices by shard rank 0 alone), then summed in one fixed
         order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule). Returns the norm
         (0-dim float32, on the mesh's device: nothing is read back to the host; ``.item()`` it to log it).
-        Every rank calls it, after ``reduce()`` (else ``InvariantError``)."""
+        Every rank calls it, after ``reduce()`` (else ``InvariantError``); a negative or NaN ``max_norm`` raises
+        ``ValueError`` (``perparam.clip.check_max_norm``)."""
+        check_max_norm(max_norm)
         if self._done():
             raise InvariantError(f"InvariantUnits.clip_grad_norm_: {self._done()} units run and not reduced yet; "
                                  "call iu.reduce() first (the norm is of the reduced gradients)")
@@ -307,7 +334,7 @@ def _sibling_sum(p, acc: torch.Tensor, version: int) -> torch.Tensor:
     if acc._version == version:
         return acc.add_(torch.zeros_like(acc))
     if acc._version != version + 1:
-        raise InvariantError(f"InvariantUnits: parameter {p.fqn} received its gradient in "
+        raise InvariantError(f"InvariantUnits: parameter '{p.path}' received its gradient in "
                              f"{acc._version - version} pieces in one unit (used again after its group's "
                              "backward); the tree order cannot be kept: use it inside one group's forward")
     return acc
@@ -335,7 +362,7 @@ def _check(g, mesh) -> None:
     if g.reduce_scatter_comm is not None:
         raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
     for p in g.params:
-        name = p.fqn
+        name = f"'{p.path}'"
         if p.tp:
             raise InvariantError(f"InvariantUnits: parameter {name} uses tensor parallelism, refused")
         if p.policy.grad_quant is not None:

@@ -258,7 +258,7 @@ def _refuse_dtype_change(module: nn.Module, fn) -> list:
         if changed is not probe:
             raise UnshardedApplyError(
                 f"{class_name(module)} holds parameters sharded by perparam whose unsharded copies are registered "
-                f"now (after unshard(); e.g. '{sp.fqn}'): .to() / .cuda() / to_empty() would change those copies "
+                f"now (after unshard(); e.g. '{sp.path}'): .to() / .cuda() / to_empty() would change those copies "
                 "and not the shards. Call reshard() on the sharded module first, then this")
     return owned
 

@@ -29,7 +29,7 @@ FEATURES = (
     "test_zero_copy_gather.py", "test_zero_copy_reduce_scatter.py", "test_whole_matrix.py",
     "test_grad_quant.py", "test_param_mesh.py", "test_offload_plan.py", "test_offload.py", "test_paths.py",
     "test_resolution_once.py", "test_threaded_ranks.py", "test_local_optimizer_step.py",
-    "test_owner_zero_grad.py",
+    "test_owner_zero_grad.py", "test_block_output_objects.py", "test_invariant_uncounted_grads.py",
 )
 
 

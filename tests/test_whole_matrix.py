@@ -234,7 +234,7 @@ def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_
     for name in ("Muon", "Adafactor", "_Mine"):
         for message in run_distributed(_refused, 2, name):
             assert message.startswith(f"{name} computes each parameter's update from the whole tensor"), message
-            assert "parameter 'weight' of Linear (shape (6, 8))" in message and "ParamPolicy(update='owner')" in message
+            assert "parameter '0.weight' (Linear, shape (6, 8))" in message and "ParamPolicy(update='owner')" in message
     # elementwise optimizers, and any optimizer on one rank, are untouched
     assert run_distributed(_refused, 2, "AdamW") == ["stepped"] * 2
     assert run_distributed(_refused, 1, "Muon") == ["stepped"]
@@ -707,7 +707,7 @@ def test_an_exception_in_the_owners_step_is_raised_on_every_rank_instead_of_hang
     assert r0["owners"] == [0, 1, 1]  # LPT: 8x6 alone on rank 0, 6x5 and 5x3 on rank 1
     for r in (r0, r1):
         assert r["message"].startswith("_RaisingOnRank0's step on whole tensors raised on rank 0 of its shard axis, "
-                                       "the owner of parameters 'weight' of Linear (shape (6, 8)): "
+                                       "the owner of parameters '0.weight' (Linear, shape (6, 8)): "
                                        "FloatingPointError: NaN in the update. Every rank"), r["message"]
         assert r["changed0"] == r["changed2"] == [True] * 3  # before and after: every matrix stepped
         assert r["changed1"] == [False, True, True]  # the raising owner's matrix as before, rank 1's stepped

@@ -83,3 +83,27 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     if _is_dataclass_instance(obj):
         return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
     return []
+
+
+def tensors_anywhere(obj: Any, _seen: set | None = None) -> list[torch.Tensor]:
+    """Every tensor ``tensors_in`` finds, plus those held by other objects: instances of plain classes
+    (their ``__dict__`` and ``__slots__``), sets, and containers nested in them; each object walked once
+    (cycles end). Modules, classes and functions are not walked (their parameters are not outputs)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type, torch.nn.Module)):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        values = list(obj)
+    else:
+        values = list(getattr(obj, "__dict__", {}).values()) if not callable(obj) else []
+        for cls in type(obj).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                    values.append(getattr(obj, name))
+    return [t for v in values for t in tensors_anywhere(v, seen)]

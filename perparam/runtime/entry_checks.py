@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..sharding.errors import MetaParameterError
+from .registration import class_name
 
 if TYPE_CHECKING:
     from .context import IterationContext
@@ -35,13 +36,13 @@ def _check_materialized(ctx: IterationContext) -> None:
     for g in ctx.groups:
         for p in g.params:
             if p.sharded.device.type == "meta":
-                owner = ", ".join(type(m).__name__ for m in g.modules)
+                owner = ", ".join(class_name(m) for m in g.modules)
                 paths = {id(q): n for m in ctx.groups[0].modules for n, q in m.named_parameters()}
                 on_meta = [paths.get(id(q.sharded), q.fqn) for q in g.params if q.sharded.device.type == "meta"]
                 raise MetaParameterError(
                     "FSDP parameters should be materialized from meta device before training, but the following "
                     f"were still on meta device: {on_meta}. "
-                    f"Parameter '{p.fqn}' of {owner} is on the meta device: a model built under "
+                    f"Parameter '{p.path}' of {owner} is on the meta device: a model built under "
                     "torch.device('meta') has no values yet; before the first forward call "
                     "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
                     "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")

@@ -63,6 +63,8 @@ class ParamGroup(OwnPartViews):
         # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
         self.requires_all_reduce = True
         self.invariant = False  # perparam.InvariantUnits: reduce in the units' tree order (paths/reduce_invariant)
+        #: ``gate(group)`` before a backward reaches the group (perparam.InvariantUnits: refuses outside a unit)
+        self.grad_gate = None
         self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
         self.reduce_scatter_comm = None
         #: ``hook(read_ahead)`` from ``perparam.offload.tier.attach``: reads disk-tier shards in before an
@@ -75,6 +77,7 @@ class ParamGroup(OwnPartViews):
         self.ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
         self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
+        self.saved_hooks: list = []  # perparam.runtime.saved: the saved-tensor hooks of a forward running
         self.tree: list[ParamGroup] | None = None  # set on a group when it first acts as root
         self.islands: list = []  # perparam.runtime.islands.Island: modules computing in their own dtype
         self.calls_pending = 0  # forwards whose backward has not reached their inputs yet ...

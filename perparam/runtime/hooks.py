@@ -10,7 +10,8 @@ Timeline of one training step for a group G (K ranks); the states are ``perparam
   no backward can follow (grad disabled). The root keeps its storage for the backward that immediately
   follows (no second all-gather), as FSDP2's does, unless ``reshard_after_forward=True`` was passed to its
   ``fully_shard`` or ``set_reshard_after_forward`` explicitly. Hooks on G's outputs wait for the gradient.
-* pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs: the backward all-gathers
+* pre-backward (IDLE -> PRE_BACKWARD), when the gradient reaches G's outputs, or a tensor G's forward saved
+  for backward is read (``perparam.runtime.saved``), whichever comes first: the backward all-gathers
   are issued in a fixed order (the root, then the reverse forward order), up to G and one beyond (the
   prefetch); register the unsharded tensors, so a region recomputed inside G (activation checkpointing of
   a submodule) computes with them.
@@ -44,8 +45,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from . import config, prefetch, readers
-from .cast import cast_floating, replace_tensors, tensors_in
+from . import config, prefetch, readers, saved
+from .cast import cast_floating, replace_tensors, tensors_anywhere, tensors_in
 from .context import IterationContext
 from .entry_checks import TransformError, _check_materialized, _check_transforms  # noqa: F401 (re-exported)
 from .group import ParamGroup, group_of
@@ -163,6 +164,9 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     mp = group.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
+    frees = group.reshard_after_forward and not (group is group.ctx.active_root and group.auto_reshard_after_forward)
+    if frees and group.forward_depth == 1 and not _recomputing() and torch.is_grad_enabled():  # storage freed
+        saved.push(group, _saved_unpacked)  # after forward: its backward must gather; last, post_forward pops it
     return args, kwargs
 
 
@@ -175,6 +179,8 @@ def post_forward(group: ParamGroup, module: nn.Module, args, kwargs, output):
     group.forward_depth -= 1
     ctx = group.ctx
     recomputing = _recomputing()
+    if group.forward_depth == 0 and not recomputing:
+        saved.pop(group)
     if group.forward_depth == 0:
         grad_enabled = torch.is_grad_enabled()
         if recomputing:
@@ -236,9 +242,19 @@ def _track_backward(group: ParamGroup, args, kwargs):
 
 
 def _register_pre_backward(group: ParamGroup, output) -> None:
-    for t in tensors_in(output):
-        if t.requires_grad:
-            t.register_hook(lambda grad, g=group: _pre_backward(g))
+    """Hooks on the output tensors that need grad, wherever the output holds them (plain objects too;
+    a leaf only where ``tensors_in`` finds it). The floor under them: ``saved.push``."""
+    found = {id(t): t for t in tensors_in(output)}
+    hooked = [t for t in tensors_anywhere(output) if t.requires_grad and (t.grad_fn is not None or id(t) in found)]
+    for t in {id(t): t for t in hooked}.values():
+        t.register_hook(lambda grad, g=group: _pre_backward(g))
+
+
+def _saved_unpacked(group: ParamGroup) -> None:
+    """A tensor saved in ``group``'s forward is read by a backward: the group's backward has begun, even
+    where no output hook told it (an output perparam cannot see into)."""
+    if group.state is IDLE and _recomputing():
+        _pre_backward(group)
 
 
 def _queue_final_callback(ctx: IterationContext) -> None:
@@ -282,6 +298,8 @@ def _backward_gathers(ctx: IterationContext, group: ParamGroup) -> None:
 
 @untraced
 def _pre_backward(group: ParamGroup) -> None:
+    if group.grad_gate is not None and group.state is not PRE_BACKWARD:
+        group.grad_gate(group)  # before anything is issued: it may refuse
     ctx = group.ctx
     _queue_final_callback(ctx)
     if group.state is PRE_BACKWARD:
@@ -307,6 +325,8 @@ def grad_ready(group: ParamGroup, _param=None) -> None:
 def _late_grad(group: ParamGroup) -> None:
     # outside a backward the hooks saw (manual unshard, a graph built with create_graph), or after the
     # group's post-backward (a parameter also used before the group's forward): reduce at the final callback
+    if group.grad_gate is not None:
+        group.grad_gate(group)
     group.transition(PRE_BACKWARD)
     group.reduced = False
     _queue_final_callback(group.ctx)

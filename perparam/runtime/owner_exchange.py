@@ -52,7 +52,7 @@ def local_grad(sp) -> torch.Tensor:
     p = sp.sharded
     grad = p.grad
     if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.dtype != p.dtype:
-        raise OwnerStepError(f"parameter '{sp.fqn}' has update='owner' but its .grad is not a DTensor of its "
+        raise OwnerStepError(f"parameter '{sp.path}' has update='owner' but its .grad is not a DTensor of its "
                              f"placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad to perparam's "
                              "reduction, or assign a DTensor like the parameter")
     return grad._local_tensor
@@ -75,7 +75,7 @@ def travels(bucket, entries) -> tuple[bool, ...]:
     out = [not owner_grads.at_owner(e.sp) for e in entries]
     for e, move in zip(entries, out):
         if not move and owner_grads.reduced_to(e.sp) != e.owner:  # the same on every rank: raised alike
-            raise OwnerStepError(f"parameter '{e.sp.fqn}': its gradient was reduced to rank "
+            raise OwnerStepError(f"parameter '{e.sp.path}': its gradient was reduced to rank "
                                  f"{owner_grads.reduced_to(e.sp)} under an earlier optimizer's plan, and this "
                                  f"optimizer's owner of it is rank {e.owner}; step the optimizer the owners were "
                                  "planned for, or zero_grad() and run backward again")

@@ -118,7 +118,7 @@ def check_untouched(sp) -> None:
         entry.whole.zero_()
         entry.digest = rows_digest(rows)
         return
-    raise OwnerStepError(f"parameter '{sp.fqn}': its .grad was changed after backward (torch.nn.utils."
+    raise OwnerStepError(f"parameter '{sp.path}': its .grad was changed after backward (torch.nn.utils."
                          "clip_grad_norm_, a GradScaler unscale, p.grad.mul_, a hook?), but under "
                          "perparam.configure(owner_grad='owner') .grad holds only the owner's rows of the whole "
                          "gradient (NaN on the other ranks) and the step reads the whole; clip with "
@@ -205,7 +205,7 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
     entry = _HELD.get(grad) if grad is not None else None
     prior = _PRIOR.pop(grad, None) if grad is not None and entry is None else None
     if grad is not None and entry is None and prior is None:
-        raise OwnerStepError(f"parameter '{sp.fqn}' has its gradient reduced to its owner (configure(owner_grad="
+        raise OwnerStepError(f"parameter '{sp.path}' has its gradient reduced to its owner (configure(owner_grad="
                              "'owner')) but its .grad holds a gradient of another kind (assigned, or "
                              "reduce-scattered and never stepped by the optimizer that planned its owner); call "
                              "zero_grad() after each step")

@@ -138,7 +138,7 @@ def check(optimizer: torch.optim.Optimizer, held) -> None:
         return
     raise WholeMatrixShardError(
         f"{type(optimizer).__name__} computes each parameter's update from the whole tensor, and parameter "
-        f"'{sp.fqn}' of {registration.class_name(sp.slots[0][0])} (shape {tuple(sp.global_shape)}) is sharded over "
+        f"'{sp.path}' ({registration.class_name(sp.slots[0][0])}, shape {tuple(sp.global_shape)}) is sharded over "
         f"{sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. {owner_fix(sp)}. A "
         f"custom optimizer declares itself elementwise with the class attribute {DECLARATION} = False")
 
@@ -147,8 +147,8 @@ def mixed_step_error(optimizer: torch.optim.Optimizer, sp, func, error: BaseExce
     """The error for ``optimizer``'s step raising DTensor's "got mixed torch.Tensor and DTensor" with
     ``sp`` (the parameter it was stepping, or the first sharded one it holds) sharded."""
     return WholeMatrixShardError(
-        f"{type(optimizer).__name__}'s step failed on parameter '{sp.fqn}' of {registration.class_name(sp.slots[0][0])} "
-        f"(shape {tuple(sp.global_shape)}), a DTensor over {sp.layout.num_shards} rank(s): {getattr(func, '__name__', func)} "
+        f"{type(optimizer).__name__}'s step failed on parameter '{sp.path}' ("
+        f"{registration.class_name(sp.slots[0][0])}, shape {tuple(sp.global_shape)}), a DTensor over {sp.layout.num_shards} rank(s): {getattr(func, '__name__', func)} "
         "got mixed torch.Tensor and DTensor (the step combines plain tensors with the parameter's shards, as an "
         f"optimizer that reads whole tensors does). {owner_fix(sp)}. A custom optimizer declares itself whole-matrix "
         f"with the class attribute {DECLARATION} = True (refused before its first step)")
@@ -321,7 +321,7 @@ def _raise_everywhere(optimizer, failed: list, mine: Exception | None) -> None:
         me = bucket.group.rank()
         told = owner_exchange.raised_texts(bucket, f"{type(mine).__name__}: {mine}" if me in owners else None)
         for owner in owners:
-            names = ", ".join(f"'{e.sp.fqn}' of {registration.class_name(e.sp.slots[0][0])} (shape "
+            names = ", ".join(f"'{e.sp.path}' ({registration.class_name(e.sp.slots[0][0])}, shape "
                               f"{tuple(e.sp.global_shape)})" for e in bucket.entries
                               if e.owner == owner and e.sp.sharded.grad is not None)
             lines.append(f"on rank {owner} of its shard axis, the owner of parameters {names}: {told[owner]}")

@@ -50,6 +50,7 @@ class ShardedParam(ParamGradients):
                  shard_rank: int, resolution: ParamResolution, tp: TensorParallel | None = None) -> None:
         policy = resolution.policy
         self.fqn = fqn
+        self.path = fqn  # its name in the model: from the outermost single module sharded so far (api.py)
         self.slots = slots
         self.dp_mesh = mesh
         self.policy = policy

@@ -125,7 +125,7 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
         return None
     names = {id(m): (f"{i}." if len(roots) > 1 else "") + n for i, root in enumerate(roots)
              for n, m in root.named_modules()}
-    params = " or ".join(f"'{sp.fqn}' of group '{g.path or g.name}' [{g.name}]" for g, sp in hits[:4])
+    params = " or ".join(f"'{sp.path}' of group '{g.path or g.name}' [{g.name}]" for g, sp in hits[:4])
     by = f"{class_name(user)}.forward" if user is not None else "code outside its group's forward"
     if user is not None and names.get(id(user)):
         by += f" ('{names[id(user)]}')"

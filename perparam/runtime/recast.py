@@ -68,7 +68,7 @@ def problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | None:
 
 def _local_problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | None:
     for sp, dtype in changes:
-        what = f"'{sp.fqn}' ({sp.policy.stored_dtype} -> {dtype})"
+        what = f"'{sp.path}' ({sp.policy.stored_dtype} -> {dtype})"
         if not dtype.is_floating_point or dtype.itemsize == 1:
             return (f"{what}: perparam trains floating-point parameters of 2 or more bytes; for an fp8 all-gather "
                     "use ParamPolicy(quant=QuantPolicy('fp8'))")

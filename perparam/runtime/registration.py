@@ -234,7 +234,7 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             return move(group, sp, module, name, param)
         back = _restore_vacated(module)
         raise ShardedTreeChangeError(
-            f"perparam: parameter '{sp.fqn}' of group [{group.name}] is sharded by fully_shard and cannot be "
+            f"perparam: parameter '{sp.path}' of group [{group.name}] is sharded by fully_shard and cannot be "
             f"registered again as {_where(module, name, owner)} after fully_shard (by {_utility(module, name)}): "
             "a parameter has one place in a sharded model, which perparam all-gathers and reduces. "
             f"{_FIX}; tie weights before fully_shard too.{_changed(back, name)}")
@@ -290,7 +290,7 @@ def _on_module(parent: nn.Module, name: str, child: nn.Module | None):
             if hit is not None and _at_slot(hit[1], sub, n):
                 continue
             where = f"{name}.{sub_path}".rstrip(".")
-            what = (f"parameter '{hit[1].fqn}' of group [{hit[0].name}], which is sharded elsewhere" if hit
+            what = (f"parameter '{hit[1].path}' of group [{hit[0].name}], which is sharded elsewhere" if hit
                     else "a parameter perparam does not manage")
             undone = _undo_parametrization(owner, parent, name, child)
             raise ShardedTreeChangeError(
@@ -335,7 +335,7 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
     holds now: the full tensor a utility ``set_`` into the unsharded parameter, or a DTensor it swapped
     into the sharded one (re-sharded with one all-gather when its placements differ). Returns the sharded
     parameter for torch to register. Raises ``ShardedTreeChangeError`` where perparam cannot follow."""
-    what = f"parameter '{sp.fqn}' of group [{group.name}] moving to {_where(module, name, group)}"
+    what = f"parameter '{sp.path}' of group [{group.name}] moving to {_where(module, name, group)}"
     why = ("during " + group.state.value if group.state is not TrainingState.IDLE
            else "as a tensor-parallel parameter" if sp.tp is not None
            else "as a stored-quantized parameter" if sp.stored_quantized
@@ -360,7 +360,7 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
     sp._padded = sp._padded_data = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage
     sp.slots = [(module, name)]
     path = _path(group, module)
-    sp.fqn = f"{path}.{name}" if path else name
+    sp.fqn = sp.path = f"{path}.{name}" if path else name  # (``sp.path`` from the group's modules now)
     _ON_MOVE[group]([sp])  # the face's per-place set-up (dtype guard, load hooks), given to ``watch``
     bump()
     return sp.sharded
@@ -379,7 +379,7 @@ def _fits(sp, param) -> bool:
 def replaced_message(sp, module: nn.Module, name: str, removed: bool = False) -> str:
     """Why ``module.<name>`` (a place of ``sp``) may not be replaced or removed after ``fully_shard``, and
     what to do instead; a model still on the meta device is told how to materialise it."""
-    what = f"parameter '{sp.fqn}' ({class_name(module)}.{name})"
+    what = f"parameter '{sp.path}' ({class_name(module)}.{name})"
     if sp.local_shard().is_meta:
         return (f"{what} of a sharded model still on the meta device was {'removed' if removed else 'replaced'}: "
                 "a new tensor there would replace the sharded parameter fully_shard created. Load the values "

@@ -360,7 +360,7 @@ def _draw_full(sp, tensor, func, args, kwargs):
 def _assign_data(sp, tensor, value):
     """``tensor.data = value`` (``tensor``: the sharded parameter or an alias of it), one process's meaning."""
     shape, local = sp.global_shape, tensor._local_tensor
-    where = f"'{sp.fqn}' (global shape {list(shape)}, this rank's shard {list(local.shape)})"
+    where = f"'{sp.path}' (global shape {list(shape)}, this rank's shard {list(local.shape)})"
     fix = ("Assign a tensor of the global shape (every rank the same), or write in place: with torch.no_grad(): "
            "p.copy_(full) or p.copy_(distribute_tensor(full, p.device_mesh, p.placements))")
     if sp.stored_quantized:

@@ -181,7 +181,7 @@ def check_unwritten(p: ShardedParam) -> None:
     else:
         kept = "its unsharded storage is kept: reshard_after_forward=False or set_reshard_after_backward(False)"
     raise UnseenShardWriteError(
-        f"perparam: the shard of '{p.fqn}' ({kept}) was written in place since that copy was gathered, by a "
+        f"perparam: the shard of '{p.path}' ({kept}) was written in place since that copy was gathered, by a "
         "rank-local route perparam does not see (e.g. dcp.load(model.state_dict()) without "
         "model.load_state_dict(...) after it, or a write into p.to_local()); computing on would use the old "
         "weights. After such a write call model.mark_shards_written() on every rank (model: the sharded root, "
