@@ -134,7 +134,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     try:
         check_dp_mesh(mesh)
     except MeshError as e:
-        words = f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: " if mesh.ndim > 2 else "fully_shard: "
+        words = f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: " if getattr(mesh, "ndim", 0) > 2 else "fully_shard: "
         raise ShardingError(f"{words}{e}") from None
 
 
