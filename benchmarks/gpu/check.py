@@ -4,8 +4,9 @@ the JSON is rewritten after each section.
 
     python -m benchmarks.gpu.check --json runs/bench/gpu_check.json [--sections parity,step_time] [--quick]
 
-Sections (``benchmarks/gpu/sections.py``, ``two_ranks`` in ``benchmarks/gpu/two_ranks.py``; a section is ``section(out: dict, args)``), in order, with their
-budget on an H200 (the 27M benchmark model, 20 timed steps):
+Sections (``sections.py``; ``simulated`` in ``simulated.py``, ``two_ranks`` in ``two_ranks.py``; a section is
+``section(out: dict, args)``), in order, with their budget on an H200 (the 27M benchmark model, 20 timed
+steps):
 
 ``environment`` (1 s)
     torch, CUDA, NCCL versions; the c10d names chosen (``perparam/comm/c10d.py``); the private or recent torch
