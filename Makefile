@@ -49,7 +49,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check perparam mesh tests benchmarks
 
 bench: $(STAMP)
-	$(PY) benchmarks/step_time.py --json runs/bench/step_time.json
+	$(PY) -m benchmarks.step_time --json runs/bench/step_time.json
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -2,7 +2,7 @@
 job's pretrained model, fp32, 134.5M parameters) with its AdamW state, with and without the SHA-256 of every
 file, paired round by round.
 
-    python benchmarks/checkpoint_checksums.py [--assets .cache/assets] [--rounds 3] [--no-optimizer] [--json out.json]
+    python -m benchmarks.checkpoint_checksums [--assets .cache/assets] [--rounds 3] [--no-optimizer] [--json out.json]
 
 One process, no process group (the bytes are those of any world size's checkpoint; with K ranks each rank
 hashes the files it wrote at save and 1/K of the files at load). Each round, in alternating order: a save
@@ -21,14 +21,11 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 @contextlib.contextmanager

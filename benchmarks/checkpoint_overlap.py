@@ -1,7 +1,7 @@
 """Step time while ``perparam.checkpoint.async_save`` writes in the background, against plain steps and a
 blocking ``save``.
 
-    python benchmarks/checkpoint_overlap.py [--nproc 2] [--width 1024] [--rounds 4] [--json out.json]
+    python -m benchmarks.checkpoint_overlap [--nproc 2] [--width 1024] [--rounds 4] [--json out.json]
 
 A ``--width``-wide 4-layer MLP (4 x ``Linear(width, width)``: 4.2M fp32 parameters at 1024, with AdamW state
 50 MB in all) sharded over ``--nproc`` gloo ranks, one thread each, batch 64 per rank. Each round: two plain
@@ -19,15 +19,10 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _rank(rank: int, world: int, store_path: str, folder: str, width: int, rounds: int, conn) -> None:

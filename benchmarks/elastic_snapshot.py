@@ -1,9 +1,9 @@
 """What ``perparam.elastic``'s in-memory snapshots cost when nothing fails, what memory they take, and how long
 a restore takes.
 
-    python benchmarks/elastic_snapshot.py [--size 27m] [--nproc 2] [--rounds 3] [--steps 3] [--json out.json]
+    python -m benchmarks.elastic_snapshot [--size 27m] [--nproc 2] [--rounds 3] [--steps 3] [--json out.json]
 
-The GPT of ``model.py`` (``--size``: 27m is the 27.4M model of step_time.py) sharded by ``perparam`` over
+The GPT of ``harness/model.py`` (``--size``: 27m is the 27.4M model of step_time.py) sharded by ``perparam`` over
 ``--nproc`` gloo ranks (one thread each, 2 sequences per rank), AdamW. Paired rounds: each round runs
 ``--steps`` steps without snapshots and ``--steps`` steps with ``State.commit()`` after each (the order of the
 two halves alternates between rounds), timing wall and CPU (process) time per step. Then the shared memory
@@ -20,15 +20,10 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _rank(rank: int, world: int, store_path: str, root: str, size: str, rounds: int, steps: int, conn) -> None:
@@ -52,8 +47,8 @@ def _measure(root: str, size: str, rounds: int, steps: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.configs import build
-    from benchmarks.model import make_batches, sized
+    from benchmarks.harness.configs import build
+    from benchmarks.harness.model import make_batches, sized
     from perparam.elastic import State
     from perparam.elastic.replica import neighbours
 

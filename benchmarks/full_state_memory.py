@@ -1,6 +1,6 @@
 """Rank 0's peak memory during ``perparam.checkpoint.full_state_dict``, against the largest parameter.
 
-    python benchmarks/full_state_memory.py [--nproc 2] [--json runs/bench/full_state.json]
+    python -m benchmarks.full_state_memory [--nproc 2] [--json runs/bench/full_state.json]
 
 SmolLM2-135M's shapes (``LlamaConfig.smollm2_135m()``: 134.5M fp32 parameters, the largest the 49152 x 576
 embedding) built on the meta device, sharded as the main job shards it over ``--nproc`` gloo ranks on this
@@ -21,14 +21,9 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _status(key: str) -> int:

@@ -23,7 +23,7 @@ import resource
 import sys
 import warnings
 
-from benchmarks.ports import free_port
+from benchmarks.harness.ports import free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

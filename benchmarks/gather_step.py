@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     import torch.distributed as dist
 
     import perparam
-    from benchmarks.launch import init_and_build, paired_medians
-    from benchmarks.model import GPTConfig
-    from benchmarks.runner import model_groups
+    from benchmarks.harness.launch import init_and_build, paired_medians
+    from benchmarks.harness.model import GPTConfig
+    from benchmarks.harness.runner import model_groups
 
     cfg = GPTConfig.quick() if args.quick else GPTConfig()
     model, _ = init_and_build(rank, world, port, args.config, cfg)
@@ -54,7 +49,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.launch import ab_parser, paired_rank_line, spawn_ranks
+    from benchmarks.harness.launch import ab_parser, paired_rank_line, spawn_ranks
 
     ap = ab_parser(__doc__)
     args = ap.parse_args(argv)

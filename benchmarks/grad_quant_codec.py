@@ -1,7 +1,7 @@
 """CPU time of each pass of the int8 block codec (qgZ's gradient reduce-scatter, the int8 all-gather) on one
 transformer block's gradients of the benchmark's 27.4M GPT (3.15M fp32 values, 12.6 MB), one thread.
 
-    python benchmarks/grad_quant_codec.py [--k 2] [--reps 15] [--transfer]
+    python -m benchmarks.grad_quant_codec [--k 2] [--reps 15] [--transfer]
 
 Per candidate: the median CPU ms (``time.thread_time``) of ``--reps`` runs and whether its codes (or decoded
 sums) are bitwise those of the reference implementation. Candidates for each pass:
@@ -75,7 +75,7 @@ def _transfer_rank(rank: int, k: int, n: int, reps: int, port: int, queue) -> No
 def _transfer(k: int, n: int, reps: int) -> None:
     import torch.multiprocessing as mp
 
-    from benchmarks.ports import free_port
+    from benchmarks.harness.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -4,7 +4,7 @@ the gradient buffers it holds, against the normal mode at the same global batch,
     python -m benchmarks.invariant_step --json runs/bench/invariant_step.json    # the 27.4M GPT, K = 2
     python -m benchmarks.invariant_step --quick --json /tmp/invariant.json       # the toy model (smoke test)
 
-Variants, one model each (``benchmarks.configs.build("perparam", ...)``: the seeded init, stage 3, AdamW),
+Variants, one model each (``benchmarks.harness.configs.build("perparam", ...)``: the seeded init, stage 3, AdamW),
 the same global batches of ``--batch`` sequences (default 8) on ``--world`` ranks (default 2):
 
 * ``plain``: one backward per rank on its ``batch / K`` rows (the usual synchronised step);
@@ -36,9 +36,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 UNITS = (4, 8)
 MAX_NORM = 1.0
@@ -60,8 +57,8 @@ class Variant:
 
     def __init__(self, name: str, cfg, mesh, rank: int, world: int) -> None:
         import perparam
-        from benchmarks.configs import build
-        from benchmarks.runner import model_groups
+        from benchmarks.harness.configs import build
+        from benchmarks.harness.runner import model_groups
 
         self.name, self.rank, self.world = name, rank, world
         self.model, self.opt = build("perparam", cfg, mesh, 0)
@@ -162,7 +159,7 @@ def _timing(rank: int, world: int, opts: dict, cfg, mesh, batches) -> dict:
 
 
 def _memory(rank: int, world: int, opts: dict, cfg, mesh, batches) -> dict:
-    from benchmarks import memory
+    from benchmarks.harness import memory
 
     out = {}
     for name in variants(tuple(opts["units"])):
@@ -186,9 +183,9 @@ def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks import memory
-    from benchmarks.launch import init_gloo
-    from benchmarks.model import GPTConfig, make_batches
+    from benchmarks.harness import memory
+    from benchmarks.harness.launch import init_gloo
+    from benchmarks.harness.model import GPTConfig, make_batches
 
     init_gloo(rank, world, port)
     cfg = GPTConfig.quick() if opts["quick"] else GPTConfig()
@@ -306,9 +303,9 @@ def _ranks(spawn_ranks, world: int, opts: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from benchmarks.launch import spawn_ranks, write_json
-    from benchmarks.model import GPTConfig, count_params
-    from benchmarks.report import machine_info
+    from benchmarks.harness.launch import spawn_ranks, write_json
+    from benchmarks.harness.model import GPTConfig, count_params
+    from benchmarks.harness.report import machine_info
 
     args = parse_args(argv)
     opts = {"quick": args.quick, "batch": args.batch, "units": list(args.units),

@@ -19,22 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 HIDDEN = ("qkv.weight", "proj.weight", "fc.weight", "out.weight")
 
 
 def hidden_shapes(quick: bool) -> list[tuple[int, ...]]:
     """The Muon matrices of the benchmark GPT (``muon_step.py``'s), in the optimizer's order."""
-    from benchmarks.configs import seeded_full_init
-    from benchmarks.model import GPTConfig
+    from benchmarks.harness.configs import seeded_full_init
+    from benchmarks.harness.model import GPTConfig
 
     model = seeded_full_init(GPTConfig.quick() if quick else GPTConfig(), 0)
     return [tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks") and n.endswith(HIDDEN)]

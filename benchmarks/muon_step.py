@@ -3,7 +3,7 @@ reduce-scattered, ``owner_reduce``: reduced to their owners, ``configure(owner_g
 today's DTensor-dispatch path (every rank runs Newton-Schulz on its row shards through DTensor: the wrong
 result, for the time) and against the same model with AdamW only, in paired rounds.
 
-    python -m benchmarks.muon_step --world 2 --rounds 6          # the 27.4M GPT (benchmarks/model.py)
+    python -m benchmarks.muon_step --world 2 --rounds 6          # the 27.4M GPT (benchmarks/harness/model.py)
     python -m benchmarks.muon_step --world 4 --quick             # the toy model
     python -m benchmarks.muon_step --world 2 --variants adamw,owner,owner_reduce   # leave dispatch out
 
@@ -22,14 +22,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("adamw", "owner", "owner_reduce", "dispatch")
 HIDDEN = ("qkv.weight", "proj.weight", "fc.weight", "out.weight")
@@ -39,7 +34,7 @@ def _build(variant: str, cfg, mesh):
     import torch
 
     import perparam
-    from benchmarks.configs import seeded_full_init, wrap_units
+    from benchmarks.harness.configs import seeded_full_init, wrap_units
 
     class DispatchMuon(torch.optim.Muon):
         perparam_whole_matrix = False  # today's path: Newton-Schulz through DTensor dispatch on the shards
@@ -68,8 +63,8 @@ def _rank(rank: int, world: int, port: int, quick: bool, rounds: int, variants: 
     from torch.distributed.device_mesh import init_device_mesh
 
     import perparam
-    from benchmarks.launch import init_gloo
-    from benchmarks.model import GPTConfig, make_batches
+    from benchmarks.harness.launch import init_gloo
+    from benchmarks.harness.model import GPTConfig, make_batches
     from perparam import CommCounter
     from perparam.runtime import owner_step
 
@@ -139,7 +134,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, rounds: int, variants: 
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from benchmarks.launch import spawn_ranks
+    from benchmarks.harness.launch import spawn_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)

@@ -1,6 +1,6 @@
 """Resident anonymous memory with the disk tier: does RssAnon fall by the planned offloaded bytes?
 
-A random GPT (``benchmarks.model``; default about 352M parameters: width 1024, 24 blocks, vocabulary
+A random GPT (``benchmarks.harness.model``; default about 352M parameters: width 1024, 24 blocks, vocabulary
 24576, context 64), fp32, AdamW, K = ``--world`` ranks (gloo, one thread each), one ``fully_shard`` per
 block and one at the root, 1 x ``--seq`` tokens per rank. Per configuration (fresh processes each: no
 offload; optimizer state on disk; everything on disk) each rank runs 2 steps and reads ``RssAnon``
@@ -17,8 +17,8 @@ glibc maps every allocation of 1 MiB or more on its own (``memory.set_mmap_thres
 leave the resident set at once in every configuration. Prints a table (MB = 10**6 bytes) and writes
 ``--json``.
 
-    PYTHONPATH=. python benchmarks/offload_memory.py --dir /tmp --json offload_memory.json
-    PYTHONPATH=. python benchmarks/offload_memory.py --layers 2 --width 128 --vocab 512   # a smoke run
+    python -m benchmarks.offload_memory --dir /tmp --json offload_memory.json
+    python -m benchmarks.offload_memory --layers 2 --width 128 --vocab 512   # a smoke run
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def rank_job(rank: int, world: int, port: int, config: str, args: dict, out) -> 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks import memory
-    from benchmarks.model import GPT, GPTConfig, make_batches
+    from benchmarks.harness import memory
+    from benchmarks.harness.model import GPT, GPTConfig, make_batches
 
     memory.set_mmap_threshold(1 << 20)
     torch.set_num_threads(1)
@@ -156,8 +156,8 @@ def run_config(config: str, args: dict, world: int, port: int) -> list[dict]:
 
 
 def main() -> None:
-    from benchmarks.launch import disk_tier_parser
-    from benchmarks.ports import free_port
+    from benchmarks.harness.launch import disk_tier_parser
+    from benchmarks.harness.ports import free_port
 
     parser = disk_tier_parser(__doc__, world=2, width=1024, layers=24, heads=16, vocab=24576, seq=64)
     parser.add_argument("--configs", default=",".join(CONFIGS))

@@ -11,7 +11,7 @@ read-ahead" is "disk all" with ``perparam.configure(gather_read_ahead=0)`` (the 
 faults when the backward all-gathers pack them): the pair gives what the read-ahead behind the backward
 prefetch saves.
 
-    PYTHONPATH=. python benchmarks/offload_step.py --dir /tmp --layers 8 --width 1024 --steps 5
+    python -m benchmarks.offload_step --dir /tmp --layers 8 --width 1024 --steps 5
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def run(offload, args, read_ahead: int = 2) -> tuple[list[float], dict]:
 
 
 def main() -> None:
-    from benchmarks.launch import disk_tier_parser
-    from benchmarks.ports import free_port
+    from benchmarks.harness.launch import disk_tier_parser
+    from benchmarks.harness.ports import free_port
 
     parser = disk_tier_parser(__doc__, layers=8, width=1024, batch=256, steps=5, pairs=2)
     parser.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")

@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.optim import optimizer as optim_module  # the step hooks torch runs around a step
 
     import perparam
-    from benchmarks.model import GPT, GPTConfig
-    from benchmarks.ports import free_port
+    from benchmarks.harness.model import GPT, GPTConfig
+    from benchmarks.harness.ports import free_port
     from perparam.runtime.group import group_of
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

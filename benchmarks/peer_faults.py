@@ -1,7 +1,7 @@
 """Seconds from a real fault to the survivors' word on it: a peer SIGKILLed (``perparam.PeerLostError``) or
 SIGSTOPped (``perparam.elastic.StepWatchdog``) from outside, in each phase of a user's ``fully_shard`` loop.
 
-    python benchmarks/peer_faults.py [--nproc 2] [--bound 3] [--kill forward,backward,step,save,async_save]
+    python -m benchmarks.peer_faults [--nproc 2] [--bound 3] [--kill forward,backward,step,save,async_save]
                                      [--stop forward,backward,step]
 
 Each case is one run of ``tests/fault_helpers.run_fault`` (the user's script ``tests/fault_worker.py`` on
@@ -14,12 +14,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -1,34 +1,29 @@
 """CPU time per step of one configuration on K gloo ranks, and where rank 0 spends it (cProfile, or
 per phase and category).
 
-    python benchmarks/profile_step.py perparam --steps 6 [--gloo-reduce-scatter native]
+    python -m benchmarks.profile_step perparam --steps 6 [--gloo-reduce-scatter native]
         [--gloo-all-gather native] [--top 25]
-    python benchmarks/profile_step.py perparam --size 110m --batch-per-rank 1 --steps 3 --categories
-    python benchmarks/profile_step.py perparam --steps 16 --top 0 \
+    python -m benchmarks.profile_step perparam --size 110m --batch-per-rank 1 --steps 3 --categories
+    python -m benchmarks.profile_step perparam --steps 16 --top 0 \
         --versus gloo_all_gather=all_to_all,local_optimizer_step=0     # A/B within one run, paired
 
 CPU time (``time.process_time``, all threads of a rank's process) is the figure to drive down on a shared
 2-core machine: it is little affected by other load. Reported per step: CPU ms of each rank (median),
 then rank 0's cProfile of the timed steps, sorted by own time (``tottime``); with ``--categories`` instead
 rank 0's CPU ms per step and phase in compute, copies, collectives, allocation, Python by package and
-other threads (``benchmarks/step_categories.py``).
+other threads (``benchmarks/harness/step_categories.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks.configs import CONFIGS  # noqa: E402
-from benchmarks.model import SIZES  # noqa: E402
-from perparam.runtime.config import (  # noqa: E402
+from benchmarks.harness.configs import CONFIGS
+from benchmarks.harness.model import SIZES
+from perparam.runtime.config import (
     GLOO_ALL_GATHER_ALGORITHMS,
     GLOO_REDUCE_SCATTER_ALGORITHMS,
     RuntimeConfig,
@@ -56,10 +51,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     import torch.distributed as dist
 
     import perparam
-    from benchmarks.launch import init_and_build
-    from benchmarks.model import make_batches, sized
-    from benchmarks.runner import local_batch
-    from benchmarks.step_categories import PHASES, categorize, render
+    from benchmarks.harness.launch import init_and_build
+    from benchmarks.harness.model import make_batches, sized
+    from benchmarks.harness.runner import local_batch
+    from benchmarks.harness.step_categories import PHASES, categorize, render
 
     perparam.configure(gloo_reduce_scatter=args.gloo_reduce_scatter, gloo_all_gather=args.gloo_all_gather)
     cfg = sized("quick" if args.quick else args.size)
@@ -145,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--categories", action="store_true",
                     help="CPU ms per step by phase and category instead of cProfile's functions")
     args = ap.parse_args(argv)
-    from benchmarks.launch import spawn_ranks
+    from benchmarks.harness.launch import spawn_ranks
 
     results = spawn_ranks(_rank, args.world, args)
     print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}, all-gather: {args.gloo_all_gather}): CPU ms per step, median of "

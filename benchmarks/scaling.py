@@ -3,14 +3,14 @@
     python -m benchmarks.scaling --sizes 27m,110m,350m --worlds 2,4 --json runs/bench/scaling.json
     python -m benchmarks.scaling --table runs/bench/scaling_*.json        # the markdown table again
 
-Per size (``benchmarks/model.py``'s ``SIZES``: 27.4M, 111.9M, 344.4M) and K, the timing job and the memory
-jobs of ``benchmarks/runner.py`` (the method of ``benchmarks/README.md``: every configuration built in
+Per size (``benchmarks/harness/model.py``'s ``SIZES``: 27.4M, 111.9M, 344.4M) and K, the timing job and the memory
+jobs of ``benchmarks/harness/runner.py`` (the method of ``benchmarks/README.md``: every configuration built in
 each rank, rounds of one step of each with the order rotating, paired ratios, CPU time; then each
 configuration alone in fresh processes for the training-phase peak RSS), over ``ddp``, ``fsdp2`` and
 ``perparam`` by default. Every size runs the same tokens per rank (``--batch-per-rank`` x the context of
 128), so compute and bytes both grow with the parameters and the ratios compare like with like; larger
 sizes run fewer rounds (``ROUNDS``). A configuration whose memory does not fit next to the others
-(``benchmarks/fits.py``: the ZeRO formulas against ``MemAvailable``) is skipped with the bytes it needs;
+(``benchmarks/harness/fits.py``: the ZeRO formulas against ``MemAvailable``) is skipped with the bytes it needs;
 should ``MemAvailable`` still fall under ``--floor-gb`` while a job runs, its ranks are killed and the
 size is reported skipped (``fits.MemoryGuard``), not left to the kernel's OOM killer.
 
@@ -35,12 +35,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks.configs import CONFIGS  # noqa: E402
-from benchmarks.model import SIZES, count_params, sized  # noqa: E402
+from benchmarks.harness.configs import CONFIGS
+from benchmarks.harness.model import SIZES, count_params, sized
 
 DEFAULT_CONFIGS = ("ddp", "fsdp2", "perparam")
 #: (timed rounds, warm-up rounds) per size unless --steps / --warmup say otherwise
@@ -91,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.configs) - set(CONFIGS))
     if unknown or "perparam" not in args.configs:
         ap.error(f"--configs: must include perparam, from {','.join(CONFIGS)} (unknown: {unknown})")
-    from benchmarks.launch import check_counts
+    from benchmarks.harness.launch import check_counts
 
     check_counts(ap, args, ("steps", "batch_per_rank", "rss_steps"))
     return args
@@ -99,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _models(num_params: int, world: int) -> dict[str, dict[str, float]]:
     """The formulas' state per rank and bytes sent per rank and step, for DDP and ZeRO-3 (fp32 AdamW)."""
-    from benchmarks.fits import FP32_ADAMW
+    from benchmarks.harness.fits import FP32_ADAMW
     from perparam.memory.formulas import stage_communication, stage_memory
 
     return {stage: {"state": float(stage_memory(stage, num_params, world, FP32_ADAMW).total),
@@ -122,9 +119,9 @@ def _extend(name: str, c: dict, models: dict, tokens_per_rank: int) -> None:
 
 def run_one(size: str, world: int, args: argparse.Namespace) -> dict:
     """One size on ``world`` ranks: the configurations that fit, timed side by side, then their memory jobs."""
-    from benchmarks.fits import MemoryGuard, fitting, job_bytes, mem_available
-    from benchmarks.launch import launch
-    from benchmarks.report import add_ratios, summarise
+    from benchmarks.harness.fits import MemoryGuard, fitting, job_bytes, mem_available
+    from benchmarks.harness.launch import launch
+    from benchmarks.harness.report import add_ratios, summarise
 
     cfg = sized(size)
     params = count_params(cfg)
@@ -222,8 +219,8 @@ def markdown(runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from benchmarks.launch import write_json
-    from benchmarks.report import machine_info
+    from benchmarks.harness.launch import write_json
+    from benchmarks.harness.report import machine_info
 
     args = parse_args(argv)
     if args.table:

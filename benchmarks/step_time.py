@@ -1,12 +1,12 @@
 """Step time, model-state bytes, training-phase peak RSS and bytes communicated: a compute-only bound,
 DDP, torch FSDP2 (fp32 and bf16) and perparam, in one run.
 
-    python benchmarks/step_time.py --json runs/bench/step_time.json [--world 4]
+    python -m benchmarks.step_time --json runs/bench/step_time.json [--world 4]
 
-Every configuration trains the same model (``benchmarks/model.py``) from the same weights
-(``benchmarks/configs.py``) on the same data over gloo, ``--world`` ranks on 127.0.0.1, one thread per
-rank; the script starts its own ranks (``benchmarks/launch.py``). What a rank runs:
-``benchmarks/runner.py``; RSS: ``benchmarks/memory.py``; summary and tables: ``benchmarks/report.py``.
+Every configuration trains the same model (``benchmarks/harness/model.py``) from the same weights
+(``benchmarks/harness/configs.py``) on the same data over gloo, ``--world`` ranks on 127.0.0.1, one thread per
+rank; the script starts its own ranks (``benchmarks/harness/launch.py``). What a rank runs:
+``benchmarks/harness/runner.py``; RSS: ``benchmarks/harness/memory.py``; summary and tables: ``benchmarks/harness/report.py``.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks.configs import CONFIGS  # noqa: E402
-from benchmarks.launch import check_counts, launch, launch_many, write_json  # noqa: E402
-from benchmarks.model import GPT, GPTConfig, num_params  # noqa: E402
-from benchmarks.report import add_ratios, bf16_speed, machine_info, render, summarise  # noqa: E402
+from benchmarks.harness.configs import CONFIGS
+from benchmarks.harness.launch import check_counts, launch, launch_many, write_json
+from benchmarks.harness.model import GPT, GPTConfig, num_params
+from benchmarks.harness.report import add_ratios, bf16_speed, machine_info, render, summarise
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = num_params(GPT(cfg))
     result = {
         "meta": {
-            "date": started.isoformat(timespec="seconds"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "date": started.isoformat(timespec="seconds"), "command": " ".join(["python -m benchmarks.step_time", *sys.argv[1:]]),
             "machine": machine_info(), "world_size": world, "threads_per_rank": 1, "backend": "gloo",
             "oversubscribed": world > (os.cpu_count() or 1),
             "model": cfg.as_dict(), "model_params": params, "batch_per_rank": args.batch_per_rank,

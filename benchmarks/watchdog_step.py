@@ -1,7 +1,7 @@
 """What ``perparam.elastic.StepWatchdog`` costs per step when nothing fails: paired rounds of the same steps
 without and with it, and the CPU of its heartbeat thread.
 
-    python benchmarks/watchdog_step.py [--nproc 2] [--width 512] [--rounds 6] [--steps 20]
+    python -m benchmarks.watchdog_step [--nproc 2] [--width 512] [--rounds 6] [--steps 20]
 
 A ``--width``-wide 4-layer MLP sharded over ``--nproc`` gloo ranks (one thread each, batch 32 per rank; the
 process group over a ``TCPStore``, as torchrun's). Each round runs ``--steps`` steps without a watchdog and
@@ -14,13 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _rank(rank: int, world: int, port: int, width: int, rounds: int, steps: int, queue) -> None:
@@ -29,7 +23,7 @@ def _rank(rank: int, world: int, port: int, width: int, rounds: int, steps: int,
     from torch import nn
 
     import perparam
-    from benchmarks.launch import init_gloo
+    from benchmarks.harness.launch import init_gloo
     from perparam.elastic import StepWatchdog
 
     init_gloo(rank, world, port)
@@ -83,7 +77,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    from benchmarks.launch import spawn_ranks
+    from benchmarks.harness.launch import spawn_ranks
 
     for rank, wall, paired, cpu, paired_cpu, thread in spawn_ranks(_rank, args.nproc, args.width, args.rounds,
                                                                    args.steps):

@@ -2,20 +2,20 @@
 
     python -m benchmarks.zero_stages --quick [--worlds 2,4] [--json runs/bench/zero_stages.json]
 
-Configurations (``benchmarks/configs.py``), all trained from the same seeded weights on the same batches,
+Configurations (``benchmarks/harness/configs.py``), all trained from the same seeded weights on the same batches,
 AdamW, fp32, wrapped as torchtitan wraps (embeddings, each block, ``[ln_f, head]`` kept from forward to
 backward, root): ``ddp``; ``perparam_stage1``, ``perparam_stage2``, ``perparam`` (all stage 3) and
 ``perparam_mix`` (embeddings and norms stage 1, attention stage 2, MLP and head stage 3); ``fsdp2`` and
 ``fsdp2_keep`` (FSDP2 with ``reshard_after_forward=False``, its nearest to ZeRO-2).
 
-Per K: the timing job of ``benchmarks/runner.py`` (every configuration built in each rank, rounds of one
+Per K: the timing job of ``benchmarks/harness/runner.py`` (every configuration built in each rank, rounds of one
 step of each, the order rotating; step time is the slower rank's; ``paired`` ratios are the median over
 rounds of the ratio within a round), then one memory job per configuration in fresh processes (the
 training-phase peak RSS over the pre-build baseline, the larger rank). Model state: rank 0's live bytes
 after the last step (``perparam.memory.measure.model_state_bytes``; rank 0 holds ``torch.chunk``'s remainder
 rows). Bytes sent per rank and step: ``CommCounter`` (perparam), the ``torch.distributed`` wrappers
-(FSDP2), the gradient bytes (DDP, whose all-reduce runs in C++), converted as ``benchmarks/report.py`` does.
-Formulas: ``benchmarks/zero_formulas.py``.
+(FSDP2), the gradient bytes (DDP, whose all-reduce runs in C++), converted as ``benchmarks/harness/report.py`` does.
+Formulas: ``benchmarks/harness/zero_formulas.py``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CONFIGS = ("ddp", "perparam_stage1", "perparam_stage2", "perparam", "perparam_mix", "fsdp2", "fsdp2_keep")
 LABELS = {"ddp": "DDP", "perparam_stage1": "stage 1", "perparam_stage2": "stage 2", "perparam": "stage 3",
@@ -73,12 +70,12 @@ def _paired(c: dict, base: dict | None) -> float | None:
 
 
 def run_world(world: int, cfg, args: argparse.Namespace) -> dict:
-    """Every configuration on ``world`` ranks: the summary of ``benchmarks/report.py`` plus the formulas."""
-    from benchmarks.configs import seeded_full_init
-    from benchmarks.launch import launch
-    from benchmarks.model import num_params
-    from benchmarks.report import add_ratios, summarise
-    from benchmarks.zero_formulas import formulas
+    """Every configuration on ``world`` ranks: the summary of ``benchmarks/harness/report.py`` plus the formulas."""
+    from benchmarks.harness.configs import seeded_full_init
+    from benchmarks.harness.launch import launch
+    from benchmarks.harness.model import num_params
+    from benchmarks.harness.report import add_ratios, summarise
+    from benchmarks.harness.zero_formulas import formulas
 
     opts = {"model": cfg.as_dict(), "configs": args.configs, "steps": args.steps, "warmup": args.warmup,
             "seed": 0, "batch_per_rank": 2, "rss_steps": args.rss_steps, "timeout": 900}
@@ -136,9 +133,9 @@ def render(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from benchmarks.launch import write_json
-    from benchmarks.model import GPT, GPTConfig, num_params
-    from benchmarks.report import machine_info
+    from benchmarks.harness.launch import write_json
+    from benchmarks.harness.model import GPT, GPTConfig, num_params
+    from benchmarks.harness.report import machine_info
 
     args = parse_args(argv)
     cfg = GPTConfig.quick() if args.quick else GPTConfig()

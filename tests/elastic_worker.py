@@ -1,5 +1,5 @@
 """A training loop under ``torchrun --max-restarts N`` with ``perparam.elastic.State``, for the fault tests
-(``tests/test_elastic_faults.py``) and ``benchmarks/elastic_recovery.py``.
+(``tests/test_elastic_faults.py``) and the kill-to-first-step figures of ``docs/fault-tolerance.md``.
 
 ``python -m torch.distributed.run ... tests/elastic_worker.py OUT STEPS [VICTIM PHASE KILL_STEP]``: trains
 ``TinyNet`` (or ``--gpt`` a small GPT) for STEPS steps, committing after each. In the first incarnation, rank

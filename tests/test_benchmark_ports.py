@@ -1,4 +1,4 @@
-"""Benchmarks' ranks meet on a port the kernel picked free (``benchmarks/ports.py``), never a fixed or random
+"""Benchmarks' ranks meet on a port the kernel picked free (``benchmarks/harness/ports.py``), never a fixed or random
 one: two benchmarks started together on one machine never collide."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ports import free_port
+from benchmarks.harness.ports import free_port
 
 pytestmark = pytest.mark.fast
 
@@ -28,7 +28,7 @@ def test_a_free_port_binds_and_two_picks_held_at_once_differ():
 
 
 def test_no_benchmark_picks_a_fixed_or_random_port():
-    found = [f"{path.name}:{i}: {line.strip()}" for path in sorted(BENCHMARKS.glob("*.py"))
-             if path.name != "ports.py"
+    found = [f"{path.relative_to(BENCHMARKS)}:{i}: {line.strip()}" for path in sorted(BENCHMARKS.rglob("*.py"))
+             if path != BENCHMARKS / "harness" / "ports.py"
              for i, line in enumerate(path.read_text().splitlines(), 1) if _PICKED.search(line)]
-    assert not found, "pick the port with benchmarks.ports.free_port():\n" + "\n".join(found)
+    assert not found, "pick the port with benchmarks.harness.ports.free_port():\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""``benchmarks/step_time.py --quick`` runs end to end and writes the JSON the README describes."""
+"""``python -m benchmarks.step_time --quick`` runs end to end and writes the JSON the README describes."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ OK_KEYS = {"description", "status", "step_time_s", "phase_time_s", "cpu_time_s",
 @pytest.mark.slow
 def test_quick_benchmark_writes_json(tmp_path):
     out = tmp_path / "step_time.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--quick", "--json", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_time", "--quick", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
 
@@ -59,7 +59,7 @@ def test_quick_benchmark_writes_json(tmp_path):
     # FSDP2 and perparam move the same bytes in fp32 (one all-gather per group in forward, again in
     # backward for the blocks; one reduce-scatter per group), plus perparam's used flags: one fp32 per
     # trainable parameter in each rank's reduce-scatter piece; DDP all-reduces every gradient once
-    from benchmarks.model import GPT, GPTConfig
+    from benchmarks.harness.model import GPT, GPTConfig
 
     flags = 2 * 4 * len(list(GPT(GPTConfig.quick()).parameters()))
     pp_comm, fsdp2_comm = dict(pp["comm_bytes_per_step"]), fsdp2["comm_bytes_per_step"]

@@ -9,7 +9,7 @@ import argparse
 import pytest
 import torch
 
-from benchmarks.report import bf16_note, row_name
+from benchmarks.harness.report import bf16_note, row_name
 from perparam.finetune import job, throughput, train
 from perparam.finetune.cli import _worker_argv, add_arguments
 from perparam.finetune.config import JobConfig

@@ -1,4 +1,4 @@
-"""The CPU part of ``benchmarks/gpu_accelerate.py`` (the GPU check's accelerate section): torch's FSDP2
+"""The CPU part of ``benchmarks/gpu/accelerate.py`` (the GPU check's accelerate section): torch's FSDP2
 policies as ``fully_shard`` takes them, and ``ShardedAccelerator``'s loop against plain ``Accelerator`` on one
 rank; accelerate's FSDP2 plugin itself is active on GPU backends only."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("t
 
 @pytest.mark.fast
 def test_torch_fsdp2_policies_convert_to_perparams():
-    from benchmarks.gpu_accelerate import policies
+    from benchmarks.gpu.accelerate import policies
 
     got = policies()
     assert got["mp"] == ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
@@ -32,7 +32,7 @@ def torch_policies_and_loop(rank: int, world: int):
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-    from benchmarks.gpu_accelerate import loop
+    from benchmarks.gpu.accelerate import loop
     from perparam import ShardingError, fully_shard
     from perparam.module import group_of
 
@@ -53,7 +53,7 @@ def _as_fsdp2_module() -> dict:
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     from torch.distributed.fsdp import FSDPModule
 
-    from benchmarks.gpu_accelerate import make_llama
+    from benchmarks.gpu.accelerate import make_llama
     from perparam import ShardedModule, fully_shard
     from perparam.hf_accelerate import as_fsdp2_module
 
@@ -89,7 +89,7 @@ def test_torch_policies_the_sharded_accelerator_loop_and_the_fsdp2_module_opt_in
 
 
 def test_gpu_check_runs_the_accelerate_section_on_cpu_and_skips_the_plugin_there(tmp_path):
-    from benchmarks.gpu_check import main
+    from benchmarks.gpu.check import main
 
     result = main(["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch", "2",
                    "--sections", "accelerate", "--json", str(tmp_path / "gpu.json")])

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.py``: its command line, the section runner (each section on its own, the JSON
+"""``benchmarks/gpu/check.py``: its command line, the section runner (each section on its own, the JSON
 rewritten after each), and every section run on CPU (``--device cpu``: a gloo world of one, the same code
 as on CUDA but for the CUDA-only figures), so the check cannot break unseen before a GPU runs it."""
 
@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from benchmarks.gpu_check import BUDGET_S, SECTIONS, TOTAL_BUDGET_S, main, parse_args, simulated_memory
-from benchmarks.model import GPTConfig
+from benchmarks.gpu.check import BUDGET_S, SECTIONS, TOTAL_BUDGET_S, main, parse_args
+from benchmarks.gpu.simulated import simulated_memory
+from benchmarks.harness.model import GPTConfig
 
 CPU_QUICK = ["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch", "2"]
 
@@ -89,9 +90,9 @@ def test_every_section_but_two_ranks_runs_on_cpu_and_says_what_it_measured(tmp_p
 
 def test_the_two_rank_section_trains_like_one_process_with_the_same_process_group_order_on_both_ranks():
     out = {}
-    from benchmarks import gpu_two_ranks
+    from benchmarks.gpu import two_ranks
 
-    gpu_two_ranks.two_ranks(out, parse_args(CPU_QUICK))
+    two_ranks.two_ranks(out, parse_args(CPU_QUICK))
     assert out["within_1e-5"], out
     assert out["same_first_use_order"], out["ranks"]
     assert out["ranks"][0]["counts"] == out["ranks"][1]["counts"]

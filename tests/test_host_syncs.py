@@ -1,7 +1,7 @@
 """No host sync on the hot path: a training step's forward and backward read nothing back from the device
 and upload no host data, and the rest of the step (``clip_grad_norm_`` whose norm is not read, AdamW's step,
 ``zero_grad``) reads one value back, ``clip_grad_norm_``'s agreement that no rank refused a gradient
-(``benchmarks/host_syncs.py`` counts the calls that would block the host on CUDA: ``.item()``, ``bool(t)``,
+(``benchmarks/harness/host_syncs.py`` counts the calls that would block the host on CUDA: ``.item()``, ``bool(t)``,
 ``.tolist()``, ``.cpu()``, ``torch.tensor(data, device=...)``, ...), whatever the reduction path: gloo's
 zero-copy and packed reduce-scatters, replicated parameters' all-reduce, HSDP, int8 gradient reduce-scatter,
 int8 all-gathers (their scales), NF4 stored weights; world sizes with empty shards. The used flags are device
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
 import perparam
-from benchmarks.host_syncs import HostSyncCounter
+from benchmarks.harness.host_syncs import HostSyncCounter
 from perparam import ParamPolicy, QuantPolicy
 from tests.distributed import run_distributed
 from tests.models import TinyNet, local_slice, make_batches

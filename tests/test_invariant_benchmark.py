@@ -1,4 +1,4 @@
-"""``benchmarks/invariant_step.py --quick`` runs end to end (2 ranks, the toy GPT) and writes the JSON its
+"""``python -m benchmarks.invariant_step --quick`` runs end to end (2 ranks, the toy GPT) and writes the JSON its
 docstring describes: every variant trains the same global batches to the same loss, and the gradient
 buffers the K-invariant mode holds are the counted ones (no timing is asserted)."""
 

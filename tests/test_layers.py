@@ -91,9 +91,10 @@ def _graph() -> dict[str, list[tuple[str, int]]]:
     return {m: imports_of(m, ast.parse(p.read_text(), str(p))) for m, p in MODULES.items()}
 
 
-def _cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+def _cycles(graph: dict[str, list[tuple[str, int]]], known=None) -> list[list[str]]:
     """The strongly connected components with more than one module, or a module importing itself
-    (Tarjan's algorithm)."""
+    (Tarjan's algorithm); ``known``: the modules that count (default perparam's)."""
+    known = MODULES if known is None else known
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -105,7 +106,7 @@ def _cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
         stack.append(v)
         on_stack.add(v)
         for w, _ in graph.get(v, ()):
-            if w not in MODULES:
+            if w not in known:
                 continue
             if w not in index:
                 visit(w)
@@ -413,3 +414,87 @@ def test_the_hf_family_imports_no_private_name_across_its_files():
             if isinstance(node, ast.ImportFrom):
                 found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert not found, found
+
+
+# benchmarks/: the scripts at the top, what they share in harness/, the GPU check in gpu/ (CONTRIBUTING.md)
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+#: what each part of benchmarks/ may import of benchmarks/ (besides perparam, torch, ...)
+BENCHMARK_ALLOWED = {"harness": {"harness"}, "gpu": {"harness", "gpu"}, "scripts": {"harness"}}
+
+
+def benchmark_part(module: str) -> str:
+    """``harness``, ``gpu`` or ``scripts`` (``benchmarks`` itself and ``benchmarks/*.py``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ("harness", "gpu")) else "scripts"
+
+
+def _benchmark_modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(BENCHMARKS.rglob("*.py")):
+        parts = list(p.relative_to(BENCHMARKS.parent).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+BENCHMARK_MODULES = _benchmark_modules()
+
+
+def benchmark_imports(module: str, tree: ast.AST, known=None) -> list[tuple[str, str | None, int]]:
+    """``(module, name or None, line)`` for each import of a ``benchmarks`` module anywhere in the file:
+    ``from X import name`` gives ``(X.name, None)`` when that is a module, else ``(X, name)``."""
+    known = BENCHMARK_MODULES if known is None else known
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level]
+                source = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                found.append((sub, None, node.lineno) if sub in known else (source, alias.name, node.lineno))
+    return [f for f in found if f[0] == "benchmarks" or f[0].startswith("benchmarks.")]
+
+
+def _benchmark_graph() -> dict[str, list[tuple[str, str | None, int]]]:
+    return {m: benchmark_imports(m, ast.parse(p.read_text(), str(p))) for m, p in BENCHMARK_MODULES.items()}
+
+
+def test_the_benchmarks_have_the_harness_and_the_gpu_check_as_packages():
+    assert {"benchmarks", "benchmarks.harness", "benchmarks.gpu"} <= BENCHMARK_MODULES.keys()
+
+
+def test_no_benchmark_module_is_in_an_import_circle():
+    graph = {m: [(w, line) for w, _, line in found] for m, found in _benchmark_graph().items()}
+    assert _cycles(graph, BENCHMARK_MODULES) == []
+
+
+def test_a_benchmark_imports_the_harness_only_and_the_harness_imports_no_benchmark():
+    wrong = [f"{BENCHMARK_MODULES[m].relative_to(PACKAGE.parent)}:{line}: imports {w}"
+             for m, found in _benchmark_graph().items() for w, _, line in found
+             if w != "benchmarks" and benchmark_part(w) not in BENCHMARK_ALLOWED[benchmark_part(m)]]
+    assert not wrong, ("benchmarks/: a script imports benchmarks/harness/ only, benchmarks/gpu/ the harness and "
+                       "itself, the harness itself (move what two scripts share into the harness):\n"
+                       + "\n".join(wrong))
+
+
+def test_no_private_name_is_imported_across_benchmark_files():
+    wrong = [f"{BENCHMARK_MODULES[m].relative_to(PACKAGE.parent)}:{line}: {name} from {w}"
+             for m, found in _benchmark_graph().items() for w, name, line in found
+             if name is not None and name.startswith("_") and w != m]
+    assert not wrong, "a private name imported from another benchmark file (make it public there):\n" + "\n".join(
+        wrong)
+
+
+def test_the_benchmark_checks_see_a_circle_a_private_name_and_an_upward_import():
+    known = {"benchmarks.harness.a": None, "benchmarks.gpu.b": None, "benchmarks.c": None}
+    a = benchmark_imports("benchmarks.harness.a", ast.parse("def f():\n    from benchmarks.gpu.b import _g\n"),
+                          known)
+    b = benchmark_imports("benchmarks.gpu.b", ast.parse("from ..harness import a\nimport torch\n"), known)
+    assert a == [("benchmarks.gpu.b", "_g", 2)] and b == [("benchmarks.harness.a", None, 1)]
+    assert _cycles({"benchmarks.harness.a": [(a[0][0], 2)], "benchmarks.gpu.b": [(b[0][0], 1)]}, known) == [
+        ["benchmarks.gpu.b", "benchmarks.harness.a"]]
+    assert benchmark_part("benchmarks.gpu.b") not in BENCHMARK_ALLOWED[benchmark_part("benchmarks.harness.a")]
+    assert benchmark_part("benchmarks.c") == "scripts" and benchmark_part("benchmarks.harness") == "harness"

@@ -1,12 +1,12 @@
-"""``benchmarks/scaling.py`` and ``benchmarks/fits.py``: which configurations a size runs, the flags, and
+"""``benchmarks/scaling.py`` and ``benchmarks/harness/fits.py``: which configurations a size runs, the flags, and
 the table (pure: no process is started)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.fits import GB, fitting, job_bytes, state_bytes_per_rank
-from benchmarks.model import SIZES, count_params
+from benchmarks.harness.fits import GB, fitting, job_bytes, state_bytes_per_rank
+from benchmarks.harness.model import SIZES, count_params
 from benchmarks.scaling import markdown, parse_args
 
 N350 = count_params(SIZES["350m"])
@@ -97,7 +97,7 @@ def test_quick_size_runs_end_to_end_with_figures_against_the_zero3_formulas(tmp_
     ("/x/torch/optim/adamw.py", "step", "python: torch.optim"),
 ])
 def test_profile_categories_put_each_function_where_its_cpu_time_belongs(filename, funcname, expected):
-    from benchmarks.step_categories import category
+    from benchmarks.harness.step_categories import category
 
     assert category(filename, funcname) == expected
 
@@ -106,7 +106,7 @@ def test_memory_guard_kills_the_jobs_processes_when_memory_runs_short():
     import subprocess
     import time
 
-    from benchmarks.fits import MemoryGuard, mem_available
+    from benchmarks.harness.fits import MemoryGuard, mem_available
 
     child = subprocess.Popen(["sleep", "30"])
     with MemoryGuard(floor=mem_available() + 10**15, interval=0.05) as guard:

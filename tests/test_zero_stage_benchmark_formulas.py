@@ -1,4 +1,4 @@
-"""``benchmarks/zero_formulas.py``: the formulas the ZeRO-stage benchmark sets its figures against are Table
+"""``benchmarks/harness/zero_formulas.py``: the formulas the ZeRO-stage benchmark sets its figures against are Table
 7-2's rows and the ZeRO paper's traffic, adjusted only where the configuration runs differently (pure)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from benchmarks.configs import seeded_full_init
-from benchmarks.model import GPTConfig
-from benchmarks.zero_formulas import formulas
+from benchmarks.harness.configs import seeded_full_init
+from benchmarks.harness.model import GPTConfig
+from benchmarks.harness.zero_formulas import formulas
 from benchmarks.zero_stages import parse_args
 from perparam.memory.formulas import BytesPerParam, stage_memory
 

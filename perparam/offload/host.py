@@ -70,7 +70,7 @@ class HostSlot:
     def wait(self) -> None:
         """Make the current stream wait for the host-to-device copy (a stream wait: the host goes on; the
         optimizer step's kernels start once the copy is done). ``STATS.wait_s`` counts the host time of the
-        call, which is no longer the copy time backward did not hide; ``benchmarks/gpu_check.py``'s cpu_tier
+        call, which is no longer the copy time backward did not hide; ``benchmarks/gpu/check.py``'s cpu_tier
         section measures that as step time."""
         if self._event is not None:
             t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import perparam
-from benchmarks.model import GPT, GPTConfig
+from benchmarks.harness.model import GPT, GPTConfig
 
 CONFIGS = ("bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8",
            "perparam_int8_grad", "perparam_int8_both")

@@ -1,6 +1,6 @@
-"""The sections of ``benchmarks/gpu_check.py``: each is ``section(out, args)``, writes its figures into the
+"""The sections of ``benchmarks/gpu/check.py``: each is ``section(out, args)``, writes its figures into the
 dict ``out`` as it goes (what it measured before a failure stays there) and raises on failure; the runner
-isolates them. ``args`` is gpu_check's parsed command line (``device``, ``quick``, ``steps``, ``warmup``,
+isolates them. ``args`` is ``check.py``'s parsed command line (``device``, ``quick``, ``steps``, ``warmup``,
 ``batch``, ``sim_world``, ``sim_rank``, ``sim_steps``); ``args.device == "cpu"`` runs the same code on a
 gloo world of one on CPU (what the test suite runs), ``"cuda"`` on NCCL and GPU 0.
 """
@@ -17,8 +17,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from benchmarks.configs import seeded_full_init, wrap_units
-from benchmarks.model import GPT, GPTConfig, make_batches
+from benchmarks.harness.configs import seeded_full_init, wrap_units
+from benchmarks.harness.model import GPT, GPTConfig, make_batches
 
 #: torch APIs perparam (or this check) uses that are private or recent: each probed by the environment
 #: section, so a torch without one is named before the sections that need it fail
@@ -70,7 +70,7 @@ def _sync(device: str) -> None:
 def free_port() -> str:
     """A TCP port of 127.0.0.1 nothing listens on now, as ``MASTER_PORT`` wants it (a string): the sections'
     stores (fixed ports collided with another run on a shared machine: ``EADDRINUSE``, the section failed)."""
-    from benchmarks.ports import free_port as pick
+    from benchmarks.harness.ports import free_port as pick
 
     return str(pick())
 
@@ -180,19 +180,9 @@ def _ddp_model(cfg: GPTConfig, device: str):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
 
 
-def simulated(out: dict, args) -> None:
-    """Memory against the planner: rank ``--sim-rank`` of a fake ``--sim-world``-rank mesh (bytes)."""
-    from benchmarks.gpu_check import simulated_memory
-
-    sim = simulated_memory(model_config(args), args.sim_world, args.sim_rank, args.device, args.sim_steps)
-    out.update(sim)
-    meas, pred = sim["model_state_bytes_measured"], sim["model_state_bytes_predicted"]
-    out["params_match_plan"] = meas["params"] == pred["params"]
-    out["grads_match_plan"] = meas["grads"] == pred["grads"] + sim["used_flag_bytes"]
-    out["optimizer_matches_plan"] = meas["optimizer"] == pred["optimizer"] + sim["adamw_step_counter_bytes"]
-
-
-def _step(model, opt, x, y, autocast: str | None = None):
+def train_step(model, opt, x, y, autocast: str | None = None):
+    """One training step (grads cleared, forward under ``autocast`` when given, backward, the optimizer
+    step): the loss."""
     opt.zero_grad(set_to_none=True)
     with torch.autocast(autocast, torch.bfloat16) if autocast else contextlib.nullcontext():
         loss = model(x, y)
@@ -212,7 +202,7 @@ def parity(out: dict, args, steps: int = 3) -> None:
         losses = {}
         for name, model in (("perparam", pp), ("fsdp2", f2)):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            losses[name] = [float(_step(model, opt, x, y)) for _ in range(steps)]
+            losses[name] = [float(train_step(model, opt, x, y)) for _ in range(steps)]
         out["losses"] = losses
         want = {n: p.full_tensor() for n, p in f2.named_parameters()}
         diffs = {n: float((p.full_tensor() - want[n]).abs().max()) for n, p in pp.named_parameters()}
@@ -268,7 +258,7 @@ def step_time(out: dict, args) -> None:
         runs = {}
         for name, (model, autocast) in models.items():
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            runs[name] = {"step": lambda m=model, o=opt, a=autocast: _step(m, o, x, y, a), "times": []}
+            runs[name] = {"step": lambda m=model, o=opt, a=autocast: train_step(m, o, x, y, a), "times": []}
         interleaved_steps(runs, args.warmup, args.steps, args.device)
         for name, run in runs.items():
             out[name] = {"step_time_s": statistics.median(run["times"]), "final_loss": float(run["step"]())}
@@ -282,9 +272,9 @@ def step_time(out: dict, args) -> None:
 def host_syncs(out: dict, args) -> None:
     """Host syncs of one step (after a warm-up step), forward + backward, ``clip_grad_norm_`` (perparam's;
     torch's for FSDP2; the norm not read) and the optimizer step apart, for perparam and FSDP2 (bf16): the calls that read device values or upload host data
-    (``benchmarks/host_syncs.py``, by site) and, on CUDA, the warnings of
+    (``benchmarks/harness/host_syncs.py``, by site) and, on CUDA, the warnings of
     ``torch.cuda.set_sync_debug_mode("warn")``."""
-    from benchmarks.host_syncs import HostSyncCounter
+    from benchmarks.harness.host_syncs import HostSyncCounter
     from perparam import clip_grad_norm_ as perparam_clip
 
     cfg = model_config(args)
@@ -294,7 +284,7 @@ def host_syncs(out: dict, args) -> None:
                             ("fsdp2_bf16", _fsdp2_model(cfg, mesh, args.device, bf16=True))):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             clip = perparam_clip if name.startswith("perparam") else torch.nn.utils.clip_grad_norm_
-            _step(model, opt, x, y)
+            train_step(model, opt, x, y)
             clip(model.parameters(), 1.0)  # the warm-up's: perparam reads each mesh's axes at its first clip
             _sync(args.device)
             row = out[name] = {}
@@ -328,7 +318,7 @@ def cpu_tier(out: dict, args) -> None:
         for name, offload in (("device", None), ("cpu_optimizer", OffloadPolicy("cpu", "optimizer"))):
             model = _perparam_model(cfg, mesh, _mp_bf16(), offload_policy=offload)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            runs[name] = {"model": model, "opt": opt, "step": lambda m=model, o=opt: _step(m, o, x, y),
+            runs[name] = {"model": model, "opt": opt, "step": lambda m=model, o=opt: train_step(m, o, x, y),
                           "times": [], "allocated": 0}
         perparam.offload.reset_stats()
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 import perparam
-from benchmarks import memory
-from benchmarks.comm import DistCounter
-from benchmarks.configs import Unsupported, build, full_state
-from benchmarks.model import GPTConfig, make_batches
+from benchmarks.harness import memory
+from benchmarks.harness.comm import DistCounter
+from benchmarks.harness.configs import Unsupported, build, full_state
+from benchmarks.harness.model import GPTConfig, make_batches
 from perparam.memory.measure import model_state_bytes
 
 
@@ -115,7 +115,7 @@ def timing_job(rank: int, world: int, opts: dict) -> dict:
     """Every configuration interleaved: one step of each per round, rotating the order."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.configs import seeded_full_init
+    from benchmarks.harness.configs import seeded_full_init
 
     cfg = GPTConfig(**opts["model"])
     mesh = init_device_mesh("cpu", (world,))

@@ -25,7 +25,7 @@ OPT = 8  # AdamW: exp_avg and exp_avg_sq, fp32
 
 def stages(name: str, model: nn.Module) -> dict[str, tuple[int, bool]]:
     """``{parameter name: (stage, gathered twice)}`` for configuration ``name`` (stage 0: DDP)."""
-    from benchmarks.configs import mix_stage, wrap_units
+    from benchmarks.harness.configs import mix_stage, wrap_units
 
     kept = {id(p) for modules, raf in wrap_units(model) if not raf for m in modules for p in m.parameters()}
     out = {}

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 import perparam
-from benchmarks.configs import DESCRIPTIONS
+from benchmarks.harness.configs import DESCRIPTIONS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASELINES = ("bound", "ddp", "fsdp2", "fsdp2_bf16")
 
 

@@ -2,10 +2,11 @@
 section runs on its own (one that fails leaves its error and what it measured, and the next one starts) and
 the JSON is rewritten after each section.
 
-    python benchmarks/gpu_check.py --json runs/bench/gpu_check.json [--sections parity,step_time] [--quick]
+    python -m benchmarks.gpu.check --json runs/bench/gpu_check.json [--sections parity,step_time] [--quick]
 
-Sections (``benchmarks/gpu_sections.py``, ``two_ranks`` in ``benchmarks/gpu_two_ranks.py``; a section is ``section(out: dict, args)``), in order, with their
-budget on an H200 (the 27M benchmark model, 20 timed steps):
+Sections (``sections.py``; ``simulated`` in ``simulated.py``, ``two_ranks`` in ``two_ranks.py``; a section is
+``section(out: dict, args)``), in order, with their budget on an H200 (the 27M benchmark model, 20 timed
+steps):
 
 ``environment`` (1 s)
     torch, CUDA, NCCL versions; the c10d names chosen (``perparam/comm/c10d.py``); the private or recent torch
@@ -23,7 +24,7 @@ budget on an H200 (the 27M benchmark model, 20 timed steps):
     ratios, the CUDA streams of one step (torch.profiler).
 ``host_syncs`` (15 s)
     One step of perparam and of FSDP2, forward + backward, ``clip_grad_norm_`` (the norm unread) and the
-    optimizer step apart: the host reads and host-data uploads by site (``benchmarks/host_syncs.py``) and
+    optimizer step apart: the host reads and host-data uploads by site (``benchmarks/harness/host_syncs.py``) and
     ``torch.cuda.set_sync_debug_mode("warn")``'s warnings.
 ``two_ranks`` (60 s)
     Two processes on gloo with the tensors on GPU 0 (NCCL refuses two ranks on one GPU): the toy model against
@@ -34,7 +35,7 @@ budget on an H200 (the 27M benchmark model, 20 timed steps):
     parameters, the host's copy waits, whether the offloaded state reads its values between steps (as
     ``optimizer.state[p][key]`` and through ``state_dict()``).
 
-Then the sections of ``benchmarks/gpu_accelerate.py`` when that file exists (its ``SECTIONS``, a list of
+Then the sections of ``benchmarks/gpu/accelerate.py`` when that file exists (its ``SECTIONS``, a list of
 ``(name, section)``, or its ``run(out, args)`` as ``accelerate``, 40 s), and any given to ``main(extra=)``.
 Every section's dict gets ``ok``, ``seconds``, ``budget_s`` and ``over_budget`` (``BUDGET_S``) and, on failure,
 ``error`` and ``traceback``; the top level ``wall_s``, ``budget_s`` (the sum, 276 s for all) and
@@ -50,23 +51,16 @@ import importlib
 import inspect
 import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks import gpu_sections, gpu_two_ranks  # noqa: E402
-from benchmarks.configs import seeded_full_init  # noqa: E402
-from benchmarks.gpu_sections import shard_perparam  # noqa: E402
-from benchmarks.model import GPT, GPTConfig, make_batches  # noqa: E402
+from benchmarks.gpu import sections, simulated, two_ranks
+from benchmarks.harness.model import GPTConfig
 
 Section = Callable[[dict, argparse.Namespace], None]
 
@@ -77,13 +71,13 @@ BUDGET_S = {"environment": 1, "simulated": 20, "parity": 20, "step_time": 60, "h
 TOTAL_BUDGET_S = 300  # five minutes, NCCL start-up and the interpreter included
 
 SECTIONS: list[tuple[str, Section]] = [
-    ("environment", gpu_sections.environment),
-    ("simulated", gpu_sections.simulated),
-    ("parity", gpu_sections.parity),
-    ("step_time", gpu_sections.step_time),
-    ("host_syncs", gpu_sections.host_syncs),
-    ("two_ranks", gpu_two_ranks.two_ranks),
-    ("cpu_tier", gpu_sections.cpu_tier),
+    ("environment", sections.environment),
+    ("simulated", simulated.simulated),
+    ("parity", sections.parity),
+    ("step_time", sections.step_time),
+    ("host_syncs", sections.host_syncs),
+    ("two_ranks", two_ranks.two_ranks),
+    ("cpu_tier", sections.cpu_tier),
 ]
 
 
@@ -112,81 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _bf16_policy():
-    import perparam
-
-    return perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: int = 2, batch: int = 2) -> dict:
-    """Rank ``rank`` of a fake ``world``-rank mesh: model-state bytes measured vs predicted, and (CUDA)
-    the peak allocated bytes of the last step. Bytes. Leaves no process group behind."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from perparam.full_state import load_full_state_dict
-    from perparam.memory.measure import model_state_bytes
-    from perparam.memory.plan import plan_module
-
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
-        mesh = init_device_mesh(device, (world,))
-        with torch.device("meta"):
-            model = GPT(cfg)
-        predicted = plan_module(model, world, dtype=None, grad_bytes=None, optim_bytes=8,
-                                mp_policy=_bf16_policy()).rank(rank)
-        groups = shard_perparam(model, mesh, _bf16_policy())
-        if rank == 0:
-            load_full_state_dict(model, seeded_full_init(cfg, 0).state_dict())
-        else:  # the fake group's broadcasts deliver nothing: uninitialised shards (values do not matter here)
-            model.to_empty(device=device)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.to_local().normal_(0, 0.02)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = (t.to(device) for t in make_batches(cfg, 1, batch)[0])
-        for step in range(steps):
-            if device == "cuda" and step == steps - 1:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            opt.zero_grad(set_to_none=True)
-            model(x, y).backward()
-            opt.step()
-        measured = model_state_bytes(model, opt)
-        unsharded = [g.num_shards * g.layout.slot_bytes for g in groups if g is not None and g.params]
-        out = {"world": world, "rank": rank, "device": device,
-               "model_state_bytes_measured": measured.as_dict(),
-               "model_state_bytes_predicted": {"params": int(predicted.params), "grads": int(predicted.grads),
-                                               "optimizer": int(predicted.optimizer), "total": int(predicted.total)},
-               # AdamW keeps one scalar step counter per parameter tensor (not in the layout's figure)
-               "adamw_step_counter_bytes": sum(s["step"].numel() * s["step"].element_size()
-                                               for s in opt.state.values() if torch.is_tensor(s.get("step"))),
-               # one fp32 used flag per trainable parameter tensor: the sharded gradients are views of the
-               # reduce-scatter output, which ends with them (perparam.runtime.group.ParamGroup.reduce_grads)
-               "used_flag_bytes": 4 * sum(len(g.trainable()) for g in groups if g is not None and g.params),
-               "unsharded_group_bytes": unsharded,
-               "two_adjacent_groups_unsharded_bytes": max((a + b for a, b in zip(unsharded, unsharded[1:])),
-                                                          default=sum(unsharded))}
-        if device == "cuda":
-            torch.cuda.synchronize()
-            out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            out["transient_bytes"] = out["peak_allocated_bytes"] - measured.total
-        del model, opt
-        return out
-    finally:
-        import gc
-
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def extra_sections() -> list[tuple[str, Section]]:
-    """The sections of ``benchmarks/gpu_accelerate.py`` if it exists: its ``SECTIONS`` or its ``run`` as
+    """The sections of ``benchmarks/gpu/accelerate.py`` if it exists: its ``SECTIONS`` or its ``run`` as
     ``accelerate``; none otherwise. An import error becomes a section that raises it (reported, not fatal)."""
-    if not (ROOT / "benchmarks" / "gpu_accelerate.py").exists():
+    if not (Path(__file__).parent / "accelerate.py").exists():
         return []
     try:
-        module = importlib.import_module("benchmarks.gpu_accelerate")
+        module = importlib.import_module("benchmarks.gpu.accelerate")
     except Exception as e:  # reported as that section's error
         def failed(out, args, e=e):
             raise e

@@ -127,14 +127,14 @@ def fsdp2_plugin(device: str) -> dict:
 
 
 def run(out: dict, args=None) -> None:
-    """The section (``gpu_check.py`` runs it as ``accelerate``): on ``args.device`` (default ``"cuda"``, one
+    """The section (``check.py`` runs it as ``accelerate``): on ``args.device`` (default ``"cuda"``, one
     GPU); starts (and ends) a 1-rank process group (NCCL on CUDA, gloo on CPU) unless one exists. On CPU the
     FSDP2 plugin is not active (accelerate keeps it for GPU backends only): ``fsdp2_plugin`` is skipped."""
     device = getattr(args, "device", None) or "cuda"
     own = not dist.is_initialized()
     if own:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from benchmarks.gpu_sections import free_port
+        from benchmarks.gpu.sections import free_port
 
         os.environ["MASTER_PORT"] = free_port()  # (a fixed one collided with another run on the machine)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")

@@ -1,4 +1,4 @@
-"""The ``two_ranks`` section of ``benchmarks/gpu_check.py``: two processes on gloo with the tensors on the one
+"""The ``two_ranks`` section of ``benchmarks/gpu/check.py``: two processes on gloo with the tensors on the one
 GPU (NCCL refuses two ranks on one GPU), perparam against one process, the collectives counted, each rank's
 order of first use of its process groups. ``--device cpu``: the same on CPU tensors (the test suite's run).
 """
@@ -11,9 +11,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.configs import seeded_full_init
-from benchmarks.gpu_sections import _step, free_port, shard_perparam
-from benchmarks.model import GPT, GPTConfig, make_batches
+from benchmarks.gpu.sections import free_port, shard_perparam, train_step
+from benchmarks.harness.configs import seeded_full_init
+from benchmarks.harness.model import GPT, GPTConfig, make_batches
 
 
 def two_rank_worker(rank: int, device: str, port: str, path: str, steps: int = 3) -> None:
@@ -60,9 +60,9 @@ def _two_rank_steps(rank: int, device: str, steps: int) -> dict:
     with CommCounter() as comm:
         for x, y in batches:
             x, y = x.to(device), y.to(device)
-            _step(model, opts[0], x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+            train_step(model, opts[0], x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
     for x, y in batches:
-        _step(reference, opts[1], x.to(device), y.to(device))
+        train_step(reference, opts[1], x.to(device), y.to(device))
     want = dict(reference.named_parameters())
     diff = max(float((p.full_tensor() - want[n]).abs().max()) for n, p in model.named_parameters())
     first_use = list(dict.fromkeys(r.group_name for r in comm.records))
@@ -81,10 +81,10 @@ def two_ranks(out: dict, args, timeout_s: float = 120.0) -> None:
     import tempfile
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
-        code = ("import sys; from benchmarks.gpu_two_ranks import two_rank_worker; "
+        code = ("import sys; from benchmarks.gpu.two_ranks import two_rank_worker; "
                 "two_rank_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])")
         env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("LOCAL_RANK", None)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.ports import free_port
-from benchmarks.runner import JOBS
+from benchmarks.harness.ports import free_port
+from benchmarks.harness.runner import JOBS
 
 
 def _worker(job: str, rank: int, world: int, port: int, opts: dict, conn) -> None:
@@ -52,7 +52,7 @@ def _context():
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                                     "torch.distributed.tensor", "perparam", "benchmarks.runner"])
+                                     "torch.distributed.tensor", "perparam", "benchmarks.harness.runner"])
     return _CTX
 
 
@@ -122,14 +122,14 @@ def ab_parser(doc: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--algorithms", default="all_to_all,zero_copy")
-    ap.add_argument("--config", default="perparam", help="a benchmarks.configs configuration (default perparam)")
+    ap.add_argument("--config", default="perparam", help="a benchmarks.harness.configs configuration (default perparam)")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     return ap
 
 
 def spawn_ranks(target, world: int, *args) -> list:
     """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes (``port``: a free TCP
-    port for ``init_gloo``, ``benchmarks.ports.free_port``); return what each put on ``queue``, sorted (rank first)."""
+    port for ``init_gloo``, ``benchmarks.harness.ports.free_port``); return what each put on ``queue``, sorted (rank first)."""
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
@@ -152,11 +152,11 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 600.0) -> Non
 
 
 def init_and_build(rank: int, world: int, port: int, config: str, cfg) -> tuple:
-    """``init_gloo``, then ``benchmarks.configs.build(config, cfg, <1D cpu mesh of world>, seed 0)``:
+    """``init_gloo``, then ``benchmarks.harness.configs.build(config, cfg, <1D cpu mesh of world>, seed 0)``:
     this rank's ``(model, optimizer)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.configs import build
+    from benchmarks.harness.configs import build
 
     init_gloo(rank, world, port)
     return build(config, cfg, init_device_mesh("cpu", (world,)), 0)
