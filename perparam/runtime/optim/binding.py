@@ -47,6 +47,7 @@ class Binding:
         self.held: weakref.WeakSet = weakref.WeakSet()  # ShardedParams whose sharded parameters it holds
         self.route = None  # owner_step.Routing of its update="owner" parameters, with its staging pool
         self.stages = [stage() for stage in STAGES]
+        self.firsts = [stage for stage in self.stages if stage.first]  # run by torch's global pre-hook
         self.entered: list = []  # the stages whose ``before`` ran in the open step, in order
         self.step: Step | None = None  # the open step
         self.depth = 0  # hooked step calls open: 1 the outermost, more when nested
@@ -58,9 +59,8 @@ class Binding:
     def first(self, optimizer) -> None:
         """torch's global pre-hook: the ``first`` stages, before the user's pre-hooks."""
         step = Step(optimizer, False)
-        for stage in self.stages:
-            if stage.first:
-                stage.before(step, self)
+        for stage in self.firsts:
+            stage.before(step, self)
 
     def install(self, optimizer) -> None:
         """perparam's pre-hook and post-hook on ``optimizer`` (once), and its state-dict hooks once it routes

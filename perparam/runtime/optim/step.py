@@ -45,7 +45,7 @@ class Step:
             grad = sp.sharded.grad
             if grad is None:
                 kind = GradKind.NONE
-            elif owner_grads.at_owner(sp):
+            elif sp.policy.update == "owner" and owner_grads.at_owner(sp):  # only an owner's is reduced to it
                 kind = GradKind.HELD
             elif sp.grad_is_own(grad):
                 kind = GradKind.OWN
