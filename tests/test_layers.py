@@ -252,7 +252,6 @@ ISSUE_COMM = {"perparam.runtime.paths": "the paths",
 #: exception (comm/ is below the runtime's config; the checks change no result)
 REBOUND = {("perparam.runtime.config", "_current"): "the RuntimeConfig itself",
            ("perparam.comm.debug", "_enabled"): "set_debug", ("perparam.comm.debug", "_timeout_s"): "set_debug",
-           ("perparam.runtime.adopt", "_generation"): "a counter", ("perparam.runtime.adopt", "_pre_hook"): "a hook handle",
            ("perparam.api", "_WARNED_LOW_PRECISION"): "warned once",
            ("perparam.checkpoint.background", "_GROUP"): "the writer's process group",
            ("perparam.checkpoint.background", "_EXECUTOR"): "the writer thread",

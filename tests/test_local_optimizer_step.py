@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import perparam
 from perparam.runtime import local_step
+from perparam.runtime.optim.registry import binding_of
+from perparam.runtime.optim.stages import LocalSwap
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.fast
@@ -29,8 +31,8 @@ def _train(rank: int, world_size: int, local: bool, make_opt, closure: bool = Fa
         opt = make_opt(model.parameters())
         swapped = []  # the swap in progress after each step: None (undone)
         seen = []  # parameters stepped on their local tensors, per step
-        original = local_step._swap_out
-        local_step._swap_out = lambda o, *a: (seen.append(len(getattr(o, local_step._ATTR) or ())), original(o, *a))
+        original = local_step.swap_out
+        local_step.swap_out = lambda o, records: (seen.append(len(records or ())), original(o, records))
         hooks_saw = []  # hooks=True: whether the user's step hooks found DTensor parameters in the optimizer
 
         def user_hook(o, args, kwargs, zero=False):
@@ -56,7 +58,7 @@ def _train(rank: int, world_size: int, local: bool, make_opt, closure: bool = Fa
             else:
                 loss()
                 opt.step()
-            swapped.append(getattr(opt, local_step._ATTR, "absent"))
+            swapped.append(next(s.records for s in binding_of(opt).stages if isinstance(s, LocalSwap)))
         state = {name: {k: v for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
         return {"params": [p.to_local().clone() for p in model.parameters()],
                 "kinds": sorted({type(v).__name__ for s in state.values() for v in s.values()}),
@@ -68,7 +70,7 @@ def _train(rank: int, world_size: int, local: bool, make_opt, closure: bool = Fa
                 "in_groups": all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]),
                 "after_step": swapped, "seen": seen, "hooks_saw": hooks_saw}
     finally:
-        local_step._swap_out = original
+        local_step.swap_out = original
         perparam.configure(local_optimizer_step=previous.local_optimizer_step)
 
 

@@ -4,6 +4,9 @@ path, inserted first, carries every reduction of a 2-rank run, bitwise as the pa
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -117,3 +120,20 @@ def test_a_new_reduction_path_is_one_class_and_one_row_of_the_chooser():
         assert packed["issued"] == 0 and counted["issued"] == 4  # 2 groups x 2 steps, all through the new path
         assert counted["reduce_scatters"] == packed["reduce_scatters"] == 4
         assert all(torch.equal(a, b) for a, b in zip(packed["params"], counted["params"]))
+
+
+def test_the_common_tail_of_a_reduction_names_no_path():
+    """What follows every path (the HSDP all-reduce, the partial hold, the division and the accumulation:
+    ``part_reduce.py``, ``partial.py``, ``reduction.py``) asks the reduction's tail (``reduction.ReduceTail``,
+    which a path may replace) and the chooser, never which path ran: no name of the owner path's, and no
+    import of a path's own module, in those files."""
+    runtime = Path(perparam.__file__).parent / "runtime"
+    for name in ("part_reduce.py", "partial.py", "reduction.py"):
+        tree = ast.parse((runtime / name).read_text())
+        names = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                 | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+                 | {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)})
+        assert not sorted(x for x in names if "owner" in x.lower()), (name, sorted(x for x in names if "owner" in x))
+        imported = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    for a in n.names]
+        assert not [m for m in imported if m.startswith("paths.") and m.split(".")[1].startswith("reduce_")], imported

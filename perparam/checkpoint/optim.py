@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..offload import tier as offload_tier
-from ..runtime import adopt, owner_state
+from ..runtime import owner_state
+from ..runtime.optim.binding import bind
 
 
 def info(t: torch.Tensor) -> dict:
@@ -24,7 +25,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.Tensor]]]:
-    adopt._retarget(optimizer, (), {})  # built before fully_shard: point it at the sharded parameters now
+    bind(optimizer)  # built before fully_shard: point it at the sharded parameters now
     names = {id(p): n for n, p in model.named_parameters()}
     groups = []
     for group in optimizer.param_groups:

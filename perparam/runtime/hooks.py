@@ -50,6 +50,7 @@ from .cast import cast_floating, replace_tensors, tensors_anywhere, tensors_in
 from .context import IterationContext
 from .entry_checks import TransformError, _check_materialized, _check_transforms  # noqa: F401 (re-exported)
 from .group import ParamGroup, group_of
+from .optim.registry import REGISTRY as OPTIMIZERS
 from .state import TrainingState
 from .untraced import untraced
 
@@ -96,7 +97,9 @@ def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
     """A new root forward: drop storage kept for a backward that never came (it may be stale) unless the
     group keeps it deliberately (``set_reshard_after_backward(False)`` now, or when the last backward kept
     it: ``ctx.kept_by_backward``, so the last micro-batch of FSDP2's ``set_reshard_after_backward(is_last)``
-    pattern gathers nothing in forward), and index the last forward's order for prefetching."""
+    pattern gathers nothing in forward), and index the last forward's order for prefetching. An optimizer
+    step this thread left open (its step proper raised) is over (``perparam.runtime.optim.binding``)."""
+    OPTIMIZERS.forward_began()
     grad_enabled = torch.is_grad_enabled()
     kept, ctx.kept_by_backward = ctx.kept_by_backward, set()
     for g in ctx.groups:

@@ -5,25 +5,22 @@ and its state (plus scalars): on a sharded parameter that is the same arithmetic
 so running it on the local tensors gives bit for bit what DTensor's dispatch gives, for about half the
 CPU (the benchmark's AdamW on 2-rank shards: ``benchmarks/optim_dispatch.py``, ``benchmarks/README.md``).
 
-Around each step of such an optimizer (perparam's one step pre-hook and post-hook on that optimizer,
-registered through ``install`` by ``perparam.runtime.adopt`` when it first sees it holding perparam
-parameters; the post-hook also counts the step on them, ``ShardedParam.optimizer_steps``), every perparam parameter
-in its ``param_groups`` is replaced by its local tensor, the local gradient attached as ``.grad``, and its
-state re-keyed to the local tensor with DTensors unwrapped; after the step the parameters are put back,
-the local ``.grad`` detached, and the state re-keyed back, tensors shaped like the local shard wrapped
-as DTensors of the parameter's mesh and placements (state the step created) or restored to the DTensor
-they were (state it updated in place). Outside the step the optimizer, its ``state_dict`` and DCP see
-exactly what they see without this.
+Around each step of such an optimizer (the ``LocalSwap`` stage of its binding, ``perparam.runtime.optim``),
+every perparam parameter in its ``param_groups`` is replaced by its local tensor, the local gradient
+attached as ``.grad``, and its state re-keyed to the local tensor with DTensors unwrapped (``swap_in``);
+after the step the parameters are put back, the local ``.grad`` detached, and the state re-keyed back,
+tensors shaped like the local shard wrapped as DTensors of the parameter's mesh and placements (state the
+step created) or restored to the DTensor they were (state it updated in place) (``swap_out``). Outside the
+step the optimizer, its ``state_dict`` and DCP see exactly what they see without this.
 
 It applies only to ``torch.optim.SGD``, ``Adam`` and ``AdamW`` themselves (a subclass may change
 ``step``), not ``differentiable``, to a step without a closure (``step(closure)`` computes the gradients
 inside the step), when every gradient is a DTensor with its parameter's placements and
 local shape, every parameter is on the CPU and none is offloaded (``perparam.offload`` moves state around
 the step), and ``perparam.configure(local_optimizer_step=True)`` (the default); otherwise the step runs on
-DTensors as before. A step that raises leaves the swap in place until the next step of that optimizer,
-whose pre-hook undoes it first. The user's step hooks never see the swap: the swap-in is the optimizer's
-last pre-hook (a step that finds a pre-hook registered after it runs on DTensors, and the next steps swap
-again) and the swap-out its first post-hook.
+DTensors as before. A step whose step proper raises leaves the swap in place until the next step of that
+optimizer, whose pre-hook undoes it first. The user's step hooks never see the swap: perparam's pre-hook is
+the optimizer's last and its post-hook the first (``perparam.runtime.optim.binding``).
 """
 
 from __future__ import annotations
@@ -33,47 +30,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..sharding.policy import OffloadPolicy
-from . import config, owner_step
-from .untraced import untraced
+from . import config
+from .optim.step import GradKind
 
 #: the optimizers whose update is elementwise (plus scalars): exact on local shards
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
-_ATTR = "_perparam_local_step"  # on the optimizer: the swap in progress (list of records) or None
 _NO_OFFLOAD = OffloadPolicy()
 
 
-def install(optimizer: torch.optim.Optimizer, owners_of, count) -> None:
-    """Register perparam's step hooks on ``optimizer``, once: a pre-hook that routes its
-    ``update="owner"`` parameters to their owners (``owner_step.step_in``) and, when ``optimizer`` is one
-    of ``ELEMENTWISE``, swaps the local shards in; a post-hook that undoes both (the local swap first, then
-    the owners send the updated rows back) and calls ``count(optimizer)``. ``owners_of``: a callable
-    giving, for an optimizer, the ``ShardedParam``s whose sharded parameters it holds."""
-    if hasattr(optimizer, _ATTR):
-        return
-    setattr(optimizer, _ATTR, None)
-    elementwise = type(optimizer) in ELEMENTWISE
-
-    def pre_hook(opt, args, kwargs) -> None:
-        closure = _has_closure(args, kwargs)
-        owner_step.step_in(opt, closure)
-        if elementwise:
-            _swap_in(opt, owners_of(opt), closure, pre.id)
-
-    def post_hook(opt, args, kwargs) -> None:
-        _swap_out(opt, pre.id)
-        owner_step.step_out(opt)
-        count(opt)
-
-    # eager also inside torch.compile(optimizer.step): perparam's bookkeeping is no graph code
-    pre = optimizer.register_step_pre_hook(untraced(pre_hook))
-    post = optimizer.register_step_post_hook(untraced(post_hook))
-    # the swap must be invisible to the user's hooks (zero_grad() or an EMA in a post-hook, clipping in a
-    # pre-hook): the swap-out is the first post-hook, the swap-in the last pre-hook (see ``_swap_in``)
-    optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)
-
-
-def _has_closure(args, kwargs) -> bool:
+def has_closure(args, kwargs) -> bool:
     """``step(closure)``: the closure runs inside the step, after the pre-hooks; its ``zero_grad()`` and
     backward would act on the swapped-in local tensors' ``.grad`` while perparam's reduction writes the
     DTensor ``.grad``, and the step would apply the stale (or no) gradient. Such a step runs on DTensors."""
@@ -81,7 +47,7 @@ def _has_closure(args, kwargs) -> bool:
     return closure is not None
 
 
-def _local(optimizer, owners) -> dict[int, DTensor] | None:
+def _local(optimizer, owners, step) -> dict[int, DTensor] | None:
     """id -> sharded parameter of ``owners`` when the step may run on their local shards (one pass over
     them), else ``None``."""
     if not config.current().local_optimizer_step or not owners:
@@ -96,7 +62,7 @@ def _local(optimizer, owners) -> dict[int, DTensor] | None:
         if not shard.is_cpu or (offload is not _NO_OFFLOAD and offload != _NO_OFFLOAD):
             return None
         grad = p.grad
-        if grad is not None and not sp.grad_is_own(grad):  # perparam's own gradient has what is checked below
+        if grad is not None and step.kind(sp) is GradKind.OTHER:  # perparam's own gradient has what is checked below
             if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
                 return None
             local = grad._local_tensor
@@ -106,21 +72,13 @@ def _local(optimizer, owners) -> dict[int, DTensor] | None:
     return mine
 
 
-def _last_pre_hook(optimizer, hook_id: int | None) -> bool:
-    hooks = optimizer._optimizer_step_pre_hooks
-    return hook_id is None or not hooks or next(reversed(hooks)) == hook_id
-
-
-def _swap_in(optimizer, owners, closure: bool = False, hook_id: int | None = None) -> None:
-    if getattr(optimizer, _ATTR, None) is not None:  # the last step raised: put things back first
-        _swap_out(optimizer)
-    # a pre-hook registered after this one (``hook_id``) would run on the local tensors: this step runs on
-    # DTensors, and the post-hook moves this one last for the next step (not now: the hooks are iterating)
-    if closure or not _last_pre_hook(optimizer, hook_id):
-        return
-    mine = _local(optimizer, owners)
+def swap_in(optimizer, owners, step) -> list | None:
+    """Swap the local shards of ``owners`` (the ``ShardedParam``s ``optimizer`` holds) into its
+    ``param_groups`` when the step may run on them (``step``: the step, which knows each gradient's kind);
+    returns the records ``swap_out`` takes (``None``: the step runs on DTensors)."""
+    mine = _local(optimizer, owners, step)
     if mine is None:
-        return
+        return None
     records = []
     for group in optimizer.param_groups:
         params = group["params"]
@@ -135,7 +93,7 @@ def _swap_in(optimizer, owners, closure: bool = False, hook_id: int | None = Non
                                           for k, v in state.items()}
             params[i] = local
             records.append((params, i, p, local, state))
-    setattr(optimizer, _ATTR, records)
+    return records
 
 
 def _wrap(value, p: DTensor, local: torch.Tensor):
@@ -149,13 +107,10 @@ def _wrap(value, p: DTensor, local: torch.Tensor):
     return DTensor(value, spec, requires_grad=False)
 
 
-def _swap_out(optimizer, hook_id: int | None = None) -> None:
-    if not _last_pre_hook(optimizer, hook_id):
-        optimizer._optimizer_step_pre_hooks.move_to_end(hook_id)
-    records = getattr(optimizer, _ATTR, None)
+def swap_out(optimizer, records: list | None) -> None:
+    """Undo ``swap_in`` (``records``: what it returned; ``None``: nothing was swapped)."""
     if records is None:
         return
-    setattr(optimizer, _ATTR, None)
     for params, i, p, local, before in records:
         params[i] = p
         local.grad = None

@@ -67,12 +67,12 @@ def _rows_intact(sp, device) -> torch.Tensor:
     return rows_digest(sp.layout.local_piece(whole, sp.shard_rank)) == sp._whole_digest
 
 
-def travels(bucket, entries) -> tuple[bool, ...]:
+def travels(bucket, entries, held: tuple[bool, ...]) -> tuple[bool, ...]:
     """Per entry of ``entries`` (a bucket's, with gradients), whether its gradient rows travel to the owner:
-    not for a gradient reduced to its owner, nor for a stage-1 one whose rows are intact on every rank (one
-    all-reduce of ``[n]`` flags over the bucket's shard axis when the bucket holds ``n > 0`` stage-1
-    entries); the same answer on every rank."""
-    out = [not owner_grads.at_owner(e.sp) for e in entries]
+    not for a gradient reduced to its owner (``held``, per entry, decided once at the step), nor for a
+    stage-1 one whose rows are intact on every rank (one all-reduce of ``[n]`` flags over the bucket's shard
+    axis when the bucket holds ``n > 0`` stage-1 entries); the same answer on every rank."""
+    out = [not h for h in held]
     for e, move in zip(entries, out):
         if not move and owner_grads.reduced_to(e.sp) != e.owner:  # the same on every rank: raised alike
             raise OwnerStepError(f"parameter '{e.sp.path}': its gradient was reduced to rank "
@@ -126,15 +126,15 @@ def _take(pool: BufferPool | None, numel: int, dtype: torch.dtype, device: torch
     return pool.take(numel * dtype.itemsize, device).view(dtype)
 
 
-def gather(bucket, entries, moves: tuple[bool, ...], pool: BufferPool | None = None) -> Posted:
-    """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners; each
-    rank's rows are copied straight into the send buffer (from ``pool`` when given, as the receive buffer)."""
+def gather(bucket, entries, moves: tuple[bool, ...], held: tuple[bool, ...], pool: BufferPool | None = None) -> Posted:
+    """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners, with
+    the witness of each gradient reduced to its owner (``held``); each rank's rows are copied straight into
+    the send buffer (from ``pool`` when given, as the receive buffer)."""
     pg = bucket.group
     k, me = pg.size(), pg.rank()
     dtype = entries[0].sp.sharded.dtype
     device = entries[0].sp.sharded._local_tensor.device
     pieces, send_splits, recv_splits = [], [0] * k, [0] * k
-    held = [not move and owner_grads.at_owner(e.sp) for e, move in zip(entries, moves)]  # the same on every rank
     for dest in range(k):
         for e, move, witnessed in zip(entries, moves, held):
             if e.owner != dest or dest == me:  # this rank's own rows go straight from its shard (assemble)
@@ -164,12 +164,12 @@ def gather(bucket, entries, moves: tuple[bool, ...], pool: BufferPool | None = N
     return Posted(work, send, recv, pool)
 
 
-def assemble(bucket, entries, moves: tuple[bool, ...], recv: torch.Tensor) -> dict:
+def assemble(bucket, entries, moves: tuple[bool, ...], held: tuple[bool, ...], recv: torch.Tensor) -> dict:
     """id(sharded parameter) -> (sharded parameter, whole parameter with its whole ``.grad``) for the
     parameters of ``entries`` this rank owns (a held whole gradient is used as it is, not copied)."""
     pg = bucket.group
     k, me = pg.size(), pg.rank()
-    mine = [(e, move, not move and owner_grads.at_owner(e.sp)) for e, move in zip(entries, moves) if e.owner == me]
+    mine = [(e, move, h) for e, move, h in zip(entries, moves, held) if e.owner == me]
     out, witnessed = {}, {}
     for e, move, _ in mine:
         p = e.sp.sharded

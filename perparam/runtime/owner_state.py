@@ -17,12 +17,11 @@ is planned (call it on every rank, as DCP does; a call on some ranks only raises
 after the group's timeout, ``comm.sequence.enter_together``, instead of leaving gloo's collective to time
 out and break the group). A rank that owns none of an optimizer's parameters keeps an
 empty state entry for each routed one (``owner_step``), so DCP's "initialise the state by a step with zero
-gradients when it is empty" is decided alike on every rank.
+gradients when it is empty" is decided alike on every rank. An optimizer's plan comes from its binding
+(``perparam.runtime.optim.registry.routing``).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -31,7 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..comm.collectives import all_gather_objects, exchange_uneven
 from ..comm.peers import lost_peers
 from ..comm.sequence import enter_together
-from . import owner_step
+from .optim.registry import routing
 
 
 def _rows_from_owner(pg, e, whole: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor:
@@ -79,7 +78,7 @@ def _rows_to_owner(pg, e, local: torch.Tensor) -> torch.Tensor | None:
 def sharded_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
     """id(sharded parameter) -> its state in checkpoint form, for ``optimizer``'s owner parameters, the
     same keys on every rank (a collective; empty when it routes none)."""
-    route = owner_step.routing(optimizer)
+    route = routing(optimizer)
     out: dict[int, dict] = {}
     if route is None:
         return out
@@ -121,7 +120,7 @@ def own_state(optimizer: torch.optim.Optimizer, restore: list[tuple[torch.Tensor
     """Turn the loaded checkpoint-form states of ``restore`` (``(sharded parameter, state)`` pairs, the same
     keys on every rank) of ``optimizer``'s owner parameters into owner form, in place: whole on the
     owner under the current plan, empty elsewhere (a collective)."""
-    route = owner_step.routing(optimizer)
+    route = routing(optimizer)
     if route is None:
         return
     states = {id(p): state for p, state in restore}
@@ -140,16 +139,10 @@ def own_state(optimizer: torch.optim.Optimizer, restore: list[tuple[torch.Tensor
                 state.clear()
 
 
-_hooked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state_dict/load_state_dict convert owner state
-
-
 def install(optimizer: torch.optim.Optimizer) -> None:
-    """Once per optimizer that routes owner parameters: its ``state_dict()`` gives their state in checkpoint
-    form (``sharded_state``), its ``load_state_dict()`` turns a loaded checkpoint-form state back onto the
-    owners (``own_state``)."""
-    if optimizer in _hooked or owner_step.routing(optimizer) is None:
-        return
-    _hooked.add(optimizer)
+    """Called once per optimizer that routes owner parameters (by its binding, ``perparam.runtime.optim``):
+    its ``state_dict()`` gives their state in checkpoint form (``sharded_state``), its ``load_state_dict()``
+    turns a loaded checkpoint-form state back onto the owners (``own_state``)."""
     # their exchanges are collectives: a peer gone meanwhile raises PeerLostError
     optimizer.register_state_dict_post_hook(lost_peers("optimizer.state_dict()")(_state_dict_post))
     optimizer.register_load_state_dict_pre_hook(lost_peers("optimizer.load_state_dict()")(_load_state_dict_pre))
@@ -159,7 +152,7 @@ def install(optimizer: torch.optim.Optimizer) -> None:
 def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``state_dict["state"]`` (keyed by the parameters' indices in ``param_groups`` order) with each owner
     parameter's entry in checkpoint form, the same keys on every rank (none where no rank holds state)."""
-    route = owner_step.routing(optimizer)
+    route = routing(optimizer)
     if route is None:
         return state_dict
     _enter_together(route, "optimizer.state_dict()", "call optimizer.state_dict() on every rank (then save it "
@@ -185,7 +178,7 @@ def _load_state_dict_pre(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     """Before ``load_state_dict`` changes anything: every rank is loading (a call on some ranks only raises
     ``CollectiveTimeoutError`` there with the optimizer as it was, instead of a state half in checkpoint
     form that the next step would trip over)."""
-    route = owner_step.routing(optimizer)
+    route = routing(optimizer)
     if route is not None:
         _enter_together(route, "optimizer.load_state_dict()", "call optimizer.load_state_dict() on every rank "
                         "with the same state dict; its owner parameters' state is sent to their owners")
@@ -195,7 +188,7 @@ def _load_state_dict_post(optimizer: torch.optim.Optimizer) -> None:
     """After ``load_state_dict`` (every rank reached it: ``_load_state_dict_pre``): the owner parameters'
     loaded states (checkpoint form: DTensors sharded like the parameter, whole tensors on every rank) whole
     on their owners, empty elsewhere."""
-    route = owner_step.routing(optimizer)
+    route = routing(optimizer)
     if route is None:
         return
     restore = [(e.sp.sharded, optimizer.state[e.sp.sharded]) for b in route.buckets for e in b.entries
@@ -214,5 +207,5 @@ def _enter_together(route, what: str, fix: str) -> None:
 
 def routed_ids(optimizer: torch.optim.Optimizer) -> set[int]:
     """id() of the sharded parameters ``optimizer`` routes to owners (empty when none)."""
-    route = owner_step.routing(optimizer)
+    route = routing(optimizer)
     return set(route.by_id) if route is not None else set()

@@ -2,12 +2,12 @@
 parameter with the stock optimizer; the others skip it.
 
 Gradients are reduce-scattered after backward as for every parameter. Then, inside the optimizer's step
-(perparam's step pre-hook and post-hook on that optimizer, ``local_step.install``), for the parameters it
-holds under the owner policy:
+(the ``OwnerRoute`` stage of its binding, ``perparam.runtime.optim``), for the parameters it holds under the
+owner policy:
 
 1. the owners come from ``perparam.sharding.owners.owner_plan`` over the optimizer's owner parameters of
    each shard axis, in the optimizer's parameter order (the same on every rank), planned when
-   ``perparam.runtime.adopt`` first checks the optimizer (again when its parameters change: parameters
+   the ``Retarget`` stage first checks the optimizer (again when its parameters change: parameters
    planned before keep their owners, which hold their state, and new ones fill in by LPT);
 2. per bucket (the parameters of one shard-axis process group and dtype, consecutive in that order, at
    most ``BUCKET_BYTES`` of whole gradient plus parameter), one all-to-all brings each rank's rows of the
@@ -51,8 +51,6 @@ what one step held at once between steps.
 
 from __future__ import annotations
 
-import sys
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +59,8 @@ from ..comm.buffers import BufferPool
 from ..sharding.errors import ShardingError
 from ..sharding.owners import NS_STEPS, ns_cost, owner_plan
 from . import config, owner_exchange, owner_grads, registration, whole_matrix
+from .optim import registry
+from .optim.step import GradKind
 from .owner_exchange import OwnerStepError
 
 __all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix",
@@ -69,9 +69,6 @@ __all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShar
 #: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
 BUCKET_BYTES = 64 * 2**20
 
-_ATTR = "_perparam_owner_step"  # on the optimizer: the routed step in progress, or None
-_BUSY = "_perparam_owner_stepping"  # on the optimizer: True while its own step runs on whole tensors
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Routing
 
 
 class OwnerStepRaised(RuntimeError):
@@ -179,13 +176,13 @@ def shard_group(sp):
     return sp.dp_mesh.get_group(sp.dp_mesh.ndim - 1)
 
 
-def plan(optimizer: torch.optim.Optimizer, held) -> None:
-    """Plan the owners and buckets of ``optimizer``'s owner parameters (``held``: the ``ShardedParam``s
-    whose sharded parameters it holds); nothing is routed when it holds none."""
+def plan(optimizer: torch.optim.Optimizer, held, before: Routing | None) -> Routing | None:
+    """The owners and buckets of ``optimizer``'s owner parameters (``held``: the ``ShardedParam``s whose
+    sharded parameters it holds; ``before``: its plan so far, whose owners keep the parameters they hold
+    state for); ``None`` when it holds none."""
     owned = {id(sp.sharded): sp for sp in held if sp.policy.update == "owner"}
     if not owned:
-        _plans.pop(optimizer, None)
-        return
+        return None
     order, seen = [], set()
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -198,7 +195,6 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
         pg = shard_group(sp)
         per_pg.setdefault(id(pg), (pg, []))[1].append((sp, ns_steps))
     buckets, by_id, loads = [], {}, {}
-    before = _plans.get(optimizer)
     kept = before.by_id if before is not None else {}  # owners already holding state stay where they are
     for pg, items in per_pg.values():
         fixed = {i: kept[id(sp.sharded)].owner for i, (sp, _) in enumerate(items)
@@ -220,32 +216,27 @@ def plan(optimizer: torch.optim.Optimizer, held) -> None:
                 current, size = [], 0
             open_[dtype] = (current + [e], size + nbytes)
         buckets.extend(Bucket(pg, tuple(current)) for current, _ in open_.values())
-    _plans[optimizer] = Routing(tuple(buckets), by_id, loads)
+    return Routing(tuple(buckets), by_id, loads)
 
 
 def routing(optimizer: torch.optim.Optimizer) -> Routing | None:
     """``optimizer``'s plan (``None``: it holds no owner parameter)."""
-    return _plans.get(optimizer)
+    return registry.routing(optimizer)
 
 
-def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
-    """Before the stock step: per bucket, gather the owners' whole tensors (the next bucket's gather posted
-    before this one's step), run the optimizer's own step function on them alone on their owners, send the
-    rows back; then leave the routed parameters out of ``param_groups`` for the step itself."""
-    if getattr(optimizer, _BUSY, False):  # a subclass's step calling its parent's (hooked) step
-        return
-    if getattr(optimizer, _ATTR, None) is not None:
-        if _in_step_proper(optimizer):  # a subclass's step proper calling its parent's (hooked) step
-            return
-        _restore(optimizer)  # the last step raised: put things back first
-    route = _plans.get(optimizer)
+def step_in(optimizer: torch.optim.Optimizer, route: Routing | None, step, stepping_whole) -> list | None:
+    """Before the stock step: per bucket of ``route``, gather the owners' whole tensors (the next bucket's
+    gather posted before this one's step), run the optimizer's own step function on them alone on their
+    owners (inside ``stepping_whole()``: perparam's hooks leave a hooked step it calls alone), send the rows
+    back; then leave the routed parameters out of ``param_groups`` for the step itself. Returns what
+    ``step_out`` puts back (``None``: nothing routed). ``step``: the step, which knows each gradient's kind."""
     if route is None:
-        return
-    live = [(b, [e for e in b.entries if e.sp.sharded.grad is not None]) for b in route.buckets]
+        return None
+    live = [(b, [e for e in b.entries if step.kind(e.sp) is not GradKind.NONE]) for b in route.buckets]
     live = [(b, es) for b, es in live if es]
     if not live:
-        return
-    if closure:
+        return None
+    if step.closure:
         raise OwnerStepError(f"{type(optimizer).__name__}.step(closure) computes gradients inside the step, after "
                              "perparam has brought the update='owner' parameters' gradients to their owners; call "
                              "the closure (forward and backward) before step() and then step() without it")
@@ -256,24 +247,26 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
     mine = None  # the exception this rank's step raised: its later buckets travel unstepped
     keep = config.current().owner_grad == "owner"
     pool = route.staging
+    held = [tuple(step.kind(e.sp) is GradKind.HELD for e in es) for _, es in live]  # reduced to the owner
     with torch.no_grad():
-        moves = owner_exchange.travels(*live[0])
-        posted = owner_exchange.gather(*live[0], moves, pool)
+        moves = owner_exchange.travels(*live[0], held[0])
+        posted = owner_exchange.gather(*live[0], moves, held[0], pool)
         for i, (bucket, entries) in enumerate(live):
-            wholes = owner_exchange.assemble(bucket, entries, moves, posted.wait())
+            wholes = owner_exchange.assemble(bucket, entries, moves, held[i], posted.wait())
             posted.release()
             if keep:  # the whole gradients assembled from rows: the next reduction to the owners adds onto them
                 owner_exchange.remember(entries, moves, wholes)
             if i + 1 < len(live):
-                moves = owner_exchange.travels(*live[i + 1])
-                posted = owner_exchange.gather(*live[i + 1], moves, pool)
+                moves = owner_exchange.travels(*live[i + 1], held[i + 1])
+                posted = owner_exchange.gather(*live[i + 1], moves, held[i + 1], pool)
             raised = None
             if wholes and mine is None:
                 try:
                     for e in entries:  # a .grad changed after a reduction to its owner: refused
                         if id(e.sp.sharded) in wholes:
                             owner_grads.check_untouched(e.sp)
-                    _step_whole(optimizer, groups, wholes, stock)
+                    with stepping_whole():
+                        _step_whole(optimizer, groups, wholes, stock)
                 except Exception as e:  # noqa: BLE001 - raised again on every rank below, as the cause here
                     raised = mine = e
             scattered.append((bucket, entries, owner_exchange.scatter(bucket, entries, wholes, raised is not None, pool)))
@@ -286,7 +279,7 @@ def step_in(optimizer: torch.optim.Optimizer, closure: bool) -> None:
         group["params"] = [p for p in params if id(p) not in routed]
     for pid in routed:  # an empty entry where this rank owns none (owner_state: DCP's empty-state test)
         optimizer.state.setdefault(route.by_id[pid].sp.sharded, {})
-    setattr(optimizer, _ATTR, groups)
+    return groups
 
 
 def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
@@ -298,11 +291,9 @@ def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
         state = optimizer.state.pop(p, None)
         if state is not None:
             optimizer.state[whole] = state
-    setattr(optimizer, _BUSY, True)
     try:
         stock(optimizer)
     finally:
-        setattr(optimizer, _BUSY, False)
         for group, params in groups:
             group["params"] = params
         for p, whole in wholes.values():
@@ -331,33 +322,8 @@ def _raise_everywhere(optimizer, failed: list, mine: Exception | None) -> None:
         "optimizer state of them as the raising step left it), the step proper did not run") from mine
 
 
-def _restore(optimizer) -> None:
-    groups = getattr(optimizer, _ATTR, None)
-    setattr(optimizer, _ATTR, None)
+def step_out(groups: list | None) -> None:
+    """After the stock step: the routed parameters back in ``param_groups`` (``groups``: what ``step_in``
+    returned)."""
     for group, params in groups or ():
         group["params"] = params
-
-
-def _in_step_proper(optimizer) -> bool:
-    """Whether this hook runs inside another hooked ``step`` call of ``optimizer`` (two frames of torch's
-    step wrapper for it on the stack): a subclass's step calling ``super().step()`` when the parent
-    class's step is hooked too (torch hooks each class whose instance was made, so any plain instance of
-    the parent in the process does it). Left alone, the inner pre-hook took the outer step's routing for
-    a step that raised, put the routed parameters back and ran the owner exchange and step again: every
-    owner matrix stepped twice (measured: 0.016 off the stock step after one step, 4 all-to-alls for 2)."""
-    wrapper, frame, calls = torch.optim.Optimizer.profile_hook_step.__code__.co_filename, sys._getframe(1), 0
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "wrapper" and code.co_filename == wrapper and frame.f_locals.get("self") is optimizer:
-            calls += 1
-            if calls == 2:
-                return True
-        frame = frame.f_back
-    return False
-
-
-def step_out(optimizer: torch.optim.Optimizer) -> None:
-    """After the stock step: the routed parameters back in ``param_groups`` (by the outermost step's hook)."""
-    if not getattr(optimizer, _BUSY, False) and not (getattr(optimizer, _ATTR, None) is not None
-                                                     and _in_step_proper(optimizer)):
-        _restore(optimizer)

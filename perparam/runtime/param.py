@@ -99,7 +99,7 @@ class ShardedParam(ParamGradients):
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was gathered (``runtime.zero``)
         self.kept_key: tuple | None = None
-        #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.adopt``):
+        #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.optim``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
         self.optimizer_steps = 0
         #: the offload tier's record of this parameter (``perparam.offload.tier.ParamOffload``: its disk or

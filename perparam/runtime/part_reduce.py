@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 
 from ..comm import collectives
-from . import config, owner_grads, partial, zero_copy_reduce
+from . import config, partial, zero_copy_reduce
 from .param import ShardedParam
 from .paths import choose
 from .paths.reduce import ReduceFacts
@@ -51,16 +51,15 @@ class Reductions:
 
     def _reduce_sets(self, params) -> dict[tuple, list[ShardedParam]]:
         """``params`` split into the sets reduced together, in order: keyed (whole, reduce dtype, wire
-        format, to owner); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter
-        per (reduce dtype, ``grad_quant``; none on one rank: nothing on the wire to quantize), and under
-        ``configure(owner_grad="owner")`` the owner parameters with planned owners one reduction to them."""
+        format, apart); whole gradients (replicated, stage 1) all-reduced, the others one reduce-scatter
+        per (reduce dtype, ``grad_quant``; none on one rank: nothing on the wire to quantize), and the
+        parameters a path takes apart (``choose.apart``) one reduction of their own."""
         sets: dict[tuple, list] = defaultdict(list)
-        owner = config.current().owner_grad == "owner" and self.num_shards > 1 and not self.call.invariant
+        apart = choose.apart(self)
         for p in params:
             whole = not p.layout.gathered or p.policy.whole_grad
             wire = None if whole or self.num_shards == 1 else p.policy.grad_quant
-            to_owner = owner and not whole and wire is None and p.owner_rank is not None
-            sets[whole, p.policy.reduce_dtype, wire, to_owner].append(p)
+            sets[whole, p.policy.reduce_dtype, wire, apart is not None and apart(p, whole, wire)].append(p)
         return sets
 
     def _reduce(self, trainable: list[ShardedParam]) -> list[PendingReduce]:
@@ -72,25 +71,25 @@ class Reductions:
             grads[id(p)] = (grad, True) if grad is not None else (p.zero_grad_for_reduce(), False)
         sets = sorted(self._reduce_sets(trainable).items(), key=lambda item: item[0][0])  # stable: whole last
         pending = []
-        for (whole, dtype, wire, to_owner), members in sets:
+        for (whole, dtype, wire, apart), members in sets:
             params = tuple(members)
             tensors, used = zip(*(grads[id(p)] for p in params))
             pre = self.predivisor(dtype)
             if pre != 1:  # (the zeros of an unused gradient stay zeros)
                 torch._foreach_div_([t for t, u in zip(tensors, used) if u], pre)
             plan = None if whole else self._reduce_plan(params, wire)
-            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors), to_owner)
+            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors), apart)
             item = path.issue(self, params, tensors, used, dtype, plan)
             item.part, item.predivided = self, pre
             pending.append(item)
         return pending
 
-    def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool, to_owner: bool = False):
+    def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool, apart: bool = False):
         """The reduction path of ``plan``'s parameter set now (``paths.choose``), chosen once per facts."""
         facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
                             config.current().gloo_reduce_scatter, self.hpz is not None,
                             plan is not None and plan.zero_copy, cpu,
-                            self.call.invariant, to_owner, self.num_shards == 2)
+                            self.call.invariant, apart, self.num_shards == 2)
         if plan is None:
             return choose.reduce_path(facts)
         path = plan.paths.get(facts)
@@ -157,21 +156,7 @@ class Reductions:
             self.call.all_reduce_hook(grads)
         divisor = self.divisor / item.predivided
         divisor = None if divisor == 1 else divisor  # (1: a sum, or one rank: no division pass)
-        if item.to_owner:  # the whole gradients this rank owns, in order (paths.reduce_owner)
-            if divisor is not None:
-                grads.div_(divisor)
-            me, offset = self.reduce_shard_pg.rank(), 0
-            zeroed = recv.narrow(0, recv.numel() - 2 * n, n)  # summed over the ranks: the same on every rank
-            for i, (p, flag) in enumerate(zip(item.params, flags)):
-                whole = None
-                if p.owner_rank == me:
-                    whole, offset = grads.narrow(0, offset, p.layout.numel), offset + p.layout.numel
-                # a .grad zeroed in place and unused by every rank now is replaced by the zeros reduced
-                # (``.grad`` is None, or not, on every rank alike)
-                if flag > 0 or p.sharded.grad is not None:
-                    owner_grads.accumulate(p, whole, zeroed[i])
-                if flag > 0:
-                    self.ctx.grad_hooks_due.append((item.seq, i, p))
+        if item.tail.accumulate(self, item, grads, flags, divisor):  # a path that accumulates its own way
             return
         if item.replicated:  # every whole gradient (replicated and stage-1 parameters), in order
             if divisor is not None:

@@ -10,9 +10,10 @@ The division by the part's divisor (``MeshPart.divisor``) and the accumulation i
 happen once, then.
 
 A held sum is keyed by (replicated?, reduce dtype, wire format of a low-precision reduce-scatter,
-``perparam.runtime.grad_quant``, reduced to the owners? ``paths.reduce_owner``): the same reductions a group
-issues in every backward. A reduction to the owners holds, on each rank, the whole gradients of the
-parameters it owns; the replicate axis' ranks own the same ones, so its all-reduce is the same.
+``perparam.runtime.grad_quant``, the path's tail, ``reduction.ReduceTail``): the same reductions a group
+issues in every backward. Where each parameter's piece lies in a held sum is the tail's (``pieces``): a
+path that leaves another layout (the reduction to the owners: the whole gradients this rank owns, which
+the replicate axis' ranks own too) says so there, not here.
 The *used* flags at the end of each piece are summed too, so a parameter some rank used in some
 micro-batch gets its gradient. On a 1D mesh there is no all-reduce and nothing is held.
 """
@@ -25,7 +26,7 @@ from .reduction import PendingReduce
 
 
 def _key(item: PendingReduce) -> tuple:
-    return (item.replicated, item.recv.dtype, item.kind, item.to_owner)
+    return (item.replicated, item.recv.dtype, item.kind, item.tail)
 
 
 def hold(group, item: PendingReduce) -> bool:
@@ -41,7 +42,7 @@ def hold(group, item: PendingReduce) -> bool:
     group.call.held_unsynced.update(id(p) for p in item.params)
     held = group.partial_reduce.get(_key(item))
     if held is None:
-        group.partial_reduce[_key(item)] = _Held(item.params, item.offsets, item.recv)
+        group.partial_reduce[_key(item)] = _Held(item.params, item.offsets, item.recv, item.replicated)
     else:
         held.tensor = _laid_out(held, item).add_(item.recv)
         held.params, held.offsets = item.params, item.offsets
@@ -57,12 +58,12 @@ def merge(group, item: PendingReduce) -> None:
 
 class _Held:
     """A held sum: the reduction output ``tensor`` of ``params`` (pieces at ``offsets``, then the flags:
-    ``PendingReduce.flag_rows``)."""
+    ``PendingReduce.flag_rows``); ``replicated`` as its reductions' (what the tail's ``pieces`` read)."""
 
-    __slots__ = ("params", "offsets", "tensor")
+    __slots__ = ("params", "offsets", "tensor", "replicated")
 
-    def __init__(self, params: tuple, offsets: tuple[int, ...], tensor) -> None:
-        self.params, self.offsets, self.tensor = params, offsets, tensor
+    def __init__(self, params: tuple, offsets: tuple[int, ...], tensor, replicated: bool) -> None:
+        self.params, self.offsets, self.tensor, self.replicated = params, offsets, tensor, replicated
 
 
 def _laid_out(held: _Held, item: PendingReduce):
@@ -73,9 +74,9 @@ def _laid_out(held: _Held, item: PendingReduce):
         return held.tensor
     where = {id(p): j for j, p in enumerate(item.params)}
     out = item.recv.new_zeros(item.recv.shape)
-    new = _pieces(item.params, item.offsets, item.replicated, item.to_owner)
-    old = _pieces(held.params, held.offsets, item.replicated, item.to_owner)
-    rows = item.flag_rows  # rows of flags at the end: the used flags, and a reduction to owners' zeroed flags
+    new = item.tail.pieces(item)
+    old = item.tail.pieces(held)
+    rows = item.flag_rows  # rows of flags at the end: the used flags last (and any the path adds before them)
     flags_at = item.recv.numel() - rows * len(item.params)
     held_flags_at = held.tensor.numel() - rows * len(held.params)
     for i, p in enumerate(held.params):
@@ -83,22 +84,6 @@ def _laid_out(held: _Held, item: PendingReduce):
         out.narrow(0, new[j][0], old[i][1]).copy_(held.tensor.narrow(0, *old[i]))
         for r in range(rows):
             out[flags_at + r * len(item.params) + j] = held.tensor[held_flags_at + r * len(held.params) + i]
-    return out
-
-
-def _pieces(params: tuple, offsets: tuple[int, ...], replicated: bool,
-            to_owner: bool = False) -> list[tuple[int, int]]:
-    """``(offset, numel)`` of each parameter's piece in a reduction's output: the padded local shards at the
-    reduce-scatter's ``offsets``, or (``replicated``: an all-reduce) the whole gradients one after another,
-    or (``to_owner``: ``paths.reduce_owner``) the whole gradients of the parameters this rank owns one after
-    another, an empty piece for each other one."""
-    if not replicated and not to_owner:
-        return [(o, p.layout.padded_local_numel) for o, p in zip(offsets, params)]
-    out, cursor = [], 0
-    for p in params:
-        n = p.layout.numel if not to_owner or p.owner_rank == p.shard_rank else 0
-        out.append((cursor, n))
-        cursor += n
     return out
 
 

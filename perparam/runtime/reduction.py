@@ -17,6 +17,35 @@ if TYPE_CHECKING:
     from .param import ShardedParam
 
 
+class ReduceTail:
+    """What a path's output means to the common tail of a reduction (``MeshPart._advance``/``_accumulate``,
+    ``partial``): the default is every path's but the one that replaces it (a path builds its
+    ``PendingReduce`` with a tail of its own, ``paths.reduce_owner``), so the tail asks its item and never
+    which path ran. ``flag_rows``: ``[len(params)]`` rows of flags ending ``recv`` (the used flags last);
+    ``pieces``: each parameter's ``(offset, numel)`` in ``recv``; ``accumulate``: the division and the
+    accumulation into ``.grad`` when the path does them itself (``True``), else ``False``."""
+
+    flag_rows = 1
+
+    def pieces(self, item: PendingReduce) -> list[tuple[int, int]]:
+        """The padded local shards at the reduce-scatter's ``offsets``, or (``replicated``: an all-reduce)
+        the whole gradients one after another."""
+        if not item.replicated:
+            return [(o, p.layout.padded_local_numel) for o, p in zip(item.offsets, item.params)]
+        out, cursor = [], 0
+        for p in item.params:
+            out.append((cursor, p.layout.numel))
+            cursor += p.layout.numel
+        return out
+
+    def accumulate(self, part, item: PendingReduce, grads: torch.Tensor, flags: list[float], divisor) -> bool:
+        return False
+
+
+#: the tail of every path that keeps the default (``ReduceTail``)
+ROWS_TAIL = ReduceTail()
+
+
 @dataclass
 class PendingReduce:
     """A reduction in flight: its work handle, buffers (kept alive until it finishes) and params. A
@@ -35,17 +64,15 @@ class PendingReduce:
     part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)
     kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
     used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
-    #: reduced to the owners (``paths.reduce_owner``): ``recv`` holds the whole gradients this rank owns,
-    #: then the zeroed flags (``owner_grads.zeroed_flags``), then the used flags
-    to_owner: bool = False
+    #: what ``recv`` means to the common tail: ``ROWS_TAIL``, or the issuing path's own (``ReduceTail``)
+    tail: ReduceTail = ROWS_TAIL
     #: what the gradients were divided by before they went on the wire (``MeshPart.predivisor``: fp16)
     predivided: float = 1
 
     @property
     def flag_rows(self) -> int:
-        """How many ``[len(params)]`` rows of flags end ``recv``: the used flags last, and before them, for a
-        reduction to the owners, the zeroed flags."""
-        return 2 if self.to_owner else 1
+        """How many ``[len(params)]`` rows of flags end ``recv`` (the used flags last): the tail's."""
+        return self.tail.flag_rows
 
     def summed_flags(self) -> list[float]:
         """Per parameter, the number of ranks that had a gradient for it (> 0: some rank did), from the

@@ -11,7 +11,7 @@ alias move that counter.
 
 ``untraced(fn)`` makes ``fn`` a graph break that runs eagerly, as FSDP2's hooks do: every entry point of
 the runtime (forward hooks, gradient hooks, the final callback, ``ShardedModule`` methods that unshard,
-reshard or reset, the optimizer step hooks of ``local_step`` and ``adopt``, so ``torch.compile(optimizer.step)``
+reshard or reset, the optimizer step hooks of ``perparam.runtime.optim``, so ``torch.compile(optimizer.step)``
 compiles the optimizer's arithmetic and never perparam's bookkeeping) carries it. Outside a traced region it costs one ``torch.compiler.is_compiling()`` call
 and imports nothing (``torch._dynamo`` is imported by ``torch.compile`` itself). Being every entry point, it
 is also where a collective that failed because a peer is gone becomes ``perparam.PeerLostError``

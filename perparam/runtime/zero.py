@@ -7,9 +7,9 @@ prefetch or ``unshard()``), together with whatever stage-3 parameters that all-g
 change at:
 
 * an optimizer step: ``ShardedParam.optimizer_steps`` counts the steps of the ``torch.optim`` optimizers
-  holding the parameter (``perparam.runtime.adopt``: one post-hook each), a count every rank shares. A parameter
+  holding the parameter (``perparam.runtime.optim``: its ``CountStep`` stage), a count every rank shares. A parameter
   frozen when gathered and frozen now is not refreshed after a step (the optimizer skips it), unless it held a
-  ``.grad`` at that step (the optimizer steps it then: ``adopt._count_step`` marks its copy stale);
+  ``.grad`` at that step (the optimizer steps it then: the ``CountStep`` stage, ``runtime/optim/stages.py``, marks its copy stale);
 * a load (``perparam.checkpoint.load``, ``load_full_state_dict``, ``load_state_dict``) or a device change
   (``to_empty``, ``.to(device)``): these call ``invalidate()``, which every rank calls alike;
 * a write to the sharded parameter: ``ShardedParam.writes`` counts every torch call that writes it

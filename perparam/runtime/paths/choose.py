@@ -11,7 +11,7 @@ from .gather_rows import CUSTOM, HPZ_SECONDARY, PACKED, QUANTIZED
 from .gather_zero_copy import ZERO_COPY
 from .reduce import ReduceFacts, ReducePath
 from .reduce_invariant import INVARIANT_TREE, INVARIANT_WHOLE
-from .reduce_owner import OWNER_REDUCE
+from .reduce_owner import OWNER_REDUCE, owner_apart
 from .reduce_packed import CUSTOM_REDUCE_SCATTER, PACKED_REDUCE_SCATTER
 from .reduce_qgz import QGZ
 from .reduce_whole import WHOLE
@@ -40,6 +40,13 @@ REDUCE_RULES: list[tuple[Callable[[ReduceFacts], bool], ReducePath]] = [
     (lambda f: f.algorithm == "zero_copy" and not f.hpz and f.zero_copy and f.cpu, ZERO_COPY_REDUCE_SCATTER),
     (lambda f: True, PACKED_REDUCE_SCATTER),
 ]
+
+
+def apart(part) -> Callable | None:
+    """The rule taking parameters of ``part`` apart into a reduction of their own now (``(param, whole,
+    wire) -> bool``, whose set has ``ReduceFacts.to_owner``), or ``None``: the reduction to the owners'
+    (``reduce_owner.owner_apart``), the one path that splits a reduction set."""
+    return owner_apart(part)
 
 
 def gather_path(facts: GatherFacts) -> GatherPath:

@@ -17,7 +17,10 @@ class ReducePath(Protocol):
     wire format of one mesh part; ``grads``: their gradients in ``dtype``, zeros where ``used`` is false)
     and returns it in flight, its ``recv`` the ``[n + flags]`` piece every path leaves (this rank's padded
     pieces in the plan's offsets, then the summed used flags), so what follows (``MeshPart._advance``) is
-    the same for every path."""
+    the same for every path. A path whose output means something else says so in its ``PendingReduce``'s
+    ``tail`` (``reduction.ReduceTail``: its flag rows, pieces and accumulation; ``reduce_owner.OwnerTail``),
+    and one that takes parameters into a reduction of their own, through ``choose.apart``: the common tail
+    (``part_reduce``, ``partial``, ``reduction``) never asks which path ran."""
 
     name: str
 
