@@ -41,17 +41,22 @@ def untraced(fn: _F) -> _F:
 
     where = _PHASES.get(fn.__name__, "the optimizer step" if "hook" in fn.__name__ else fn.__name__)
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def eager(*args, **kwargs):
         try:  # (a try costs nothing while nothing is raised)
-            if not torch.compiler.is_compiling():
-                return fn(*args, **kwargs)
-            return torch._dynamo.disable(fn, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
+            return fn(*args, **kwargs)
         except RuntimeError as e:  # a collective whose peer is gone: PeerLostError
             lost = explain(e, where)
             if lost is None:
                 raise
             raise lost from None
+
+    # The frame Dynamo meets holds no try block: Dynamo cannot resume a graph break inside one, so it would
+    # run such a frame as it stands and trace every frame called from it (the runtime's collectives with it).
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return eager(*args, **kwargs)
+        return torch._dynamo.disable(eager, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
