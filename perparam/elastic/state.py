@@ -141,6 +141,8 @@ class State:
         base = align(len(raw))
         payload_bytes = base + tensor_bytes
         self.finish()  # the previous commit's header and transfer: its slot is the one reused two commits on
+        if self.group is not None:  # and every rank's: a rank killed before its header leaves the others the slot
+            dist.barrier(group=self.group)  # before it, which no rank may overwrite while its own is unfinished
         slot = self.store.own(self.step % 2)
         slot.begin(payload_bytes)
         slot.map[4096:4096 + len(raw)] = raw
