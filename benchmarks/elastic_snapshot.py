@@ -1,14 +1,16 @@
 """What ``perparam.elastic``'s in-memory snapshots cost when nothing fails, what memory they take, and how long
 a restore takes.
 
-    python -m benchmarks.elastic_snapshot [--size 27m] [--nproc 2] [--rounds 3] [--steps 3] [--json out.json]
+    python -m benchmarks.elastic_snapshot [--size 27m] [--nproc 2] [--rounds 3] [--steps 3] [--replica auto]
+                                          [--json out.json]
 
 The GPT of ``harness/model.py`` (``--size``: 27m is the 27.4M model of step_time.py) sharded by ``perparam`` over
 ``--nproc`` gloo ranks (one thread each, 2 sequences per rank), AdamW. Paired rounds: each round runs
 ``--steps`` steps without snapshots and ``--steps`` steps with ``State.commit()`` after each (the order of the
 two halves alternates between rounds), timing wall and CPU (process) time per step. Then the shared memory
 the slots map against the formula ``2 slots x (own payload + the payload of the rank whose replica it
-holds)``, and the time of ``State.restore()`` into a fresh model and optimizer on the same ranks. Snapshots go
+holds, when replicas are kept)`` (``--replica``: ``State``'s placement; ``auto``, the default, keeps none on
+this one host, ``always`` measures the replica path), and the time of ``State.restore()`` into a fresh model and optimizer on the same ranks. Snapshots go
 to a temporary folder in ``/dev/shm``. Reported: rank 0's medians and the ratio, the commit's time on the
 critical path, each rank's bytes.
 """
@@ -26,7 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 
 
-def _rank(rank: int, world: int, store_path: str, root: str, size: str, rounds: int, steps: int, conn) -> None:
+def _rank(rank: int, world: int, store_path: str, root: str, size: str, rounds: int, steps: int, replica: str,
+          conn) -> None:
     import gc
 
     import torch
@@ -36,13 +39,13 @@ def _rank(rank: int, world: int, store_path: str, root: str, size: str, rounds: 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
-        conn.send(_measure(root, size, rounds, steps))
+        conn.send(_measure(root, size, rounds, steps, replica))
     finally:
         gc.collect()
         dist.destroy_process_group()
 
 
-def _measure(root: str, size: str, rounds: int, steps: int) -> dict:
+def _measure(root: str, size: str, rounds: int, steps: int, replica: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -57,7 +60,7 @@ def _measure(root: str, size: str, rounds: int, steps: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     model, opt = build("perparam", cfg, mesh, seed=0)
     batches = make_batches(cfg, 2 * rounds * steps + 2, 2 * world)
-    state = State(model, opt, root=root, job="bench")
+    state = State(model, opt, root=root, job="bench", replica=replica)
     it = iter(batches)
 
     def step(commit: bool) -> tuple[float, float, float]:
@@ -87,10 +90,10 @@ def _measure(root: str, size: str, rounds: int, steps: int) -> dict:
     dist.all_gather_object(owns, own)
     target, source = neighbours(rank, world)
     mapped = state.bytes_mapped()
-    formula = 2 * (owns[rank] + owns[source])
+    formula = 2 * (owns[rank] + (owns[source] if state.replica else 0))
     local_bytes = sum(t.numel() * t.element_size() for t in _locals(model, opt))
     fresh, fresh_opt = build("perparam", cfg, mesh, seed=1)
-    again = State(fresh, fresh_opt, root=root, job="bench")
+    again = State(fresh, fresh_opt, root=root, job="bench", replica=replica)
     dist.barrier()
     t = time.perf_counter()
     restored = again.restore()
@@ -123,6 +126,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--replica", default="auto", choices=("auto", "always", "off"))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -131,7 +135,7 @@ def main() -> None:
         for r in range(args.nproc):
             here, there = ctx.Pipe()
             p = ctx.Process(target=_rank, args=(r, args.nproc, os.path.join(tmp, "store"), shm, args.size,
-                                                args.rounds, args.steps, there))
+                                                args.rounds, args.steps, args.replica, there))
             p.start()
             pipes.append(here)
             procs.append(p)
@@ -139,7 +143,8 @@ def main() -> None:
         for p in procs:
             p.join()
     r0 = results[0]
-    out = {"size": args.size, "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps, "ranks": results,
+    out = {"size": args.size, "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
+           "replica": args.replica, "ranks": results,
            "wall_ratio": r0["snap_wall_s"] / r0["plain_wall_s"], "cpu_ratio": r0["snap_cpu_s"] / r0["plain_cpu_s"],
            "shm_over_formula": [r["shm_bytes"] / r["formula_bytes"] for r in results]}
     print(json.dumps(out, indent=2))

@@ -88,9 +88,9 @@ def main(out: str, steps: int, victim: int = -1, phase: str = "", kill_step: int
     opt.register_step_pre_hook(lambda o, a, k: stop_at("step"))
     finish = slots.SlotFile.finish
 
-    def finish_or_stop(self, header):
-        if "-own-" in self.path.name:
-            stop_at("commit")
+    def finish_or_stop(self, header):  # runs in State's background thread: the step is the header's, not armed's
+        if "-own-" in self.path.name and here and phase == "commit" and header.generation == kill_step + 1:
+            _wait_to_be_killed(out)
         finish(self, header)
 
     slots.SlotFile.finish = finish_or_stop

@@ -44,11 +44,13 @@ def everything(model, opt) -> dict:
     return out
 
 
-def run(rank: int, world_size: int, root: str, job: str, stop_after: int | None, layout: str = "1d") -> dict:
+def run(rank: int, world_size: int, root: str, job: str, stop_after: int | None, layout: str = "1d",
+        replica: str = "always") -> dict:
     """Restore (if any), then train to STEPS committing after each step; ``stop_after``: return after that many
-    steps of this incarnation, as a killed run would (its slots stay)."""
+    steps of this incarnation, as a killed run would (its slots stay). ``replica="always"``: the replica path
+    even on this one host."""
     model, opt, sched = build(world_size, layout)
-    state = State(model, opt, sched, root=root, job=job, seen=0)
+    state = State(model, opt, sched, root=root, job=job, seen=0, replica=replica)
     start = state.restore()
     losses = []
     for i, batch in enumerate(make_batches(STEPS, BATCH)[start:]):
@@ -103,7 +105,7 @@ def lose_node(folder, node_ranks: set[int]) -> list[str]:
 
 def two_nodes(rank: int, world_size: int, *args) -> dict:
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # ranks 0-1 and 2-3 are two nodes: each replica on the other node
-    return run(rank, world_size, *args)
+    return run(rank, world_size, *args, "1d", "auto")  # "auto" keeps replicas: the job spans two nodes
 
 
 @pytest.mark.parametrize("after", [4, 2])
@@ -123,7 +125,7 @@ def test_a_lost_nodes_shards_come_from_their_replicas(tmp_path, straight, after)
 
 def lose_and_restore(rank: int, world_size: int, root: str, job: str) -> str:
     model, opt, sched = build(world_size)
-    state = State(model, opt, sched, root=root, job=job, seen=0)
+    state = State(model, opt, sched, root=root, job=job, seen=0, replica="always")
     try:
         state.restore()
     except SnapshotError as e:
@@ -166,3 +168,26 @@ def test_a_corrupted_slot_is_refused_by_its_checksum(tmp_path, straight, damaged
     assert got[0]["start"] == start
     for key, value in straight[2][0]["state"].items():  # the lost step is rerun: the same bits at the end
         assert torch.equal(got[0]["state"][key], value), key
+
+
+def one_host(rank: int, world_size: int, root: str, job: str, replica: str) -> dict:
+    model, opt, sched = build(world_size)
+    state = State(model, opt, sched, root=root, job=job, replica=replica)
+    train_steps(model, opt, make_batches(1, BATCH), rank, world_size)
+    state.commit()
+    state.finish()
+    own = state.store.own(1).capacity
+    out = {"replica": state.replica, "mapped": state.bytes_mapped(), "own": own}
+    state.close(remove_snapshots=False)
+    return out
+
+
+@pytest.mark.parametrize("replica,kept", [("auto", False), ("always", True), ("off", False)])
+def test_a_job_on_one_host_keeps_a_replica_only_when_told_to(tmp_path, replica, kept):
+    job = uuid.uuid4().hex
+    got = run_distributed(one_host, 2, str(tmp_path), job, replica)
+    held = sorted(p.name for p in (tmp_path / job).iterdir() if "-by" in p.name)
+    assert [g["replica"] for g in got] == [kept, kept]
+    assert held == (["r0-by1-s1", "r1-by0-s1"] if kept else [])
+    for r, g in enumerate(got):  # memory: the own slot, plus the other rank's when a replica is kept (one commit:
+        assert g["mapped"] == g["own"] + (got[1 - r]["own"] if kept else 0)  # one slot of each)

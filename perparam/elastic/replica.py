@@ -1,20 +1,28 @@
 """The replica of each rank's snapshot, kept by a rank on the next node: sent point-to-point over gloo.
 
-Rank ``r`` sends to ``(r + local_world_size) % world`` (the same local rank on the next node), and receives
-from ``(r - local_world_size) % world``; on one node (``local_world_size == world``) the offset is 1, so the
-replica is still sent and kept, and the memory is the same on one node as on many. One gloo process group of
-its own carries the transfers, apart from training's collectives.
+Placement (``replica_wanted``): ``"auto"`` (the default) keeps a replica only when the job spans more than one
+node: a replica on the same host dies with the host, like the own slot, and protects against nothing the own
+slot does not; ``"always"`` keeps one even on one node (what tests of the replica path and a user who wants
+the copy outside the own slot's file choose); ``"off"`` never. Nodes are counted from the elastic agent's
+``LOCAL_WORLD_SIZE`` (``world / local_world_size``), else from the ranks' host names (gathered).
 
-A commit exchanges the 64-byte slot headers (one small send and receive, waited), then starts the payload's
-send and receive (``isend``/``irecv`` into the holder's mapped replica slot) and returns: the transfer runs
-while the next step computes. The next commit (or ``finish``) waits for it and only then writes the replica
-slot's header, so a holder killed mid-transfer leaves the slot refused, never half-read. Every c10d work is
-dropped once it is waited on (CONTRIBUTING, "Known open problems").
+Rank ``r`` sends to ``(r + local_world_size) % world`` (the same local rank on the next node), and receives
+from ``(r - local_world_size) % world``; on one node (``local_world_size == world``, ``"always"``) the offset
+is 1. One gloo process group of its own carries the transfers, apart from training's collectives.
+
+A commit exchanges the 64-byte slot headers (one small send and receive, waited: the sizes, before the
+checksum is known), then starts the payload's send and receive (``isend``/``irecv`` into the holder's mapped
+replica slot) and returns: the transfer runs while the next step computes. The next commit (or ``finish``)
+waits for it, exchanges the final headers (with the payload's checksum, computed off the critical path by the
+sender) and only then writes the replica slot's header, so a holder killed mid-transfer leaves the slot
+refused, never half-read. Every c10d work is dropped once it is waited on (CONTRIBUTING, "Known open
+problems").
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,22 @@ def neighbours(rank: int, world: int, local_world: int | None = None) -> tuple[i
     return (rank + offset) % world, (rank - offset) % world
 
 
+REPLICA_MODES = ("auto", "always", "off")
+
+
+def replica_wanted(mode: str, world: int) -> bool:
+    """Whether this job keeps replicas (``mode``: ``"auto"``, ``"always"`` or ``"off"``; the same on every rank).
+    ``"auto"`` on a job without ``LOCAL_WORLD_SIZE`` gathers the host names: a collective."""
+    if mode != "auto" or world < 2:
+        return mode == "always" and world > 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local:
+        return local < world
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return len(set(hosts)) > 1
+
+
 class ReplicaLink:
     """This rank's two transfers of each commit: its snapshot out to ``target``, ``source``'s in."""
 
@@ -41,9 +65,7 @@ class ReplicaLink:
         self.target, self.source = neighbours(rank, world)
         self._pending: tuple | None = None
 
-    def send(self, header: Header, slot: SlotFile) -> None:
-        """Exchange headers (waited), then start the payloads' transfer (not waited)."""
-        self.finish()
+    def _exchange(self, header: Header) -> Header:
         out = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
         inbox = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         works = [dist.isend(out, self.target, group=self.group, tag=HEADER_TAG),
@@ -55,19 +77,31 @@ class ReplicaLink:
         if theirs is None or theirs.origin != self.source:
             raise SnapshotError(f"the snapshot header received from rank {self.source} is damaged: its replica cannot "
                                 "be kept (a rank running another perparam version, or a corrupted transfer)")
+        return theirs
+
+    def send(self, sizes: Header, slot: SlotFile, final) -> None:
+        """Exchange the sizes (waited), then start the payloads' transfer (not waited). ``final()`` gives this
+        rank's final header (checksum included) once it is known; ``finish`` sends it."""
+        self.finish()
+        theirs = self._exchange(sizes)
         held = self.store.held(theirs.origin, theirs.generation % 2)
         held.begin(theirs.payload_bytes)
         receive = dist.irecv(held.payload(theirs.payload_bytes), self.source, group=self.group, tag=PAYLOAD_TAG)
-        send = dist.isend(slot.payload(header.payload_bytes), self.target, group=self.group, tag=PAYLOAD_TAG)
-        self._pending = (send, receive, held, theirs)
+        send = dist.isend(slot.payload(sizes.payload_bytes), self.target, group=self.group, tag=PAYLOAD_TAG)
+        self._pending = (send, receive, held, theirs, final)
 
     def finish(self) -> None:
-        """Wait for the transfers in flight; the received replica becomes readable (its header written)."""
+        """Wait for the transfers in flight, exchange the final headers; the received replica becomes readable
+        (its header written)."""
         if self._pending is None:
             return
-        send, receive, held, theirs = self._pending
+        send, receive, held, sizes, final = self._pending
         self._pending = None
         send.wait()
         receive.wait()
         del send, receive
+        theirs = self._exchange(final())
+        if (theirs.generation, theirs.payload_bytes) != (sizes.generation, sizes.payload_bytes):
+            raise SnapshotError(f"the final snapshot header from rank {self.source} (step {theirs.generation}) does not "
+                                f"match the transfer it announced (step {sizes.generation}): its replica is not kept")
         held.finish(theirs)

@@ -3,25 +3,32 @@ Horovod Elastic's ``State.commit()`` / ``restore()``), for a loop under ``torchr
 
 ``commit()`` after each optimizer step (every ``every``-th is kept): this rank's shards of the parameters and
 of every optimizer state tensor, the optimizers' options and non-tensor state, the step, the scheduler, the
-RNG states and the user's own small state go into a slot in host shared memory (``slots.py``: a copy of the
-local tensors, a checksum, the header last), and a replica goes to a rank on the next node (``replica.py``,
+RNG states and the user's own small state go into a slot in host shared memory (``slots.py``). The copy of the
+local tensors is the only part on the critical path: the payload's checksum and the header (written last)
+are computed by a background thread (``zlib`` releases the GIL) while the next step runs, and the next
+commit, ``restore``, ``finish`` or ``close`` waits for them; a process killed before the header is written
+leaves the slot refused and the other one (the previous generation) complete. When the job spans nodes
+(``replica="auto"``, or always with ``"always"``), a replica goes to a rank on the next node (``replica.py``,
 overlapped with the next step). ``restore()`` at start finds the newest generation that every shard has
 complete, own or replica (``restore.py``), loads it onto the current mesh (any number of ranks, through
 ``perparam.checkpoint.load_from``) and returns the number of steps done: the step to continue from.
 
 Memory per rank: two slots (double-buffered: one is always complete while the other is written) of its own
-snapshot and two of the replica it holds, i.e. ``2 x (own + replica)`` bytes, each ``own`` being its local
+snapshot, plus two of the replica it holds when replicas are kept, i.e. ``2 x own`` on one node and
+``2 x (own + replica)`` bytes across nodes, each ``own`` being its local
 state's bytes plus a page of header and a small description (``bytes_mapped()``).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import pickle
 import random
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -32,9 +39,9 @@ from perparam.full_state import per_rank_keys
 from .description import Description, Layout, local_of
 from .errors import SnapshotError
 from .reader import SnapshotReader
-from .replica import ReplicaLink
+from .replica import REPLICA_MODES, ReplicaLink, replica_wanted
 from .restore import find
-from .slots import Header, align
+from .slots import Header, SlotFile, align
 from .store import Store, job_folder, remove
 
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -70,16 +77,21 @@ class State:
     ``model``: the sharded model; ``optimizers``: one optimizer or a sequence of them; ``scheduler``: an LR
     scheduler (``state_dict``/``load_state_dict``) or None; ``every``: keep every ``every``-th commit (steps
     recomputed after a failure: up to ``every - 1`` plus the one running); ``job``/``root``: where the slots
-    live (``store.py``); ``user_state``: small picklable values, read and set as attributes
+    live (``store.py``); ``replica``: ``"auto"`` (default: a replica on the next node's rank when the job spans
+    more than one node, none on one node, where it would die with the own slot), ``"always"`` or ``"off"``
+    (``replica.py``); ``user_state``: small picklable values, read and set as attributes
     (``state.epoch = 3``), saved with each commit and put back by ``restore``. Raises ``SnapshotError`` for
     what cannot compose (the disk offload tier, experts on their own mesh, tensor parallelism's strided
     shards), on every rank, before anything is written.
     """
 
     def __init__(self, model: torch.nn.Module, optimizers, scheduler=None, *, every: int = 1, job: str | None = None,
-                 root=None, **user_state) -> None:
+                 root=None, replica: str = "auto", **user_state) -> None:
         if every < 1:
             raise SnapshotError(f"State(every={every}): commit every 1 or more steps")
+        if replica not in REPLICA_MODES:
+            raise SnapshotError(f"State(replica={replica!r}): pass 'auto' (a replica on the next node when the job "
+                                "spans nodes), 'always' or 'off'")
         object.__setattr__(self, "_user", dict(user_state))
         self.model, self.optimizers, self.scheduler, self.every = model, optimizers, scheduler, every
         self.step = 0
@@ -90,8 +102,11 @@ class State:
         self._layout = Layout()
         self._layout.entries(tensors)  # tensor parallelism's strided shards refused here
         self.store = Store(self.folder, self.rank)
+        self.replica = replica_wanted(replica, self.world)  # a collective under "auto" without LOCAL_WORLD_SIZE
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
-        self.link = ReplicaLink(self.store, self.rank, self.world, self.group) if self.world > 1 else None
+        self.link = ReplicaLink(self.store, self.rank, self.world, self.group) if self.replica else None
+        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perparam-snapshot-seal")
+        self._sealing: Future | None = None
         self.last_commit_s = 0.0
         _live.add(self)
 
@@ -115,7 +130,8 @@ class State:
             self.snapshot()
 
     def snapshot(self) -> None:
-        """Snapshot now, as generation ``self.step`` (own slot, then the replica's transfer started)."""
+        """Snapshot now, as generation ``self.step``: the copy into the own slot here; its checksum and header in
+        the background; the replica's transfer started."""
         start = time.perf_counter()
         tensors, manifest = checkpoint.capture(self.model, self.optimizers, {"step": self.step})
         entries, tensor_bytes = self._layout.entries(tensors)
@@ -124,8 +140,9 @@ class State:
         raw = Description(self.rank, self.world, manifest, extra, entries).dumps()
         base = align(len(raw))
         payload_bytes = base + tensor_bytes
-        if self.link is not None:
-            self.link.finish()  # the previous transfer: its source slot is about to be reused two commits on
+        self.finish()  # the previous commit's header and transfer: its slot is the one reused two commits on
+        if self.group is not None:  # and every rank's: a rank killed before its header leaves the others the slot
+            dist.barrier(group=self.group)  # before it, which no rank may overwrite while its own is unfinished
         slot = self.store.own(self.step % 2)
         slot.begin(payload_bytes)
         slot.map[4096:4096 + len(raw)] = raw
@@ -134,10 +151,10 @@ class State:
                 if entry.nbytes:
                     dst = slot.payload(entry.nbytes, base + entry.at).view(value.dtype).view(entry.shape)
                     dst.copy_(local_of(value))
-        header = Header(self.step, payload_bytes, len(raw), slot.checksum(payload_bytes), self.rank, self.world)
-        slot.finish(header)
+        sizes = Header(self.step, payload_bytes, len(raw), 0, self.rank, self.world)  # checksum still unknown
+        self._sealing = self._sealer.submit(_seal, slot, sizes)
         if self.link is not None:
-            self.link.send(header, slot)
+            self.link.send(sizes, slot, self._sealing.result)
         self.last_commit_s = time.perf_counter() - start
 
     def restore(self) -> int:
@@ -145,6 +162,7 @@ class State:
         it had done (0, changing nothing, when there is none). Every rank calls it, before training. Raises
         ``SnapshotError`` on every rank when snapshots exist but none is complete (a shard and its replica
         lost), naming the lost ranks; nothing is loaded then."""
+        self.finish()
         found = find(self.folder)
         if found is None:
             return 0
@@ -165,20 +183,32 @@ class State:
         return self.store.bytes_mapped()
 
     def finish(self) -> None:
-        """Wait for the replica transfer in flight (its slot becomes readable)."""
+        """Wait for the last commit's checksum and header and the replica transfer in flight (their slots become
+        readable)."""
         if self.link is not None:
             self.link.finish()
+        if self._sealing is not None:
+            sealing, self._sealing = self._sealing, None
+            sealing.result()
 
     def close(self, remove_snapshots: bool = True) -> None:
         """At the end of training: wait for transfers, unmap the slots and (by default) delete this job's
         snapshots from this node's memory. Every rank calls it."""
         self.finish()
+        self._sealer.shutdown()
         self.store.close()
         if dist.is_initialized():
             dist.barrier(group=self.group)
         if remove_snapshots and self.rank == 0 or remove_snapshots and self.world > 1 and _first_on_node():
             remove(self.folder)
         _live.discard(self)
+
+
+def _seal(slot: SlotFile, sizes: Header) -> Header:
+    """In the background: the payload's checksum, then the header, written last (the slot becomes readable)."""
+    header = dataclasses.replace(sizes, payload_crc=slot.checksum(sizes.payload_bytes))
+    slot.finish(header)
+    return header
 
 
 def _first_on_node() -> bool:

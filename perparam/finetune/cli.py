@@ -125,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     invariant_flags.add_arguments(parser)  # --invariant-units
     loop_flags.add_arguments(parser)  # samples, the training loop's options, the plot
     offload_flags.add_arguments(parser)  # --offload, --memory-budget, --offload-dir
-    snapshots.add_arguments(parser)  # --max-restarts, --snapshot-every
+    snapshots.add_arguments(parser)  # --max-restarts, --snapshot-every, --snapshot-replica
     parser.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pg-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)

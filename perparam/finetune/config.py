@@ -75,6 +75,7 @@ class JobConfig:
     # restarts from in-memory snapshots (snapshots.py)
     max_restarts: int = 0
     snapshot_every: int = 1
+    snapshot_replica: str = "auto"  # --snapshot-replica: perparam.elastic.State(replica=...)
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:

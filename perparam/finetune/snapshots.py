@@ -5,6 +5,8 @@ new workers continue from the in-memory snapshot of the last completed step (``p
   ``max_restarts``); under plain ``torchrun --max-restarts N`` the same, read from the agent's
   ``TORCHELASTIC_MAX_RESTARTS``. Snapshots are taken whenever restarts are allowed.
 - ``--snapshot-every N``: commit every N steps (default 1: no completed step is recomputed).
+- ``--snapshot-replica auto|always|off``: where a replica of each rank's snapshot is kept (``State(replica=...)``;
+  ``auto``: on the next node's rank when the job spans nodes, none on one node).
 
 What the loop reports is part of the snapshot (the losses, learning rates, gradient norms and held-out losses
 so far, the held-out loss before training, the schedule), so a run that lost a rank reports the uninterrupted
@@ -29,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "times when one dies; they continue from in-memory snapshots of the last step (default 0)")
     parser.add_argument("--snapshot-every", type=int, default=1, metavar="N",
                         help="with --max-restarts: snapshot every N steps (default 1)")
+    parser.add_argument("--snapshot-replica", choices=("auto", "always", "off"), default="auto",
+                        help="with --max-restarts: keep a replica of each rank's snapshot on another rank: 'auto' "
+                        "(default) when the job spans nodes (on one node it would die with the own copy), "
+                        "'always', or 'off'")
 
 
 def check(cfg: JobConfig) -> None:
@@ -46,7 +52,7 @@ def check(cfg: JobConfig) -> None:
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:
-    return ["--snapshot-every", str(cfg.snapshot_every)]
+    return ["--snapshot-every", str(cfg.snapshot_every), "--snapshot-replica", cfg.snapshot_replica]
 
 
 def enabled() -> bool:
@@ -64,8 +70,8 @@ class JobSnapshots:
     def __init__(self, cfg: JobConfig, model, optimizers) -> None:
         from perparam.elastic import State
 
-        self.state = State(model, optimizers, every=cfg.snapshot_every, losses=[], lrs=[], norms=[], evals=[],
-                           loss_before=None, schedule=None, restored_at_step=[])
+        self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica, losses=[],
+                           lrs=[], norms=[], evals=[], loss_before=None, schedule=None, restored_at_step=[])
 
     def restore(self, scheduler, lr: float, rank: int, first_step: int) -> int:
         """The step the last snapshot completed (0 when there is none: steps then count from ``first_step``,
