@@ -105,6 +105,7 @@ def test_survey_names_the_damaged_newest_and_latest_skips_it(tmp_path):
     assert [p.name for p, _ in found] == ["step-4", "step-2"]
     assert "perparam_checkpoint.json cannot be read (truncated" in found[0][1] and found[1][1] is None
     assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+    assert checkpoint.survey(tmp_path / "step-2") == [(tmp_path / "step-2", None)]  # a checkpoint named itself
     (f := _largest_shard(tmp_path / "step-2")).write_bytes(f.read_bytes()[:10])
     assert "__0_0.distcp is truncated: 10 of the" in checkpoint.survey(tmp_path)[1][1]  # sizes: no hashing
 

@@ -169,14 +169,17 @@ def leftovers(path: Path, kind: str) -> list[Path]:
 
 
 def survey(folder: str | os.PathLike) -> list[tuple[Path, str | None]]:
-    """The checkpoints in ``folder`` (visible folders holding a manifest or DCP metadata), newest first, each
+    """The checkpoints in ``folder`` (visible folders holding a manifest or DCP metadata; ``folder`` alone
+    where it is a checkpoint itself, as ``latest`` takes it), newest first, each
     with what is wrong with it as far as it is known without reading the data (a missing, unreadable or
     changed manifest, a data file missing or of the wrong size), or ``None``. Newest: by the manifest's
     save time, or the folder's time where the manifest cannot be read."""
     found = []
     folder = Path(folder)
-    for d in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if d.name.startswith(".") or not d.is_dir() or not ((d / MANIFEST).exists() or (d / METADATA).exists()):
+    itself = (folder / MANIFEST).exists() or (folder / METADATA).exists()  # a checkpoint, not a folder of them
+    for d in [folder] if itself else sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not itself and (d.name.startswith(".") or not d.is_dir() or not (
+                (d / MANIFEST).exists() or (d / METADATA).exists())):
             continue
         when, problem = d.stat().st_mtime_ns, None
         if not (d / MANIFEST).is_file():
