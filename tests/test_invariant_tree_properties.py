@@ -71,7 +71,7 @@ def test_a_left_sibling_seeded_as_accumulator_and_added_to_twice_in_a_unit_is_re
 
     from perparam.invariant import InvariantError, _sibling_sum
 
-    p = SimpleNamespace(fqn="blocks.0.fc1.weight")
+    p = SimpleNamespace(path="blocks.0.fc1.weight")
     left = torch.tensor([-0.0, 1.0])
     v = left._version
     assert torch.equal(_sibling_sum(p, left, v), torch.tensor([0.0, 1.0]))  # no gradient: left + 0, as a zero leaf

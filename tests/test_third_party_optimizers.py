@@ -109,13 +109,13 @@ def test_transformers_adafactor_on_shards_is_refused_before_its_first_step_namin
         for name, message, _ in run_distributed(_train, world_size, "adafactor"):
             assert name == "WholeMatrixShardError"
             assert message.startswith("Adafactor computes each parameter's update from the whole tensor"), message
-            assert "parameter 'weight' of Linear (shape (6, 8))" in message
+            assert "parameter '0.weight' (Linear, shape (6, 8))" in message
             assert "ParamPolicy(update='owner')" in message
     # one rank: nothing is split, but the parameters are DTensors, which transformers' step mixes with its
     # plain state tensors: the step's error named the same way
     [(name, message, depth)] = run_distributed(_train, 1, "adafactor")
     assert name == "WholeMatrixShardError" and message.startswith(
-        "Adafactor's step failed on parameter 'weight' of Linear (shape (6, 8)), a DTensor over 1 rank(s): add_ got "
+        "Adafactor's step failed on parameter '0.weight' (Linear, shape (6, 8)), a DTensor over 1 rank(s): add_ got "
         "mixed torch.Tensor and DTensor"), message
 
 
@@ -141,7 +141,7 @@ def test_an_unrecognised_optimizer_failing_with_dtensors_mixed_tensor_error_gets
             for name, message, _ in run_distributed(_train, world_size, make):
                 cls = "Adafactor" if "adafactor" in make else "RmsScaled"
                 assert name == "WholeMatrixShardError", message
-                assert message.startswith(f"{cls}'s step failed on parameter 'weight' of Linear (shape (6, 8)), "
+                assert message.startswith(f"{cls}'s step failed on parameter '0.weight' (Linear, shape (6, 8)), "
                                           f"a DTensor over {world_size} rank(s): {op} got mixed torch.Tensor and "
                                           "DTensor"), message
                 assert "param_policy={'weight': ParamPolicy(update='owner')}" in message, message
