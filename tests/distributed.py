@@ -112,8 +112,11 @@ def one_process(fn, *args):
     return fn(0, 0, *args)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
+                    grace: float = 2.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. Once a rank
+    fails, the others have ``grace`` seconds to report before they are killed (a test that checks what a
+    survivor does after a peer died gives it longer)."""
     import torch
 
     ctx = _context()
@@ -149,8 +152,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                         results[rank] = ("error", f"rank {rank} died with exit code {procs[rank].exitcode}")
                 if any(status == "error" for status, _ in results.values()):
                     # give the peers a moment to report their own errors, then stop waiting for them
-                    grace = time.monotonic() + 2.0
-                    while time.monotonic() < grace and len(results) < world_size:
+                    until = time.monotonic() + grace
+                    while time.monotonic() < until and len(results) < world_size:
                         for rank, conn in enumerate(conns):
                             if rank not in results and conn.poll(0.01):
                                 try:

@@ -142,6 +142,10 @@ class StepWatchdog:
         return f"no step for {waited:.1f} s, over the step watchdog's bound of {bound:.1f} s ({how})"
 
     def _expire(self, waited: float, bound: float) -> None:
+        if waited < 2 * bound and peers.verdict() is not None:
+            # a peer's watchdog already found the fault and acted (the stopped rank it killed may still be
+            # tearing down, seen as running here): this rank's collective fails next, as PeerLostError
+            return
         lost, _ = peers.find_lost(wait_s=0.0 if not self._remote() else 3 * peers.BEAT_S)
         host = socket.gethostname()
         table = peers.roster()
