@@ -36,6 +36,27 @@ class TinyNet(nn.Module):
         return self.head(x)
 
 
+def shard_blocks_then_root(model: nn.Module, root: dict | None = None, **kwargs) -> nn.Module:
+    """``perparam.fully_shard(block, **kwargs)`` for each of ``model.blocks``, then ``fully_shard(model,
+    **kwargs)`` (``root``: the root call's keywords instead). Returns ``model``."""
+    import perparam
+
+    for block in model.blocks:
+        perparam.fully_shard(block, **kwargs)
+    perparam.fully_shard(model, **(kwargs if root is None else root))
+    return model
+
+
+def sharded_tiny(seed: int = 0, *, shard: bool = True, d: int = 6, n_blocks: int = 2, call_twice: bool = False,
+                 root: dict | None = None, **kwargs) -> TinyNet:
+    """The setup most tests share: ``torch.manual_seed(seed)``, ``TinyNet(d, n_blocks, call_twice)``, then
+    each block and the root sharded by ``shard_blocks_then_root(model, root, **kwargs)``. ``shard=False``:
+    the same model unsharded (the one-process reference)."""
+    torch.manual_seed(seed)
+    model = TinyNet(d=d, n_blocks=n_blocks, call_twice=call_twice)
+    return shard_blocks_then_root(model, root, **kwargs) if shard else model
+
+
 def make_batches(steps: int, global_batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, 5, (global_batch, 3), generator=g), torch.randn(global_batch, 2, generator=g))

@@ -11,21 +11,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import perparam
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import local_slice, make_batches, sharded_tiny
 
 STEPS_BEFORE, STEPS_AFTER, GLOBAL_BATCH = 3, 2, 12
 
 
 def _build(world_size: int, hsdp: bool):
-    torch.manual_seed(0)
-    model = TinyNet()
     mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp
             else init_device_mesh("cpu", (world_size,)))
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh)
-    perparam.fully_shard(model, mesh=mesh)
+    model = sharded_tiny(mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -10,19 +10,18 @@ import perparam
 from perparam import CommCounter
 from perparam.runtime.group import group_of
 from tests.distributed import c10d_calls, run_distributed
-from tests.models import TinyNet, comm_per_micro_batch, local_slice, make_batches
-
-
-def _shard(model: TinyNet, reshard_after_forward: bool | None = None) -> None:
-    for block in model.blocks:
-        perparam.fully_shard(block, reshard_after_forward=reshard_after_forward)
-    perparam.fully_shard(model, reshard_after_forward=reshard_after_forward)
+from tests.models import (
+    TinyNet,
+    comm_per_micro_batch,
+    local_slice,
+    make_batches,
+    shard_blocks_then_root,
+    sharded_tiny,
+)
 
 
 def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | None) -> dict:
-    torch.manual_seed(0)
-    model = TinyNet(n_blocks=3)
-    _shard(model, reshard_after_forward)
+    model = sharded_tiny(n_blocks=3, reshard_after_forward=reshard_after_forward)
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
     F.mse_loss(model(x), y).backward()  # a first step: from the second on, the next group is prefetched
     with c10d_calls() as raw:  # at the c10d level too, so the counter cannot hide a collective
@@ -61,9 +60,7 @@ def test_an_explicit_reshard_after_forward_frees_the_root_too_one_all_gather_mor
 
 
 def root_set_to_reshard(rank: int, world_size: int, value) -> int:
-    torch.manual_seed(0)
-    model = TinyNet(n_blocks=3)
-    _shard(model)
+    model = sharded_tiny(n_blocks=3)
     model.set_reshard_after_forward(value, recurse=False)
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
     F.mse_loss(model(x), y).backward()
@@ -85,9 +82,7 @@ def test_no_reshard_after_forward_gathers_once_per_step():
 
 
 def accumulate_counts(rank: int, world_size: int) -> list[dict]:
-    torch.manual_seed(0)
-    model = TinyNet()
-    _shard(model)
+    model = sharded_tiny()
     return comm_per_micro_batch(model, rank, world_size)
 
 
@@ -101,7 +96,7 @@ def step_bytes(rank: int, world_size: int) -> dict:
     model = TinyNet(n_blocks=2)
     groups = [[p.shape for p in block.parameters()] for block in model.blocks]
     groups.append([p.shape for n, p in model.named_parameters() if not n.startswith("blocks.")])
-    _shard(model)
+    shard_blocks_then_root(model)
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 6)[0])
     with CommCounter() as comm:
         F.mse_loss(model(x), y).backward()

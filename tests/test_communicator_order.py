@@ -5,7 +5,6 @@ and any two ranks that share groups created them in the same order."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -13,16 +12,13 @@ import perparam
 from perparam import CommCounter
 from perparam.comm.process_groups import warmed_up
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import local_slice, make_batches, sharded_tiny
 
 
 def _first_uses(rank: int, world_size: int, shape: tuple[int, ...], hpz: bool) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(shape):])
-    torch.manual_seed(0)
-    model = TinyNet(n_blocks=2)
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh, reshard_after_forward=shape[-1] // 2 if hpz else None)
-    perparam.fully_shard(model, mesh=mesh)
+    model = sharded_tiny(n_blocks=2, mesh=mesh, reshard_after_forward=shape[-1] // 2 if hpz else None,
+                         root={"mesh": mesh})
     warmed = warmed_up()
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 8)[0])
     with CommCounter() as comm:

@@ -11,23 +11,18 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import perparam
 from perparam.elastic import SnapshotError, State
 from tests.distributed import run_distributed
-from tests.models import TinyNet, make_batches, train_steps
+from tests.models import make_batches, sharded_tiny, train_steps
 
 BATCH = 12
 STEPS = 6
 
 
 def build(world_size: int, layout: str = "1d"):
-    torch.manual_seed(0)
-    model = TinyNet()
     mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
             if layout == "hsdp" else init_device_mesh("cpu", (world_size,)))
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh)
-    perparam.fully_shard(model, mesh=mesh)
+    model = sharded_tiny(mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.distributed import run_distributed
-from tests.models import TinyNet
+from tests.models import TinyNet, sharded_tiny
 
 #: no-grad batches per rank: unequal, and one rank with none (3 ranks: the 5-row embedding and the
 #: 2-row head leave rank 2 with empty shards)
@@ -26,11 +26,7 @@ def _unequal_eval_rank(rank: int, world: int) -> dict:
     import perparam
     from perparam.finetune.evaluation import parameters_kept_gathered
 
-    torch.manual_seed(0)
-    model = TinyNet(d=4)
-    for block in model.blocks:
-        perparam.fully_shard(block)
-    perparam.fully_shard(model)
+    model = sharded_tiny(d=4)
     counts = BATCHES[world]
     first = sum(counts[:rank])
     mine = _batches(sum(counts))[first:first + counts[rank]]

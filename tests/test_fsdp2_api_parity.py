@@ -14,17 +14,11 @@ import perparam
 from perparam import CommCounter
 from perparam.runtime.group import group_of
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, local_slice, make_batches, train_steps
+from tests.models import TinyNet, local_slice, make_batches, shard_blocks_then_root, train_steps
 
 
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-
-def _shard(model: TinyNet, **kwargs) -> None:
-    for block in model.blocks:
-        perparam.fully_shard(block, **kwargs)
-    perparam.fully_shard(model, **kwargs)
 
 
 def optimizer_before_sharding(rank: int, world_size: int, before: bool) -> dict:
@@ -33,7 +27,7 @@ def optimizer_before_sharding(rank: int, world_size: int, before: bool) -> dict:
     for name, p in model.named_parameters():
         p.no_decay = name.endswith("bias")  # a habit for building optimizer groups
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if before else None
-    _shard(model)
+    shard_blocks_then_root(model)
     if opt is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in make_batches(3, 4):
@@ -183,7 +177,7 @@ def test_generate_through_register_forward_method(keep, async_unshard, gathers):
 def evaluation_then_training(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = TinyNet()
-    _shard(model)
+    shard_blocks_then_root(model)
     model.set_reshard_after_forward(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = make_batches(1, 4)[0]
@@ -214,7 +208,7 @@ def kept_across_steps(rank: int, world_size: int, foreach: bool) -> list:
     torch.manual_seed(0)
     model = TinyNet()
     if world_size:
-        _shard(model)
+        shard_blocks_then_root(model)
         model.set_reshard_after_backward(False)  # kept gathered across the optimizer step
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     return train_steps(model, opt, make_batches(3, 4), rank, world_size)
@@ -284,7 +278,7 @@ def between_forward_and_backward(rank: int, world_size: int) -> dict:
     model = TinyNet()
     x, _ = make_batches(1, 12)[0]
     if world_size:
-        _shard(model, reshard_after_forward=False)
+        shard_blocks_then_root(model, reshard_after_forward=False)
         x = local_slice(x, rank, world_size)
     before = list(model.parameters())
     out = model(x)

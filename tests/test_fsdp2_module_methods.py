@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate
 import perparam
 from perparam import CommCounter, ParamPolicy
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import local_slice, make_batches, sharded_tiny
 
 
 def _small() -> nn.Sequential:
@@ -95,11 +95,7 @@ def test_what_perparam_cannot_honour_is_refused_with_the_reason():
 
 
 def accumulate(rank: int, world_size: int, mark_last: bool) -> dict:
-    torch.manual_seed(0)
-    model = TinyNet()
-    for block in model.blocks:
-        perparam.fully_shard(block)
-    perparam.fully_shard(model)
+    model = sharded_tiny()
     counts = []
     for i, (x, y) in enumerate(make_batches(3, 4)):
         model.set_requires_gradient_sync(i == 2)

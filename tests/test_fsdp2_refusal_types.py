@@ -126,16 +126,10 @@ def train_a_deepcopy(rank: int, world_size: int) -> dict:
     import copy
 
     from perparam.full_state import full_state_dict, load_full_state_dict
-    from tests.models import TinyNet, full_params, make_batches, train_steps
+    from tests.models import full_params, make_batches, sharded_tiny, train_steps
 
     def build():
-        torch.manual_seed(0)
-        model = TinyNet()
-        if world_size:
-            for block in model.blocks:
-                perparam.fully_shard(block)
-            perparam.fully_shard(model)
-        return model
+        return sharded_tiny(shard=bool(world_size))
 
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

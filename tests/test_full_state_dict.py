@@ -13,7 +13,7 @@ import perparam
 from perparam import checkpoint
 from perparam.checkpoint import CheckpointError
 from tests.distributed import run_distributed
-from tests.models import TinyNet
+from tests.models import TinyNet, sharded_tiny
 
 
 def reference() -> dict:
@@ -22,11 +22,7 @@ def reference() -> dict:
 
 
 def gather(rank: int, world_size: int):
-    torch.manual_seed(0)
-    model = TinyNet()
-    for block in model.blocks:
-        perparam.fully_shard(block)
-    perparam.fully_shard(model)
+    model = sharded_tiny()
     return checkpoint.full_state_dict(model)
 
 
@@ -136,11 +132,7 @@ def test_a_state_dict_that_does_not_fit_is_refused_on_every_rank(world):
 
 
 def load_plain(rank: int, world_size: int) -> dict:
-    torch.manual_seed(1)
-    model = TinyNet()
-    for block in model.blocks:
-        perparam.fully_shard(block)
-    perparam.fully_shard(model)
+    model = sharded_tiny(1)
     result = model.load_state_dict(reference())  # plain tensors, on every rank
     return {"sd": checkpoint.full_state_dict(model), "missing": result.missing_keys}
 

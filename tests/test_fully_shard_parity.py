@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-import perparam
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, local_slice, make_batches, mean_over_ranks
+from tests.models import TinyNet, local_slice, make_batches, mean_over_ranks, sharded_tiny
 
 STEPS, GLOBAL_BATCH, TOL = 10, 12, 1e-5
 
@@ -46,11 +45,7 @@ def reference(call_twice: bool = False, micro_batches: int = 1, eval_every: int 
 
 def sharded_run(rank: int, world_size: int, call_twice: bool = False, micro_batches: int = 1,
                 eval_every: int = 0, reshard_after_forward: bool | None = None) -> tuple[list, dict]:
-    torch.manual_seed(0)
-    model = TinyNet(call_twice=call_twice)
-    for block in model.blocks:
-        perparam.fully_shard(block, reshard_after_forward=reshard_after_forward)
-    perparam.fully_shard(model, reshard_after_forward=reshard_after_forward)
+    model = sharded_tiny(call_twice=call_twice, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH)):
@@ -124,12 +119,7 @@ def test_no_reshard_after_forward_matches():
 
 
 def several_forwards_then_one_backward(rank: int, world_size: int) -> dict:
-    torch.manual_seed(0)
-    model = TinyNet()
-    if world_size:
-        for block in model.blocks:
-            perparam.fully_shard(block)
-        perparam.fully_shard(model)
+    model = sharded_tiny(shard=bool(world_size))
     (x1, y1), (x2, y2) = make_batches(2, GLOBAL_BATCH)
     if world_size > 1:
         x1, y1, x2, y2 = (local_slice(t, rank, world_size) for t in (x1, y1, x2, y2))

@@ -25,7 +25,7 @@ from perparam.sharding.grad_quant import grad_wire, wire_bytes
 from perparam.sharding.policy import resolve_grad_quant
 from tests.distributed import c10d_calls, run_distributed
 from tests.finetune_helpers import TINY, assert_one_line_error
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import TinyNet, local_slice, make_batches, sharded_tiny
 
 
 class Net(nn.Module):
@@ -180,13 +180,9 @@ def train_both(rank: int, world_size: int, policy, steps: int, hsdp: bool, accum
 
 def train_on_ranks(rank: int, world_size: int, policy, steps: int, hsdp: bool, accumulate: int,
                    optimizer: str = "adamw") -> dict:
-    torch.manual_seed(0)
-    model = TinyNet(d=16)
     mesh = (init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
             if hsdp else None)
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh, param_policy=policy)
-    perparam.fully_shard(model, mesh=mesh, param_policy=policy)
+    model = sharded_tiny(d=16, mesh=mesh, param_policy=policy)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.1))
     losses = []

@@ -21,7 +21,7 @@ import perparam
 from benchmarks.harness.host_syncs import HostSyncCounter
 from perparam import ParamPolicy, QuantPolicy
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import local_slice, make_batches, sharded_tiny
 
 
 def _policy(case: str):
@@ -41,11 +41,7 @@ def _steps(rank: int, world_size: int, case: str) -> dict:
         perparam.configure(gloo_reduce_scatter="native", gloo_all_gather="native")
     shape = (2, world_size // 2) if case == "hsdp" else (world_size,)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(shape):])
-    torch.manual_seed(0)
-    model = TinyNet(n_blocks=2)
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh, param_policy=_policy(case))
-    perparam.fully_shard(model, mesh=mesh)
+    model = sharded_tiny(n_blocks=2, mesh=mesh, param_policy=_policy(case), root={"mesh": mesh})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 12)[0])
     counts, rest = [], []
@@ -108,11 +104,7 @@ def test_only_a_rank_that_lacked_a_gradient_reads_the_summed_flags_back():
 
 def _invariant_step(rank: int, world_size: int) -> list[dict]:
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = TinyNet(n_blocks=2)
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh)
-    perparam.fully_shard(model, mesh=mesh)
+    model = sharded_tiny(n_blocks=2, mesh=mesh)
     iu = perparam.InvariantUnits(model, units=4, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     counts = []

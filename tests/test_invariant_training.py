@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import perparam
 from tests.distributed import run_distributed
-from tests.models import TinyNet, make_batches
+from tests.models import TinyNet, make_batches, sharded_tiny
 
 
 def _train(rank, world_size, units, steps, clip, case="fp32"):
@@ -133,11 +133,7 @@ def _meshes(world_size):
 
 def _train_on(mesh, units, steps, policy, clip=True):
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyNet()
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh, param_policy=policy[0])
-    perparam.fully_shard(model, mesh=mesh, param_policy=policy[1])
+    model = sharded_tiny(mesh=mesh, param_policy=policy[0], root={"mesh": mesh, "param_policy": policy[1]})
     inv = perparam.InvariantUnits(model, units=units, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = [_step(model, inv, opt, step, x, y, clip) for step, (x, y) in enumerate(make_batches(steps, 16))]

@@ -8,26 +8,19 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import perparam
 from perparam import StateError
 from perparam.runtime.group import group_of
 from perparam.runtime.state import TrainingState
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, local_slice, make_batches
-
-
-def _shard(model: TinyNet) -> None:
-    for block in model.blocks:
-        perparam.fully_shard(block)
-    perparam.fully_shard(model)
+from tests.models import TinyNet, local_slice, make_batches, shard_blocks_then_root
 
 
 def two_models(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     a, b = TinyNet(), TinyNet(d=4, n_blocks=3)
     if world_size:
-        _shard(a)
-        _shard(b)
+        shard_blocks_then_root(a)
+        shard_blocks_then_root(b)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
     for step, (x, y) in enumerate(make_batches(3, 4)):
         if world_size:
@@ -57,7 +50,7 @@ def test_two_models_in_one_process_keep_their_own_iteration_state():
 
 def illegal_transition(rank: int, world_size: int) -> str:
     model = TinyNet()
-    _shard(model)
+    shard_blocks_then_root(model)
     group = group_of(model.blocks[0])
     group.transition(TrainingState.PRE_BACKWARD)
     try:

@@ -14,7 +14,7 @@ from torch import nn
 import perparam
 from perparam import CommCounter
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import local_slice, make_batches, sharded_tiny
 
 _NO_HOOKS = """
 import torch.optim.optimizer as o
@@ -74,11 +74,7 @@ def test_only_steps_of_optimizers_holding_perparam_parameters_mark_kept_paramete
 def configured_steps(rank: int, world_size: int, settings: dict) -> dict:
     if settings:
         perparam.configure(**settings)
-    torch.manual_seed(0)
-    model = TinyNet()
-    for block in model.blocks:
-        perparam.fully_shard(block)
-    perparam.fully_shard(model)
+    model = sharded_tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in make_batches(3, 4):
         F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()

@@ -20,7 +20,7 @@ from perparam import OffloadPolicy, ParamPolicy, ShardingError, fully_shard
 from perparam.offload import OffloadError, mapped
 from perparam.offload.scratch import PREFIX, Scratch, clean_stale
 from tests.distributed import run_distributed
-from tests.models import TinyNet, local_slice, make_batches, train_steps
+from tests.models import TinyNet, local_slice, make_batches, sharded_tiny, train_steps
 
 STEPS = 3
 OPTIMIZERS = {
@@ -31,14 +31,9 @@ OPTIMIZERS = {
 
 
 def _build(world_size: int, offload, mesh_shape=None) -> TinyNet:
-    torch.manual_seed(0)
-    model = TinyNet()
     mesh = init_device_mesh("cpu", mesh_shape or (world_size,),
                             mesh_dim_names=("replicate", "shard") if mesh_shape and len(mesh_shape) == 2 else None)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, offload_policy=offload)
-    fully_shard(model, mesh=mesh, offload_policy=offload)
-    return model
+    return sharded_tiny(mesh=mesh, offload_policy=offload)
 
 
 def _train(rank: int, world_size: int, model: TinyNet, optimizer, steps: int = STEPS, start: int = 0,

@@ -14,9 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import perparam
 from tests.distributed import one_process, run_distributed
-from tests.models import TinyNet, local_slice, make_batches
+from tests.models import local_slice, make_batches, sharded_tiny
 
 
 def _waiters() -> int:
@@ -26,12 +25,7 @@ def _waiters() -> int:
 def _train(rank: int, world_size: int) -> dict:
     """3 AdamW steps of TinyNet(d=4), blocks and root sharded; ``world_size == 0``: one process, the whole
     batch."""
-    torch.manual_seed(0)
-    model = TinyNet(d=4)
-    if world_size:
-        for block in model.blocks:
-            perparam.fully_shard(block)
-        perparam.fully_shard(model)
+    model = sharded_tiny(d=4, shard=bool(world_size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in make_batches(3, 6):
         if world_size:

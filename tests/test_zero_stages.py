@@ -15,7 +15,7 @@ import perparam
 from perparam import CommCounter, ParamPolicy
 from perparam.runtime.group import group_of
 from tests.distributed import one_process, run_distributed
-from tests.models import MLPNet, TinyNet, local_slice, make_batches
+from tests.models import MLPNet, TinyNet, local_slice, make_batches, sharded_tiny
 
 STEPS, GLOBAL_BATCH, TOL = 3, 12, 1e-5
 
@@ -167,12 +167,7 @@ def _steps_comm(model, opt, rank: int, world_size: int, steps: int = 3) -> list[
 def _build(world_size: int, stage):
     """TinyNet, its blocks in groups of their own (resharded after forward) and the root, all under ``stage``;
     AdamW over it."""
-    torch.manual_seed(0)
-    model = TinyNet()
-    mesh = _mesh((world_size,))
-    for block in model.blocks:
-        perparam.fully_shard(block, mesh=mesh, param_policy=policy(stage))
-    perparam.fully_shard(model, mesh=mesh, param_policy=policy(stage))
+    model = sharded_tiny(mesh=_mesh((world_size,)), param_policy=policy(stage))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -6,10 +6,10 @@ of a full disk (``disk_full``).
 
 Why SHA-256: strong (any flipped bit, truncation or overwrite is found, and two checkpoints' files never
 pass for each other), in the standard library, and the fastest strong hash there on CPUs with SHA
-instructions (1.67 GB/s on this project's 2-core test machine; SHA-1 1.81, BLAKE2b 0.70, MD5 0.68). zlib's
-CRC-32 (3.05 GB/s) is the IEEE polynomial, not CRC-32C, and at 32 bits it is an error-detecting code, not
-a checksum two different files can be trusted not to share; the measured cost per save and load of
-SmolLM2-135M's checkpoint is in ``benchmarks/checkpoint_checksums.py``.
+instructions. zlib's CRC-32 (faster) is the IEEE polynomial, not CRC-32C, and at 32 bits it is an
+error-detecting code, not a checksum two different files can be trusted not to share. The hashes' speeds
+and the cost per save and load of SmolLM2-135M's checkpoint: ``checkpoint_checksums`` in
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations

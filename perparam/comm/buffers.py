@@ -1,11 +1,11 @@
 """A pool of byte buffers for the collectives' transient send/receive buffers (CPU only), bounded in bytes.
 
 **What is pooled.** glibc maps every allocation of 32 MiB or more (its largest mmap threshold,
-``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit) anew and page-faults it in on first touch: measured here,
-17 ms for a 33 MiB buffer vs 1.6 ms for a 31 MiB one, every time. Smaller buffers come back from glibc's
-heap without faults, and memory freed there is reused by activations and gradients; keeping them idle in
-a pool only raised the benchmark's training-phase peak (+504-541 MiB without a pool, +595-611 MiB with
-every buffer pooled, CPU per step within 1%: benchmarks/README.md). So only buffers of at least
+``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit) anew and page-faults it in on first touch, every time. Smaller
+buffers come back from glibc's heap without faults, and memory freed there is reused by activations and
+gradients; keeping them idle in a pool only raised the benchmark's training-phase peak, at the same CPU per
+step (both measured by ``step_time``: benchmarks/README.md, "The gloo collectives and the buffer pool").
+So only buffers of at least
 ``MIN_POOLED_BYTES`` are kept. CUDA's caching allocator already reuses memory, so CUDA buffers are never
 pooled.
 
@@ -19,9 +19,9 @@ more is kept. Two models in one process never hand each other buffers.
 **The owner path's pool.** The owner step's all-to-alls (``perparam.runtime.owner_exchange``) take their
 send and receive buffers from a pool of their own, kept with the owner plan: every size (``min_bytes=0``),
 unbounded (what one step holds at once, since a step asks for the sizes the last one did), smallest fit
-(a scatter reuses a gather's buffer). Measured on the 27.4M GPT at K = 2: packing a bucket's rows into
-fresh buffers cost 26-33 ms per step in page faults against a few ms into buffers already touched; the
-pool keeps about 66 MiB per rank idle between steps there (46-54 MiB at K = 4), on CPU only.
+(a scatter reuses a gather's buffer): packing a bucket's rows into fresh buffers costs page faults every
+step, into buffers already touched a few of them. What the pool saves and keeps idle between steps, on CPU
+only: ``muon_step`` in benchmarks/README.md.
 """
 
 from __future__ import annotations

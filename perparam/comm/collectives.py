@@ -29,9 +29,8 @@ __all__ = ["CollectiveRecord", "CommCounter", "GatheredRows", "all_gather_in_pla
 # How an all-gather of rows runs on gloo (``gloo``): "all_to_all" (one all-to-all in which each rank sends its
 # row to every other rank and receives theirs into a buffer of K - 1 rows; its own row is never copied) or
 # "native" (c10d's all-gather into one tensor, which gloo runs through a flat buffer it allocates on every
-# call and copies out afterwards). Same bytes on the wire. Measured on 2 ranks, one 12.6 MB gather of the
-# benchmark model (benchmarks/README.md): CPU per call 5.2-9.0 ms native, 2.7-3.3 ms all-to-all. The
-# runtime passes ``perparam.configure(gloo_all_gather=...)``.
+# call and copies out afterwards). Same bytes on the wire; the all-to-all costs less CPU per call (``step_time``
+# in benchmarks/README.md, "The gloo collectives and the buffer pool"). The runtime passes ``perparam.configure(gloo_all_gather=...)``.
 
 
 def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, async_op: bool = True,
@@ -83,8 +82,8 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
 
 # How a reduce-scatter runs on gloo (``gloo``): "all_to_all" (each rank receives the K pieces of its own chunk
 # and sums them locally) or "native" (c10d's reduce-scatter into one tensor, which gloo builds from an all-reduce of
-# the whole input). Same bytes in CommCounter's convention; measured on the benchmark model (2 ranks, 12.6 MB
-# fp32 input): CPU per call 15 -> 6 ms (benchmarks/README.md). The runtime passes
+# the whole input). Same bytes in CommCounter's convention; the all-to-all costs less CPU per call
+# (``reduce_step`` in benchmarks/README.md). The runtime passes
 # ``perparam.configure(gloo_reduce_scatter=...)``, so benchmarks can compare.
 
 

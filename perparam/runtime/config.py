@@ -33,12 +33,12 @@ OWNER_GRADS = ("rows", "owner")
 class RuntimeConfig:
     """``prefetch``: issue the all-gather of the group expected next (forward and backward) before
     computing this one. ``gloo_all_gather`` / ``gloo_reduce_scatter``: how those collectives run on gloo
-    on CPU, ``"all_to_all"`` (one all-to-all of the same bytes; measured 2-3x less CPU per call than
-    gloo's own in ``benchmarks/README.md``), ``"native"`` (gloo's own) or ``"zero_copy"``, the default of
-    both: the all-gather's per-parameter sends and receives into the unsharded buffers, no copy-out
-    (0.80-0.84x the all-to-all's CPU per all-gather), the reduce-scatter's per-parameter sends straight from
-    the unsharded gradients, no packing (0.48-0.49x the all-to-all's CPU for a step's reductions,
-    ``benchmarks/README.md``); a collective zero-copy cannot take (quantized pieces or gradients,
+    on CPU, ``"all_to_all"`` (one all-to-all of the same bytes, less CPU per call than gloo's own),
+    ``"native"`` (gloo's own) or ``"zero_copy"``, the default of both: the all-gather's per-parameter sends
+    and receives into the unsharded buffers, no copy-out, the reduce-scatter's per-parameter sends straight
+    from the unsharded gradients, no packing (their CPU against the all-to-all's: the benchmarks
+    ``gather_step`` and ``reduce_step`` in ``benchmarks/README.md``); a collective zero-copy cannot take
+    (quantized pieces or gradients,
     ``Shard(d > 0)``, TP, hpZ, a custom collective) runs as ``"all_to_all"``. Other backends always run the
     native ones.
     ``local_optimizer_step``: ``torch.optim.SGD``/``Adam``/``AdamW`` steps on perparam parameters run on

@@ -22,13 +22,13 @@ owner policy:
    element: 1 when the sender's step raised), posted right after the bucket's step and not waited for
    there: the next bucket's step runs while it is in flight, so a rank that finished a bucket early does
    not wait for the slowest owner of each bucket, only once, after the last (the plan balances the
-   ranks' whole steps, not each bucket: measured on the 27.4M GPT at K = 2, waiting per bucket cost
-   110-180 ms of a 580-710 ms owner step). The bucket's whole tensors are dropped once its rows are in
+   ranks' whole steps, not each bucket; what waiting per bucket cost: ``muon_step`` in
+   ``benchmarks/README.md``). The bucket's whole tensors are dropped once its rows are in
    the send buffer. After the last bucket's step every scatter is waited for, every owner's flag read at
    once, and the rows copied into the shards in place (``owner_exchange.land``). The exchanges' send
    and receive buffers come from a ``BufferPool`` of its own kept with the plan (``perparam.comm.buffers``, smallest fit): touched
-   once, reused by every later step (a fresh buffer page-faults in each time: packing into one cost
-   26-89 ms per step). The step proper then
+   once, reused by every later step (a fresh buffer page-faults in each time; its cost per step:
+   ``muon_step`` in ``benchmarks/README.md``). The step proper then
    runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
    an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
    matrices' momentum per rank; an empty entry elsewhere, ``owner_state``); the step is counted on the parameters as any step

@@ -6,10 +6,10 @@ values; a block of zeros has ``s = 0`` and codes 0. Encoding is three vectorised
 the division written to a scratch (from the values where they lie: no copy of them first), ``round_`` in
 place, and the narrowing copy to int8 straight into the codes' destination (the send buffer's rows).
 Decoding is a widening copy into fp32, a multiply by each block's scale and, for a sum over ranks, the
-additions in rank order. Measured on 12.6 MB, one core (``benchmarks/grad_quant_codec.py``): fused
-alternatives were slower or round differently: ``addcdiv`` with the 1.5 * 2**23 rounding trick (not
-vectorised with two broadcast operands), ``quantize_per_channel`` (a scalar loop, 10x slower, and it
-multiplies by the reciprocal), ``addcmul_`` for the decode (one rounding instead of two: not bitwise).
+additions in rank order. Fused alternatives were slower or round differently (each pass's time:
+``grad_quant_codec`` in ``benchmarks/README.md``): ``addcdiv`` with the 1.5 * 2**23 rounding trick (not
+vectorised with two broadcast operands), ``quantize_per_channel`` (a scalar loop, and it multiplies by the
+reciprocal), ``addcmul_`` for the decode (one rounding instead of two: not bitwise).
 
 No tensor is allocated at import.
 """
@@ -22,8 +22,8 @@ import torch
 def absmax(blocks: torch.Tensor) -> torch.Tensor:
     """``[..., nblocks, block_size]`` -> ``[..., nblocks]``: the largest magnitude of each block (fp32; +0.0
     for a block of zeros whatever their signs). NaN when the block holds a NaN."""
-    # amax and amin apart: two vectorised reductions, faster than torch.aminmax (9x), abs().amax (which
-    # writes a temporary of the blocks' size) and linalg.vector_norm(inf): benchmarks/grad_quant_codec.py.
+    # amax and amin apart: two vectorised reductions, faster than torch.aminmax, abs().amax (which writes a
+    # temporary of the blocks' size) and linalg.vector_norm(inf): grad_quant_codec in benchmarks/README.md.
     # abs_(): which of -0.0 and +0.0 the reductions return depends on the vector lanes (the alignment)
     return torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg_()).abs_()
 

@@ -11,10 +11,10 @@ matrix (a parameter of more dims counts as ``shape[0] x prod(shape[1:])``).
 onto the least-loaded rank (ties to the lowest rank). Equal costs are taken kind by kind (``kinds``: the
 shapes, in the order each first appears), then by their order in the list, so the matrices of one shape
 are dealt round the ranks together: a cost that the model does not see and that depends on the shape (on
-CPU a tall matrix is transposed before its products, 7 % slower per multiply-add than its wide twin of the
-same cost here) is then spread alike too. Measured with ``benchmarks/muon_balance.py``: the 27.4M GPT's
-2048 x 512 and 512 x 2048 matrices, dealt in list order, went all tall to rank 0 and all wide to rank 1
-(busiest / mean 1.082 at K = 2, planned 1.000). Its busiest rank
+CPU a tall matrix is transposed before its products, slower per multiply-add than its wide twin of the
+same cost) is then spread alike too: the 27.4M GPT's 2048 x 512 and 512 x 2048 matrices, dealt in list
+order, went all tall to rank 0 and all wide to rank 1 (the balance before and after: ``muon_balance`` in
+``benchmarks/README.md``). Its busiest rank
 carries at most ``(4/3 - 1/(3K))`` times the optimal busiest load (Graham, 1969, "Bounds on
 multiprocessing timing anomalies") and at most the mean load plus the largest cost. The plan depends only
 on the shapes, their order and K, so every rank computes the same one without communicating; the runtime
