@@ -30,7 +30,8 @@ class AllReduceRows:
     def issue(self, part, params, grads, used, dtype, plan) -> PendingReduce:
         self.issued += 1
         pg = part.reduce_shard_pg
-        rows = pack_reduce_scatter_input(list(grads), pg.size(), None, used_flags(used, dtype, grads[0].device))
+        flags = used_flags(used, dtype, grads[0].device)
+        rows = pack_reduce_scatter_input(list(grads), pg.size(), None, flags)  # [K, n]
         work = collectives.all_reduce_sum(rows, pg, async_op=True, what=f"{self.name} [{dtype}]")
         return PendingReduce(work, None, rows[pg.rank()], params, plan.offsets, used=used)
 
@@ -62,4 +63,4 @@ def test_a_reduction_path_added_by_one_row_trains_as_one_process():
         for name, w in want["params"].items():
             torch.testing.assert_close(got["params"][name], w, rtol=1e-5, atol=1e-5, msg=name)
     assert want["issued"] == 0  # one process: nothing to reduce
-    assert all(path.name != "all-reduce rows" for _, path in choose.REDUCE_RULES)  # the row left with the block
+    assert all(path.name != "all-reduce rows" for _, path in choose.REDUCE_RULES)  # it left with the block

@@ -77,7 +77,7 @@ def test_a_row_added_from_outside_goes_before_the_named_path_and_leaves_with_its
     version = choose.REDUCE_RULES.version
     with choose.REDUCE_RULES.add(lambda f: True, Recording(), before="custom reduce-scatter"):
         assert choose.reduce_path(R).name == "recording"  # before the custom and zero-copy rows
-        assert choose.reduce_path(dataclasses.replace(R, wire="int8")).name == "qgZ all-to-all"  # rows before it
+        assert choose.reduce_path(dataclasses.replace(R, wire="int8")).name == "qgZ all-to-all"  # rows above
         assert choose.reduce_path(dataclasses.replace(R, whole=True)).name == "whole-gradient all-reduce"
         cache: dict = {}
         assert choose.reduce_path(dataclasses.replace(R, cpu=False), cache).name == "recording"
@@ -105,4 +105,5 @@ def test_the_common_tail_of_a_reduction_names_no_path():
                     for a in n.names]
         assert not [m for m in imported if m.startswith("paths.") and m.split(".")[1].startswith("reduce_")], imported
         assert not sorted(x for x in names if "zero_copy" in x.lower()), name
-        assert not [m for m in imported if any(w in m for w in ("zero_copy", "grad_quant", "hpz", "qgz"))], imported
+        mechanisms = ("zero_copy", "grad_quant", "hpz", "qgz")
+        assert not [m for m in imported if any(w in m for w in mechanisms)], imported

@@ -102,7 +102,8 @@ class Reductions:
         gradients' device (``to_empty``, ``.to``, a ``.data`` swap)."""
         plan = self._reduce_plans.get(params)
         if plan is None:
-            plan = self._reduce_plans[params] = reduce_plan(params, choose.reduce_set_facts(self, params), wire)
+            facts = choose.reduce_set_facts(self, params)
+            plan = self._reduce_plans[params] = reduce_plan(params, facts, wire)
         return plan
 
     def _advance(self, item: PendingReduce, block: bool) -> bool:
