@@ -5,8 +5,8 @@ does (15 all-gathers: forward and backward, ``[ln_f, head]`` once), by all-gathe
 
 Per rank: process CPU time (all threads) of one sweep, by algorithm in ABBA order; paired: the median
 over rounds of (algorithm / the first one). The figure the zero-copy all-gather is judged on
-(``perparam/runtime/zero_copy.py``): the whole step's CPU varies by more than the copies it saves on a
-shared machine.
+(``perparam/runtime/paths/gather_zero_copy.py``): the whole step's CPU varies by more than the copies it
+saves on a shared machine.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def _as_run(k: int, reps: int) -> None:
     encode, or ``encode_grads``) and decode-and-sum; the int8 all-gather's pack of one rank's shards and
     unpack of the K gathered rows (the quantizer protocol's base methods are the code before)."""
     from perparam.comm.buffers import BufferPool
-    from perparam.runtime import grad_quant
+    from perparam.runtime.paths import reduce_qgz
     from perparam.runtime.reduction import pack_reduce_scatter_input
     from perparam.sharding import quant
     from perparam.sharding.grad_quant import grad_wire
@@ -246,7 +246,7 @@ def _as_run(k: int, reps: int) -> None:
         return packed
 
     def encode_after():
-        pool.give_back(grad_quant.encode_grads(grads, wire, gq, rows_after, pool))
+        pool.give_back(reduce_qgz.encode_grads(grads, wire, gq, rows_after, pool))
 
     scratch = encode_before()
     out_before, out_after = (torch.empty(sum(numels) + len(numels)) for _ in range(2))
@@ -261,7 +261,7 @@ def _as_run(k: int, reps: int) -> None:
             target.add_(values[r])
 
     def decode_after():
-        grad_quant.decode_sum(rows_after, wire, gq, out_after, scratch)
+        reduce_qgz.decode_sum(rows_after, wire, gq, out_after, scratch)
 
     print(f"  as run on one block's Linear weights ({sum(g.numel() for g in grads) * 4 / 1e6:.1f} MB of "
           f"fp32 gradients, K={k}): CPU ms before -> after")

@@ -7,7 +7,8 @@ by reduce-scatter algorithm, A/B in one run.
 Per rank: process CPU time (all threads) of one sweep (each group's ``reduce_grads`` in reverse order, as a
 backward issues them, then waited for), by algorithm in ABBA order; paired: the median over rounds of
 (algorithm / the first one). The figure the zero-copy reduce-scatter is judged on
-(``perparam/runtime/zero_copy_reduce.py``); ``--check`` also asserts the algorithms' ``.grad``s bitwise equal.
+(``perparam/runtime/paths/reduce_zero_copy.py``); ``--check`` also asserts the algorithms' ``.grad``s
+bitwise equal.
 """
 
 from __future__ import annotations

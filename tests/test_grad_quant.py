@@ -19,7 +19,7 @@ from perparam import CommCounter, ParamPolicy, QuantPolicy
 from perparam.comm.buffers import BufferPool
 from perparam.memory.plan import plan_module
 from perparam.memory.policy_args import parse_param_policy
-from perparam.runtime import grad_quant
+from perparam.runtime.paths import reduce_qgz
 from perparam.runtime.reduction import pack_reduce_scatter_input
 from perparam.sharding.grad_quant import grad_wire, wire_bytes
 from perparam.sharding.policy import resolve_grad_quant
@@ -155,12 +155,12 @@ def test_int8_gradients_quantized_where_they_lie_encode_and_sum_bitwise_as_packe
     numels = [math.ceil(g.shape[0] / k) * g[0].numel() for g in grads]
     wire = grad_wire(numels, gq)
     direct, packed = (torch.zeros(k, wire.row_bytes, dtype=torch.uint8) for _ in range(2))
-    scratch = grad_quant.encode_grads(grads, wire, gq, direct, BufferPool())
-    grad_quant.encode(pack_reduce_scatter_input(list(grads), k), wire, gq, packed)
+    scratch = reduce_qgz.encode_grads(grads, wire, gq, direct, BufferPool())
+    reduce_qgz.encode(pack_reduce_scatter_input(list(grads), k), wire, gq, packed)
     assert torch.equal(direct, packed)  # codes and scales (flags are written by issue())
     # the K rows as if received from K ranks: decoded and summed in rank order, products rounded once each
     out = torch.empty(sum(numels) + len(numels))
-    grad_quant.decode_sum(direct, wire, gq, out, scratch)
+    reduce_qgz.decode_sum(direct, wire, gq, out, scratch)
     codes = direct[:, :wire.total].view(torch.int8).float()
     scales = direct[:, wire.scales_at:wire.flags_at].view(torch.float32)
     values = codes.view(k, -1, 256) * scales.unsqueeze(2)

@@ -229,7 +229,7 @@ COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", 
                 "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum", "reduce_to_owners",
                 "tree_all_reduce_sum"}
 #: where a collective may be issued (CONTRIBUTING, "Where collectives are issued"): comm/ issues them
-#: through torch.distributed; the paths (runtime/paths/) and the path mechanisms they call, and the common
+#: through torch.distributed; the paths (runtime/paths/: one file each, its mechanism inside) and the common
 #: tail of a reduction (the HSDP all-reduce), issue them through comm/; the face's exceptions talk to
 #: torch.distributed themselves, each for a reason of its own
 ISSUE_DIST = {"perparam.comm": "the collectives",
@@ -237,10 +237,6 @@ ISSUE_DIST = {"perparam.comm": "the collectives",
               "perparam.full_state": "a full state dict gathered or broadcast one tensor at a time",
               "perparam.elastic": "snapshots: replicas sent point-to-point, the ranks agree on the newest complete one"}
 ISSUE_COMM = {"perparam.runtime.paths": "the paths",
-              "perparam.runtime.zero_copy": "the zero-copy all-gather (paths.gather_zero_copy)",
-              "perparam.runtime.zero_copy_reduce": "the zero-copy reduce-scatter (paths.reduce_zero_copy)",
-              "perparam.runtime.grad_quant": "qgZ (paths.reduce_qgz)",
-              "perparam.runtime.hpz": "hpZ's secondary all-gather (paths.gather_rows.HpzSecondary)",
               "perparam.runtime.part_reduce": "a reduction's common tail: the HSDP all-reduce",
               "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced",
               "perparam.invariant": "K-invariant training: per-unit losses and per-row squared norms all-reduced",

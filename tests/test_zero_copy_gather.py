@@ -1,4 +1,4 @@
-"""The zero-copy all-gather (``perparam.runtime.zero_copy``: per-parameter sends and receives into the
+"""The zero-copy all-gather (``paths/gather_zero_copy.py``: per-parameter sends and receives into the
 unsharded buffers) gathers exactly what the packed row all-gather gathers, bit for bit, and trains alike:
 uneven and empty shards, mixed compute dtypes in one all-gather, and a group it cannot take (``Shard(1)``),
 which falls back to the row path."""

@@ -1,4 +1,4 @@
-"""The zero-copy reduce-scatter (``perparam.runtime.zero_copy_reduce``: per-parameter sends straight from the
+"""The zero-copy reduce-scatter (``paths/reduce_zero_copy.py``: per-parameter sends straight from the
 unsharded gradients, no packing) reduces exactly what the packed all-to-all reduce-scatter reduces, bit for
 bit, and trains alike: an empty shard, a 2/2/1 split, fp32 and bf16 parameters in one reduction with
 ``reduce_dtype`` fp32, gradients accumulated without sync then a synced backward, K = 2 and K = 3; and it is

@@ -164,7 +164,7 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
 
 def exchange_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, what: str = "",
                   dtype: torch.dtype = torch.uint8):
-    """The wire of a low-precision reduce-scatter (``perparam.runtime.grad_quant``): row r of ``send``
+    """The wire of a low-precision reduce-scatter (``perparam.runtime.paths.reduce_qgz``): row r of ``send``
     (uint8 ``[K, row]``, encoded gradient pieces) goes to rank r; returns ``(work, recv)``, ``recv`` a uint8
     ``[K, row]`` buffer (from ``pool`` when given: give it back after decoding) whose row r came from rank r
     once ``work`` (``None`` for K = 1) has finished. The caller decodes and sums. One all-to-all, recorded

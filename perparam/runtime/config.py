@@ -18,10 +18,10 @@ from dataclasses import dataclass
 #: or "native" (``dist.all_gather_single`` / ``dist.reduce_scatter_single``)
 GLOO_ALGORITHMS = ("all_to_all", "native")
 #: the all-gather's further choice: "zero_copy" (per parameter, point-to-point sends and receives straight
-#: into the unsharded buffers: no copy-out; ``perparam.runtime.zero_copy``)
+#: into the unsharded buffers: no copy-out; ``perparam.runtime.paths.gather_zero_copy``)
 GLOO_ALL_GATHER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
 #: the reduce-scatter's: "zero_copy" (per parameter, point-to-point sends straight from the unsharded
-#: gradients: no packing; ``perparam.runtime.zero_copy_reduce``)
+#: gradients: no packing; ``perparam.runtime.paths.reduce_zero_copy``)
 GLOO_REDUCE_SCATTER_ALGORITHMS = (*GLOO_ALGORITHMS, "zero_copy")
 #: where the gradient of a ``ParamPolicy(update="owner")`` parameter goes after backward: "rows"
 #: (reduce-scattered as every parameter's; its rows travel to the owner at the step) or "owner" (reduced

@@ -131,13 +131,13 @@ class ParamGroup(OwnPartViews):
 
     def pool_bytes(self) -> int:
         """Bytes of CPU buffers one unshard and one reduction of this group take from the pool at most
-        (``perparam.comm.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1 copies
-        of the send row for K > 2; none for a zero-copy all-gather, ``runtime/zero_copy.py``), and per reduce
-        dtype the ``[K, n]`` reduce-scatter input and, for K > 2, its ``[K, n]`` receive buffer (``n``: padded
-        local elements plus used flags; for K = 2 the peer's piece arrives in the output,
-        ``perparam.comm.collectives``); a zero-copy reduce-scatter (``runtime/zero_copy_reduce.py``) has no
-        input buffer and for K > 2 one ``[K, n]`` staging buffer. Counts every sharded parameter,
-        trainable or not (an upper bound). With parameters on several meshes: the sum over the meshes."""
+        (``perparam.comm.buffers``): the all-gather's send row and the K - 1 rows it receives (plus K - 1
+        copies of the send row for K > 2; none for a zero-copy all-gather, ``paths/gather_zero_copy.py``), and
+        per reduce dtype the ``[K, n]`` reduce-scatter input and, for K > 2, its ``[K, n]`` receive buffer
+        (``n``: padded local elements plus used flags; for K = 2 the peer's piece arrives in the output,
+        ``perparam.comm.collectives``); a zero-copy reduce-scatter (``paths/reduce_zero_copy.py``) has no
+        input buffer and for K > 2 one ``[K, n]`` staging buffer. Counts every sharded parameter, trainable or
+        not (an upper bound). With parameters on several meshes: the sum over the meshes."""
         return sum(part._pool_bytes() for part in self.parts)
 
     def trainable(self) -> list[ShardedParam]:

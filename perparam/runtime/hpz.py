@@ -1,5 +1,6 @@
 """hpZ, ZeRO++'s secondary partition (FSDP2's ``reshard_after_forward=int``): after forward a group keeps
-its parameters sharded over a smaller group of ranks, so the backward all-gather runs on that group only.
+its parameters sharded over a smaller group of ranks, so the backward all-gather runs on that group only
+(``paths.gather_hpz``). This file is the partition's state: its meshes and the rows a rank keeps.
 
 With K ranks on the shard axis and a secondary size k' (a divisor of K, 1 < k' < K), the ranks split into
 groups of k' consecutive shard ranks (as FSDP2's post-forward mesh: the mesh's ranks viewed as
@@ -21,9 +22,6 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-
-from ..comm import collectives
-from ..comm.collectives import GatheredRows
 
 #: default process group (one per rank, also for ranks that are threads of one process) -> {(device type,
 #: the mesh's ranks, k') -> the secondary DeviceMesh}, shared by the groups of one layout (one set of
@@ -96,17 +94,11 @@ class Secondary:
             self.drop(pool)
         return self.kept is not None
 
-    def gather(self, pool, what: str, gloo: str, comm) -> GatheredRows:
-        """All-gather the kept rows over the secondary group (asynchronously): one collective of
-        ``k' * K/k' * slot`` bytes, the same output as the forward all-gather. Returns rows whose segments
-        are in the K ranks' numbering; the kept buffer is among its ``buffers`` (given back to the pool
-        with them) and no longer this object's."""
+    def hand_over(self) -> torch.Tensor:
+        """The kept rows (uint8 ``[rows_per_member, slot]``), no longer this object's: the secondary
+        all-gather (``paths.gather_hpz``) gives the buffer back to the pool once it is copied out."""
         kept, self.kept = self.kept, None
-        rpm = self.rows_per_member
-        rows = collectives.all_gather_rows(kept.reshape(-1), self.pg, pool, async_op=True, what=f"{what} (hpZ)",
-                                           gloo=gloo, comm=comm)
-        segments = [(first * rpm, seg.reshape(seg.shape[0] * rpm, -1)) for first, seg in rows.segments]
-        return GatheredRows(rows.work, segments, [*rows.buffers, kept])
+        return kept
 
     def drop(self, pool) -> None:
         if self.kept is not None:

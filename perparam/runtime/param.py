@@ -324,7 +324,7 @@ class ShardedParam(ParamGradients):
             self.copy_out(target, 0)
 
     def rank_regions(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Zero-copy all-gather (``perparam.runtime.zero_copy``): per rank, the contiguous flat region of the
+        """Zero-copy all-gather (``paths.gather_zero_copy``): per rank, the contiguous flat region of the
         allocated padded buffer (``alloc()`` first) holding that rank's local shard, ``local_numel(rank)``
         elements in the compute dtype (empty for a rank without rows); and this rank's region viewed as
         ``local_shape(shard_rank)`` (``None`` when empty), where the local shard is copied in. Only for a

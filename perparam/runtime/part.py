@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..comm.buffers import BufferPool
 from ..comm.process_groups import reduce_group
 from ..sharding.layout import GroupLayout
-from . import config, registration, shard_view, zero, zero_copy
+from . import config, registration, shard_view, zero
 from .param import ShardedParam
 from .part_reduce import Reductions
 from .paths import choose
@@ -29,12 +29,13 @@ if TYPE_CHECKING:
 class _GatherPlan(NamedTuple):
     """What never changes for an all-gather of one set of parameters (``MeshPart._gather_plan``)."""
 
-    zero_copy: bool  # ``zero_copy.eligible``: K > 1 on gloo, every member plain ``Shard(0)``
+    facts: dict  # the set's facts the paths' rules read (``paths.choose.gather_set_facts``)
     sizes: list[int]  # bytes of each piece, in ``GroupLayout.order``
     scattered: list[bool]  # per member: plain ``Shard(d > 0)``, copied into slices of the unsharded tensor
     any_scattered: bool
     quantized: bool  # some member's pieces are quantized (not ``ShardedParam.plain``)
     #: the path chosen for this member set (``paths.choose.gather_path``), per ``GatherFacts`` of an unshard
+    #: (with the rules' version it was chosen at)
     paths: dict
 
 
@@ -161,12 +162,10 @@ class MeshPart(Reductions):
 
     def _gather_path(self, plan: _GatherPlan, secondary: bool):
         """The all-gather path of ``plan``'s member set now (``paths.choose``), chosen once per facts."""
-        facts = GatherFacts(secondary, self.call.all_gather_comm is not None, config.current().gloo_all_gather,
-                            self.hpz is not None, plan.zero_copy, plan.quantized)
-        path = plan.paths.get(facts)
-        if path is None:
-            path = plan.paths[facts] = choose.gather_path(facts)
-        return path
+        facts = GatherFacts(**plan.facts, secondary=secondary, custom=self.call.all_gather_comm is not None,
+                            algorithm=config.current().gloo_all_gather, hpz=self.hpz is not None,
+                            quantized=plan.quantized)
+        return choose.gather_path(facts, plan.paths)
 
     def _wait_unshard(self) -> None:
         if self._pending_gather is None:
@@ -229,13 +228,13 @@ class MeshPart(Reductions):
         ``_layout_for``, one object per member set): built once per member set, as the layouts are. The
         member sets, their placements and quantization and the mesh's process group are fixed at
         ``fully_shard``; what may change between unshards is read at each one instead: the settings
-        (``config``, a custom all-gather, hpZ: ``zero_copy.wanted``) and the local shards' device
-        (``to_empty``, ``.to``, a ``.data`` swap: ``zero_copy.start``)."""
+        (``config``, a custom all-gather, hpZ) and the local shards' device (``to_empty``, ``.to``, a
+        ``.data`` swap: ``gather_zero_copy.ZeroCopyGather.start``)."""
         plan = self._plans.get(id(layout))
         if plan is None:
             scattered = [p.plain and not p.layout.wire_is_layout for p in members]
             plan = self._plans[id(layout)] = _GatherPlan(
-                zero_copy.eligible(members, self.shard_pg), [layout.pieces[i][j].nbytes for i, j in layout.order],
+                choose.gather_set_facts(self, members), [layout.pieces[i][j].nbytes for i, j in layout.order],
                 scattered, any(scattered), any(not p.plain for p in members), {})
         return plan
 

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 
 from ..comm import collectives
-from . import config, partial, zero_copy_reduce
+from . import config, partial
 from .param import ShardedParam
 from .paths import choose
 from .paths.reduce import ReduceFacts
@@ -78,7 +78,7 @@ class Reductions:
             if pre != 1:  # (the zeros of an unused gradient stay zeros)
                 torch._foreach_div_([t for t, u in zip(tensors, used) if u], pre)
             plan = None if whole else self._reduce_plan(params, wire)
-            path = self._reduce_path(plan, whole, wire, zero_copy_reduce.on_cpu(tensors), apart)
+            path = self._reduce_path(plan, whole, wire, all(t.is_cpu for t in tensors), apart)
             item = path.issue(self, params, tensors, used, dtype, plan)
             item.part, item.predivided = self, pre
             pending.append(item)
@@ -86,29 +86,24 @@ class Reductions:
 
     def _reduce_path(self, plan: ReducePlan | None, whole: bool, wire, cpu: bool, apart: bool = False):
         """The reduction path of ``plan``'s parameter set now (``paths.choose``), chosen once per facts."""
-        facts = ReduceFacts(whole, wire, self.call.reduce_scatter_comm is not None,
-                            config.current().gloo_reduce_scatter, self.hpz is not None,
-                            plan is not None and plan.zero_copy, cpu,
-                            self.call.invariant, apart, self.num_shards == 2)
-        if plan is None:
-            return choose.reduce_path(facts)
-        path = plan.paths.get(facts)
-        if path is None:
-            path = plan.paths[facts] = choose.reduce_path(facts)
-        return path
+        facts = ReduceFacts(**(plan.facts if plan is not None else {}), whole=whole, wire=wire,
+                            custom=self.call.reduce_scatter_comm is not None,
+                            algorithm=config.current().gloo_reduce_scatter, hpz=self.hpz is not None, cpu=cpu,
+                            invariant=self.call.invariant, to_owner=apart, pair=self.num_shards == 2)
+        return choose.reduce_path(facts, None if plan is None else plan.paths)
 
     def _reduce_plan(self, params: tuple[ShardedParam, ...], wire=None) -> ReducePlan:
         """What never changes for a reduction of ``params`` (a sub-tuple of ``mesh_params``, in order; one
-        reduce dtype): offsets, this rank's views of the output, zero-copy eligibility and per-rank row
-        sizes. Built once per parameter set (the trainable set may change between steps: another key); the
-        layouts, shard ranks, placements and the mesh's process group are fixed at ``fully_shard``. What
-        may change is read at each reduction instead, as for ``_gather_plan``: the settings (``config``, a
-        custom reduce-scatter, hpZ: ``zero_copy_reduce.wanted``) and the gradients' device (``to_empty``,
-        ``.to``, a ``.data`` swap: ``zero_copy_reduce.on_cpu``)."""
+        reduce dtype): offsets, this rank's views of the output, the set's facts the paths' rules read
+        (``choose.reduce_set_facts``) and what a path works out once for it. Built once per parameter set
+        (the trainable set may change between steps: another key); the layouts, shard ranks, placements and
+        the mesh's process group are fixed at ``fully_shard``. What may change is read at each reduction
+        instead, as for ``_gather_plan``: the settings (``config``, a custom reduce-scatter, hpZ) and the
+        gradients' device (``to_empty``, ``.to``, a ``.data`` swap)."""
         plan = self._reduce_plans.get(params)
         if plan is None:
-            zero = self.num_shards > 1 and zero_copy_reduce.eligible(params, self.reduce_shard_pg)
-            plan = self._reduce_plans[params] = reduce_plan(params, zero, collectives.zero_gaps, wire)
+            facts = choose.reduce_set_facts(self, params)
+            plan = self._reduce_plans[params] = reduce_plan(params, facts, wire)
         return plan
 
     def _advance(self, item: PendingReduce, block: bool) -> bool:

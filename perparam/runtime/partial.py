@@ -10,7 +10,7 @@ The division by the part's divisor (``MeshPart.divisor``) and the accumulation i
 happen once, then.
 
 A held sum is keyed by (replicated?, reduce dtype, wire format of a low-precision reduce-scatter,
-``perparam.runtime.grad_quant``, the path's tail, ``reduction.ReduceTail``): the same reductions a group
+``ReducePlan.wire``, the path's tail, ``reduction.ReduceTail``): the same reductions a group
 issues in every backward. Where each parameter's piece lies in a held sum is the tail's (``pieces``): a
 path that leaves another layout (the reduction to the owners: the whole gradients this rank owns, which
 the replicate axis' ranks own too) says so there, not here.

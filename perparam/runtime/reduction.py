@@ -62,7 +62,7 @@ class PendingReduce:
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
     part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)
-    kind: object = None  # the wire format of a low-precision reduce-scatter (perparam.runtime.grad_quant)
+    kind: object = None  # the wire format of a low-precision reduction (``ReducePlan.wire``), or None
     used: tuple[bool, ...] | None = None  # this rank had a gradient for each of ``params`` (None: unknown)
     #: what ``recv`` means to the common tail: ``ROWS_TAIL``, or the issuing path's own (``ReduceTail``)
     tail: ReduceTail = ROWS_TAIL
@@ -115,14 +115,14 @@ class ReducePlan(NamedTuple):
     #: per parameter ``(offset, numel, shape)``: this rank's rows of its summed gradient in the output, in
     #: wire order (split dim first; ``shape[0]``: the rows this rank holds, 0 for an empty shard)
     views: tuple[tuple[int, int, tuple[int, ...]], ...]
-    zero_copy: bool  # ``zero_copy_reduce.eligible``: the zero-copy reduce-scatter may carry it
-    #: zero-copy only (else empty): per parameter, the elements of each rank's rows of the whole gradient
-    rank_numels: tuple[tuple[int, ...], ...]
-    #: zero-copy only: the output's runs of padding, ``(start, length)`` (``collectives.zero_gaps``)
-    gaps: tuple[tuple[int, int], ...]
+    #: the facts of the set the paths' rules read (``paths.choose.reduce_set_facts``: ``ReduceFacts`` fields)
+    facts: dict
     wire: object = None  # the ``GradQuant`` of a low-precision reduction (qgZ), or None
     #: the path chosen for this set (``paths.choose.reduce_path``), per ``ReduceFacts`` read at a reduction
+    #: (with the rules' version it was chosen at)
     paths: dict | None = None
+    #: what a path works out once for this set, by the path's name (its own business)
+    path_data: dict | None = None
 
     def targets(self, recv: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``recv`` (the reduction's output, ``[total]``): each parameter's rows on this rank, in
@@ -130,28 +130,16 @@ class ReducePlan(NamedTuple):
         return [recv.narrow(0, offset, numel).view(shape) for offset, numel, shape in self.views]
 
 
-def reduce_plan(params: tuple[ShardedParam, ...], zero_copy: bool, gaps=None, wire=None) -> ReducePlan:
-    """The ``ReducePlan`` of ``params`` (in the reduction's order); ``zero_copy``: their reduction may run
-    zero-copy (``zero_copy_reduce.eligible``: every parameter plain ``Shard(0)``), so the per-rank row
-    sizes are worked out too; ``gaps``: a function of (offsets, this rank's numels, total) giving the
-    output's padding runs (``collectives.zero_gaps``), for the zero-copy path; ``wire``: qgZ's format."""
+def reduce_plan(params: tuple[ShardedParam, ...], facts: dict, wire=None) -> ReducePlan:
+    """The ``ReducePlan`` of ``params`` (in the reduction's order); ``facts``: what the paths' rules read
+    of the set (``paths.choose.reduce_set_facts``); ``wire``: qgZ's format."""
     offsets, total = reduce_scatter_offsets([p.layout for p in params])
     views = []
     for p, offset in zip(params, offsets):
         lay = p.layout
         shape = (lay.extent(p.shard_rank)[1], *lay.wire_shape[1:])
         views.append((offset, math.prod(shape), shape))
-    rank_numels: list[tuple[int, ...]] = []
-    runs: tuple = ()
-    if zero_copy:
-        for p in params:
-            lay = p.layout
-            row = lay.numel // lay.global_shape[0] if lay.global_shape[0] else 0
-            rank_numels.append(tuple(lay.extent(r)[1] * row for r in range(lay.num_shards)))
-        if gaps is not None:
-            own = [numel for _, numel, _ in views] + [len(params)]
-            runs = tuple(gaps([*offsets, total - len(params)], own, total))
-    return ReducePlan(offsets, total, tuple(views), zero_copy, tuple(rank_numels), runs, wire, {})
+    return ReducePlan(offsets, total, tuple(views), facts, wire, {}, {})
 
 
 def pack_reduce_scatter_input(grads: list[torch.Tensor], num_shards: int, pool: BufferPool | None = None,

@@ -7,8 +7,8 @@ codes plus one fp32 scale per ``block_size`` elements, 256 by default). The redu
 parameters is an all-to-all of one row per destination rank (``grad_wire``): the parameters' codes, each
 parameter's piece starting on a block boundary (blocks never straddle two parameters), their fp32 scales,
 then one fp32 *used* flag per parameter, unquantized. The receiving rank decodes the K rows and sums them in
-the parameter's ``reduce_dtype``, in rank order (``perparam.runtime.grad_quant``). No tensors here, so the
-planner (``perparam.memory``) counts the same bytes the runtime sends.
+the parameter's ``reduce_dtype``, in rank order (``perparam.runtime.paths.reduce_qgz``). No tensors here, so
+the planner (``perparam.memory``) counts the same bytes the runtime sends.
 """
 
 from __future__ import annotations

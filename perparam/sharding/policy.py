@@ -124,7 +124,7 @@ class ParamPolicy:
     #: ZeRO++'s qgZ (DeepSpeed's ``zero_quantized_gradients``) for this parameter: its gradient's
     #: reduce-scatter pieces go on the wire as ``"int8"`` blocks (256 elements per fp32 scale; another
     #: registered quantizer name, or ``QuantPolicy(name, block_size=...)``) or as ``"bf16"``, and are summed
-    #: in ``reduce_dtype`` on the receiving rank (``perparam.runtime.grad_quant``; ``docs/grad-quant.md``).
+    #: in ``reduce_dtype`` on the receiving rank (``runtime/paths/reduce_qgz.py``; ``docs/grad-quant.md``).
     #: ``None``: the reduce dtype on the wire. Refused for frozen, replicated and stage-1 parameters.
     grad_quant: str | torch.dtype | QuantPolicy | BlockQuantizer | None = None
     #: who steps the parameter: ``"shard"`` (``None``, the default: every rank's optimizer steps its own

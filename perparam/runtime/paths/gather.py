@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -40,14 +41,16 @@ class GatherPath(Protocol):
         """Bytes this path takes from the part's pool for one all-gather of ``members`` at most."""
 
 
-class GatherFacts(NamedTuple):
-    """What an all-gather of one set of members is chosen by: the first four are read at each unshard
-    (``perparam.configure``, ``set_custom_all_gather``, hpZ's kept rows), the last two are fixed for the set
-    (kept in the part's ``_gather_plan``)."""
+@dataclass(frozen=True, kw_only=True)
+class GatherFacts:
+    """What an all-gather of one set of members is chosen by, built by keyword (hashable: a plan keeps the
+    path chosen per facts): the first four are read at each unshard (``perparam.configure``,
+    ``set_custom_all_gather``, hpZ's kept rows), the last two are fixed for the set (kept in the part's
+    ``_gather_plan``; ``zero_copy`` from ``choose.gather_set_facts``)."""
 
     secondary: bool  # hpZ: rows of the same members are kept from the forward all-gather, still fresh
     custom: bool  # a custom all-gather was set (``ShardedModule.set_custom_all_gather``)
     algorithm: str  # ``RuntimeConfig.gloo_all_gather``
     hpz: bool  # the part keeps hpZ rows after forward (zero-copy would leave none to keep)
-    zero_copy: bool  # ``zero_copy.eligible``: K > 1 on gloo, every member plain ``Shard(0)``
+    zero_copy: bool = False  # ``gather_zero_copy.eligible``: K > 1 on gloo, every member plain ``Shard(0)``
     quantized: bool  # some member's pieces are quantized (``ShardedParam.plain`` is false)

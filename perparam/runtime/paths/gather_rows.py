@@ -5,8 +5,7 @@ rank into the padded unsharded buffers.
 ``PackedRows``: plain members (the local shard's bytes are the piece). ``QuantizedPieces``: some member's
 pieces are quantized (packed with ``ShardedParam.pack``, copied out into scratch pieces and dequantized
 with ``unpack``). ``CustomGather``: the same rows through ``ShardedModule.set_custom_all_gather``'s
-collective. ``HpzSecondary``: the rows hpZ kept from the forward all-gather, all-gathered over the secondary
-group (``perparam.runtime.hpz``), copied out as after the forward one.
+collective. hpZ's secondary all-gather copies its rows out as these do (``gather_hpz``).
 """
 
 from __future__ import annotations
@@ -64,8 +63,8 @@ class PackedRows:
         sizes, scattered, any_scattered = plan.sizes, plan.scattered, plan.any_scattered
         for first, seg in rows.segments:  # rank-ordered blocks of rows (on gloo this rank's row is `send`)
             if not any_scattered:  # every piece lands as bytes: one split copy
-                torch.split_with_sizes_copy(seg, sizes, dim=1,
-                                            out=[targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order])
+                out = [targets[i][j].narrow(0, first, seg.shape[0]) for i, j in order]
+                torch.split_with_sizes_copy(seg, sizes, dim=1, out=out)
                 continue
             # Shard(d > 0) pieces are copied into their slices of the contiguous unsharded tensor: as many
             # bytes as the split copy, strided; all pieces in one foreach copy
@@ -127,19 +126,6 @@ class CustomGather(QuantizedPieces):
         return part.call.all_gather_comm
 
 
-class HpzSecondary(CustomGather):
-    """hpZ: the rows kept from the forward all-gather, all-gathered over the secondary group (through the
-    custom all-gather when one is set); copied out as after the forward all-gather."""
-
-    name = "hpZ secondary"
-    reads_shards = False  # the kept rows are what was on the wire
-
-    def start(self, part, members, layout) -> Gather:
-        rows = part.hpz.gather(part.pool, part._what, config.current().gloo_all_gather, self.comm(part))
-        return Gather(self, None, rows, members, layout)
-
-
 PACKED = PackedRows()
 QUANTIZED = QuantizedPieces()
 CUSTOM = CustomGather()
-HPZ_SECONDARY = HpzSecondary()

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -32,17 +33,20 @@ class ReducePath(Protocol):
         """Bytes this path takes from the part's pool for one reduction of ``params`` at most."""
 
 
-class ReduceFacts(NamedTuple):
-    """What a reduction of one parameter set is chosen by: ``whole``, ``wire`` and ``zero_copy`` are fixed
-    for the set (its key and ``ReducePlan``); the others are read at each reduction."""
+@dataclass(frozen=True, kw_only=True)
+class ReduceFacts:
+    """What a reduction of one parameter set is chosen by, built by keyword (hashable: a plan keeps the path
+    chosen per facts). ``whole``, ``wire`` and the set's facts (``choose.reduce_set_facts``: ``zero_copy``)
+    are fixed for the set (its key and ``ReducePlan``); the others are read at each reduction."""
 
     whole: bool  # replicated or stage-1 parameters: the whole gradient is all-reduced
     wire: object  # ``GradQuant`` of a low-precision reduce-scatter (qgZ), or None
     custom: bool  # a custom reduce-scatter was set (``ShardedModule.set_custom_reduce_scatter``)
     algorithm: str  # ``RuntimeConfig.gloo_reduce_scatter``
     hpz: bool  # the part keeps hpZ rows
-    zero_copy: bool  # ``zero_copy_reduce.eligible``: K > 1 on gloo, every parameter plain ``Shard(0)``, no TP
     cpu: bool  # every gradient is on the CPU
+    #: ``reduce_zero_copy.eligible``: K > 1 on gloo, every parameter plain ``Shard(0)``, no TP
+    zero_copy: bool = False
     invariant: bool = False  # the call reduces in the units' tree order (``perparam.invariant``)
     #: ``update="owner"`` parameters with planned owners under ``configure(owner_grad="owner")``, no
     #: ``grad_quant``, K > 1: reduced to their owners (``reduce_owner``)

@@ -5,15 +5,16 @@
 One all-to-all over the shard axis: each rank sends every parameter's whole gradient (wire order) to its
 owner, and to every rank two flags per parameter, that its ``.grad`` was zeroed in place
 (``owner_grads.zeroed_flags``) and the used flags; each rank sums what it received in rank order
-(``collectives.reduce_to_owners``). ``recv``: the whole summed gradients of the parameters this rank owns,
-in order, then the summed zeroed flags (``[n]``) and the summed used flags (``[n]``, last, as every path's), so the tail of the reduction (the HSDP all-reduce over the
-replicate axis, whose ranks own the same parameters) is the same as for any path; what differs after it is
-this path's ``OwnerTail`` (``reduction.ReduceTail``): two rows of flags, each owned whole gradient's piece
-(``partial``'s held sums), and the accumulation (``owner_grads.accumulate``). Which parameters go this way
-is ``owner_apart`` (``choose.apart``): the common tail (``part_reduce``, ``partial``, ``reduction``) names
-no owner. On the wire, summed over the ranks: ``(K-1) m n``
-elements per ``m x n`` matrix (each other rank's whole gradient), the reduce-scatter's bytes, and the rows
-never travel at the step (``owner_exchange``): ``2 (K-1)/K m n`` there instead of ``3 (K-1)/K m n``."""
+(``collectives.reduce_to_owners``). ``recv``: the whole summed gradients of the parameters this rank owns, in
+order, then the summed zeroed flags (``[n]``) and the summed used flags (``[n]``, last, as every path's), so
+the tail of the reduction (the HSDP all-reduce over the replicate axis, whose ranks own the same parameters)
+is the same as for any path; what differs after it is this path's ``OwnerTail`` (``reduction.ReduceTail``):
+two rows of flags, each owned whole gradient's piece (``partial``'s held sums), and the accumulation
+(``owner_grads.accumulate``). Which parameters go this way is ``owner_apart`` (``choose.apart``): the common
+tail (``part_reduce``, ``partial``, ``reduction``) names no owner. On the wire, summed over the ranks:
+``(K-1) m n`` elements per ``m x n`` matrix (each other rank's whole gradient), the reduce-scatter's bytes,
+and the rows never travel at the step (``owner_exchange``): ``2 (K-1)/K m n`` there instead of
+``3 (K-1)/K m n``."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ class OwnerTail(ReduceTail):
         return out
 
     def accumulate(self, part, item, grads: torch.Tensor, flags: list[float], divisor) -> bool:
-        """Divide the owned whole gradients and add each into its owner's ``.grad`` (``owner_grads.accumulate``;
-        the other ranks' ``.grad`` NaN rows), queue the post-accumulate-grad hooks of the used ones
-        (``divisor`` ``None``: no division pass)."""
+        """Divide the owned whole gradients and add each into its owner's ``.grad``
+        (``owner_grads.accumulate``; the other ranks' ``.grad`` NaN rows), queue the post-accumulate-grad
+        hooks of the used ones (``divisor`` ``None``: no division pass)."""
         recv, n = item.recv, len(item.params)
         if divisor is not None:
             grads.div_(divisor)

@@ -32,7 +32,8 @@ class PackedReduceScatter:
         """The packed ``[K, n]`` input and, for K > 2, the ``[K, n]`` pieces received (for K = 2 the peer's
         piece arrives in the output, ``perparam.comm.collectives``)."""
         k = part.num_shards
-        return reduce_scatter_offsets([p.layout for p in params])[1] * dtype.itemsize * (k if k == 2 else 2 * k)
+        n = reduce_scatter_offsets([p.layout for p in params])[1]
+        return n * dtype.itemsize * (k if k == 2 else 2 * k)
 
 
 class CustomReduceScatter(PackedReduceScatter):
