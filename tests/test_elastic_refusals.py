@@ -1,5 +1,5 @@
-"""What cannot compose with in-memory snapshots is refused by ``perparam.elastic.State`` at start, on every rank
-alike, in one line naming the fix: parameters on the disk offload tier, experts on their own
+"""What cannot compose with in-memory snapshots is refused by ``perparam.elastic.State`` at start, on every
+rank alike, in one line naming the fix: parameters on the disk offload tier, experts on their own
 ``ParamPolicy(mesh=...)`` mesh, pipeline stages (each stage's model sharded over its own ranks)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def said(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("case,expect,fix", [
     ("disk", "is offloaded to the disk tier", "use OffloadPolicy('cpu') or no offload"),
-    ("experts", "is a different tensor on each rank (experts on their own", "shard the experts on the data-parallel"),
+    ("experts", "is a different tensor on each rank (experts on their own", "shard the experts on the"),
     ("stages", "is sharded over 1 of the job's 2 ranks (pipeline stages", "save each stage to disk"),
 ])
 def test_what_cannot_compose_with_snapshots_is_refused_on_every_rank_in_one_line(said, case, expect, fix):

@@ -25,9 +25,10 @@ import pytest
 
 from tests.finetune_helpers import REPO, TINY, subprocess_env
 
-pytestmark = pytest.mark.slow  # each case is two or three multi-process jobs: 60-150 s on a loaded 2-core host
+pytestmark = pytest.mark.slow  # each case: two or three multi-process jobs, 60-150 s on a loaded 2-core host
 
-RUN = ("--invariant-units", "8", "--batch-size", "8", "--steps", "12", "--max-grad-norm", "0.5", "--eval-every", "4")
+RUN = ("--invariant-units", "8", "--batch-size", "8", "--steps", "12", "--max-grad-norm", "0.5",
+       "--eval-every", "4")
 SAME = ("train_losses", "grad_norms", "lrs", "heldout_loss_after", "gguf_sha256")
 
 
@@ -49,7 +50,8 @@ def _summary(out: Path, name: str) -> dict:
 def straight(tmp_path_factory, text_dir) -> dict:
     """The uninterrupted run on 2 ranks (``--invariant-units``: the bits of every K), saving every 4 steps."""
     out = tmp_path_factory.mktemp("straight")
-    proc = _finetune(out, text_dir, "straight", "--nproc", "2", "--save", str(out / "ck"), "--save-every", "4")
+    proc = _finetune(out, text_dir, "straight", "--nproc", "2", "--save", str(out / "ck"),
+                     "--save-every", "4")
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log[-4000:]
     return _summary(out, "straight")
@@ -100,10 +102,10 @@ def _progress(path: Path) -> int:
 def test_a_lost_node_costs_seconds_and_the_run_ends_on_the_uninterrupted_bits(tmp_path, text_dir, straight):
     pytest.importorskip("gguf")
     port, progress, shm = _free_port(), tmp_path / "progress", tmp_path / "shm"
-    # one snapshot root for both nodes, as /dev/shm is on one machine: each agent's namespace keeps them apart;
-    # the store sharing of torch's rendezvous off (a node that joins a later round waits for keys no one writes)
-    env = {"PERPARAM_SNAPSHOT_DIR": str(shm), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "GLOO_SOCKET_IFNAME": "lo"}
+    # one snapshot root for both nodes, as /dev/shm is on one machine: each agent's namespace keeps them
+    # apart; torch's shared rendezvous store off (a node joining a later round waits for keys no one writes)
+    env = {"PERPARAM_SNAPSHOT_DIR": str(shm), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     nodes, logs = [], []
     for name in ("a", "b"):  # node a hosts the rendezvous store (is_host), which dies with it: node b is lost
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
@@ -113,9 +115,11 @@ def test_a_lost_node_costs_seconds_and_the_run_ends_on_the_uninterrupted_bits(tm
                "--max-restarts", "1", "--monitor-interval", "0.1", "-m", "perparam.finetune", *TINY, "--text",
                str(text_dir), *RUN, "--summary-json", str(tmp_path / "nodes.json"),
                "--export", str(tmp_path / "nodes.gguf")]
-        node_env = {**subprocess_env(), **env, **({"PERPARAM_PROGRESS_FILE": str(progress)} if name == "a" else {})}
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        node_env = {**subprocess_env(), **env}
+        if name == "a":
+            node_env["PERPARAM_PROGRESS_FILE"] = str(progress)
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
         logs.append(Lines(nodes[-1]))
     a, b = nodes
     try:
@@ -146,7 +150,7 @@ def test_a_lost_node_costs_seconds_and_the_run_ends_on_the_uninterrupted_bits(tm
                 os.killpg(proc.pid, signal.SIGKILL)
     got, log = _summary(tmp_path, "nodes"), logs[0].text()
     assert got["world_size"] == 2 and got["restarts"] == 1  # K = 2: the survivors alone
-    restored = got["restored_at_step"][-1]  # (a node that joined late: a restart 0 from node a's snapshots first)
+    restored = got["restored_at_step"][-1]  # (a node b that joined late: a restart 0 came first)
     # a replica's header is written at the holder's next commit: the lost node's newest may be 1 or 2 back
     assert killed_after - 2 <= restored <= killed_after
     for key in SAME:
@@ -158,12 +162,14 @@ def test_a_lost_node_costs_seconds_and_the_run_ends_on_the_uninterrupted_bits(tm
         ("a survivor's line", "stopped: a peer process died"),  # its collective failed
         ("the model rebuilt on K = 2", "sharded over 2 ranks"), ("restored", "restart 1: continuing"))}
     print(f"\nnode b killed after step {killed_after}, restored step {restored}; seconds from the kill: "
-          + ", ".join(f"{what} {s:.1f}" for what, s in seen.items()) + f", first step {first_step - killed:.1f}")
+          + ", ".join(f"{what} {s:.1f}" for what, s in seen.items())
+          + f", first step {first_step - killed:.1f}")
 
 
 def _launcher_progress(launcher: subprocess.Popen) -> tuple[int, int | None]:
     """``(steps done, step of the last complete checkpoint or None)`` from the launcher's progress file."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"perparam-finetune-{launcher.pid}-*", "progress")):
+    folders = os.path.join(tempfile.gettempdir(), f"perparam-finetune-{launcher.pid}-*")
+    for path in glob.glob(os.path.join(folders, "progress")):
         try:
             lines = Path(path).read_text().splitlines()
             return int(lines[0].split()[0]), int(lines[1].split()[0]) if len(lines) > 1 else None
@@ -172,7 +178,8 @@ def _launcher_progress(launcher: subprocess.Popen) -> tuple[int, int | None]:
     return -1, None
 
 
-def _kill_rank_and_its_memory(launcher: subprocess.Popen, rank: int, shm: Path, step: int, saved: bool) -> int:
+def _kill_rank_and_its_memory(launcher: subprocess.Popen, rank: int, shm: Path, step: int,
+                              saved: bool) -> int:
     """Once ``step`` steps are done (and, with ``saved``, a checkpoint is complete): SIGKILL ``rank``'s
     worker and delete its snapshot slots (its only copies: no replica on one node), as if its node's memory
     went with it. Returns the steps done at the kill."""
@@ -209,7 +216,7 @@ def test_a_shard_lost_with_its_only_copy_falls_back_to_the_last_disk_checkpoint(
     assert said[0].startswith("restart 1: no complete in-memory snapshot: rank(s) [1] of the newest (step ")
     assert said[0].endswith(f"; continuing from the disk checkpoint of step {step} in {ck}")
     assert got["gguf_sha256"] == straight["gguf_sha256"]
-    assert got["train_losses"] == straight["train_losses"][step:]  # the steps after the checkpoint, recomputed
+    assert got["train_losses"] == straight["train_losses"][step:]  # the steps after the checkpoint
     assert got["heldout_loss_after"] == straight["heldout_loss_after"]
 
 
@@ -222,6 +229,7 @@ def test_a_shard_lost_with_its_only_copy_and_no_disk_checkpoint_stops_in_one_lin
     assert proc.returncode == 2, log[-4000:]
     said = [line for line in log.splitlines() if "stopped" in line and "in-memory snapshot" in line]
     assert len(said) == 1, log[-4000:]
-    assert said[0].startswith("perparam finetune: error: restart 1: no complete in-memory snapshot: rank(s) [1] ")
+    assert said[0].startswith("perparam finetune: error: restart 1: no complete in-memory snapshot: "
+                              "rank(s) [1] ")
     assert said[0].endswith("no disk checkpoint to continue from (--save DIR keeps one): stopped")
     assert "Traceback" not in log

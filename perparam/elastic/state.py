@@ -61,14 +61,15 @@ def _rank_world() -> tuple[int, int]:
 
 def _refuse_what_cannot_compose(model: torch.nn.Module, state: dict) -> None:
     names = {id(m): n for n, m in model.named_modules()}
-    for module in model.modules():  # the ShardedParams of each fully_shard call (a parameter carries no policy)
+    for module in model.modules():  # each fully_shard call's ShardedParams (a parameter carries no policy)
         for sp in getattr(group_of(module), "params", ()):
             if getattr(sp.policy.offload, "tier", None) == "disk":
                 owner, attr = sp.slots[0]
                 name = ".".join(x for x in (names.get(id(owner), "?"), attr) if x)
-                raise SnapshotError(f"parameter '{name}' is offloaded to the disk tier: in-memory snapshots would "
-                                    "copy it back into memory every step; use OffloadPolicy('cpu') or no offload "
-                                    "with perparam.elastic, or save to disk with perparam.checkpoint")
+                raise SnapshotError(
+                    f"parameter '{name}' is offloaded to the disk tier: in-memory snapshots would copy it "
+                    "back into memory every step; use OffloadPolicy('cpu') or no offload with "
+                    "perparam.elastic, or save to disk with perparam.checkpoint")
     per_rank = sorted(per_rank_keys(state, model))  # a collective
     if per_rank:
         raise SnapshotError(f"'{per_rank[0]}' is a different tensor on each rank (experts on their own "
