@@ -29,11 +29,14 @@ def init_process_group(backend: str = "gloo", **kwargs) -> None:
     attempt wrote stay there: a restarted rank that comes up before its peers reads the previous attempt's gloo
     addresses and fails with ``Gloo connectFullMesh failed ... Connection refused`` (measured: torch 2.13,
     ``torchrun --standalone --max-restarts 1``, one rank 5 s slower to start: every restart failed; with the
-    prefix none did). ``distributed_session`` and ``perparam finetune`` start their groups through it."""
+    prefix none did). The prefix also holds the world size: a membership change (a node that joins or leaves
+    without a failure) restarts the workers without counting a restart, and under the agent's shared store
+    the next round's ranks would otherwise read the last round's addresses. ``distributed_session`` and
+    ``perparam finetune`` start their groups through it."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "store" not in kwargs and "init_method" not in kwargs:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=kwargs.get("timeout") or timedelta(minutes=5))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-of-{os.environ['WORLD_SIZE']}"
         kwargs.update(store=dist.PrefixStore(f"perparam/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
                       world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, **kwargs)

@@ -59,13 +59,15 @@ def _choose(seen, refused: set) -> tuple[int, int, dict[int, list[tuple[int, Cop
     return gen, world, by_gen[(gen, world)]
 
 
-def _missing_line(seen, folder: Path) -> str:
+def _missing(seen, folder: Path) -> SnapshotError:
     newest = max((c.header.generation, c.header.world_size) for copies in seen for c in copies)
-    have = {c.header.origin for copies in seen for c in copies if (c.header.generation, c.header.world_size) == newest}
+    have = {c.header.origin for copies in seen for c in copies
+            if (c.header.generation, c.header.world_size) == newest}
     lost = sorted(set(range(newest[1])) - have)
-    return (f"no complete in-memory snapshot: rank(s) {lost} of the newest (step {newest[0]}, {newest[1]} ranks) have "
-            f"neither their own copy nor a replica that passes its checksum (in {folder} on the surviving nodes); "
-            "resume from your last disk checkpoint, or remove that folder to start afresh")
+    reason = (f"no complete in-memory snapshot: rank(s) {lost} of the newest (step {newest[0]}, {newest[1]} "
+              "ranks) have neither their own copy nor a replica that passes its checksum")
+    return SnapshotError(f"{reason} (in {folder} on the surviving nodes); resume from your last disk "
+                         "checkpoint, or remove that folder to start afresh", reason, lost=True)
 
 
 def find(folder: Path) -> tuple[int, int, list[tuple[Description, torch.Tensor]]] | None:
@@ -79,15 +81,17 @@ def find(folder: Path) -> tuple[int, int, list[tuple[Description, torch.Tensor]]
     if not any(seen):
         names = sorted({n for d in damaged_everywhere for n in d})
         if names:  # not a job that never committed: every slot's header is damaged
-            raise SnapshotError(f"no in-memory snapshot can be read: the headers of {', '.join(names[:4])} in {folder} "
-                                "are damaged; resume from your last disk checkpoint, or remove that folder to start afresh")
+            reason = (f"no in-memory snapshot can be read: the headers of {', '.join(names[:4])} in {folder} "
+                      "are damaged")
+            raise SnapshotError(f"{reason}; resume from your last disk checkpoint, or remove that folder to "
+                                "start afresh", reason, lost=True)
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     refused: set = set()
     while True:
         chosen = _choose(seen, refused)
         if chosen is None:
-            raise SnapshotError(_missing_line(seen, folder))
+            raise _missing(seen, folder)
         gen, world, origins = chosen
         # one copy per origin, preferring the origin's own slot; checked by the first rank that sees it
         picks = {o: sorted(copies, key=lambda rc: ("-own-" not in rc[1].path, rc[0]))[0] for o, copies in origins.items()}

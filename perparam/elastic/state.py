@@ -32,9 +32,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from perparam import checkpoint
 from perparam.full_state import per_rank_keys
+from perparam.runtime.group import group_of
 
 from .description import Description, Layout, local_of
 from .errors import SnapshotError
@@ -42,7 +44,7 @@ from .reader import SnapshotReader
 from .replica import REPLICA_MODES, ReplicaLink, replica_wanted
 from .restore import find
 from .slots import Header, SlotFile, align
-from .store import Store, job_folder, remove
+from .store import Store, job_folder, node_folder, remove
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -58,17 +60,42 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _refuse_what_cannot_compose(model: torch.nn.Module, state: dict) -> None:
-    for name, p in model.named_parameters():
-        offload = getattr(getattr(p, "policy", None), "offload", None)
-        if getattr(offload, "tier", None) == "disk":
-            raise SnapshotError(f"parameter '{name}' is offloaded to the disk tier: in-memory snapshots would copy it "
-                                "back into memory every step; use OffloadPolicy('cpu') or no offload with "
-                                "perparam.elastic, or save to disk with perparam.checkpoint")
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in model.modules():  # each fully_shard call's ShardedParams (a parameter carries no policy)
+        for sp in getattr(group_of(module), "params", ()):
+            if getattr(sp.policy.offload, "tier", None) == "disk":
+                owner, attr = sp.slots[0]
+                name = ".".join(x for x in (names.get(id(owner), "?"), attr) if x)
+                raise SnapshotError(
+                    f"parameter '{name}' is offloaded to the disk tier: in-memory snapshots would copy it "
+                    "back into memory every step; use OffloadPolicy('cpu') or no offload with "
+                    "perparam.elastic, or save to disk with perparam.checkpoint")
     per_rank = sorted(per_rank_keys(state, model))  # a collective
     if per_rank:
         raise SnapshotError(f"'{per_rank[0]}' is a different tensor on each rank (experts on their own "
                             "ParamPolicy(mesh=...) mesh): in-memory snapshots cannot reshard it; shard the experts on "
                             "the data-parallel mesh, or save with perparam.checkpoint")
+    _refuse_narrow_meshes(state)
+
+
+def _refuse_narrow_meshes(state: dict) -> None:
+    """A DTensor on a mesh of fewer ranks than the job's (pipeline stages: each stage's model sharded over its
+    own ranks) on any rank: refused on every rank (a collective). A restore rebuilds every rank from one
+    model's layout, which a stage's ranks do not share with another stage's."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    narrow = next(((k, v.device_mesh.size()) for k, v in state.items()
+                   if isinstance(v, DTensor) and v.device_mesh.size() < world), None)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, narrow)
+    found = next(((r, n) for r, n in enumerate(everyone) if n is not None), None)
+    if found is not None:
+        rank, (key, size) = found
+        raise SnapshotError(
+            f"'{key}' on rank {rank} is sharded over {size} of the job's {world} ranks (pipeline stages, or "
+            "another model on other ranks): in-memory snapshots restore one model sharded over every rank; "
+            "snapshot the whole model, or save each stage to disk (perparam.checkpoint) and restart there")
 
 
 class State:
@@ -96,7 +123,8 @@ class State:
         self.model, self.optimizers, self.scheduler, self.every = model, optimizers, scheduler, every
         self.step = 0
         self.rank, self.world = _rank_world()
-        self.folder = job_folder(job, root)
+        self.job_folder = job_folder(job, root)
+        self.folder = node_folder(self.job_folder)  # this node's own namespace (store.py)
         tensors, _ = checkpoint.capture(model, optimizers)
         _refuse_what_cannot_compose(model, tensors)
         self._layout = Layout()
@@ -200,8 +228,23 @@ class State:
         if dist.is_initialized():
             dist.barrier(group=self.group)
         if remove_snapshots and self.rank == 0 or remove_snapshots and self.world > 1 and _first_on_node():
-            remove(self.folder)
+            remove(self.job_folder)  # every node folder of the job on this host, a killed agent's included
         _live.discard(self)
+
+    def discard(self) -> None:
+        """Drop every snapshot of this job on this node and start a new history at ``self.step`` (a
+        collective: every rank calls it), after the loop's state came from elsewhere (a disk checkpoint,
+        when ``restore()`` found no complete snapshot): the generations left on the surviving nodes
+        belong to the abandoned history and must never complete one of the new. Raises nothing."""
+        self.finish()
+        self.store.close()
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        if self.rank == 0 or self.world > 1 and _first_on_node():
+            for path in self.folder.iterdir() if self.folder.is_dir() else ():
+                path.unlink(missing_ok=True)
+        if self.group is not None:
+            dist.barrier(group=self.group)
 
 
 def _seal(slot: SlotFile, sizes: Header) -> Header:

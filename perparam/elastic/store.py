@@ -1,11 +1,18 @@
-"""Where a job's snapshots live on a node: one folder per job in host shared memory, two slot files per
-rank for its own state and two for the replica it holds of another rank's.
+"""Where a job's snapshots live on a node: one folder per job and node in host shared memory, two slot
+files per rank for its own state and two for the replica it holds of another rank's.
 
-``<root>/<job>/r<origin>-own-s<slot>``: rank ``origin``'s own snapshot, slot ``generation % 2``;
-``<root>/<job>/r<origin>-by<holder>-s<slot>``: the replica of rank ``origin``'s snapshot that rank ``holder``
+``<root>/<job>[/<node>]/r<origin>-own-s<slot>``: rank ``origin``'s own snapshot, slot ``generation % 2``;
+``.../r<origin>-by<holder>-s<slot>``: the replica of rank ``origin``'s snapshot that rank ``holder``
 received. ``root`` is ``$PERPARAM_SNAPSHOT_DIR``, else ``/dev/shm/perparam-snapshots`` (tmpfs: memory of
 the node, not disk). ``job`` is the elastic run id (``$TORCHELASTIC_RUN_ID``, the same for every restart of
 a job), else the agent's pid, so that two jobs on one node never share slots.
+
+``node`` (``node_name``): the node's own namespace, one per elastic agent: ``$PERPARAM_SNAPSHOT_NODE``, else
+under torch's elastic agent ``<host>-agent<pid of the agent>``, the same for every restart of the workers
+that agent makes. What a node's ranks write is read back only by that node's ranks (the other nodes get
+it through the replicas they hold), so two agents on one host (nodes simulated on one machine) lose their
+memory as two machines would: a killed agent's folder is never read again, and it is removed with the
+job's at the job's end. Outside an agent (no ``$TORCHELASTIC_RUN_ID``) there is no node folder.
 """
 
 from __future__ import annotations
@@ -13,11 +20,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 from .slots import HEADER_BYTES, Header, SlotFile, read_header
 
 ROOT_ENV = "PERPARAM_SNAPSHOT_DIR"
+NODE_ENV = "PERPARAM_SNAPSHOT_NODE"
 DEFAULT_ROOT = "/dev/shm/perparam-snapshots"
 NAME = re.compile(r"r(\d+)-(own|by\d+)-s([01])")
 
@@ -30,7 +39,38 @@ def default_job() -> str:
 
 
 def job_folder(job: str | None = None, root: str | os.PathLike | None = None) -> Path:
+    """``<root>/<job>``: every node's folder of the job on this host (what the job's end removes)."""
     return Path(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT) / (job or default_job())
+
+
+def node_name() -> str | None:
+    """This node's namespace in a job's folder (module docstring), or None outside torch's elastic agent."""
+    named = os.environ.get(NODE_ENV)
+    if named:
+        return named
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or run_id == "none":
+        return None
+    return f"{socket.gethostname()}-agent{agent_pid()}"
+
+
+def agent_pid() -> int:
+    """The pid of the elastic agent that started this worker: the parent of this process's session leader
+    (the agent starts each worker in a session of its own, so a wrapper such as ``torchrun --no-python
+    bash run.sh`` between the two does not change it); the parent pid where ``/proc`` cannot tell."""
+    sid = os.getsid(0)
+    if sid == os.getpid():
+        return os.getppid()
+    try:
+        return int(Path(f"/proc/{sid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return os.getppid()
+
+
+def node_folder(job: Path) -> Path:
+    """The folder this node's ranks write to and read from: ``job/<node>``, or ``job`` outside an agent."""
+    node = node_name()
+    return job / node if node else job
 
 
 class Store:

@@ -122,12 +122,13 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     micro = max(1, cfg.batch_size // meshes.dp_size)
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
     snaps = snapshots.JobSnapshots(cfg, model, optimizers_saved(optimizer)) if snapshots.enabled() else None
-    restored = snaps.restore(scheduler, cfg.lr, rank, first_step) if snaps is not None else 0
+    restored = snaps.restore(cfg, model, optimizer, scheduler, rank, first_step) if snaps is not None else 0
     run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, float("nan"),
               restored or first_step, scheduler, llama_cfg, offload, iu, snaps)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are); after a restart, the one the job started from (kept in the snapshot)
-    run.loss_before = snaps.state.loss_before if restored else evaluate(cfg, run)
+    from_snapshot = restored and snaps.fell_back is None  # not the --save checkpoint fallen back to
+    run.loss_before = snaps.state.loss_before if from_snapshot else evaluate(cfg, run)
     first_step = run.first_step
     if rank == 0:
         at = f" (step {first_step}, resumed)" if first_step else ""

@@ -8,6 +8,16 @@ new workers continue from the in-memory snapshot of the last completed step (``p
 - ``--snapshot-replica auto|always|off``: where a replica of each rank's snapshot is kept (``State(replica=...)``;
   ``auto``: on the next node's rank when the job spans nodes, none on one node).
 
+When no complete snapshot is left (a shard and its replica both lost: two nodes that held each other's
+replicas, a corrupted own copy and a corrupted replica), the workers fall back to the newest complete
+checkpoint in ``--save DIR``, saying so in one line (``restart 1: no complete in-memory snapshot: rank(s) [3]
+of the newest (step 7, 4 ranks) have neither ...; continuing from the disk checkpoint of step 4 in DIR``),
+and the snapshots left of the abandoned history are dropped (``State.discard``); with no ``--save``, or no
+complete checkpoint in it, every rank stops with one line ending ``no disk checkpoint to continue from
+(--save DIR keeps one): stopped`` (exit 2), and the agent's later attempts, if any, stop at once without
+repeating it (a ``stopped`` file in the node's snapshot folder). Nothing is loaded in either case before the
+choice is made: never a half-restored model.
+
 What the loop reports is part of the snapshot (the losses, learning rates, gradient norms and held-out losses
 so far, the held-out loss before training, the schedule), so a run that lost a rank reports the uninterrupted
 run's numbers. The summary records ``restarts`` (the agent's restart count at the end) and
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from perparam.finetune.errors import FinetuneInputError
@@ -70,20 +81,53 @@ class JobSnapshots:
     def __init__(self, cfg: JobConfig, model, optimizers) -> None:
         from perparam.elastic import State
 
+        self.fell_back: list | None = None  # [step, --save DIR] of a fallback to the disk checkpoint
         self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica, losses=[],
                            lrs=[], norms=[], evals=[], loss_before=None, schedule=None, restored_at_step=[])
 
-    def restore(self, scheduler, lr: float, rank: int, first_step: int) -> int:
+    def restore(self, cfg: JobConfig, model, optimizer, scheduler, rank: int, first_step: int) -> int:
         """The step the last snapshot completed (0 when there is none: steps then count from ``first_step``,
-        ``--resume``'s); the schedule continues there."""
-        step = self.state.restore()
+        ``--resume``'s); the schedule continues there. No complete snapshot left: the ``--save`` checkpoint's
+        step (``self.fell_back``), or :class:`FinetuneInputError` (module docstring)."""
+        from perparam.elastic import SnapshotError
+
+        try:
+            step = self.state.restore()
+        except SnapshotError as exc:
+            if not exc.lost:
+                raise
+            return self._fall_back(cfg, model, optimizer, scheduler, rank, exc.reason)
         if not step:
             self.state.step = first_step
         else:
-            scheduler.restore(self.state.schedule, step, lr)
+            scheduler.restore(self.state.schedule, step, cfg.lr)
             self.state.restored_at_step = [*self.state.restored_at_step, step]
             if rank == 0:
                 print(f"restart {restarts()}: continuing from the in-memory snapshot of step {step}", flush=True)
+        return step
+
+    def _fall_back(self, cfg: JobConfig, model, optimizer, scheduler, rank: int, reason: str) -> int:
+        from perparam import checkpoint
+        from perparam.finetune.checkpointing import resume_from
+
+        stopped = self.state.folder / "stopped"
+        if stopped.exists():  # an earlier attempt of this agent said why already
+            raise SystemExit(2)
+        intact = cfg.save and any(problem is None for _, problem in checkpoint.survey(cfg.save))
+        if not intact:
+            line = (f"restart {restarts()}: {reason}; no disk checkpoint to continue from (--save DIR keeps "
+                    "one): stopped")
+            if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
+                stopped.write_text(line + "\n")
+            raise FinetuneInputError(line)
+        # rank -1: resume_from's own lines unsaid; this one says where from and why
+        step = resume_from(replace(cfg, resume=cfg.save), model, optimizer, -1, scheduler)
+        if rank == 0:
+            print(f"restart {restarts()}: {reason}; continuing from the disk checkpoint of step {step} in "
+                  f"{cfg.save}", flush=True)
+        self.state.step = step
+        self.state.discard()  # the generations of the abandoned history never complete one of the new
+        self.fell_back = [step, str(cfg.save)]
         return step
 
     def commit(self, losses: list, lrs: list, norms: list, evals: list, loss_before: float, scheduler) -> None:
@@ -93,7 +137,8 @@ class JobSnapshots:
         s.commit()
 
     def summary(self) -> dict:
-        return {"restarts": restarts(), "restored_at_step": self.state.restored_at_step}
+        return {"restarts": restarts(), "restored_at_step": self.state.restored_at_step,
+                "restored_from_checkpoint": self.fell_back}
 
     def close(self) -> None:
         self.state.close()
