@@ -12,9 +12,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .api_checks import (
-    _GROUPS,
-    _GROUPS_LOCK,
-    _TAKEN,
     _check_containers,
     _check_mesh,
     _check_param,
@@ -215,11 +212,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     sharded_params = []
     for (fqn, original, slots), res, tp, pmesh, prank in zip(found, resolved, tps, meshes, ranks):
         sp = ShardedParam(fqn, slots, original, pmesh, prank, res, tp)  # each resolved once, above
-        adopt.record(original, sp)
+        adopt.record(original, sp, owner)
         sp.register_sharded()
         if sp.stored_quantized:
             sp.register_scales()
-        _TAKEN[original] = (owner, fqn)
         sharded_params.append(sp)
 
     group = ParamGroup(modules, sharded_params, mesh, reshard_after_forward, mp_policy,
@@ -236,8 +232,6 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             + ([group.parts[0].secondary.pg] if secondary_size is not None else [])
             + [dist.group.WORLD], mesh.device_type)  # WORLD: clip_grad_norm_'s all-reduce
     peers.register()  # this rank's host and pid in the store: a PeerLostError can name a peer that dies
-    with _GROUPS_LOCK:
-        _GROUPS.add(group)
     for sp in sharded_params:
         sp.on_grad_ready = functools.partial(hooks.grad_ready, group)  # called with the parameter
         shard_view.link(sp)  # stage 1/2 at P: the shard becomes its kept copy's own rows

@@ -6,15 +6,12 @@ default mesh."""
 from __future__ import annotations
 
 import numbers
-import threading
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from mesh import MeshError, check_dp_mesh, default_device_type
 
@@ -22,16 +19,9 @@ from .errors import ShardingError
 from .module import (
     group_of,
 )
+from .runtime.live_groups import GROUPS
+from .runtime.optim.registry import REGISTRY
 from .runtime.tp import TensorParallel, compose
-
-#: original (replaced) parameter object -> (owner, name) of the group that took it over, so a parameter
-#: still registered elsewhere (tied across calls) is caught. Weak: the original's memory is not kept.
-_TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-#: every live group, to recognise a parameter that an earlier call already sharded (a weak set of groups:
-#: a weakref on the parameter itself would block ``to_empty``'s ``swap_tensors``).
-_GROUPS: weakref.WeakSet = weakref.WeakSet()
-_GROUPS_LOCK = threading.Lock()  # ranks as threads of one process shard at once (torch's threaded pg)
 
 
 def _ignored(ignored_params, found) -> set[int]:
@@ -168,9 +158,9 @@ def _collect(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, li
 
 
 def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]) -> None:
-    with _GROUPS_LOCK:
-        groups = list(_GROUPS)
-    earlier = next((g for g in groups if g.manages(p)), None)
+    # the live groups (``GROUPS``, weak on each group: a weakref on the parameter itself would block
+    # ``to_empty``'s ``swap_tensors``) recognise a parameter an earlier call already sharded
+    earlier = next((g for g in GROUPS.snapshot() if g.manages(p)), None)
     if earlier is not None:
         other_fqn = next(sp.fqn for sp in earlier.params if sp.sharded is p)
         inside = any(sub is m for em in earlier.modules for sub in em.modules() for m in modules)
@@ -185,9 +175,9 @@ def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]
             f"belongs to one group: build the model again and shard both modules in one call (fully_shard([the "
             f"{earlier.name}, this {owner}])), or shard the shared submodule first with its own fully_shard call, "
             "before both")
-    taken = _TAKEN.get(p)
+    taken = REGISTRY.replaced.get(p)  # the parameter an earlier call replaced (tied across calls)
     if taken is not None:
-        other, other_fqn = taken
+        other, other_fqn = taken.call, taken.fqn
         raise ShardingError(
             f"parameter '{fqn}' of {owner} (this call) is shared with parameter '{other_fqn}' of an earlier "
             f"fully_shard call on {other}; a parameter can belong to one group only: build the model again and shard "

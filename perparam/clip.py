@@ -39,6 +39,7 @@ from mesh import AXIS_NAMES, default_device_type
 from .comm import collectives
 from .comm.peers import lost_peers
 from .runtime import owner_grads
+from .runtime.live_groups import GROUPS
 
 __all__ = ["clip_grad_norm_", "copies", "outside_copies", "local_contribution", "combine", "DISTINCT_AXES",
            "REPLICATED_AXES"]
@@ -207,9 +208,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             mesh = g.device_mesh
             if id(mesh) not in per_mesh:
                 per_mesh[id(mesh)] = _mesh_copies(mesh, distinct_axes, replicated_axes)
-            held = owner_grads.clip_view(g)  # reduced to its owner: the owner's whole gradient counts
+            sp = GROUPS.sharded_param(p)
+            # reduced to its owner: the owner's whole gradient counts
+            held = None if sp is None else owner_grads.clip_view(sp, g)
             if held is not None:
-                held_for_owner.append(g)
+                held_for_owner.append((sp, g))
             shards.append((g.to_local() if held is None else held,
                            copies(mesh.shape, g.placements) * per_mesh[id(mesh)]))
         except ValueError as e:
@@ -234,8 +237,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
                            "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                            "norm anyway, set `error_if_nonfinite=False`")
     clip_grads_with_norm_([_GradHolder(t) for t, _ in shards], max_norm, total, foreach)
-    for g in held_for_owner:  # a whole gradient held for its owner: its rows' record follows the scaling
-        owner_grads.refresh(g)
+    for sp, g in held_for_owner:  # a whole gradient held for its owner: its rows' record follows the scaling
+        owner_grads.refresh(sp, g)
     return total
 
 

@@ -9,12 +9,14 @@ function (a counter in a test, a profiler) sees perparam's calls.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.distributed as dist
 
 #: (new name, old name) per collective; the new name wins where torch has it
-RENAMED = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
-           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+RENAMED = MappingProxyType({"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                            "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")})
 
 
 def choose(prefer_old: bool = False) -> dict[str, str]:

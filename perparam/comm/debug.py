@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from . import c10d
 _enabled = os.environ.get("PERPARAM_DEBUG", "") not in ("", "0")
 _timeout_s = float(os.environ.get("PERPARAM_DEBUG_TIMEOUT", "60"))
 _KEY = "perparam_debug/rank{}"  # the default store's key where a rank posts the collective it checks
-_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4}
+_KINDS = MappingProxyType({"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4})
 
 
 class CollectiveMismatchError(RuntimeError):

@@ -30,28 +30,27 @@ from __future__ import annotations
 import torch
 
 from .optim.binding import install_global_hook
-from .optim.registry import REGISTRY
+from .optim.registry import REGISTRY, Replacement
 from .optim.retarget import FLATTENING_OPTIMIZERS, ReplacedParameterError, UnflattenableShardError
 
 __all__ = ["FLATTENING_OPTIMIZERS", "ReplacedParameterError", "UnflattenableShardError", "record", "state_dtypes"]
 
 #: attributes nn.Parameter / DTensor keep in ``__dict__`` themselves: never copied
-_INTERNAL = {"_is_param", "_local_tensor", "_spec"}
+_INTERNAL = frozenset({"_is_param", "_local_tensor", "_spec"})
 
 
-def record(original: torch.Tensor, owner) -> None:
-    """Remember that ``owner.sharded`` (``owner``: a ``ShardedParam``) replaced ``original`` and copy the
-    user's attributes onto it, and its post-accumulate-grad hooks: the same dict, so a handle taken before
-    ``fully_shard`` still removes the hook (perparam runs them on the sharded parameter after each
-    reduction, ``IterationContext``)."""
+def record(original: torch.Tensor, owner, call: str) -> None:
+    """Remember that ``owner.sharded`` (``owner``: a ``ShardedParam``) replaced ``original`` in the
+    ``fully_shard`` call over ``call`` (the modules' names) and copy the user's attributes onto it, and its
+    post-accumulate-grad hooks: the same dict, so a handle taken before ``fully_shard`` still removes the
+    hook (perparam runs them on the sharded parameter after each reduction, ``IterationContext``)."""
     sharded = owner.sharded
     for key, value in original.__dict__.items():
         if key not in _INTERNAL and key not in sharded.__dict__:
             sharded.__dict__[key] = value
     if original._post_accumulate_grad_hooks:
         sharded._post_accumulate_grad_hooks = original._post_accumulate_grad_hooks
-    REGISTRY.replaced[original] = sharded
-    REGISTRY.sharded.add(owner)
+    REGISTRY.replaced[original] = Replacement(sharded, call, owner.fqn)
     REGISTRY.generation += 1
     install_global_hook()
 

@@ -61,10 +61,11 @@ class IterationContext:
         self.pending: deque[tuple[ParamGroup, PendingReduce]] = deque()
         self.callback_queued = False
         self.keep_gathered = False
-        #: groups whose unsharded storage the last backward kept (``set_reshard_after_backward(False)`` then, or
-        #: ``create_graph=True``): the next root forward keeps it whatever the setting says by then, as FSDP2
-        #: does (``hooks._start_iteration``); a shard changed since (an optimizer step) is gathered anew
-        self.kept_by_backward: set[ParamGroup] = set()
+        #: groups whose unsharded storage the last backward left gathered
+        #: (``set_reshard_after_backward(False)`` then, or ``create_graph=True``): the next root forward
+        #: leaves it so whatever the setting says by then, as FSDP2 does (``hooks._start_iteration``); a
+        #: shard changed since (an optimizer step) is gathered anew
+        self.gathered_after_backward: set[ParamGroup] = set()
         #: (reduction's issue number, position in it, parameter) for each parameter whose sharded ``.grad``
         #: received a reduced gradient in this backward: their post-accumulate-grad hooks run at the end of
         #: the final callback (``run_grad_hooks``)
@@ -149,5 +150,5 @@ class IterationContext:
         self.reduce_cursor = 0
         self.callback_queued = False
         self.keep_gathered = False
-        self.kept_by_backward = set()
+        self.gathered_after_backward = set()
         self.grad_hooks_due = []

@@ -94,16 +94,16 @@ def _recomputing() -> bool:
 
 
 def _start_iteration(ctx: IterationContext, root: ParamGroup) -> None:
-    """A new root forward: drop storage kept for a backward that never came (it may be stale) unless the
-    group keeps it deliberately (``set_reshard_after_backward(False)`` now, or when the last backward kept
-    it: ``ctx.kept_by_backward``, so the last micro-batch of FSDP2's ``set_reshard_after_backward(is_last)``
-    pattern gathers nothing in forward), and index the last forward's order for prefetching. An optimizer
+    """A new root forward: drop storage gathered for a backward that never came (it may be stale) unless
+    the group leaves it gathered deliberately (``set_reshard_after_backward(False)`` now, or the last backward
+    did: ``ctx.gathered_after_backward``, so the last micro-batch of FSDP2's ``set_reshard_after_backward(
+    is_last)`` gathers nothing in forward), and index the last forward's order for prefetching. An optimizer
     step this thread left open (its step proper raised) is over (``perparam.runtime.optim.binding``)."""
     OPTIMIZERS.forward_began()
     grad_enabled = torch.is_grad_enabled()
-    kept, ctx.kept_by_backward = ctx.kept_by_backward, set()
+    gathered, ctx.gathered_after_backward = ctx.gathered_after_backward, set()
     for g in ctx.groups:
-        if g.registered_unsharded or not g.storage_alive or not g.reshard_after_backward or g in kept:
+        if g.registered_unsharded or not g.storage_alive or not g.reshard_after_backward or g in gathered:
             continue
         if grad_enabled or g.reshard_after_forward:  # kept by no_grad forwards until a training forward
             g.free()
@@ -393,7 +393,7 @@ def _final_callback(ctx: IterationContext) -> None:
         if g.reshard_after_backward and not ctx.keep_gathered:
             g.free()
         g.force_state(IDLE)
-    ctx.kept_by_backward = {g for g in ctx.groups if g.storage_alive}
+    ctx.gathered_after_backward = {g for g in ctx.groups if g.storage_alive}
     ctx.grad_order_closed = True
     ctx.keep_gathered = False
     ctx.callback_queued = False

@@ -37,6 +37,7 @@ from .optim.step import GradKind
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 _NO_OFFLOAD = OffloadPolicy()
+_ABSENT = object()
 
 
 def has_closure(args, kwargs) -> bool:
@@ -47,13 +48,14 @@ def has_closure(args, kwargs) -> bool:
     return closure is not None
 
 
-def _local(optimizer, owners, step) -> dict[int, DTensor] | None:
-    """id -> sharded parameter of ``owners`` when the step may run on their local shards (one pass over
-    them), else ``None``."""
+def _local(optimizer, owners, step) -> dict[int, DTensor | None] | None:
+    """id(sharded parameter) -> its sharded ``.grad`` (as the step read it), for the parameters of ``owners``,
+    when the step may run on their local shards (one pass over them), else ``None``."""
     if not config.current().local_optimizer_step or not owners:
         return None
     if any(group.get("differentiable", False) for group in optimizer.param_groups):
         return None
+    grads = step.grads()
     mine = {}
     for sp in owners:
         p = sp.sharded
@@ -61,14 +63,14 @@ def _local(optimizer, owners, step) -> dict[int, DTensor] | None:
         offload = sp.policy.offload
         if not shard.is_cpu or (offload is not _NO_OFFLOAD and offload != _NO_OFFLOAD):
             return None
-        grad = p.grad
-        if grad is not None and step.kind(sp) is GradKind.OTHER:  # perparam's own gradient has what is checked below
+        grad, kind = grads[id(sp)]
+        if kind is GradKind.OTHER:  # perparam's own gradient has what is checked below
             if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
                 return None
             local = grad._local_tensor
             if local.shape != shard.shape or local.dtype != shard.dtype or local.is_sparse:
                 return None
-        mine[id(p)] = p
+        mine[id(p)] = grad
     return mine
 
 
@@ -83,10 +85,11 @@ def swap_in(optimizer, owners, step) -> list | None:
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
-            if id(p) not in mine:
+            grad = mine.get(id(p), _ABSENT)
+            if grad is _ABSENT:
                 continue
             local = p._local_tensor
-            local.grad = None if p.grad is None else p.grad._local_tensor
+            local.grad = None if grad is None else grad._local_tensor
             state = optimizer.state.pop(p, None)
             if state is not None:
                 optimizer.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v

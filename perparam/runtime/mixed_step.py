@@ -4,11 +4,13 @@ the optimizer, the parameter and the owner policy (``owner_step.mixed_step_error
 message from inside the optimizer's code. On one rank too: the parameters are DTensors there as well
 (transformers' Adafactor fails on them at K = 1, where the whole-matrix check has nothing to refuse).
 
-``watch(optimizer, held, held_of)``, at the optimizer's first step (``adopt``), for an optimizer whose class
-is not torch's and that steps a sharded parameter outside the owner policy: a step pre-hook enters a
-``TorchFunctionMode`` that lets every call through and turns that one error into ``WholeMatrixShardError``;
-the post-hook leaves it. A step that raised leaves the mode entered: the next step's pre-hook leaves it first
-(a spent mode lets everything through). Cost: one Python call per torch call inside such a step.
+``watch(optimizer, held, binding)``, when the optimizer's parameters are checked (the ``Retarget`` stage of
+its binding), for an optimizer whose class is not torch's and that steps a sharded parameter outside the
+owner policy: a step pre-hook enters a ``TorchFunctionMode`` that lets every call through and turns that
+one error into ``WholeMatrixShardError``; the post-hook leaves it. The mode entered is kept on the
+optimizer's binding (``Binding.mixed_catch``). A step that raised leaves the mode entered: the next step's
+pre-hook leaves it first (a spent mode lets everything through). Cost: one Python call per torch call
+inside such a step.
 """
 
 from __future__ import annotations
@@ -26,9 +28,6 @@ __all__ = ["MIXED", "watch"]
 
 #: DTensor's words for an operation given a plain tensor beside a DTensor
 MIXED = "got mixed torch.Tensor and DTensor"
-
-_watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its _Catch while entered
-
 
 class _Catch(TorchFunctionMode):
     """Lets every torch call through; the first raising ``MIXED`` is raised as ``WholeMatrixShardError``."""
@@ -93,33 +92,35 @@ def _covered(optimizer, held) -> list:
     return out
 
 
-def watch(optimizer: torch.optim.Optimizer, held, held_of) -> None:
-    """``held``: the ``ShardedParam``s ``optimizer`` holds now; ``held_of(optimizer)``: at each step. Register the pre/post hooks of ``optimizer`` that name its step's mixed-tensor error (once per optimizer;
-    nothing for torch's own optimizers, whole-matrix ones, or one holding no parameter a step may fail on)."""
-    if optimizer in _watched or type(optimizer).__module__.split(".")[0] == "torch":
+def watch(optimizer: torch.optim.Optimizer, held, binding) -> None:
+    """``held``: the ``ShardedParam``s ``optimizer`` holds now; ``binding``: its ``Binding`` (``binding.held``
+    at each step; ``mixed_watched``, ``mixed_catch``: this check's state). Register the pre/post hooks of
+    ``optimizer`` that name its step's mixed-tensor error (once per optimizer; nothing for torch's own
+    optimizers, whole-matrix ones, or one holding no parameter a step may fail on)."""
+    if binding.mixed_watched or type(optimizer).__module__.split(".")[0] == "torch":
         return
     if not _covered(optimizer, held):
         return
-    _watched[optimizer] = None
+    binding.mixed_watched = True
 
     def pre_hook(opt, args, kwargs) -> None:
-        _leave(opt)  # left entered by a step that raised
-        catch = _Catch(opt, held_of(opt))
+        _leave(binding)  # left entered by a step that raised
+        catch = _Catch(opt, binding.held)
         catch.__enter__()
-        _watched[opt] = catch
+        binding.mixed_catch = catch
 
     def post_hook(opt, args, kwargs) -> None:
-        _leave(opt)
+        _leave(binding)
 
     optimizer.register_step_pre_hook(untraced(pre_hook))
     optimizer.register_step_post_hook(untraced(post_hook))
 
 
-def _leave(optimizer) -> None:
-    catch = _watched.get(optimizer)
+def _leave(binding) -> None:
+    catch = binding.mixed_catch
     if catch is None:
         return
-    _watched[optimizer] = None
+    binding.mixed_catch = None
     stack = torch._C._len_torch_function_stack()
     if stack and torch._C._get_function_stack_at(stack - 1) is catch:
         catch.__exit__(None, None, None)

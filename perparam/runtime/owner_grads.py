@@ -37,7 +37,7 @@ class OwnerStepError(ShardingError, RuntimeError):
     kind)."""
 
 
-class _Held:
+class HeldGrad:
     """What a sharded ``.grad`` of an owner parameter stands for: ``whole``, the whole gradient on the owner
     (``None`` elsewhere); ``digest``, of this rank's rows when perparam wrote them (``None``: rows filled with
     NaN by perparam, which are never all zero unless empty); ``owner``, the rank it was reduced to; ``version``,
@@ -50,36 +50,62 @@ class _Held:
         self.intact = None  # between clip_view and refresh: the rows' bits were perparam's (0-dim bool)
 
 
-#: sharded ``.grad`` DTensor -> ``_Held``: a gradient reduced to its owner
-_HELD: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: sharded ``.grad`` DTensor (rows, reduce-scattered) -> ``_Held``: its whole, as assembled on the owner for a
-#: step (``remember``), which the next reduction to the owner accumulates onto
-_PRIOR: WeakIdKeyDictionary = WeakIdKeyDictionary()
+class OwnerGradRecords:
+    """The gradients of one ``update="owner"`` parameter that perparam wrote, by identity and weakly (nothing
+    here keeps a gradient alive; a ``.grad`` set to ``None`` or replaced is no longer one): ``held``, sharded
+    ``.grad`` DTensor -> ``HeldGrad`` of a gradient reduced to its owner; ``prior``, sharded ``.grad`` (rows,
+    reduce-scattered) -> ``HeldGrad`` of its whole as assembled on the owner for a step (``remember``), which
+    the next reduction to the owner accumulates onto. Owned by the parameter (``ShardedParam.owner_grads``),
+    made at its first such gradient."""
+
+    __slots__ = ("held", "prior")
+
+    def __init__(self) -> None:
+        self.held: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.prior: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def at_owner(sp) -> bool:
-    """``sp``'s current ``.grad`` came from a reduction to its owner (the same answer on every rank)."""
-    grad = sp.sharded.grad
-    return grad is not None and grad in _HELD
+def _records(sp) -> OwnerGradRecords:
+    records = sp.owner_grads
+    if records is None:
+        records = sp.owner_grads = OwnerGradRecords()
+    return records
+
+
+def _held(sp, grad) -> HeldGrad | None:
+    """The record of ``grad`` (``sp``'s sharded ``.grad`` or ``None``) as a gradient reduced to its owner."""
+    records = sp.owner_grads
+    return None if grad is None or records is None else records.held.get(grad)
+
+
+_READ = object()
+
+
+def at_owner(sp, grad=_READ) -> bool:
+    """``sp``'s current ``.grad`` (``grad``, when the caller read it already) came from a reduction to its
+    owner (the same answer on every rank)."""
+    if grad is _READ:
+        grad = sp.sharded.grad
+    records = sp.owner_grads  # (``_held`` inline: asked once per owner parameter per step)
+    return grad is not None and records is not None and grad in records.held
 
 
 def whole(sp) -> torch.Tensor | None:
     """On ``sp``'s owner, the whole reduced gradient it holds (``None`` elsewhere, or when none is held)."""
-    grad = sp.sharded.grad
-    entry = _HELD.get(grad) if grad is not None else None
+    entry = _held(sp, sp.sharded.grad)
     return entry.whole if entry is not None else None
 
 
 def reduced_to(sp) -> int:
     """The rank ``sp``'s held gradient was reduced to (``at_owner(sp)`` must hold)."""
-    return _HELD[sp.sharded.grad].owner
+    return sp.owner_grads.held[sp.sharded.grad].owner
 
 
-def clip_view(grad) -> torch.Tensor | None:
-    """For ``perparam.clip_grad_norm_``: ``None`` when ``grad`` (a sharded ``.grad``) is not one reduced to its
-    owner; else the tensor whose elements count for the norm and are scaled, the whole gradient on the
-    owner and an empty tensor elsewhere."""
-    entry = _HELD.get(grad)
+def clip_view(sp, grad) -> torch.Tensor | None:
+    """For ``perparam.clip_grad_norm_``: ``None`` when ``grad`` (``sp``'s sharded ``.grad``) is not one
+    reduced to its owner; else the tensor whose elements count for the norm and are scaled, the whole
+    gradient on the owner and an empty tensor elsewhere."""
+    entry = _held(sp, grad)
     if entry is None:
         return None
     if entry.whole is None:
@@ -88,12 +114,12 @@ def clip_view(grad) -> torch.Tensor | None:
     return entry.whole
 
 
-def refresh(grad) -> None:
+def refresh(sp, grad) -> None:
     """After ``perparam.clip_grad_norm_`` scaled the whole gradient held for ``grad`` (``clip_view``): record
     the owner's rows as they are now, so ``check_untouched`` accepts them, unless they had been changed
     before the clip (an unscale, torch's clip: ``clip_view`` compared them): then the record stays one they
     cannot match, and the step refuses (on the device, no host read)."""
-    entry = _HELD.get(grad)
+    entry = _held(sp, grad)
     if entry is not None and entry.whole is not None:
         now = rows_digest(grad._local_tensor)
         entry.digest = now if entry.intact is None else torch.where(entry.intact, now, now + 1)
@@ -107,8 +133,8 @@ def check_untouched(sp) -> None:
     whole gradient the step reads, and on the other ranks the rows are NaN. Rows all zero
     (``zero_grad(set_to_none=False)`` between backward and the step) zero the whole gradient instead. The
     owner step raises it on every rank of the axis (``OwnerStepRaised``)."""
-    grad = sp.sharded.grad
-    entry = _HELD.get(grad) if grad is not None else None
+    grad, records = sp.sharded.grad, sp.owner_grads
+    entry = None if grad is None or records is None else records.held.get(grad)  # (``_held`` inline)
     if entry is None or entry.whole is None:
         return
     rows = grad._local_tensor
@@ -132,12 +158,13 @@ def remember(sp, whole_grad: torch.Tensor | None) -> None:
     other ranks) for ``sp``'s current ``.grad``, so a later reduction to the owner accumulates onto it
     (``accumulate``). Called on every rank alike; nothing visible changes."""
     grad = sp.sharded.grad
-    if grad is None or grad in _HELD:
+    records = _records(sp)
+    if grad is None or grad in records.held:
         return
-    _PRIOR[grad] = _Held(whole_grad, rows_digest(grad._local_tensor), sp.owner_rank, grad._version)
+    records.prior[grad] = HeldGrad(whole_grad, rows_digest(grad._local_tensor), sp.owner_rank, grad._version)
 
 
-def _zeroed(grad, entry: _Held) -> torch.Tensor | None:
+def _zeroed(grad, entry: HeldGrad) -> torch.Tensor | None:
     """This rank's witness that ``grad`` (standing for ``entry``) was zeroed in place since perparam wrote it:
     its rows all zero (none: an empty shard) and changed (its version, or its digest, or NaN rows now not
     NaN); a 0-dim bool on the device, ``None`` for no."""
@@ -156,7 +183,7 @@ def witness(sp, dtype: torch.dtype) -> torch.Tensor:
     else 0; sent to the owner in the step's gather (``owner_exchange.gather``), so an owner holding no rows of
     the matrix learns of a zeroing between backward and the step from its peers. On the device."""
     grad = sp.sharded.grad
-    seen = _zeroed(grad, _HELD[grad])
+    seen = _zeroed(grad, sp.owner_grads.held[grad])
     if seen is None:
         return torch.zeros(1, dtype=dtype, device=grad._local_tensor.device)
     return seen.reshape(1).to(dtype)
@@ -165,7 +192,7 @@ def witness(sp, dtype: torch.dtype) -> torch.Tensor:
 def zero_if_witnessed(sp, witnessed: torch.Tensor) -> None:
     """On ``sp``'s owner, with ``witnessed`` the peers' ``witness`` flags summed (0-dim, on the device): the
     held whole gradient becomes zero where a peer saw its rows zeroed in place, selected on the device."""
-    held = _HELD[sp.sharded.grad].whole
+    held = sp.owner_grads.held[sp.sharded.grad].whole
     held.masked_fill_((witnessed > 0).reshape([1] * held.dim()), 0)
 
 
@@ -175,8 +202,8 @@ def zeroed_flags(params, dtype: torch.dtype, device) -> torch.Tensor | None:
     the reduction to the owners to sum over the ranks; ``None`` when none is (all zeros)."""
     flags = []
     for sp in params:
-        grad = sp.sharded.grad
-        entry = None if grad is None else _HELD.get(grad, _PRIOR.get(grad))
+        grad, records = sp.sharded.grad, sp.owner_grads
+        entry = None if grad is None or records is None else records.held.get(grad, records.prior.get(grad))
         flags.append(None if entry is None else _zeroed(grad, entry))
     if all(f is None for f in flags):
         return None
@@ -201,9 +228,9 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
     takes ``reduced`` alone. A ``.grad`` kept for a step (``remember``) is accumulated onto. Raises
     ``OwnerStepError`` (on every rank alike) when ``.grad`` holds a gradient of another kind (the user's)."""
     lay, p = sp.layout, sp.sharded
-    grad = p.grad
-    entry = _HELD.get(grad) if grad is not None else None
-    prior = _PRIOR.pop(grad, None) if grad is not None and entry is None else None
+    grad, records = p.grad, _records(sp)
+    entry = records.held.get(grad) if grad is not None else None
+    prior = records.prior.pop(grad, None) if grad is not None and entry is None else None
     if grad is not None and entry is None and prior is None:
         raise OwnerStepError(f"parameter '{sp.path}' has its gradient reduced to its owner (configure(owner_grad="
                              "'owner')) but its .grad holds a gradient of another kind (assigned, or "
@@ -233,4 +260,5 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
         held = None
         rows = torch.full(lay.local_shape(sp.shard_rank), float("nan"), dtype=p.dtype, device=p._local_tensor.device)
     p.grad = _dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
-    _HELD[p.grad] = _Held(held, rows_digest(rows) if held is not None else None, sp.owner_rank, p.grad._version)
+    digest = rows_digest(rows) if held is not None else None
+    records.held[p.grad] = HeldGrad(held, digest, sp.owner_rank, p.grad._version)

@@ -195,10 +195,10 @@ def plan(optimizer: torch.optim.Optimizer, held, before: Routing | None) -> Rout
         pg = shard_group(sp)
         per_pg.setdefault(id(pg), (pg, []))[1].append((sp, ns_steps))
     buckets, by_id, loads = [], {}, {}
-    kept = before.by_id if before is not None else {}  # owners already holding state stay where they are
+    planned = before.by_id if before is not None else {}  # owners already holding state stay where they are
     for pg, items in per_pg.values():
-        fixed = {i: kept[id(sp.sharded)].owner for i, (sp, _) in enumerate(items)
-                 if id(sp.sharded) in kept and shard_group(kept[id(sp.sharded)].sp) is pg}
+        fixed = {i: planned[id(sp.sharded)].owner for i, (sp, _) in enumerate(items)
+                 if id(sp.sharded) in planned and shard_group(planned[id(sp.sharded)].sp) is pg}
         result = owner_plan([ns_cost(sp.global_shape, ns) for sp, ns in items], pg.size(), fixed,
                             kinds=[tuple(sp.global_shape) for sp, _ in items])
         loads[pg.group_name] = result.loads
@@ -232,8 +232,19 @@ def step_in(optimizer: torch.optim.Optimizer, route: Routing | None, step, stepp
     ``step_out`` puts back (``None``: nothing routed). ``step``: the step, which knows each gradient's kind."""
     if route is None:
         return None
-    live = [(b, [e for e in b.entries if step.kind(e.sp) is not GradKind.NONE]) for b in route.buckets]
-    live = [(b, es) for b, es in live if es]
+    grads = step.grads()
+    # per bucket with gradients: its entries with one, and whether each was reduced to its owner
+    live, held = [], []
+    for bucket in route.buckets:
+        entries, reduced = [], []
+        for e in bucket.entries:
+            kind = grads[id(e.sp)][1]
+            if kind is not GradKind.NONE:
+                entries.append(e)
+                reduced.append(kind is GradKind.HELD)
+        if entries:
+            live.append((bucket, entries))
+            held.append(tuple(reduced))
     if not live:
         return None
     if step.closure:
@@ -247,35 +258,41 @@ def step_in(optimizer: torch.optim.Optimizer, route: Routing | None, step, stepp
     mine = None  # the exception this rank's step raised: its later buckets travel unstepped
     keep = config.current().owner_grad == "owner"
     pool = route.staging
-    held = [tuple(step.kind(e.sp) is GradKind.HELD for e in es) for _, es in live]  # reduced to the owner
-    with torch.no_grad():
-        moves = owner_exchange.travels(*live[0], held[0])
-        posted = owner_exchange.gather(*live[0], moves, held[0], pool)
-        for i, (bucket, entries) in enumerate(live):
-            wholes = owner_exchange.assemble(bucket, entries, moves, held[i], posted.wait())
-            posted.release()
-            if keep:  # the whole gradients assembled from rows: the next reduction to the owners adds onto them
-                owner_exchange.remember(entries, moves, wholes)
-            if i + 1 < len(live):
-                moves = owner_exchange.travels(*live[i + 1], held[i + 1])
-                posted = owner_exchange.gather(*live[i + 1], moves, held[i + 1], pool)
-            raised = None
-            if wholes and mine is None:
-                try:
-                    for e in entries:  # a .grad changed after a reduction to its owner: refused
-                        if id(e.sp.sharded) in wholes:
-                            owner_grads.check_untouched(e.sp)
-                    with stepping_whole():
-                        _step_whole(optimizer, groups, wholes, stock)
-                except Exception as e:  # noqa: BLE001 - raised again on every rank below, as the cause here
-                    raised = mine = e
-            scattered.append((bucket, entries, owner_exchange.scatter(bucket, entries, wholes, raised is not None, pool)))
-            del wholes
-        flags = owner_exchange.land(scattered)
-    failed = [(b, owner) for (b, _, _), per in zip(scattered, flags) for owner, bad in enumerate(per) if bad]
-    if failed:  # the flags: the owner path's one host read per step
-        _raise_everywhere(optimizer, failed, mine)
-    for group, params in groups:
+    try:  # each bucket's step narrows ``param_groups`` to its wholes; put back only where this raises
+        with torch.no_grad():
+            moves = owner_exchange.travels(*live[0], held[0])
+            posted = owner_exchange.gather(*live[0], moves, held[0], pool)
+            for i, (bucket, entries) in enumerate(live):
+                wholes = owner_exchange.assemble(bucket, entries, moves, held[i], posted.wait())
+                posted.release()
+                if keep:  # the wholes assembled from rows: the next reduction to the owners adds onto them
+                    owner_exchange.remember(entries, moves, wholes)
+                if i + 1 < len(live):
+                    moves = owner_exchange.travels(*live[i + 1], held[i + 1])
+                    posted = owner_exchange.gather(*live[i + 1], moves, held[i + 1], pool)
+                raised = None
+                if wholes and mine is None:
+                    try:
+                        for e in entries:  # a .grad changed after a reduction to its owner: refused
+                            if id(e.sp.sharded) in wholes:
+                                owner_grads.check_untouched(e.sp)
+                        with stepping_whole():
+                            _step_whole(optimizer, groups, wholes, stock)
+                    except Exception as e:  # noqa: BLE001 - raised again on every rank below, as the cause
+                        raised = mine = e
+                scattered.append((bucket, entries,
+                                  owner_exchange.scatter(bucket, entries, wholes, raised is not None, pool)))
+                del wholes
+            flags = owner_exchange.land(scattered)
+        failed = [(b, owner) for (b, _, _), per in zip(scattered, flags)
+                  for owner, bad in enumerate(per) if bad]
+        if failed:  # the flags: the owner path's one host read per step
+            _raise_everywhere(optimizer, failed, mine)
+    except BaseException:
+        for group, params in groups:  # as they were: the step proper does not run
+            group["params"] = params
+        raise
+    for group, params in groups:  # once, after the last bucket: the step proper steps the rest
         group["params"] = [p for p in params if id(p) not in routed]
     for pid in routed:  # an empty entry where this rank owns none (owner_state: DCP's empty-state test)
         optimizer.state.setdefault(route.by_id[pid].sp.sharded, {})
@@ -283,8 +300,9 @@ def step_in(optimizer: torch.optim.Optimizer, route: Routing | None, step, stepp
 
 
 def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
-    """The optimizer's own step on the whole tensors of ``wholes`` alone (each group narrowed to its own
-    ones, their state re-keyed to them and back); ``param_groups`` as before afterwards."""
+    """The optimizer's own step on the whole tensors of ``wholes`` alone (each group of ``groups``, (group,
+    its parameters), narrowed to its own ones, their state re-keyed to them and back); ``param_groups`` stay
+    narrowed (``step_in`` sets them once, after the last bucket)."""
     for group, params in groups:
         group["params"] = [wholes[id(p)][1] for p in params if id(p) in wholes]
     for p, whole in wholes.values():
@@ -294,8 +312,6 @@ def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
     try:
         stock(optimizer)
     finally:
-        for group, params in groups:
-            group["params"] = params
         for p, whole in wholes.values():
             state = optimizer.state.pop(whole, None)
             if state is not None:

@@ -95,6 +95,9 @@ class ShardedParam(ParamGradients):
         self._whole_digest: torch.Tensor | None = None
         #: ``update="owner"``: its owner's rank on the shard axis once an optimizer planned it (``owner_step.plan``)
         self.owner_rank: int | None = None
+        #: ``update="owner"``: the gradients perparam wrote for it (``owner_grads.OwnerGradRecords``), from
+        #: its first reduction to its owner
+        self.owner_grads = None
         #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
         self.kept = policy.keeps_unsharded
         #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was gathered (``runtime.zero``)

@@ -42,7 +42,7 @@ def hold(group, item: PendingReduce) -> bool:
     group.call.held_unsynced.update(id(p) for p in item.params)
     held = group.partial_reduce.get(_key(item))
     if held is None:
-        group.partial_reduce[_key(item)] = _Held(item.params, item.offsets, item.recv, item.replicated)
+        group.partial_reduce[_key(item)] = _HeldSum(item.params, item.offsets, item.recv, item.replicated)
     else:
         held.tensor = _laid_out(held, item).add_(item.recv)
         held.params, held.offsets = item.params, item.offsets
@@ -56,7 +56,7 @@ def merge(group, item: PendingReduce) -> None:
         item.recv.add_(_laid_out(held, item))
 
 
-class _Held:
+class _HeldSum:
     """A held sum: the reduction output ``tensor`` of ``params`` (pieces at ``offsets``, then the flags:
     ``PendingReduce.flag_rows``); ``replicated`` as its reductions' (what the tail's ``pieces`` read)."""
 
@@ -66,7 +66,7 @@ class _Held:
         self.params, self.offsets, self.tensor, self.replicated = params, offsets, tensor, replicated
 
 
-def _laid_out(held: _Held, item: PendingReduce):
+def _laid_out(held: _HeldSum, item: PendingReduce):
     """``held``'s sum in ``item``'s layout: itself when the parameters are the same; else (a parameter unfrozen
     between micro-batches joins the reduction; a held one never leaves it) each held piece and used flag
     copied to its place among ``item``'s, zeros for the others."""

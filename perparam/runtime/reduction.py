@@ -88,7 +88,7 @@ class PendingReduce:
 #: (used flags, dtype, device) -> the flags as a tensor there: a step's flags are uploaded once, not per
 #: reduction (``torch.tensor(host list, device=cuda)`` is a synchronous copy)
 _FLAGS: dict[tuple, torch.Tensor] = {}
-_FLAGS_KEPT = 256  # distinct patterns kept; past that the cache starts again
+_FLAGS_MAX = 256  # distinct patterns kept; past that the cache starts again
 
 
 def used_flags(used: tuple[bool, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -99,7 +99,7 @@ def used_flags(used: tuple[bool, ...], dtype: torch.dtype, device: torch.device)
     key = (tuple(bool(u) for u in used), dtype, torch.device(device))
     flags = _FLAGS.get(key)
     if flags is None:
-        if len(_FLAGS) >= _FLAGS_KEPT:
+        if len(_FLAGS) >= _FLAGS_MAX:
             _FLAGS.clear()
         flags = _FLAGS[key] = torch.tensor(key[0], dtype=dtype, device=device)
     return flags

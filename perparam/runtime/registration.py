@@ -29,7 +29,6 @@ refused by the slot check at the next forward or ``unshard()`` (``ShardedParam.c
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 import torch
@@ -39,6 +38,7 @@ from torch.nn.utils import parametrize
 
 from ..sharding.errors import ShardingError
 from . import take
+from .live_groups import GROUPS
 from .state import TrainingState
 from .untraced import graph_holder
 
@@ -46,11 +46,6 @@ from .untraced import graph_holder
 #: (weak, so a deep copy of a module does not copy the group)
 _TREE_ATTR = "_perparam_tree"
 
-_GROUPS: weakref.WeakSet = weakref.WeakSet()
-_GROUPS_LOCK = threading.Lock()  # ranks as threads of one process register at once
-_IGNORED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> ids of its ignored_params
-_ON_MOVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> fully_shard's set-up of a place
-_HANDLES: list = []
 #: ``module.__dict__`` key of the modules where a ``ShardedParam`` has a place (``module.guard_stored_dtypes``)
 OWNED_ATTR = "_perparam_owned"
 #: class attribute of the ``Sharded<Class>`` subclasses ``fully_shard`` swaps in: the class they derive from
@@ -72,18 +67,15 @@ def watch(group, ignored_ids: set[int], on_move) -> None:
     """Start checking registrations into ``group``'s module trees (called by ``fully_shard``).
     ``on_move(params)``: what ``fully_shard`` sets up on a parameter's places (the stored-dtype guard, the
     load hooks), run again for a parameter that ``move`` gives a new place."""
-    with _GROUPS_LOCK:
-        _GROUPS.add(group)
-    _ON_MOVE[group] = on_move
-    _IGNORED[group] = frozenset(ignored_ids)
-    bump()
+    GROUPS.watched[group] = (frozenset(ignored_ids), on_move)
+    GROUPS.add(group)
     ref = weakref.ref(group)
     for root in group.modules:
         for m in root.modules():
             m.__dict__.setdefault(_TREE_ATTR, ref)  # a submodule sharded earlier keeps its own group
-    if not _HANDLES:
-        _HANDLES.append(nn.modules.module.register_module_parameter_registration_hook(_on_parameter))
-        _HANDLES.append(nn.modules.module.register_module_module_registration_hook(_on_module))
+    if not GROUPS.hooks:
+        GROUPS.hooks.append(nn.modules.module.register_module_parameter_registration_hook(_on_parameter))
+        GROUPS.hooks.append(nn.modules.module.register_module_module_registration_hook(_on_module))
 
 
 def tree_group(module: nn.Module):
@@ -94,47 +86,20 @@ def tree_group(module: nn.Module):
     return None if group is None or id(module) not in _tree_ids(group) else group
 
 
-_GENERATION = [0]  # bumped when perparam creates parameter objects; the lookup table below is rebuilt then
-_TABLE: dict = {"generation": -1, "ids": {}, "meshes": {}}
-
-
 def bump() -> None:
     """Perparam created sharded or unsharded parameter objects (a group, or ``ShardedParam._ensure_buffers``)."""
-    _GENERATION[0] += 1
+    GROUPS.bump()
 
 
 def generation() -> int:
     """How many times perparam created parameter objects or moved one (``bump``): a cache of anything derived
-    from parameter names (``ParamGroup._what``) is current while this is unchanged."""
-    return _GENERATION[0]
-
-
-def _table() -> dict:
-    """id -> weak (group, ShardedParam) of every sharded and unsharded parameter object perparam holds, and
-    id -> weak mesh of their meshes; rebuilt only after ``bump()``."""
-    generation = _GENERATION[0]  # read first: a bump while the table is built (another rank's thread)
-    if _TABLE["generation"] != generation:  # leaves it marked stale, never a stale table marked current
-        ids, meshes = {}, {}
-        with _GROUPS_LOCK:
-            snapshot = list(_GROUPS)
-        for g in snapshot:
-            for sp in g.params:
-                entry = (weakref.ref(g), weakref.ref(sp))
-                ids[id(sp.sharded)] = entry
-                if sp.unsharded is not None:
-                    ids[id(sp.unsharded)] = entry
-                meshes.update({id(m): weakref.ref(m) for m in (sp.mesh, sp.dp_mesh)})
-        _TABLE.update(generation=generation, ids=ids, meshes=meshes)
-    return _TABLE
+    from parameter names (``MeshPart._what``) is current while this is unchanged."""
+    return GROUPS.generation()
 
 
 def _lookup(tensor) -> tuple | None:
     """``(group, ShardedParam)`` when ``tensor`` is a sharded or unsharded parameter perparam holds."""
-    entry = _table()["ids"].get(id(tensor))
-    group, sp = (entry[0](), entry[1]()) if entry is not None else (None, None)
-    if group is None or sp is None or not (tensor is sp.sharded or tensor is sp.unsharded):
-        return None
-    return group, sp
+    return GROUPS.lookup(tensor)
 
 
 def group_holding(sp):
@@ -220,7 +185,7 @@ def _restore_vacated(module: nn.Module) -> list[str]:
 
 
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
-    if not _GROUPS:
+    if not GROUPS:
         return None
     hit = _lookup(param)
     if hit is not None and graph_holder(module) and tree_group(module) is None:  # torch.compile's references
@@ -239,7 +204,7 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             "a parameter has one place in a sharded model, which perparam all-gathers and reduces. "
             f"{_FIX}; tie weights before fully_shard too.{_changed(back, name)}")
     if owner is not None:
-        if id(param) in _IGNORED.get(owner, ()):
+        if id(param) in GROUPS.watched.get(owner, ((), None))[0]:
             return None
         replaced = next((sp for sp in _owned(module) if _at_slot(sp, module, name)), None)
         if replaced is not None:
@@ -254,7 +219,7 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             "would be neither sharded nor reduced (each rank would train its own copy). "
             f"{_FIX}.{_changed(back, name)}")
     mesh = param.device_mesh if isinstance(param, DTensor) else None
-    if mesh is not None and _table()["meshes"].get(id(mesh), lambda: None)() is mesh:
+    if mesh is not None and GROUPS.holds_mesh(mesh):
         raise ShardedTreeChangeError(
             f"perparam: new parameter '{name}' of {_cls(module)} holds a DTensor computed from "
             f"parameters sharded by fully_shard (by {_utility(module, name)}); perparam would neither all-gather "
@@ -272,12 +237,12 @@ def _changed(back: list[str], name: str) -> str:
 
 
 def _on_module(parent: nn.Module, name: str, child: nn.Module | None):
-    if child is None or not _GROUPS:
+    if child is None or not GROUPS:
         return None
     owner = tree_group(parent)
     if owner is None:
         return None
-    ignored = _IGNORED.get(owner, ())
+    ignored = GROUPS.watched.get(owner, ((), None))[0]
     where_attached = _where(parent, name, owner)
     by = ("torch.nn.utils.parametrize.register_parametrization (also parametrizations.weight_norm, spectral_norm, "
           "orthogonal)" if isinstance(child, parametrize.ParametrizationList) else "a module swap by "
@@ -361,7 +326,7 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
     sp.slots = [(module, name)]
     path = _path(group, module)
     sp.fqn = sp.path = f"{path}.{name}" if path else name  # (``sp.path`` from the group's modules now)
-    _ON_MOVE[group]([sp])  # the face's per-place set-up (dtype guard, load hooks), given to ``watch``
+    GROUPS.watched[group][1]([sp])  # the face's per-place set-up (dtype guard, load hooks) given to ``watch``
     bump()
     return sp.sharded
 

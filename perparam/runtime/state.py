@@ -15,6 +15,7 @@ for one iteration of a tree of groups is in ``perparam.runtime.context`` (``Iter
 from __future__ import annotations
 
 import enum
+from types import MappingProxyType
 
 
 class TrainingState(enum.Enum):
@@ -24,12 +25,12 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"
 
 
-ALLOWED = {
-    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
-    TrainingState.FORWARD: {TrainingState.IDLE},
-    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD, TrainingState.IDLE},
-    TrainingState.POST_BACKWARD: {TrainingState.IDLE, TrainingState.PRE_BACKWARD},
-}
+ALLOWED = MappingProxyType({
+    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.PRE_BACKWARD}),
+    TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
+    TrainingState.PRE_BACKWARD: frozenset({TrainingState.POST_BACKWARD, TrainingState.IDLE}),
+    TrainingState.POST_BACKWARD: frozenset({TrainingState.IDLE, TrainingState.PRE_BACKWARD}),
+})
 
 
 class StateError(RuntimeError):

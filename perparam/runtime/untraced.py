@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import TypeVar
 
 import torch
@@ -31,9 +32,10 @@ from ..comm.peers import explain
 _F = TypeVar("_F", bound=Callable)
 
 #: what a runtime entry point is part of, for ``PeerLostError``'s message (by function name)
-_PHASES = {"pre_forward": "the forward", "post_forward": "the forward", "_pre_backward": "the backward",
-           "_late_grad": "the backward", "_final_callback": "the end of the backward", "unshard": "unshard()",
-           "wait": "unshard()'s wait", "reset": "reset()"}
+_PHASES = MappingProxyType({
+    "pre_forward": "the forward", "post_forward": "the forward", "_pre_backward": "the backward",
+    "_late_grad": "the backward", "_final_callback": "the end of the backward", "unshard": "unshard()",
+    "wait": "unshard()'s wait", "reset": "reset()"})
 
 
 def untraced(fn: _F) -> _F:

@@ -40,6 +40,7 @@ sharded module on every rank.
 from __future__ import annotations
 
 import weakref
+from types import MappingProxyType
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
@@ -142,8 +143,8 @@ class TrackedDTensor(DTensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args)
         handler = _HANDLERS.get(name)
-        if handler is None:
-            handler = _HANDLERS[name] = _handler_for(name)
+        if handler is None:  # no row: an in-place method (``name_``, not a dunder) writes its first argument
+            handler = _writes_first if name.endswith("_") and not name.startswith("__") else _reads
         return handler(func, name, args, kwargs)
 
     def __deepcopy__(self, memo):
@@ -161,8 +162,9 @@ class TrackedDTensor(DTensor):
 
 
 # ``TrackedDTensor.__torch_function__``'s table: a call's handler by the called function's ``__name__``
-# (``_HANDLERS``; a name first seen is classified once by ``_handler_for``; attribute reads other than ``.data``,
-# the most frequent calls, take the fast path before it). A handler runs the call as DTensor does (``_call``:
+# (``_HANDLERS``, a constant table, frozen; a name in no row is an in-place method when it ends in ``_`` and
+# is no dunder, else a read; attribute reads other than ``.data``, the most frequent calls, take the fast path
+# before it). A handler runs the call as DTensor does (``_call``:
 # ``out=`` counted), then counts the writes its kind makes and tracks what the result is.
 
 
@@ -288,7 +290,7 @@ def _decides(func, name, args, kwargs):
 #: ``_initializes`` tells them apart)
 _INIT = frozenset(n for n, f in vars(torch.nn.init).items()
                   if n.endswith("_") and callable(f) and getattr(f, "__module__", None) == "torch.nn.init")
-_HANDLERS = {
+_HANDLERS = MappingProxyType({
     "__get__": _aliases,  # ``.data`` (every other attribute read takes the fast path)
     "__set__": _sets_attribute, "detach": _aliases, "__getitem__": _windows,
     **dict.fromkeys(_INPLACE_OPERATORS, _writes_first), "__setitem__": _sets_items,
@@ -296,12 +298,7 @@ _HANDLERS = {
     **dict.fromkeys(_SCRATCH_FROM | _MASKS, _scratch),
     **dict.fromkeys(_DECISIONS, _decides),
     **dict.fromkeys(_NOT_WRITES, _reads),
-}
-
-
-def _handler_for(name: str):
-    """A name in no row yet: an in-place method (``name_``, not a dunder) writes its first argument."""
-    return _writes_first if name.endswith("_") and not name.startswith("__") else _reads
+})
 
 
 def _write_back(window, base, index) -> None:

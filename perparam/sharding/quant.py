@@ -35,6 +35,7 @@ unpacks to zeros in every quantizer here.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 
@@ -217,7 +218,7 @@ class Fp8Quantizer(_ScaledCast):
 # -- registry --------------------------------------------------------------------------------------------
 _REGISTRY: dict[str, BlockQuantizer] = {}
 #: ``QuantPolicy(dtype=...)`` of earlier versions: the codes dtype names the quantizer
-_BY_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+_BY_DTYPE = MappingProxyType({torch.int8: "int8", torch.float8_e4m3fn: "fp8"})
 
 
 def register(name: str, quantizer: BlockQuantizer) -> BlockQuantizer:

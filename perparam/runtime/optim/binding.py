@@ -55,6 +55,8 @@ class Binding:
         self.busy = False  # the owner stage runs the optimizer's own step on whole tensors
         self.pre_handle = self.post_handle = None  # perparam's step hooks on the optimizer, once installed
         self.state_hooks = False  # its state_dict()/load_state_dict() convert owner state (owner_state)
+        self.mixed_watched = False  # mixed_step's hooks name its step's DTensor mix error (not torch's own)
+        self.mixed_catch = None  # mixed_step's mode, entered for the step in progress
 
     def first(self, optimizer) -> None:
         """torch's global pre-hook: the ``first`` stages, before the user's pre-hooks."""
@@ -82,17 +84,18 @@ class Binding:
                 self.depth += 1
                 return
             self.close()  # the last step's step proper raised: put things back first
-        step = Step(optimizer, local_step.has_closure(args, kwargs))
+        step = Step(optimizer, local_step.has_closure(args, kwargs), self.held)
         self.step, self.depth, self.opened_at = step, 1, REGISTRY.forwards()
-        for stage in self.stages:
-            if stage.first:
-                continue
-            try:
-                stage.before(step, self)
-            except BaseException:
-                self.close()
-                raise
-            self.entered.append(stage)
+        try:
+            for stage in self.stages:
+                if not stage.first:
+                    stage.before(step, self)
+                    self.entered.append(stage)
+        except BaseException:
+            step.forget()
+            self.close()
+            raise
+        step.forget()  # the gradients read for the stages: not kept through the step proper
 
     def post(self, optimizer, args, kwargs) -> None:
         if self.busy:
@@ -149,7 +152,10 @@ def bind(optimizer) -> Binding:
 
 
 def _global_pre_hook(optimizer, args, kwargs) -> None:
-    bind(optimizer)
+    binding = REGISTRY.bindings.get(optimizer)  # (``bind`` inline: it runs at every step of every optimizer)
+    if binding is None:
+        binding = REGISTRY.bindings[optimizer] = Binding()
+    binding.first(optimizer)
 
 
 def install_global_hook() -> None:

@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import NamedTuple
 
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+class Replacement(NamedTuple):
+    """What replaced an original parameter: ``sharded``, the sharded parameter; ``call`` and ``fqn``, the
+    ``fully_shard`` call (its modules' names) and the parameter's name in it."""
+
+    sharded: object
+    call: str
+    fqn: str
+
+
 class Registry:
     """``bindings``: optimizer -> its ``Binding`` (weak on the optimizer); ``replaced``: original parameter
-    -> the sharded parameter that replaced it (weak on the original); ``sharded``: the live ``ShardedParam``s
-    (a weak set; never a weak reference to a tensor: ``torch.utils.swap_tensors``, which ``to_empty`` may
-    use, refuses tensors that have one); ``generation``: ``fully_shard`` replacements recorded so far (an
+    -> its ``Replacement`` (weak on the original: its memory is not kept; a parameter still registered in a
+    later ``fully_shard`` call, tied across calls, is refused by it, an optimizer holding it is retargeted);
+    ``generation``: ``fully_shard`` replacements recorded so far (an
     optimizer checked at an older one is checked again); ``hook``: the global step pre-hook's handle, once
     the first ``fully_shard`` installed it (nothing at import)."""
 
     def __init__(self) -> None:
         self.bindings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.sharded: weakref.WeakSet = weakref.WeakSet()
         self.generation = 0
         self.hook = None
         self._thread = threading.local()  # per thread (ranks may be threads): root forwards begun

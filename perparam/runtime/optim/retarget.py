@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from ...sharding.errors import MetaParameterError, ShardingError
 from ...sharding.placement import placement_str
 from .. import mixed_step, owner_step
+from ..live_groups import GROUPS
 from .registry import REGISTRY
 
 
@@ -55,8 +56,8 @@ class Retarget:
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
-                sharded = REGISTRY.replaced.get(p)
-                if sharded is None:
+                replaced = REGISTRY.replaced.get(p)
+                if replaced is None:
                     continue
                 if optimizer.state.get(p):
                     raise ReplacedParameterError(
@@ -66,14 +67,14 @@ class Retarget:
                         "state_dict.get_optimizer_state_dict(model, optimizer, options=StateDictOptions("
                         "full_state_dict=True)) and load it into the new optimizer with set_optimizer_state_dict("
                         "model, new_optimizer, state, options=StateDictOptions(full_state_dict=True))")
-                params[i] = sharded
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        mine = weakref.WeakSet(sp for sp in list(REGISTRY.sharded) if id(sp.sharded) in ids)
+                params[i] = replaced.sharded
+        found = (GROUPS.sharded_param(p) for g in optimizer.param_groups for p in g["params"])
+        mine = weakref.WeakSet(sp for sp in found if sp is not None)
         _check_materialized(optimizer, mine)
         if isinstance(optimizer, FLATTENING_OPTIMIZERS):
             _check_flattenable(optimizer, mine)
         owner_step.check(optimizer, mine)  # a whole-matrix optimizer on shards: refused, never silently wrong
-        mixed_step.watch(optimizer, mine, _held_of)  # another's DTensor mix error, named
+        mixed_step.watch(optimizer, mine, binding)  # another's DTensor mix error, named
         binding.route = owner_step.plan(optimizer, mine, binding.route)  # the owners of its update="owner" ones
         binding.held = mine
         binding.install(optimizer)
@@ -81,12 +82,6 @@ class Retarget:
 
     def after(self, step, binding) -> None:
         return None
-
-
-def _held_of(optimizer) -> weakref.WeakSet:
-    """The ``ShardedParam``s ``optimizer`` holds, as its binding has them now."""
-    binding = REGISTRY.bindings.get(optimizer)
-    return binding.held if binding is not None else weakref.WeakSet()
 
 
 def _check_materialized(optimizer: torch.optim.Optimizer, held) -> None:

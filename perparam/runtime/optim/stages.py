@@ -45,11 +45,13 @@ class OwnerRoute:
         self.groups = None
 
     def before(self, step, binding) -> None:
-        self.groups = owner_step.step_in(step.optimizer, binding.route, step, binding.stepping_whole)
+        if binding.route is not None:
+            self.groups = owner_step.step_in(step.optimizer, binding.route, step, binding.stepping_whole)
 
     def after(self, step, binding) -> None:
         groups, self.groups = self.groups, None
-        owner_step.step_out(groups)
+        if groups is not None:
+            owner_step.step_out(groups)
 
 
 class LocalSwap:

@@ -29,30 +29,42 @@ class GradKind(enum.Enum):
 
 class Step:
     """One step of ``optimizer``: ``closure`` (``step(closure)`` computes the gradients inside the step),
-    ``completed`` (set when the step proper returned: the post-hook ran), and each held parameter's
-    gradient kind, asked of the gradient once."""
+    ``completed`` (set when the step proper returned: the post-hook ran), and, for each parameter of ``held``
+    (the ``ShardedParam``s the optimizer holds), its ``.grad`` and that gradient's kind, read and decided
+    once for the step (``grads``)."""
 
-    __slots__ = ("closure", "completed", "optimizer", "_kinds")
+    __slots__ = ("closure", "completed", "held", "optimizer", "_grads")
 
-    def __init__(self, optimizer, closure: bool) -> None:
-        self.optimizer, self.closure, self.completed = optimizer, closure, False
-        self._kinds: dict[int, GradKind] = {}
+    def __init__(self, optimizer, closure: bool, held=()) -> None:
+        self.optimizer, self.closure, self.completed, self.held = optimizer, closure, False, held
+        self._grads: dict | None = None
+
+    def grads(self) -> dict:
+        """id(``ShardedParam``) -> (its sharded ``.grad``, ``GradKind``) for every parameter of ``held``: each
+        ``.grad`` read once and its kind decided once, in one pass at the first call (kept for the step)."""
+        grads = self._grads
+        if grads is None:
+            grads = self._grads = {}
+            for sp in self.held:
+                grad = sp.sharded.grad
+                if grad is None:
+                    kind = GradKind.NONE
+                elif sp.policy.update == "owner" and owner_grads.at_owner(sp, grad):  # only an owner's can be
+                    kind = GradKind.HELD
+                elif sp.grad_is_own(grad):
+                    kind = GradKind.OWN
+                else:
+                    kind = GradKind.OTHER
+                grads[id(sp)] = (grad, kind)
+        return grads
 
     def kind(self, sp) -> GradKind:
-        """``sp``'s gradient kind at this step (the first answer, kept for the step)."""
-        kind = self._kinds.get(id(sp))
-        if kind is None:
-            grad = sp.sharded.grad
-            if grad is None:
-                kind = GradKind.NONE
-            elif sp.policy.update == "owner" and owner_grads.at_owner(sp):  # only an owner's is reduced to it
-                kind = GradKind.HELD
-            elif sp.grad_is_own(grad):
-                kind = GradKind.OWN
-            else:
-                kind = GradKind.OTHER
-            self._kinds[id(sp)] = kind
-        return kind
+        """``sp``'s gradient kind at this step (``sp`` one of ``held``)."""
+        return self.grads()[id(sp)][1]
+
+    def forget(self) -> None:
+        """Drop the gradients read (once the stages' ``before`` ran: the step proper may free them)."""
+        self._grads = None
 
 
 class Stage(Protocol):
