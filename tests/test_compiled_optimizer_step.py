@@ -12,7 +12,7 @@ from torch import nn
 
 import perparam
 from perparam import ParamPolicy
-from perparam.runtime import owner_step
+from perparam.runtime.optim import stages
 from tests.distributed import run_distributed
 from tests.models import full_params
 
@@ -40,9 +40,9 @@ def _train(rank: int, world_size: int, compiled: bool, kind: str) -> dict:
             opt.step()
 
     run = torch.compile(step, backend="eager") if compiled else step
-    traced = []  # whether Dynamo was tracing perparam's step hook (the owner routing, its first call)
-    original = owner_step.step_in
-    owner_step.step_in = lambda *a: (traced.append(torch.compiler.is_compiling()), original(*a))[1]
+    traced = []  # whether Dynamo was tracing perparam's step pre-hook (its first stage, run on every step)
+    original = stages.CountStep.before
+    stages.CountStep.before = lambda *a: (traced.append(torch.compiler.is_compiling()), original(*a))[1]
     g = torch.Generator().manual_seed(1)
     try:
         for _ in range(3):
@@ -52,7 +52,7 @@ def _train(rank: int, world_size: int, compiled: bool, kind: str) -> dict:
             for opt in opts:
                 opt.zero_grad()
     finally:
-        owner_step.step_in = original
+        stages.CountStep.before = original
     assert len(traced) == 3 * len(opts) and not any(traced), traced  # eager, once per step per optimizer
     return full_params(model)
 
