@@ -9,7 +9,7 @@ snapshot into a temporary folder in ``/dev/shm``; then a fresh, randomly initial
 ``--nproc`` ranks, and again on ``--nproc - 1``. Reported per rank: ``find_s`` (the listing gathered, the
 chosen copies checked against their checksums, the payloads mapped: read and verify), ``reshard_s`` (DCP's
 plan and the copies out of the snapshots into the load's targets), ``copy_s`` (the rest of ``load_from``: the
-targets into the model and the optimizer) and ``restore_s`` (the whole call), and whether every parameter's
+targets into the model and the optimizer) and ``restore_s`` (the whole call; ``restore_cpu_s``: its process CPU time), and whether every parameter's
 global values equal the snapshotted model's (bitwise: an fp32 copy, resliced).
 """
 
@@ -67,7 +67,7 @@ def _sharded(gguf: str, pretrained: bool):
 def _fingerprint(model) -> dict[str, float]:
     from torch.distributed.tensor import DTensor
 
-    return {n: float((p.full_tensor() if isinstance(p, DTensor) else p).double().sum())
+    return {n: float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().sum())
             for n, p in model.named_parameters()}
 
 
@@ -88,10 +88,12 @@ def _commit(root: str, gguf: str) -> dict:
 def _restore(root: str, gguf: str) -> dict:
     import torch.distributed as dist
 
-    from perparam.checkpoint import load as load_module
+    import importlib
+
     from perparam.elastic import State
     from perparam.elastic import state as state_module
 
+    load_module = importlib.import_module("perparam.checkpoint.load")
     model, opt = _sharded(gguf, pretrained=False)
     state = State(model, opt, root=root, job="bench")
     spent: dict[str, float] = {}
@@ -110,13 +112,13 @@ def _restore(root: str, gguf: str) -> dict:
     load_module.dcp.load = timed("reshard_s", dcp_load)
     state_module.checkpoint.load_from = timed("load_from_s", load_from)
     dist.barrier()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         step = state.restore()
     finally:
         state_module.find, load_module.dcp.load, state_module.checkpoint.load_from = find, dcp_load, load_from
-    total = time.perf_counter() - t
-    out = {"rank": dist.get_rank(), "restored_step": step, "restore_s": total, "find_s": spent["find_s"],
+    total, cpu = time.perf_counter() - t, time.process_time() - cpu
+    out = {"rank": dist.get_rank(), "restored_step": step, "restore_s": total, "restore_cpu_s": cpu, "find_s": spent["find_s"],
            "reshard_s": spent["reshard_s"], "copy_s": spent["load_from_s"] - spent["reshard_s"],
            "fingerprint": _fingerprint(model)}
     state.close(remove_snapshots=False)
@@ -144,17 +146,22 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--assets", default=".cache/assets")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--root", default=None, help="keep the snapshots in this folder (default: a temporary one "
+                        "in /dev/shm); when it holds them already, only the restores run")
     args = parser.parse_args()
     from perparam.finetune.gguf_loader import find_gguf
 
     gguf = str(find_gguf(args.assets))
     out: dict = {"nproc": args.nproc}
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-        committed = _launch(args.nproc, shm, gguf, "commit")
-        want = committed[0].pop("fingerprint")
-        for r in committed[1:]:
-            r.pop("fingerprint")
-        out["committed"] = committed
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+        shm = args.root or tmp
+        done = Path(shm, "committed.json")
+        if not done.exists():
+            committed = _launch(args.nproc, shm, gguf, "commit")
+            done.write_text(json.dumps(committed))
+        committed = json.loads(done.read_text())
+        want = committed[0]["fingerprint"]
+        out["committed"] = [{k: v for k, v in r.items() if k != "fingerprint"} for r in committed]
         for world in (args.nproc, args.nproc - 1):
             got = _launch(world, shm, gguf, "restore")
             for r in got:
