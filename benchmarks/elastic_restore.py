@@ -9,7 +9,7 @@ snapshot into a temporary folder in ``/dev/shm``; then a fresh, randomly initial
 ``--nproc`` ranks, and again on ``--nproc - 1``. Reported per rank: ``find_s`` (the listing gathered, the
 chosen copies checked against their checksums, the payloads mapped: read and verify), ``reshard_s`` (DCP's
 plan and the copies out of the snapshots into the load's targets), ``copy_s`` (the rest of ``load_from``: the
-targets into the model and the optimizer) and ``restore_s`` (the whole call; ``restore_cpu_s``: its process CPU time), and whether every parameter's
+targets into the model and the optimizer) and ``restore_s`` (the whole call), each also as process CPU time (``*_cpu_s``), and whether every parameter's
 global values equal the snapshotted model's (bitwise: an fp32 copy, resliced).
 """
 
@@ -100,11 +100,12 @@ def _restore(root: str, gguf: str) -> dict:
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+                spent[name + "_cpu"] = spent.get(name + "_cpu", 0.0) + time.process_time() - cpu
         return wrapper
 
     find, dcp_load, load_from = state_module.find, load_module.dcp.load, state_module.checkpoint.load_from
@@ -120,6 +121,8 @@ def _restore(root: str, gguf: str) -> dict:
     total, cpu = time.perf_counter() - t, time.process_time() - cpu
     out = {"rank": dist.get_rank(), "restored_step": step, "restore_s": total, "restore_cpu_s": cpu, "find_s": spent["find_s"],
            "reshard_s": spent["reshard_s"], "copy_s": spent["load_from_s"] - spent["reshard_s"],
+           "find_cpu_s": spent["find_s_cpu"], "reshard_cpu_s": spent["reshard_s_cpu"],
+           "copy_cpu_s": spent["load_from_s_cpu"] - spent["reshard_s_cpu"],
            "fingerprint": _fingerprint(model)}
     state.close(remove_snapshots=False)
     return out

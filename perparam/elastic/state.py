@@ -27,6 +27,7 @@ state's bytes plus a page of header and a small description (``bytes_mapped()``)
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pickle
 import random
@@ -213,12 +214,18 @@ class State:
         ``SnapshotError`` on every rank when snapshots exist but none is complete (a shard and its replica
         lost), naming the lost ranks; nothing is loaded then."""
         self.finish()
-        found = find(self.folder)
-        if found is None:
-            return 0
-        gen, world, snapshots = found
-        checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model, self.optimizers,
-                             source=f"the in-memory snapshot of step {gen}")
+        collecting = gc.isenabled()
+        gc.disable()  # its allocations (plans, read items, descriptions) would start collections of the whole heap
+        try:
+            found = find(self.folder)
+            if found is None:
+                return 0
+            gen, world, snapshots = found
+            checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model, self.optimizers,
+                                 source=f"the in-memory snapshot of step {gen}")
+        finally:
+            if collecting:
+                gc.enable()
         mine = pickle.loads(snapshots[self.rank if self.rank < world else 0][0].extra)
         if self.scheduler is not None and mine["scheduler"] is not None:
             self.scheduler.load_state_dict(mine["scheduler"])
