@@ -9,7 +9,8 @@ snapshot into a temporary folder in ``/dev/shm``; then a fresh, randomly initial
 ``--nproc`` ranks, and again on ``--nproc - 1``. Reported per rank: ``find_s`` (the listing gathered, the
 chosen copies checked against their checksums, the payloads mapped: read and verify), ``reshard_s`` (DCP's
 plan and the copies out of the snapshots into the load's targets), ``copy_s`` (the rest of ``load_from``: the
-targets into the model and the optimizer) and ``restore_s`` (the whole call), each also as process CPU time (``*_cpu_s``), and whether every parameter's
+targets into the model and the optimizer) and ``restore_s`` (the whole call), each also as process CPU time
+(``*_cpu_s``), and whether every parameter's
 global values equal the snapshotted model's (bitwise: an fp32 copy, resliced).
 """
 
@@ -80,15 +81,16 @@ def _commit(root: str, gguf: str) -> dict:
     state = State(model, opt, root=root, job="bench")
     state.commit()
     state.finish()
-    out = {"rank": dist.get_rank(), "slot_bytes": state.store.own(1).capacity, "fingerprint": _fingerprint(model)}
+    out = {"rank": dist.get_rank(), "slot_bytes": state.store.own(1).capacity,
+           "fingerprint": _fingerprint(model)}
     state.close(remove_snapshots=False)
     return out
 
 
 def _restore(root: str, gguf: str) -> dict:
-    import torch.distributed as dist
-
     import importlib
+
+    import torch.distributed as dist
 
     from perparam.elastic import State
     from perparam.elastic import state as state_module
@@ -119,7 +121,8 @@ def _restore(root: str, gguf: str) -> dict:
     finally:
         state_module.find, load_module.dcp.load, state_module.checkpoint.load_from = find, dcp_load, load_from
     total, cpu = time.perf_counter() - t, time.process_time() - cpu
-    out = {"rank": dist.get_rank(), "restored_step": step, "restore_s": total, "restore_cpu_s": cpu, "find_s": spent["find_s"],
+    out = {"rank": dist.get_rank(), "restored_step": step, "restore_s": total, "restore_cpu_s": cpu,
+           "find_s": spent["find_s"],
            "reshard_s": spent["reshard_s"], "copy_s": spent["load_from_s"] - spent["reshard_s"],
            "find_cpu_s": spent["find_s_cpu"], "reshard_cpu_s": spent["reshard_s_cpu"],
            "copy_cpu_s": spent["load_from_s_cpu"] - spent["reshard_s_cpu"],
@@ -134,7 +137,8 @@ def _launch(world: int, root: str, gguf: str, phase: str) -> list[dict]:
         pipes, procs = [], []
         for r in range(world):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), root, gguf, phase, there))
+            args = (r, world, os.path.join(tmp, "store"), root, gguf, phase, there)
+            p = ctx.Process(target=_rank, args=args)
             p.start()
             pipes.append(here)
             procs.append(p)
@@ -149,8 +153,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--assets", default=".cache/assets")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--root", default=None, help="keep the snapshots in this folder (default: a temporary one "
-                        "in /dev/shm); when it holds them already, only the restores run")
+    parser.add_argument("--root", default=None, help="keep the snapshots in this folder (default: a "
+                        "temporary one in /dev/shm); when it holds them already, only the restores run")
     args = parser.parse_args()
     from perparam.finetune.gguf_loader import find_gguf
 

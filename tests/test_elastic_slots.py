@@ -135,11 +135,12 @@ def test_the_device_copy_orders_its_streams_and_seals_after_the_host_sees_the_co
     spans = [(0, 1_200_000), (1_200_000, 40)]
     slot = SlotFile(tmp_path / "r0-own-s0")
     slot.begin(1_200_040)
-    in_flight = DeviceCopier(streams).start(slot, plan(spans, 1_200_040), sources, Header(3, 1_200_040, 0, (0, 0), 0, 1))
+    sizes = Header(3, 1_200_040, 0, (0, 0), 0, 1)
+    in_flight = DeviceCopier(streams).start(slot, plan(spans, 1_200_040), sources, sizes)
     header = in_flight.result()
     in_flight.wait_copied()
-    assert streams.log == ["pin", "side waits for compute", "copy", "copy", "copy", "record", "host waits for event",
-                           "compute waits for event"]  # the first tensor spans two 1 MiB blocks
+    assert streams.log == ["pin", "side waits for compute", "copy", "copy", "copy", "record",
+                           "host waits for event", "compute waits for event"]  # the first tensor: two blocks
     assert read_header(slot.path) == header and Slot(slot.path, header).verify()
     assert torch.equal(slot.payload(1_200_000).view(torch.float32), sources[0])
     slot.close()
@@ -148,7 +149,8 @@ def test_the_device_copy_orders_its_streams_and_seals_after_the_host_sees_the_co
 def test_the_blockwise_checksum_equals_the_vectorized_one_and_refuses_a_flipped_bit():
     from perparam.elastic.checksum import BLOCK, Running, block_sum, checksum
 
-    data = torch.randint(0, 256, (3 * BLOCK + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (3 * BLOCK + 13,), dtype=torch.uint8, generator=generator)
     running = Running()
     for start in range(0, data.numel(), BLOCK):
         running.add(block_sum(data[start:start + BLOCK]))

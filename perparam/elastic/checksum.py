@@ -18,8 +18,8 @@ MASK = (1 << 64) - 1
 
 
 def block_sum(block: torch.Tensor) -> int:
-    """The wrapped sum (an unsigned 64-bit int) of ``block``'s 64-bit words. ``block``: a 1-D uint8 tensor whose
-    first byte is 8-byte aligned in memory; any length (a tail padded with zeros)."""
+    """The wrapped sum (an unsigned 64-bit int) of ``block``'s 64-bit words. ``block``: a 1-D uint8 tensor
+    whose first byte is 8-byte aligned in memory; any length (a tail padded with zeros)."""
     n = block.numel()
     whole = n - n % 8
     total = int(block[:whole].view(torch.int64).sum()) if whole else 0

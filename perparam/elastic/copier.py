@@ -60,7 +60,8 @@ def plan(spans: list[tuple[int, int]], payload_bytes: int) -> list[tuple[int, in
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a 1-D uint8 tensor over its memory (a contiguous copy when ``t`` is not contiguous)."""
+    """``t``'s bytes as a 1-D uint8 tensor over its memory (a contiguous copy when ``t`` is not
+    contiguous)."""
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -114,7 +115,7 @@ class Streams(Protocol):
     """What ``DeviceCopier`` asks of the device: a side stream, events, and pinning host memory."""
 
     def side_waits_for_compute(self) -> None: ...
-    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # non-blocking, on the side stream
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # non-blocking, side stream
     def record_on_side(self): ...  # an event after the copies issued so far
     def compute_waits(self, event) -> None: ...  # the compute stream waits for it; the host does not
     def host_waits(self, event) -> None: ...  # the host blocks until it completed

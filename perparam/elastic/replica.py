@@ -13,11 +13,11 @@ is 1. One gloo process group of its own carries the transfers, apart from traini
 A commit exchanges the 64-byte slot headers (one small send and receive, waited: the sizes, before the
 checksum is known), then posts the payload's receive (``irecv`` into the holder's mapped replica slot) and
 returns; ``post`` starts the send (``isend`` from the own slot) once the background copy has written the
-slot (``State`` calls it before the next optimizer step): the transfer runs while the next step computes. The next commit (or ``finish``)
-waits for it, exchanges the final headers (with the payload's checksum, computed off the critical path by the
-sender) and only then writes the replica slot's header, so a holder killed mid-transfer leaves the slot
-refused, never half-read. Every c10d work is dropped once it is waited on (CONTRIBUTING, "Known open
-problems").
+slot (``State`` calls it before the next optimizer step): the transfer runs while the next step computes.
+The next commit (or ``finish``) waits for it, exchanges the final headers (with the payload's checksum,
+computed off the critical path by the sender) and only then writes the replica slot's header, so a holder
+killed mid-transfer leaves the slot refused, never half-read. Every c10d work is dropped once it is waited on
+(CONTRIBUTING, "Known open problems").
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class Header:
     world_size: int
 
     def pack(self) -> bytes:
-        body = HEADER.pack(MAGIC, self.generation, self.payload_bytes, self.description_bytes, *self.payload_sum,
-                           self.origin, self.world_size)
+        body = HEADER.pack(MAGIC, self.generation, self.payload_bytes, self.description_bytes,
+                           *self.payload_sum, self.origin, self.world_size)
         return (body + struct.pack("<I", zlib.crc32(body))).ljust(HEADER_BYTES, b"\0")
 
     @staticmethod

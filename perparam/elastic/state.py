@@ -215,14 +215,14 @@ class State:
         lost), naming the lost ranks; nothing is loaded then."""
         self.finish()
         collecting = gc.isenabled()
-        gc.disable()  # its allocations (plans, read items, descriptions) would start collections of the whole heap
+        gc.disable()  # its allocations (plans, read items, descriptions) start collections of the whole heap
         try:
             found = find(self.folder)
             if found is None:
                 return 0
             gen, world, snapshots = found
-            checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model, self.optimizers,
-                                 source=f"the in-memory snapshot of step {gen}")
+            checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model,
+                                 self.optimizers, source=f"the in-memory snapshot of step {gen}")
         finally:
             if collecting:
                 gc.enable()
@@ -240,8 +240,8 @@ class State:
         return self.store.bytes_mapped()
 
     def finish(self) -> None:
-        """Wait for the last commit's copy, checksum and header and the replica transfer in flight (their slots
-        become readable)."""
+        """Wait for the last commit's copy, checksum and header and the replica transfer in flight (their
+        slots become readable)."""
         if self._copy is not None:
             in_flight, self._copy = self._copy, None
             in_flight.result()
