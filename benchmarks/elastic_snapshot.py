@@ -74,7 +74,8 @@ def _measure(root: str, size: str, rounds: int, steps: int, replica: str) -> dic
         commit_s = 0.0
         if commit:
             state.commit()
-            commit_s = state.last_commit_s
+            # the commit, and what this step's optimizer step waited for the last commit's copy
+            commit_s = state.last_commit_s + state.last_wait_s
         return time.perf_counter() - w, time.process_time() - c, commit_s
 
     step(True)  # warm-up: optimizer state created, slots mapped
@@ -143,7 +144,8 @@ def main() -> None:
         for p in procs:
             p.join()
     r0 = results[0]
-    out = {"size": args.size, "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
+    out = {"load_average": os.getloadavg(),
+           "size": args.size, "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
            "replica": args.replica, "ranks": results,
            "wall_ratio": r0["snap_wall_s"] / r0["plain_wall_s"], "cpu_ratio": r0["snap_cpu_s"] / r0["plain_cpu_s"],
            "shm_over_formula": [r["shm_bytes"] / r["formula_bytes"] for r in results]}

@@ -11,12 +11,13 @@ from ``(r - local_world_size) % world``; on one node (``local_world_size == worl
 is 1. One gloo process group of its own carries the transfers, apart from training's collectives.
 
 A commit exchanges the 64-byte slot headers (one small send and receive, waited: the sizes, before the
-checksum is known), then starts the payload's send and receive (``isend``/``irecv`` into the holder's mapped
-replica slot) and returns: the transfer runs while the next step computes. The next commit (or ``finish``)
-waits for it, exchanges the final headers (with the payload's checksum, computed off the critical path by the
-sender) and only then writes the replica slot's header, so a holder killed mid-transfer leaves the slot
-refused, never half-read. Every c10d work is dropped once it is waited on (CONTRIBUTING, "Known open
-problems").
+checksum is known), then posts the payload's receive (``irecv`` into the holder's mapped replica slot) and
+returns; ``post`` starts the send (``isend`` from the own slot) once the background copy has written the
+slot (``State`` calls it before the next optimizer step): the transfer runs while the next step computes.
+The next commit (or ``finish``) waits for it, exchanges the final headers (with the payload's checksum,
+computed off the critical path by the sender) and only then writes the replica slot's header, so a holder
+killed mid-transfer leaves the slot refused, never half-read. Every c10d work is dropped once it is waited on
+(CONTRIBUTING, "Known open problems").
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ReplicaLink:
         self.store, self.group = store, group
         self.target, self.source = neighbours(rank, world)
         self._pending: tuple | None = None
+        self._outgoing: tuple | None = None
 
     def _exchange(self, header: Header) -> Header:
         out = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
@@ -80,27 +82,38 @@ class ReplicaLink:
         return theirs
 
     def send(self, sizes: Header, slot: SlotFile, final) -> None:
-        """Exchange the sizes (waited), then start the payloads' transfer (not waited). ``final()`` gives this
-        rank's final header (checksum included) once it is known; ``finish`` sends it."""
+        """Exchange the sizes (waited) and start receiving the source's payload (not waited). ``post()``
+        starts sending this rank's once its slot is written; ``final()`` gives this rank's final header
+        (checksum included) once it is known; ``finish`` sends it."""
         self.finish()
         theirs = self._exchange(sizes)
         held = self.store.held(theirs.origin, theirs.generation % 2)
         held.begin(theirs.payload_bytes)
         receive = dist.irecv(held.payload(theirs.payload_bytes), self.source, group=self.group, tag=PAYLOAD_TAG)
+        self._pending = (None, receive, held, theirs, final)
+        self._outgoing = (slot, sizes)
+
+    def post(self) -> None:
+        """Start sending this rank's payload (its slot written): at most once per ``send``."""
+        if self._outgoing is None:
+            return
+        (slot, sizes), self._outgoing = self._outgoing, None
         send = dist.isend(slot.payload(sizes.payload_bytes), self.target, group=self.group, tag=PAYLOAD_TAG)
-        self._pending = (send, receive, held, theirs, final)
+        self._pending = (send, *self._pending[1:])
 
     def finish(self) -> None:
         """Wait for the transfers in flight, exchange the final headers; the received replica becomes readable
         (its header written)."""
         if self._pending is None:
             return
+        final_header = self._pending[4]()  # the own slot written and checksummed
+        self.post()
         send, receive, held, sizes, final = self._pending
         self._pending = None
         send.wait()
         receive.wait()
         del send, receive
-        theirs = self._exchange(final())
+        theirs = self._exchange(final_header)
         if (theirs.generation, theirs.payload_bytes) != (sizes.generation, sizes.payload_bytes):
             raise SnapshotError(f"the final snapshot header from rank {self.source} (step {theirs.generation}) does not "
                                 f"match the transfer it announced (step {sizes.generation}): its replica is not kept")

@@ -93,8 +93,10 @@ def find(folder: Path) -> tuple[int, int, list[tuple[Description, torch.Tensor]]
         if chosen is None:
             raise _missing(seen, folder)
         gen, world, origins = chosen
-        # one copy per origin, preferring the origin's own slot; checked by the first rank that sees it
-        picks = {o: sorted(copies, key=lambda rc: ("-own-" not in rc[1].path, rc[0]))[0] for o, copies in origins.items()}
+        # one copy per origin, preferring the origin's own slot; checked by the origin's rank where it sees it
+        # (the checks spread over the ranks: on one host every rank sees every slot), else the first that does
+        picks = {o: sorted(copies, key=lambda rc: ("-own-" not in rc[1].path, rc[0] != o, rc[0]))[0]
+                 for o, copies in origins.items()}
         verdicts = {}
         for o, (checker, c) in picks.items():
             if checker == rank:

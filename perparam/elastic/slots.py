@@ -5,13 +5,14 @@ the tensors' bytes, each at a 64-byte boundary. The file outlives the process th
 memory of the node, gone with the node), so a worker killed by any signal leaves its slots readable.
 
 Torn writes: ``begin`` zeroes the header first, the payload is written, and ``finish`` writes the header
-last, with the generation, the payload's CRC-32 and the header's own CRC-32. A reader (``read_header``,
-``Slot.verify``) takes a slot only when the header is whole and the payload's checksum matches: a writer
-killed mid-commit leaves a zeroed or older header (refused), a flipped bit anywhere is refused by a checksum.
+last, with the generation, the payload's checksum (``checksum.py``) and the header's own CRC-32. A reader
+(``read_header``, ``Slot.verify``) takes a slot only when the header is whole and the payload's checksum
+matches: a writer killed mid-commit leaves a zeroed or older header (refused), a flipped bit anywhere is
+refused by a checksum.
 
-Header layout (little-endian): magic ``PPSNAP01`` (8 bytes), generation (u64), payload bytes (u64),
-description bytes (u64), payload CRC-32 (u32), origin rank (u32), world size (u32), header CRC-32 (u32) of
-the 44 bytes before it; then zeros to 64 bytes.
+Header layout (little-endian): magic ``PPSNAP02`` (8 bytes), generation (u64), payload bytes (u64),
+description bytes (u64), the payload checksum's two words (u64, u64), origin rank (u32), world size (u32),
+header CRC-32 (u32) of the 56 bytes before it; then zeros to 64 bytes.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-MAGIC = b"PPSNAP01"
-HEADER = struct.Struct("<8sQQQIII")
+from .checksum import checksum
+
+MAGIC = b"PPSNAP02"
+HEADER = struct.Struct("<8sQQQQQII")
 HEADER_BYTES = 64
 PAYLOAD_AT = 4096
 ALIGN = 64
@@ -43,13 +46,13 @@ class Header:
     generation: int
     payload_bytes: int
     description_bytes: int
-    payload_crc: int
+    payload_sum: tuple[int, int]  # checksum.checksum of the payload
     origin: int
     world_size: int
 
     def pack(self) -> bytes:
-        body = HEADER.pack(MAGIC, self.generation, self.payload_bytes, self.description_bytes, self.payload_crc,
-                           self.origin, self.world_size)
+        body = HEADER.pack(MAGIC, self.generation, self.payload_bytes, self.description_bytes,
+                           *self.payload_sum, self.origin, self.world_size)
         return (body + struct.pack("<I", zlib.crc32(body))).ljust(HEADER_BYTES, b"\0")
 
     @staticmethod
@@ -61,8 +64,8 @@ class Header:
         (crc,) = struct.unpack_from("<I", raw, HEADER.size)
         if zlib.crc32(body) != crc:
             return None
-        _, gen, payload, description, payload_crc, origin, world = HEADER.unpack(body)
-        return Header(gen, payload, description, payload_crc, origin, world)
+        _, gen, payload, description, first, second, origin, world = HEADER.unpack(body)
+        return Header(gen, payload, description, (first, second), origin, world)
 
 
 def _quiet_frombuffer(buf, count: int, offset: int) -> torch.Tensor:
@@ -96,8 +99,9 @@ class SlotFile:
         """``nbytes`` of the payload from ``offset``, as a uint8 tensor over the mapping (no copy)."""
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=PAYLOAD_AT + offset)
 
-    def checksum(self, payload_bytes: int) -> int:
-        return zlib.crc32(memoryview(self.map)[PAYLOAD_AT:PAYLOAD_AT + payload_bytes])
+    def checksum(self, payload_bytes: int) -> tuple[int, int]:
+        """``checksum.checksum`` of the first ``payload_bytes`` of the payload."""
+        return checksum(self.payload(payload_bytes))
 
     def finish(self, header: Header) -> None:
         """Make the slot readable: the header, written last."""
@@ -136,7 +140,7 @@ class Slot:
             return False
         if Header.unpack(self.map[:HEADER_BYTES]) != h:  # rewritten since the header was read
             return False
-        return zlib.crc32(memoryview(self.map)[PAYLOAD_AT:PAYLOAD_AT + h.payload_bytes]) == h.payload_crc
+        return checksum(self.payload()) == h.payload_sum
 
     def description(self) -> bytes:
         return bytes(self.map[PAYLOAD_AT:PAYLOAD_AT + self.header.description_bytes])

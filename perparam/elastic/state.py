@@ -3,15 +3,20 @@ Horovod Elastic's ``State.commit()`` / ``restore()``), for a loop under ``torchr
 
 ``commit()`` after each optimizer step (every ``every``-th is kept): this rank's shards of the parameters and
 of every optimizer state tensor, the optimizers' options and non-tensor state, the step, the scheduler, the
-RNG states and the user's own small state go into a slot in host shared memory (``slots.py``). The copy of the
-local tensors is the only part on the critical path: the payload's checksum and the header (written last)
-are computed by a background thread (``zlib`` releases the GIL) while the next step runs, and the next
-commit, ``restore``, ``finish`` or ``close`` waits for them; a process killed before the header is written
-leaves the slot refused and the other one (the previous generation) complete. When the job spans nodes
-(``replica="auto"``, or always with ``"always"``), a replica goes to a rank on the next node (``replica.py``,
-overlapped with the next step). ``restore()`` at start finds the newest generation that every shard has
-complete, own or replica (``restore.py``), loads it onto the current mesh (any number of ranks, through
+RNG states and the user's own small state go into a slot in host shared memory (``slots.py``). The small
+values are pickled in the commit; the tensors are copied into the slot, with the payload's checksum and the
+header (written last), by a background thread (``copier.py``; on CUDA a side stream) while the next step's
+forward and backward run: each optimizer's ``step`` waits for that copy first (a step pre-hook), since the
+tensors change only there; the next commit, ``restore``, ``finish`` and ``close`` wait for it too. A process
+killed before the header is written leaves the slot refused and the other one (the previous generation)
+complete. When the job spans nodes (``replica="auto"``, or always with ``"always"``), a replica goes to a
+rank on the next node (``replica.py``: its send starts once the copy is done, before the next optimizer step,
+and runs beside it). ``restore()`` at start finds the newest generation that every shard has complete, own
+or replica (``restore.py``), loads it onto the current mesh (any number of ranks, through
 ``perparam.checkpoint.load_from``) and returns the number of steps done: the step to continue from.
+
+Between a commit and the next optimizer step, change the parameters and the optimizer state only through the
+optimizers' ``step`` (or call ``finish()`` first): anything else could race the copy.
 
 Memory per rank: two slots (double-buffered: one is always complete while the other is written) of its own
 snapshot, plus two of the replica it holds when replicas are kept, i.e. ``2 x own`` on one node and
@@ -22,13 +27,12 @@ state's bytes plus a page of header and a small description (``bytes_mapped()``)
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import gc
 import os
 import pickle
 import random
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -38,12 +42,13 @@ from perparam import checkpoint
 from perparam.full_state import per_rank_keys
 from perparam.runtime.group import group_of
 
+from .copier import InFlight, copier_for, plan
 from .description import Description, Layout, local_of
 from .errors import SnapshotError
 from .reader import SnapshotReader
 from .replica import REPLICA_MODES, ReplicaLink, replica_wanted
 from .restore import find
-from .slots import Header, SlotFile, align
+from .slots import PAYLOAD_AT, Header, align
 from .store import Store, job_folder, node_folder, remove
 
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -133,9 +138,12 @@ class State:
         self.replica = replica_wanted(replica, self.world)  # a collective under "auto" without LOCAL_WORLD_SIZE
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self.link = ReplicaLink(self.store, self.rank, self.world, self.group) if self.replica else None
-        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perparam-snapshot-seal")
-        self._sealing: Future | None = None
+        self.copier = None  # made at the first snapshot, for the devices its tensors are on
+        self._copy: InFlight | None = None
+        self._blocks: tuple | None = None  # (entries, base, copier.plan's blocks), kept while they stay
+        self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in _optimizer_list(optimizers)]
         self.last_commit_s = 0.0
+        self.last_wait_s = 0.0  # what the last optimizer step waited for the copy
         _live.add(self)
 
     # user state as attributes
@@ -158,8 +166,9 @@ class State:
             self.snapshot()
 
     def snapshot(self) -> None:
-        """Snapshot now, as generation ``self.step``: the copy into the own slot here; its checksum and header in
-        the background; the replica's transfer started."""
+        """Snapshot now, as generation ``self.step``: the small values pickled into the own slot here; the
+        tensors' copy, its checksum and the header in the background (``copier.py``); the replica's transfer
+        announced."""
         start = time.perf_counter()
         tensors, manifest = checkpoint.capture(self.model, self.optimizers, {"step": self.step})
         entries, tensor_bytes = self._layout.entries(tensors)
@@ -168,22 +177,36 @@ class State:
         raw = Description(self.rank, self.world, manifest, extra, entries).dumps()
         base = align(len(raw))
         payload_bytes = base + tensor_bytes
+        sources = [local_of(v) for e, v in zip(entries, tensors.values()) if e.nbytes]
+        if self._blocks is None or self._blocks[0] is not entries or self._blocks[1] != base:
+            spans = [(base + e.at, e.nbytes) for e in entries if e.nbytes]
+            self._blocks = (entries, base, plan(spans, payload_bytes))
+        if self.copier is None:
+            self.copier = copier_for(sources)
         self.finish()  # the previous commit's header and transfer: its slot is the one reused two commits on
         if self.group is not None:  # and every rank's: a rank killed before its header leaves the others the slot
             dist.barrier(group=self.group)  # before it, which no rank may overwrite while its own is unfinished
         slot = self.store.own(self.step % 2)
         slot.begin(payload_bytes)
-        slot.map[4096:4096 + len(raw)] = raw
-        with torch.no_grad():
-            for entry, value in zip(entries, tensors.values()):
-                if entry.nbytes:
-                    dst = slot.payload(entry.nbytes, base + entry.at).view(value.dtype).view(entry.shape)
-                    dst.copy_(local_of(value))
-        sizes = Header(self.step, payload_bytes, len(raw), 0, self.rank, self.world)  # checksum still unknown
-        self._sealing = self._sealer.submit(_seal, slot, sizes)
+        slot.map[PAYLOAD_AT:PAYLOAD_AT + len(raw)] = raw
+        sizes = Header(self.step, payload_bytes, len(raw), (0, 0), self.rank, self.world)  # checksum to come
+        self._copy = self.copier.start(slot, self._blocks[2], sources, sizes)
         if self.link is not None:
-            self.link.send(sizes, slot, self._sealing.result)
+            self.link.send(sizes, slot, self._copy.result)
         self.last_commit_s = time.perf_counter() - start
+
+    def _before_step(self, *_) -> None:
+        """Before an optimizer step changes the tensors: the copy in flight done (on CUDA: the compute stream
+        waits for it), and the replica's send started from the copied slot."""
+        self.last_wait_s = 0.0
+        if self._copy is None:
+            return
+        start = time.perf_counter()
+        self._copy.wait_copied()
+        if self.link is not None:
+            self._copy.result()  # the slot's bytes on the host: what the send reads
+            self.link.post()
+        self.last_wait_s = time.perf_counter() - start
 
     def restore(self) -> int:
         """Load the newest complete snapshot of this job onto the current mesh and return the number of steps
@@ -191,12 +214,18 @@ class State:
         ``SnapshotError`` on every rank when snapshots exist but none is complete (a shard and its replica
         lost), naming the lost ranks; nothing is loaded then."""
         self.finish()
-        found = find(self.folder)
-        if found is None:
-            return 0
-        gen, world, snapshots = found
-        checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model, self.optimizers,
-                             source=f"the in-memory snapshot of step {gen}")
+        collecting = gc.isenabled()
+        gc.disable()  # its allocations (plans, read items, descriptions) start collections of the whole heap
+        try:
+            found = find(self.folder)
+            if found is None:
+                return 0
+            gen, world, snapshots = found
+            checkpoint.load_from(snapshots[0][0].manifest, SnapshotReader(snapshots), self.model,
+                                 self.optimizers, source=f"the in-memory snapshot of step {gen}")
+        finally:
+            if collecting:
+                gc.enable()
         mine = pickle.loads(snapshots[self.rank if self.rank < world else 0][0].extra)
         if self.scheduler is not None and mine["scheduler"] is not None:
             self.scheduler.load_state_dict(mine["scheduler"])
@@ -211,19 +240,22 @@ class State:
         return self.store.bytes_mapped()
 
     def finish(self) -> None:
-        """Wait for the last commit's checksum and header and the replica transfer in flight (their slots become
-        readable)."""
+        """Wait for the last commit's copy, checksum and header and the replica transfer in flight (their
+        slots become readable)."""
+        if self._copy is not None:
+            in_flight, self._copy = self._copy, None
+            in_flight.result()
         if self.link is not None:
             self.link.finish()
-        if self._sealing is not None:
-            sealing, self._sealing = self._sealing, None
-            sealing.result()
 
     def close(self, remove_snapshots: bool = True) -> None:
         """At the end of training: wait for transfers, unmap the slots and (by default) delete this job's
         snapshots from this node's memory. Every rank calls it."""
         self.finish()
-        self._sealer.shutdown()
+        for hook in self._hooks:
+            hook.remove()
+        if self.copier is not None:
+            self.copier.close()
         self.store.close()
         if dist.is_initialized():
             dist.barrier(group=self.group)
@@ -247,11 +279,10 @@ class State:
             dist.barrier(group=self.group)
 
 
-def _seal(slot: SlotFile, sizes: Header) -> Header:
-    """In the background: the payload's checksum, then the header, written last (the slot becomes readable)."""
-    header = dataclasses.replace(sizes, payload_crc=slot.checksum(sizes.payload_bytes))
-    slot.finish(header)
-    return header
+def _optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return []
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
 
 
 def _first_on_node() -> bool:
