@@ -72,10 +72,13 @@ def install() -> None:
     def armed() -> bool:
         return done["steps"] == at - 1 and torch.is_grad_enabled()
 
+    def layer(module) -> bool:  # (fully_shard gives the module a class of its own, derived from the model's)
+        return any(c.__name__ == "DecoderLayer" for c in type(module).__mro__)
+
     if phase == "forward":
 
         def before_layer(module, args) -> None:
-            if type(module).__name__ == "DecoderLayer" and armed():
+            if layer(module) and armed():
                 done["layers"] += 1
                 if done["layers"] == 2:
                     stay(ready, phase, at)
@@ -84,7 +87,7 @@ def install() -> None:
     elif phase == "backward":
 
         def after_layer(module, args, out) -> None:
-            if type(module).__name__ == "DecoderLayer" and armed() and out.requires_grad:
+            if layer(module) and armed() and out.requires_grad:
                 done["layers"] += 1
                 if done["layers"] == 1:
                     out.register_hook(lambda grad: stay(ready, phase, at))

@@ -284,11 +284,19 @@ def _fault(run: Launch, case: Case, ready: Path, timeout: float) -> dict:
             )
         time.sleep(0.02)
     pid = int(ready.read_text().split()[0])
+    born = _start_ticks(pid)
     if case.signal == "SIGKILL":
         time.sleep(0.3)  # the peers reach their wait for it
     at = time.time()
     os.kill(pid, SIGNALS[case.signal])
-    return {"t": at, "pid": pid, "done_at_signal": run.progress()}
+    return {"t": at, "pid": pid, "born": born, "done_at_signal": run.progress()}
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells it from a later process with its pid)."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return None
 
 
 def _running(done: int | None, comm: int | None) -> int | None:
@@ -298,10 +306,11 @@ def _running(done: int | None, comm: int | None) -> int | None:
     return done if comm is not None and comm < done else done + 1
 
 
-def _end(run: Launch, victim_pid: int, timeout: float) -> int:
+def _end(run: Launch, hit: dict, timeout: float) -> int:
     code = run.wait(timeout)
-    with contextlib.suppress(ProcessLookupError):  # a stopped victim nobody killed: not left behind
-        os.kill(victim_pid, signal.SIGKILL)
+    if hit["born"] is not None and _start_ticks(hit["pid"]) == hit["born"]:  # a stopped victim nobody killed
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hit["pid"], signal.SIGKILL)
     return code
 
 
@@ -316,7 +325,7 @@ def from_snapshot(case: Case, job: Job, text: Path, out: Path, want: dict, timeo
     try:
         hit = _fault(run, case, ready, timeout)
         comm = committed(out / f"shm-{name}")
-        code = _end(run, hit["pid"], timeout)
+        code = _end(run, hit, timeout)
     finally:
         if run.proc.poll() is None:
             run.kill()
@@ -355,7 +364,7 @@ def from_disk(case: Case, job: Job, text: Path, out: Path, want: dict, timeout: 
     )
     try:
         hit = _fault(run, case, ready, timeout)
-        code = _end(run, hit["pid"], timeout)
+        code = _end(run, hit, timeout)
     finally:
         if run.proc.poll() is None:
             run.kill()
