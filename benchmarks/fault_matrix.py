@@ -179,6 +179,9 @@ def markdown(result: dict) -> str:
         "| first step | total | disk: bits | recomputed | detection | restart | restore | first step "
         "| total |"
     )
+    disk_run = any("disk" in entry for entry in result["cases"])
+    if not disk_run:  # --no-disk
+        head = head.split(" disk: bits |")[0]
     rows = [head, "|" + " --- |" * (head.count("|") - 1)]
     for entry in result["cases"]:
         c, snap, disk = entry["case"], entry["snapshot"], entry.get("disk") or {}
@@ -203,7 +206,7 @@ def markdown(result: dict) -> str:
                     str(disk.get("recomputed", "-")),
                     *(_s(d.get(k)) for k in ("detection", "restart", "restore", "first_step")),
                     f"**{_s(d.get('total'))}**",
-                ]
+                ][: None if disk_run else 11]
             )
             + " |"
         )
