@@ -4,10 +4,10 @@ SIGSTOPped (``perparam.elastic.StepWatchdog``) from outside, in each phase of a 
     python -m benchmarks.peer_faults [--nproc 2] [--bound 3] [--kill forward,backward,step,save,async_save]
                                      [--stop forward,backward,step]
 
-Each case is one run of ``tests/fault_helpers.run_fault`` (the user's script ``tests/fault_worker.py`` on
-``--nproc`` processes, rank 1 the victim at step 2). Printed per case: the survivors' exit status, the
-seconds from the signal to each survivor's first stderr line (the watchdog's line or the error's traceback)
-and to its exit, the stderr line count, and the error's last line.
+Each case is one run of ``benchmarks/harness/faults.run_fault`` (the user's script
+``benchmarks/harness/fault_worker.py`` on ``--nproc`` processes, rank 1 the victim at step 2). Printed per
+case: the survivors' exit status, the seconds from the signal to each survivor's first stderr line (the
+watchdog's line or the error's traceback) and to its exit, the stderr line count, and the error's last line.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--kill", default="forward,backward,step,save,async_save")
     ap.add_argument("--stop", default="forward,backward,step")
     args = ap.parse_args()
-    from tests.fault_helpers import run_fault
+    from benchmarks.harness.faults import run_fault
 
     cases = [("SIGKILL", p, signal.SIGKILL, None) for p in args.kill.split(",") if p]
     cases += [("SIGSTOP", p, signal.SIGSTOP, args.bound) for p in args.stop.split(",") if p]

@@ -91,6 +91,9 @@ def test_a_rank_killed_at_step_5_of_12_ends_on_the_uninterrupted_runs_bits(tmp_p
     assert got["restarts"] == 1 and len(got["restored_at_step"]) == 1
     # the progress file says a step is done before its snapshot is committed: the kill may land between the two
     assert got["restored_at_step"][0] >= killed_after - 1
+    times = got["restart_times"][0]  # the restart's timeline, in order (seconds: benchmarks/fault_matrix.py)
+    assert times["restart"] == 1 and times["restored_at_step"] == got["restored_at_step"][0]
+    assert times["detected"] <= times["started"] <= times["ready"] <= times["first_step"]
     for key in ("train_losses", "grad_norms", "heldout_losses", "lrs", "heldout_loss_before", "heldout_loss_after",
                 "gguf_sha256"):
         assert got[key] == want[key], key

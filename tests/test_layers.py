@@ -475,6 +475,20 @@ def test_a_benchmark_imports_the_harness_only_and_the_harness_imports_no_benchma
                        + "\n".join(wrong))
 
 
+def test_no_benchmark_imports_the_tests():
+    """What tests and benchmarks share (the fault harness, the model) lives in ``benchmarks/harness/``, which
+    the tests import; ``benchmarks/`` never imports ``tests/`` (CONTRIBUTING.md)."""
+    wrong = []
+    for path in BENCHMARK_MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            wrong += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {n}" for n in names
+                      if n == "tests" or n.startswith("tests.")]
+    assert not wrong, ("benchmarks/ imports tests/ (move what both need into benchmarks/harness/):\n"
+                       + "\n".join(wrong))
+
+
 def test_no_private_name_is_imported_across_benchmark_files():
     wrong = [f"{BENCHMARK_MODULES[m].relative_to(PACKAGE.parent)}:{line}: {name} from {w}"
              for m, found in _benchmark_graph().items() for w, name, line in found

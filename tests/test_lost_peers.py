@@ -2,8 +2,8 @@
 raises ``perparam.PeerLostError`` naming the lost rank, its host and pid, what the survivor was doing and the
 last complete checkpoint, in forward, backward, the optimizer step, ``checkpoint.save`` and ``async_save``;
 before, gloo's raw "Connection closed by peer" (37-54 stderr lines). Real processes, real signals
-(``tests/fault_helpers.py``); what is asserted is what the user sees: the last stderr line, one traceback,
-the exit status."""
+(``benchmarks/harness/faults.py``); what is asserted is what the user sees: the last stderr line, one
+traceback, the exit status."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import perparam
-from tests.fault_helpers import run_fault
+from benchmarks.harness.faults import run_fault
 from tests.finetune_helpers import count_tracebacks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -1,8 +1,8 @@
 """A rank stopped from outside (SIGSTOP) in forward, backward or the optimizer step is found by
 ``perparam.elastic.StepWatchdog`` within its bound (without it: gloo's 30-minute timeout), killed, and the
 survivors end as for a dead peer (``PeerLostError``, exit 1): one line names the stopped rank, its host and
-pid and why; no process is left stopped. Real processes, real signals (``tests/fault_helpers.py``); the
-bound's derivation is checked without processes."""
+pid and why; no process is left stopped. Real processes, real signals (``benchmarks/harness/faults.py``);
+the bound's derivation is checked without processes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from benchmarks.harness.faults import run_fault
 from perparam.elastic import StepWatchdog
-from tests.fault_helpers import run_fault
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -327,6 +327,7 @@ def run_worker(cfg: JobConfig) -> int:
     try:
         run_job(cfg, data)
     except (torch.distributed.DistError, RuntimeError) as exc:
+        lifecycle.stopping()  # (a restart's record: when this group learnt of its fault)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, PeerLostError):  # perparam named the rank already; its cause, shortened
             first = exc.cause

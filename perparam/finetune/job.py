@@ -29,6 +29,7 @@ from perparam.finetune import (
     offload_flags,
     optimizers,
     peers,
+    restart_times,
     snapshots,
     steps,
     throughput,
@@ -63,6 +64,7 @@ class Run:
     offload: object = None  # offload_flags.OffloadChoice: --offload / --memory-budget
     iu: object = None  # perparam.InvariantUnits under --invariant-units (invariant_steps.py), else None
     snapshots: object = None  # snapshots.JobSnapshots when the agent may restart the workers, else None
+    clock: object = None  # restart_times.StartClock: this start's marks (began, ready, first step)
 
 
 def evaluate(cfg: JobConfig, run: Run) -> float:
@@ -78,6 +80,7 @@ def evaluate(cfg: JobConfig, run: Run) -> float:
 def setup(cfg: JobConfig, data: PreparedData) -> Run:
     """Process group, meshes, model, tensor parallelism and ``fully_shard``, the optimizers (AdamW, or
     Muon + AdamW), held-out loss before, and ``--resume``."""
+    clock = restart_times.StartClock()
     rank, world, device = train.setup_distributed(cfg.pg_timeout)
     peers.record_roster()  # who is who, to name a peer that dies
     meshes = train.build_meshes(world, cfg.dp_replicate, cfg.tp, device.type)
@@ -124,7 +127,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     snaps = snapshots.JobSnapshots(cfg, model, optimizers_saved(optimizer)) if snapshots.enabled() else None
     restored = snaps.restore(cfg, model, optimizer, scheduler, rank, first_step) if snaps is not None else 0
     run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, float("nan"),
-              restored or first_step, scheduler, llama_cfg, offload, iu, snaps)
+              restored or first_step, scheduler, llama_cfg, offload, iu, snaps, clock)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are); after a restart, the one the job started from (kept in the snapshot)
     from_snapshot = restored and snaps.fell_back is None  # not the --save checkpoint fallen back to
@@ -133,6 +136,7 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     if rank == 0:
         at = f" (step {first_step}, resumed)" if first_step else ""
         print(f"held-out loss before{at}: {run.loss_before:.4f}", flush=True)
+    clock.ready()
     return run
 
 
@@ -184,6 +188,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 losses.append(mean_over_ranks(result.loss))
             step_s += time.perf_counter() - began
             watchdog.step()
+            run.clock.first_step()
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
                 raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
                                          f"pass a smaller --lr (this run: {cfg.lr})")
@@ -204,7 +209,7 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             issued = len(comm.records)
             if run.snapshots is not None:  # in memory, every --snapshot-every steps: what a restart continues from
-                run.snapshots.commit(losses, lrs, norms, evals, run.loss_before, run.scheduler)
+                run.snapshots.commit(losses, lrs, norms, evals, run.loss_before, run.scheduler, run.clock)
             with watchdog.paused():
                 save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
             del comm.records[issued:]  # nor a checkpoint's (Muon's momentum sent to its rows' ranks)
@@ -296,6 +301,7 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         print("perparam collectives per step and rank: "
               + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in loop.comm_per_step.items()), flush=True)
     summary.update(extra or {})
+    summary["start_times"] = run.clock.record()  # this start's (restart_times.py)
     if run.snapshots is not None:
         summary.update(run.snapshots.summary())
     if run.rank == 0 and cfg.plot:

@@ -36,7 +36,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from perparam.finetune import peers
+from perparam.finetune import peers, restart_times
 from perparam.finetune.peers import pid_alive
 
 #: env vars the launcher sets for its workers
@@ -53,6 +53,8 @@ _progress = {"step": None, "total": None, "checkpoint": None}
 _parent = {"pid": None}
 #: whether this worker already said (in one line) why it stops
 _said = {"done": False}
+#: the job's snapshot folder on this node, where a stopping worker notes when (``restart_times.note_stop``)
+_stops = {"folder": None}
 
 
 def exit_code(signum: int) -> int:
@@ -166,11 +168,26 @@ def last_checkpoint() -> tuple[int, str] | None:
     return _progress["checkpoint"]
 
 
+def note_stops_in(folder) -> None:
+    """Under ``--max-restarts``: the job's snapshot folder, where this worker notes when it learnt that its
+    group stops (:func:`stopping`), for the next start's ``restart_times`` record."""
+    _stops["folder"] = folder
+
+
+def stopping() -> None:
+    """This worker knows its group stops (a peer is lost, or the agent says stop): note the time once."""
+    if _stops["folder"] is not None:  # (restart_times is imported already: no import in a signal handler)
+        folder, _stops["folder"] = _stops["folder"], None
+        restart_times.note_stop(folder, os.environ.get("RANK", "?"),
+                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+
 def _stop_worker(signum: int) -> None:
     """Leave now and quietly: remove the launcher's folder if the launcher is gone, then ``os._exit``
     (no finalizers: a process group torn down in the middle of a collective can abort the process).
     Under plain ``torchrun``, a SIGTERM from the agent that lost a peer node is told apart from a user's
     signal (:func:`perparam.finetune.peers.who_is_gone`): one line, exit 1."""
+    stopping()
     if _said["done"]:  # this worker already said why it stops (a lost peer): a failure, not an interruption
         os._exit(1)
     launcher = os.environ.get(LAUNCHER_PID_ENV)

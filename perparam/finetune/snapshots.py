@@ -20,17 +20,24 @@ choice is made: never a half-restored model.
 
 What the loop reports is part of the snapshot (the losses, learning rates, gradient norms and held-out losses
 so far, the held-out loss before training, the schedule), so a run that lost a rank reports the uninterrupted
-run's numbers. The summary records ``restarts`` (the agent's restart count at the end) and
-``restored_at_step`` (the step each restart continued from).
+run's numbers. The summary records ``restarts`` (the agent's restart count at the end),
+``restored_at_step`` (the step each restart continued from) and ``restart_times``: per restart, its
+``restart`` number, ``restored_at_step``, the wall-clock times (``time.time()``) the fault was ``detected``
+(the earliest a worker of the failed group knew of it; None if none could note it), the new workers
+``started``, the snapshot was restored (``ready``) and the ``first_step`` after it completed, and
+``restore_s`` (``State.restore()`` alone) (:mod:`perparam.finetune.restart_times`; kept in the snapshot, so
+every restart of the job is listed).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from perparam.finetune import lifecycle, restart_times
 from perparam.finetune.errors import FinetuneInputError
 
 if TYPE_CHECKING:
@@ -83,7 +90,10 @@ class JobSnapshots:
 
         self.fell_back: list | None = None  # [step, --save DIR] of a fallback to the disk checkpoint
         self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica, losses=[],
-                           lrs=[], norms=[], evals=[], loss_before=None, schedule=None, restored_at_step=[])
+                           lrs=[], norms=[], evals=[], loss_before=None, schedule=None, restored_at_step=[],
+                           restart_times=[])
+        self.pending: dict | None = None  # this restart's record, until its first step is committed
+        lifecycle.note_stops_in(self.state.folder)  # when this group stops: for the next restart's record
 
     def restore(self, cfg: JobConfig, model, optimizer, scheduler, rank: int, first_step: int) -> int:
         """The step the last snapshot completed (0 when there is none: steps then count from ``first_step``,
@@ -91,17 +101,22 @@ class JobSnapshots:
         step (``self.fell_back``), or :class:`FinetuneInputError` (module docstring)."""
         from perparam.elastic import SnapshotError
 
+        began = time.perf_counter()
         try:
             step = self.state.restore()
         except SnapshotError as exc:
             if not exc.lost:
                 raise
             return self._fall_back(cfg, model, optimizer, scheduler, rank, exc.reason)
+        restore_s = time.perf_counter() - began
         if not step:
             self.state.step = first_step
         else:
             scheduler.restore(self.state.schedule, step, cfg.lr)
             self.state.restored_at_step = [*self.state.restored_at_step, step]
+            self.pending = {"restart": restarts(), "restored_at_step": step,
+                            "detected": restart_times.detected(self.state.folder, restarts() - 1),
+                            "restore_s": restore_s}
             if rank == 0:
                 print(f"restart {restarts()}: continuing from the in-memory snapshot of step {step}", flush=True)
         return step
@@ -130,15 +145,20 @@ class JobSnapshots:
         self.fell_back = [step, str(cfg.save)]
         return step
 
-    def commit(self, losses: list, lrs: list, norms: list, evals: list, loss_before: float, scheduler) -> None:
+    def commit(self, losses: list, lrs: list, norms: list, evals: list, loss_before: float, scheduler,
+               clock: restart_times.StartClock | None = None) -> None:
+        """After a step: what the loop reports, and (the first step after a restart) that restart's times."""
         s = self.state
         s.losses, s.lrs, s.norms, s.evals = list(losses), list(lrs), list(norms), [list(e) for e in evals]
         s.loss_before, s.schedule = loss_before, scheduler.state_dict()
+        if self.pending is not None and clock is not None and clock.first_step_at is not None:
+            s.restart_times = [*s.restart_times, {**self.pending, **clock.record()}]
+            self.pending = None
         s.commit()
 
     def summary(self) -> dict:
         return {"restarts": restarts(), "restored_at_step": self.state.restored_at_step,
-                "restored_from_checkpoint": self.fell_back}
+                "restored_from_checkpoint": self.fell_back, "restart_times": self.state.restart_times}
 
     def close(self) -> None:
         self.state.close()

@@ -1,6 +1,7 @@
-"""The fault harness: a user's script (``tests/fault_worker.py``) on K ranks, one of them SIGKILLed or
-SIGSTOPped from outside in a given phase, and what each rank then printed, its exit status, and the seconds
-from the signal to the first line of each survivor's error.
+"""The fault harness of a user's own script: ``benchmarks/harness/fault_worker.py`` on K ranks, one of them
+SIGKILLed or SIGSTOPped from outside in a given phase, and what each rank then printed, its exit status, and
+the seconds from the signal to the first line of each survivor's error (``benchmarks/peer_faults.py``, and
+the tests of what a user sees: ``tests/test_lost_peers.py``, ``tests/test_step_watchdog.py``).
 
 ``run_fault(world, phase, signal, victim=1, at=2, watchdog=None)`` returns a ``Fault``. Every process it
 started is gone when it returns (a stopped one is killed; ``Fault.left_stopped`` says whether one still
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -60,7 +61,7 @@ def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, wa
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo"}
-    argv = [sys.executable, "-m", "tests.fault_worker", phase, str(victim), str(at), ckpt]
+    argv = [sys.executable, "-m", "benchmarks.harness.fault_worker", phase, str(victim), str(at), ckpt]
     if watchdog is not None:
         argv.append(str(watchdog))
     procs, outs, errs, out_t, err_t = [], [], [], [], []
@@ -105,14 +106,3 @@ def _state(pid: int) -> str:
     except (OSError, IndexError):
         return "?"
 
-
-if __name__ == "__main__":  # python -m tests.fault_helpers WORLD PHASE KILL|STOP [WATCHDOG]: print what a user sees
-    w, ph, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    f = run_fault(w, ph, signal.SIGKILL if how == "KILL" else signal.SIGSTOP,
-                  watchdog=float(sys.argv[4]) if len(sys.argv) > 4 else None)
-    for r in range(w):
-        print(f"--- rank {r}: exit {f.codes[r]} {f.exited_s[r]} s after the signal, first stderr line "
-              f"{f.detected_s[r]} s after it, "
-              f"{len(f.err[r].splitlines())} stderr lines")
-        print(f.err[r][-3000:])
-    print("left stopped:", f.left_stopped)

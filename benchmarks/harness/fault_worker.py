@@ -1,11 +1,11 @@
-"""A user's training script, one rank of it, for the fault harness (``tests/fault_helpers.py``): a plain
-``fully_shard`` loop started with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts the
-store, as ``init_process_group("gloo")`` does without torchrun), gloo's default 30-minute timeout, no
+"""A user's training script, one rank of it, for the fault harness (``benchmarks/harness/faults.py``): a
+plain ``fully_shard`` loop started with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts
+the store, as ``init_process_group("gloo")`` does without torchrun), gloo's default 30-minute timeout, no
 ``try``: what the user sees is what Python prints.
 
-``python -m tests.fault_worker PHASE VICTIM STEP CKPT [WATCHDOG]``: at step ``STEP`` the rank ``VICTIM``
-prints ``in-PHASE <pid>`` on stdout once it is inside ``PHASE`` (``start``: before the step's forward,
-``forward``, ``backward``, ``step``: the
+``python -m benchmarks.harness.fault_worker PHASE VICTIM STEP CKPT [WATCHDOG]``: at step ``STEP`` the rank
+``VICTIM`` prints ``in-PHASE <pid>`` on stdout once it is inside ``PHASE`` (``start``: before the step's
+forward, ``forward``, ``backward``, ``step``: the
 optimizer step, ``save``: ``perparam.checkpoint.save`` writing its files, ``async_save``: the background
 write, waited for) and stays there, so the harness can SIGKILL or SIGSTOP it in that phase. Every rank saves
 a checkpoint at step 1 (the last complete one), and prints ``step N`` after each step. ``WATCHDOG``: run
