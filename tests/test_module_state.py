@@ -112,6 +112,8 @@ ALLOWED = {
     "finetune/lifecycle.py:_progress": "the job's progress for its interruption line (one job per process)",
     "finetune/lifecycle.py:_parent": "the job's parent pid once watched (one job per process)",
     "finetune/lifecycle.py:_said": _ONCE + " (why the worker stops)",
+    "finetune/lifecycle.py:_stops": "the job's snapshot folder where a stopping worker notes when (one job per "
+                                    "process; read in a signal handler, so set before any signal)",
     "finetune/lora.py:TARGETS": "constant table: LoRA's target modules",
     "finetune/peers.py:ROSTER": "the job's ranks as recorded (one job per process)",
     "finetune/tokenizer.py:DIGIT_SPLITTING_PRE": "constant table: a tokenizer's pre-tokenizers",
