@@ -39,7 +39,7 @@ def _with_marks(full_state_dict, model, marks: list):
     appends ``(peak, RSS at its start)`` per tensor, in gathering order, to ``marks``."""
     from perparam import full_state
 
-    real, start = full_state._full_tensor, []
+    real, start = full_state.full_tensor, []
 
     def reset_then_gather(value):
         if start:  # the previous tensor is gathered and copied into the dict: its peak
@@ -48,11 +48,11 @@ def _with_marks(full_state_dict, model, marks: list):
         Path("/proc/self/clear_refs").write_text("5")
         return real(value)
 
-    full_state._full_tensor = reset_then_gather
+    full_state.full_tensor = reset_then_gather
     try:
         state = full_state_dict(model)
     finally:
-        full_state._full_tensor = real
+        full_state.full_tensor = real
     marks.append((_status("VmHWM"), start[-1]))
     assert len(marks) == len(model.state_dict())  # every entry of this model is a DTensor
     return state

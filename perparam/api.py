@@ -12,15 +12,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .api_checks import (
-    _check_containers,
-    _check_mesh,
-    _check_param,
-    _collect,
-    _compose,
-    _ignored,
-    _param_mesh,
-    _reshard_after_forward,
+    check_containers,
+    check_mesh,
+    check_param,
+    collect_params,
     default_mesh,
+    ignored_ids,
+    param_mesh,
+    reshard_setting,
+    tp_composition,
 )
 from .comm import peers
 from .comm.process_groups import warm_up
@@ -155,9 +155,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     except PolicyError as e:
         raise ShardingError(str(e)) from None
     mesh = mesh if mesh is not None else default_mesh()
-    _check_mesh(mesh)
+    check_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
-    reshard_after_forward, secondary_size = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    reshard_after_forward, secondary_size = reshard_setting(reshard_after_forward, mesh.size(mesh.ndim - 1))
     gradient_divide_factor = check_divide_factor(gradient_divide_factor, "fully_shard(gradient_divide_factor=...)",
                                                  mesh.size())
     for m in modules:
@@ -183,12 +183,12 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
     refusal = readers.check_readers(modules, group_of)
     if refusal is not None:
         raise ShardingError(f"fully_shard: {refusal}")
-    found, aliases = _collect(modules)
-    ignored = _ignored(ignored_params, found)
+    found, aliases = collect_params(modules)
+    ignored = ignored_ids(ignored_params, found)
     found = [entry for entry in found if id(entry[1]) not in ignored]
-    _check_containers(modules, found)
+    check_containers(modules, found)
     for fqn, original, _ in found:
-        _check_param(fqn, original, owner, modules)
+        check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
     prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
     try:
@@ -196,10 +196,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
                                   aliases=aliases, compute_dtypes=buffer_dtypes(
                                       prefixes, lambda m: group_of(m) is not None), offload=offload_policy)
         policies = [r.policy for r in resolved]
-        meshes = [_param_mesh(fqn, p, policy.mesh, mesh, owner, secondary_size)
+        meshes = [param_mesh(fqn, p, policy.mesh, mesh, owner, secondary_size)
                   for (fqn, p, _), policy in zip(found, policies)]
         ranks = [shard_rank if m is mesh else m.get_coordinate()[-1] for m in meshes]
-        tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
+        tps = [tp_composition(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],

@@ -24,7 +24,7 @@ from .runtime.optim.registry import REGISTRY
 from .runtime.tp import TensorParallel, compose
 
 
-def _ignored(ignored_params, found) -> set[int]:
+def ignored_ids(ignored_params, found) -> set[int]:
     """Ids of the ``ignored_params`` this call would otherwise manage."""
     if ignored_params is None:
         return set()
@@ -37,7 +37,7 @@ def _ignored(ignored_params, found) -> set[int]:
     return {id(p) for p in ignored_params if id(p) in known}
 
 
-def _param_mesh(fqn: str, p: nn.Parameter, own: DeviceMesh | None, mesh: DeviceMesh, owner: str,
+def param_mesh(fqn: str, p: nn.Parameter, own: DeviceMesh | None, mesh: DeviceMesh, owner: str,
                 secondary_size: int | None) -> DeviceMesh:
     """The data-parallel mesh parameter ``fqn`` is sharded on: its ``ParamPolicy.mesh`` (checked here, as
     the call's mesh is), else the call's ``mesh``. Raises ``ShardingError`` naming the parameter."""
@@ -68,7 +68,7 @@ def _param_mesh(fqn: str, p: nn.Parameter, own: DeviceMesh | None, mesh: DeviceM
     return own
 
 
-def _check_containers(modules: list[nn.Module], found) -> None:
+def check_containers(modules: list[nn.Module], found) -> None:
     """Refuse (``ShardingError``, a ``ValueError``: FSDP2's type) an ``nn.ModuleList``/``nn.ModuleDict`` given
     as a module when the call would manage parameters: a container has no forward, so the hooks that
     all-gather them would never run (its children's forwards used the sharded DTensors)."""
@@ -83,14 +83,14 @@ def _check_containers(modules: list[nn.Module], found) -> None:
                 "all-gather for them all), or call fully_shard on each of them")
 
 
-def _compose(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:
+def tp_composition(fqn: str, p: nn.Parameter, mesh: DeviceMesh, policy) -> TensorParallel | None:
     """The tensor-parallel composition of a parameter that is already a DTensor, else ``None``."""
     if not isinstance(p.data, DTensor):
         return None
     return compose(fqn, p.data, mesh, policy.placement)
 
 
-def _reshard_after_forward(value, num_shards: int) -> tuple[bool, int | None]:
+def reshard_setting(value, num_shards: int) -> tuple[bool, int | None]:
     """FSDP2's ``reshard_after_forward`` values, as (free after forward?, hpZ's secondary size or None)."""
     if value is None:
         return True, None
@@ -120,7 +120,7 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
+def check_mesh(mesh: DeviceMesh) -> None:
     try:
         check_dp_mesh(mesh)
     except MeshError as e:
@@ -128,7 +128,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         raise ShardingError(f"{words}{e}") from None
 
 
-def _collect(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+def collect_params(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                                                 dict[str, tuple[str, ...]]]:
     """The parameters this call manages, with every slot each is registered in, and every name of each
     (keyed by its first name: a parameter tied inside the call has several).
@@ -157,7 +157,7 @@ def _collect(modules: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter, li
     return list(found.values()), {found[i][0]: tuple(ns) for i, ns in names.items()}
 
 
-def _check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]) -> None:
+def check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module]) -> None:
     # the live groups (``GROUPS``, weak on each group: a weakref on the parameter itself would block
     # ``to_empty``'s ``swap_tensors``) recognise a parameter an earlier call already sharded
     earlier = next((g for g in GROUPS.snapshot() if g.manages(p)), None)

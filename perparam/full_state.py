@@ -80,7 +80,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     state = model.state_dict()
     _refuse_per_rank("full_state_dict", state, model)
     for key, value in state.items():
-        full = _full_tensor(value) if isinstance(value, DTensor) else value
+        full = full_tensor(value) if isinstance(value, DTensor) else value
         if out is not None:
             out[key] = full.detach().to("cpu", copy=True)
         del full
@@ -121,7 +121,7 @@ def dequantized_full_state_dict(model: nn.Module, dtype: torch.dtype = torch.flo
     return out
 
 
-def _full_tensor(value: DTensor) -> torch.Tensor:
+def full_tensor(value: DTensor) -> torch.Tensor:
     """``full_tensor()``, gathering fp8 codes as bytes (gloo has no float8 all-gather)."""
     if value.dtype.itemsize != 1 or not value.dtype.is_floating_point:
         return value.full_tensor()

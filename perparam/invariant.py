@@ -202,7 +202,7 @@ class InvariantUnits:
                                  f"{len(self.indices)} expected")
         for g in self.groups:  # checked before anything is changed
             if not g.requires_all_reduce:  # HSDP's partial hold would add the held sums outside the tree
-                raise InvariantError(f"InvariantUnits.reduce: {g._what} has set_requires_all_reduce(False); the "
+                raise InvariantError(f"InvariantUnits.reduce: {g.own._what} has set_requires_all_reduce(False); the "
                                      "mode reduces once per step: leave it True")
         for p in self._params:
             stack = self._stacks.pop(id(p), None)
@@ -348,19 +348,19 @@ def _stack_with_zeros(done: int, like: torch.Tensor) -> TreeStack:
 
 
 def _groups(model):
-    from .module_settings import _groups_below
+    from .module import groups_below
 
-    return _groups_below(model, True)
+    return groups_below(model, True)
 
 
 def _check(g, mesh) -> None:
     if len(g.parts) > 1:
-        raise InvariantError(f"InvariantUnits: {g._what} has parameters on other meshes (ParamPolicy.mesh)")
+        raise InvariantError(f"InvariantUnits: {g.own._what} has parameters on other meshes (ParamPolicy.mesh)")
     if g.parts[0].mesh != mesh:
-        raise InvariantError(f"InvariantUnits: {g._what} is on mesh {g.parts[0].mesh.mesh.tolist()}, another "
+        raise InvariantError(f"InvariantUnits: {g.own._what} is on mesh {g.parts[0].mesh.mesh.tolist()}, another "
                              f"group on {mesh.mesh.tolist()}; shard every group on one mesh")
     if g.reduce_scatter_comm is not None:
-        raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
+        raise InvariantError(f"InvariantUnits: {g.own._what} has a custom reduce-scatter")
     for p in g.params:
         name = f"'{p.path}'"
         if p.tp:

@@ -30,7 +30,7 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | Non
         with CommCounter() as bwd:
             loss.backward()
     # the zero-copy all-gather (K = 2, no empty shard): per parameter one send and one receive
-    sizes = {"root": len(group_of(model).gathered), "block": len(group_of(model.blocks[0]).gathered),
+    sizes = {"root": len(group_of(model).own.gathered), "block": len(group_of(model.blocks[0]).own.gathered),
              # the zero-copy reduce-scatter: per trainable parameter and its used flags one send and one receive
              "reduced": sum(len(group_of(m).trainable()) + 1 for m in (model, *model.blocks))}
     return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw, "gathered": sizes}

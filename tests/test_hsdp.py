@@ -197,7 +197,7 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
     reduce = {axis: (reduce_group(mesh.get_group(axis)).group_name, mesh.get_group(axis).size()) for axis in NAMES}
     from perparam.runtime.group import group_of
 
-    gathered = sum(len(group_of(m).gathered) for m in (model, *model.blocks))  # zero-copy: per parameter one send
+    gathered = sum(len(group_of(m).own.gathered) for m in (model, *model.blocks))  # zero-copy: per parameter one send
     # zero-copy reduce-scatter: per trainable parameter and its used flags one send and one receive
     reduced = sum(len(group_of(m).trainable()) + 1 for m in (model, *model.blocks))
     return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts, "gathered": gathered,

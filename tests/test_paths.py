@@ -91,11 +91,11 @@ def test_a_row_added_from_outside_goes_before_the_named_path_and_leaves_with_its
 
 def test_the_common_tail_of_a_reduction_names_no_path():
     """What follows every path (the HSDP all-reduce, the partial hold, the division and the accumulation:
-    ``part_reduce.py``, ``partial.py``, ``reduction.py``) asks the reduction's tail (``reduction.ReduceTail``,
+    ``part.py``, ``partial.py``, ``reduction.py``) asks the reduction's tail (``reduction.ReduceTail``,
     which a path may replace) and the chooser, never which path ran: no name of the owner path's or the
     zero-copy one's, and no import of a path's own module (or of a module holding a path's mechanism)."""
     runtime = Path(perparam.__file__).parent / "runtime"
-    for name in ("part_reduce.py", "partial.py", "reduction.py"):
+    for name in ("part.py", "partial.py", "reduction.py"):
         tree = ast.parse((runtime / name).read_text())
         names = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
                  | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}

@@ -45,7 +45,7 @@ def measured(rank: int, world_size: int, hsdp: bool, placement: str, specs=POLIC
     got["params"] += storage_bytes(scales)
     got["steps"] = sum(1 for s in opt.state.values() if "step" in s)
     got["shard_rank"] = mesh.get_coordinate()[-1]
-    got["slot_bytes"] = group_of(m).layout.slot_bytes  # what this rank sends in the group's all-gather
+    got["slot_bytes"] = group_of(m).own.layout.slot_bytes  # what this rank sends in the group's all-gather
     return got
 
 

@@ -182,7 +182,7 @@ def load_then_accumulate(rank: int, world_size: int, path: str = "", models: dic
         perparam.checkpoint.load(path, model, opt)
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         if rank == 1:  # rank 0's next forward has marked its kept copies refreshed (it waits for rank 1 there)
-            first = perparam.runtime.group.group_of(models[0]).kept[0]
+            first = perparam.runtime.group.group_of(models[0]).own.kept[0]
             before = first.kept_key
             deadline = time.monotonic() + 30
             while first.kept_key == before and time.monotonic() < deadline:

@@ -152,7 +152,7 @@ def _changing(rank: int, world_size: int) -> dict:
         ref_opt.step()
         diff = max((p.full_tensor() - r).abs().max().item()
                    for p, r in zip(model.parameters(), reference.parameters()))
-        return {"diff": diff, "plans": len(group_of(model)._reduce_plans)}
+        return {"diff": diff, "plans": len(group_of(model).own._reduce_plans)}
     finally:
         perparam.configure(gloo_reduce_scatter=previous.gloo_reduce_scatter)
 

@@ -72,7 +72,7 @@ def train(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None, stage,
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss = F.mse_loss(model(x), y)
         if world_size and raf is not None:  # hpZ: the secondary shard each block kept for its backward
-            out.setdefault("hpz_kept", []).append([group_of(b).hpz.kept_bytes() for b in model.blocks])
+            out.setdefault("hpz_kept", []).append([group_of(b).own.hpz.kept_bytes() for b in model.blocks])
         loss.backward()
         out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()

@@ -55,7 +55,7 @@ def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: 
             model(x, y).backward()
             opt.step()
         measured = model_state_bytes(model, opt)
-        unsharded = [g.num_shards * g.layout.slot_bytes for g in groups if g is not None and g.params]
+        unsharded = [g.own.num_shards * g.own.layout.slot_bytes for g in groups if g is not None and g.params]
         out = {"world": world, "rank": rank, "device": device,
                "model_state_bytes_measured": measured.as_dict(),
                "model_state_bytes_predicted": {"params": int(predicted.params), "grads": int(predicted.grads),

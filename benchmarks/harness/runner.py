@@ -189,11 +189,11 @@ def _perparam_buffers(model: nn.Module) -> dict:
     all-gather fills; with prefetching at most two groups beyond those kept are unsharded at once)."""
     from perparam.runtime.group import group_of
 
-    groups = list({id(g): g for g in (group_of(m) for m in model.modules()) if g is not None and g.gathered}.values())
+    groups = list({id(g): g for g in (group_of(m) for m in model.modules()) if g is not None and g.own.gathered}.values())
     if not groups:
         return {}
     return {"pool_idle_bytes": groups[0].ctx.pool.idle_bytes(),
-            "group_unsharded_bytes": [g.num_shards * g.layout.slot_bytes for g in groups]}
+            "group_unsharded_bytes": [g.own.num_shards * g.own.layout.slot_bytes for g in groups]}
 
 
 JOBS = {"timing": timing_job, "rss": rss_job}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..sharding.layout import ceil_div
 from ..sharding.tree_sum import tree_sum
 from . import c10d, debug, sequence
-from .counter import CollectiveRecord, CommCounter, GatheredRows, _record, _take
+from .counter import CollectiveRecord, CommCounter, GatheredRows, record_collective, take_buffer
 from .point_to_point import all_gather_in_place, reduce_scatter_in_place, zero_gaps
 
 __all__ = ["CollectiveRecord", "CommCounter", "GatheredRows", "all_gather_in_place", "all_gather_objects",
@@ -49,7 +49,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
         debug.check("all_gather", send, k * slot, group, what)
     elif k > 1:
         sequence.expect("all_gather", slot, k * slot, group, what)
-    _record("all_gather", k * slot, group, send.dtype)
+    record_collective("all_gather", k * slot, group, send.dtype)
     if k == 1:
         return GatheredRows(None, [(0, send.view(1, slot))], [])
     if comm is not None:
@@ -58,12 +58,12 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
         result = GatheredRows(work, [(0, recv.view(k, slot))], [])
     elif gloo in ("all_to_all", "zero_copy") and send.device.type == "cpu" and dist.get_backend(group) == "gloo":
         me = group.rank()
-        others = _take(pool, (k - 1) * slot, send.device)
+        others = take_buffer(pool, (k - 1) * slot, send.device)
         buffers = [others]
         if k == 2:
             source = send
         else:  # one copy of the row per destination
-            source = _take(pool, (k - 1) * slot, send.device)
+            source = take_buffer(pool, (k - 1) * slot, send.device)
             source.view(k - 1, slot).copy_(send.expand(k - 1, slot))
             buffers.append(source)
         splits = [0 if r == me else slot for r in range(k)]
@@ -72,7 +72,7 @@ def all_gather_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, asy
         segments = [(0, rows[:me]), (me, send.view(1, slot)), (me + 1, rows[me:])]
         result = GatheredRows(work, [(r, t) for r, t in segments if t.shape[0]], buffers)
     else:
-        recv = _take(pool, k * slot, send.device)
+        recv = take_buffer(pool, k * slot, send.device)
         work = c10d.all_gather_into(recv, send, group, async_op=True)
         result = GatheredRows(work, [(0, recv.view(k, slot))], [recv])
     if not async_op:
@@ -129,7 +129,7 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     (``set_custom_reduce_scatter``), called as ``comm(output, input, group, op=SUM, async_op=...)``."""
     if debug.debug_enabled():
         debug.check("reduce_scatter", input, output.numel() * output.element_size(), group, what)
-    _record("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
+    record_collective("reduce_scatter", input.numel() * input.element_size(), group, input.dtype)
     k = group.size()
     if k == 1:
         output.copy_(input)
@@ -152,7 +152,7 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
                                           group=group, async_op=True)
             handle = _SumAfterAllToAll(work, [into, rows[me]], output, None, None)
         else:
-            raw = _take(pool, k * row_bytes, input.device)
+            raw = take_buffer(pool, k * row_bytes, input.device)
             work = dist.all_to_all_single(raw, input.view(torch.uint8), group=group, async_op=True)
             handle = _SumAfterAllToAll(work, [raw.view(input.dtype).view(k, -1)], output, raw, pool)
         if not async_op:
@@ -172,10 +172,10 @@ def exchange_rows(send: torch.Tensor, group: dist.ProcessGroup, pool=None, what:
     k, row = send.shape
     if debug.debug_enabled():
         debug.check("reduce_scatter", send, row, group, what)
-    _record("reduce_scatter", k * row, group, dtype)
+    record_collective("reduce_scatter", k * row, group, dtype)
     if group.size() == 1:
         return None, send
-    recv = _take(pool, k * row, send.device).view(k, row)
+    recv = take_buffer(pool, k * row, send.device).view(k, row)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     return work, recv
 
@@ -184,7 +184,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     """Sum ``tensor`` in place over ``group``."""
     if debug.debug_enabled():
         debug.check("all_reduce", tensor, tensor.numel() * tensor.element_size(), group, what)
-    _record("all_reduce", tensor.numel() * tensor.element_size(), group, tensor.dtype)
+    record_collective("all_reduce", tensor.numel() * tensor.element_size(), group, tensor.dtype)
     if group.size() == 1:
         return None
     return dist.all_reduce(tensor, group=group, async_op=async_op)
@@ -228,7 +228,7 @@ def exchange_uneven(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     if debug.debug_enabled():
         debug.check("all_to_all", send[:0], logical_bytes, group, what)
     item = send.element_size()
-    _record("all_to_all", (sum(send_splits) - send_splits[me]) * item, group, send.dtype)
+    record_collective("all_to_all", (sum(send_splits) - send_splits[me]) * item, group, send.dtype)
     if k == 1:
         return None, send
     if recv is None:
@@ -253,7 +253,7 @@ def reduce_to_owners(send: torch.Tensor, send_splits: list[int], output: torch.T
     k = group.size()
     if debug.debug_enabled():
         debug.check("reduce_scatter", send, send.numel() * send.element_size(), group, what)
-    _record("reduce_scatter", send.numel() * send.element_size(), group, send.dtype)
+    record_collective("reduce_scatter", send.numel() * send.element_size(), group, send.dtype)
     if k == 1:
         output.copy_(send)
         return None

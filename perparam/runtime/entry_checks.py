@@ -19,7 +19,7 @@ class TransformError(RuntimeError):
     """A sharded module was called inside a ``torch.func`` transform."""
 
 
-def _check_transforms(group: ParamGroup) -> None:
+def check_transforms(group: ParamGroup) -> None:
     interpreter = torch._C._functorch.peek_interpreter_stack()
     if interpreter is not None:
         raise TransformError(
@@ -29,7 +29,7 @@ def _check_transforms(group: ParamGroup) -> None:
             "(torch.autograd.grad(..., create_graph=True) and double backward are supported)")
 
 
-def _check_materialized(ctx: IterationContext) -> None:
+def check_materialized(ctx: IterationContext) -> None:
     """Raise ``MetaParameterError`` naming the parameter when a shard of the tree is still on the meta device
     (a model built under ``torch.device("meta")`` and never given storage), before any collective: every
     rank built the same model, so every rank raises here."""

@@ -19,7 +19,7 @@ from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .part import MeshPart, OwnPartViews
+from .part import MeshPart
 from .reduction import PendingReduce
 from .state import ALLOWED, StateError, TrainingState
 
@@ -27,7 +27,7 @@ from .state import ALLOWED, StateError, TrainingState
 GROUP_ATTR = "_perparam_group"
 
 
-class ParamGroup(OwnPartViews):
+class ParamGroup:
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
     ``modules``: the module(s) given to the call; ``params``: every managed parameter of the call in
@@ -89,9 +89,13 @@ class ParamGroup(OwnPartViews):
         self.reduced = False  # this backward's reduction of the group has been issued
         self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
-        own, others = split_by_mesh(params, mesh)
-        self.parts = [MeshPart(self, mesh, own, self.index),
+        mine, others = split_by_mesh(params, mesh)
+        self.parts = [MeshPart(self, mesh, mine, self.index),
                       *(MeshPart(self, other, members, next_group_index()) for other, members in others)]
+        #: the part of the call's own mesh (``parts[0]``), which the face, the benchmarks and the tests read
+        #: as the call's (``own.num_shards``, ``own.gathered``, ``own.layout``, ``own.hpz``, its name in
+        #: collectives and errors ``own._what``)
+        self.own = self.parts[0]
 
     def transition(self, new: TrainingState) -> None:
         """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""

@@ -48,7 +48,7 @@ from torch.autograd import Variable
 from . import config, prefetch, readers, saved
 from .cast import cast_floating, replace_tensors, tensors_anywhere, tensors_in
 from .context import IterationContext
-from .entry_checks import TransformError, _check_materialized, _check_transforms  # noqa: F401 (re-exported)
+from .entry_checks import TransformError, check_materialized, check_transforms  # noqa: F401 (re-exported)
 from .group import ParamGroup, group_of
 from .optim.registry import REGISTRY as OPTIMIZERS
 from .state import TrainingState
@@ -127,7 +127,7 @@ def _prefetch(nxt: ParamGroup | None, done: set | None = None) -> None:
 
 @untraced
 def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
-    _check_transforms(group)
+    check_transforms(group)
     if _recomputing():  # the iteration's state, order and prefetching stay as the real forward left them
         group.forward_depth += 1
         group.unshard()
@@ -142,7 +142,7 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
                 ctx = group.ctx
             if ctx.dirty():
                 ctx.reset("the previous iteration did not finish (an exception in forward or backward?)")
-            _check_materialized(ctx)
+            check_materialized(ctx)
             ctx.active_root = group
             _start_iteration(ctx, group)
         if group.forward_depth == 0:

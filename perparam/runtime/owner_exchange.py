@@ -10,7 +10,7 @@ reduced gradient *unless the owner holds the whole reduced gradient already*:
   unscale, a user's edit through ``.grad``) leave the whole gradients of the other ranks stale, and version
   counters do not see every in-place change (a ``torch._foreach_*`` op on a DTensor bumps none), so the
   ranks compare the bits: each rank's rows carry a digest taken when the reduction wrote them
-  (``ParamGradients.accumulate_whole_grad``), and one all-reduce of a flag per such parameter per bucket
+  (``ShardedParam.accumulate_whole_grad``), and one all-reduce of a flag per such parameter per bucket
   (``[n]`` int32, the same on every rank) says whether all K ranks' rows are unchanged; where they are
   not, the rows travel as for any parameter;
 - a parameter reduced straight to its owner (``paths.reduce_owner``, ``perparam.configure(owner_grad=
@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor
 from ..comm.buffers import BufferPool
 from ..comm.collectives import all_gather_objects, all_reduce_sum, exchange_uneven
 from . import owner_grads
+from .dtensors import rows_digest
 from .owner_grads import OwnerStepError
-from .param_grads import rows_digest
 
 __all__ = ["OwnerStepError", "Posted", "assemble", "gather", "land", "local_grad", "raised_texts", "remember",
            "scatter", "travels"]
@@ -60,7 +60,7 @@ def local_grad(sp) -> torch.Tensor:
 
 def _rows_intact(sp, device) -> torch.Tensor:
     """Stage 1: ``.grad`` still views the whole gradient the reduction wrote, and this rank's rows of it have
-    the bits they had then (``ParamGradients._whole_digest``): a 0-dim bool on ``device``, read nothing back."""
+    the bits they had then (``ShardedParam._whole_digest``): a 0-dim bool on ``device``, read nothing back."""
     whole = sp._whole_grad()
     if whole is None or sp._whole_digest is None:
         return torch.zeros((), dtype=torch.bool, device=device)

@@ -29,7 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..sharding.errors import ShardingError
-from .param_grads import _dtensor, _spec, rows_digest
+from .dtensors import dtensor_spec, local_dtensor, rows_digest
 
 
 class OwnerStepError(ShardingError, RuntimeError):
@@ -247,7 +247,7 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
         entry.version = grad._version
         return
     if sp._grad_spec is None:
-        sp._grad_spec = _spec(sp.mesh, sp.placements, sp.global_shape, p.dtype)
+        sp._grad_spec = dtensor_spec(sp.mesh, sp.placements, sp.global_shape, p.dtype)
     if reduced is not None and prior is not None and prior.whole is not None:
         held = prior.whole  # the whole the step assembled (its own storage): accumulated onto, or replaced
         _add(held, reduced, zeroed)
@@ -259,6 +259,6 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
     else:
         held = None
         rows = torch.full(lay.local_shape(sp.shard_rank), float("nan"), dtype=p.dtype, device=p._local_tensor.device)
-    p.grad = _dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
+    p.grad = local_dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
     digest = rows_digest(rows) if held is not None else None
     records.held[p.grad] = HeldGrad(held, digest, sp.owner_rank, p.grad._version)

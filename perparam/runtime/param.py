@@ -8,6 +8,10 @@ storage, so tensors autograd saved in forward become valid again when the backwa
 
 The padded buffer is laid out as the gathered pieces arrive: ``(K * chunk, *other dims)`` with the shard
 dim first; the unsharded parameter is a view of it (``narrow`` then ``movedim`` back for ``Shard(d)``).
+
+Its gradients: the unsharded gradient moved into the reduce dtype and accumulated over micro-batches
+without sync, the zeros a rank without a gradient reduces, and the reduced pieces accumulated into the
+sharded (or, stage 1, whole) ``.grad``, the division fused where it is exact.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from ..sharding.errors import ShardingError
 from ..sharding.resolution import ParamResolution, shard_layout
 from . import registration, shard_view, writes
-from .param_grads import ParamGradients, _dtensor, _spec, contiguous_stride  # noqa: F401 (contiguous_stride: used by others)
+from .dtensors import dtensor_spec, local_dtensor, rows_digest
 from .tp import TensorParallel
+
+
+def _power_of_two(x: float) -> bool:
+    """``x`` is ``2**m`` for an integer ``m`` (dividing by it is exact, barring subnormal results)."""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
 
 
 class ReplacedAfterShardingError(ShardingError, RuntimeError):
@@ -36,7 +45,7 @@ class ReplacedAfterShardingError(ShardingError, RuntimeError):
     changed, e.g. parameters left on the meta device)."""
 
 
-class ShardedParam(ParamGradients):
+class ShardedParam:
     """A parameter managed by one group.
 
     ``slots``: every ``(module, attribute name)`` under which the parameter is registered (several for a
@@ -172,8 +181,8 @@ class ShardedParam(ParamGradients):
                 codes, scales = q.quantizer.pack(rows, q.block_size)
             shape = q.quantizer.stored_shape(self.global_shape)
             local = codes.view(local.shape[0], *shape[1:])
-            self._scales = _dtensor(scales, self.mesh, self.placements, (shape[0], scales.shape[1]))
-        dtensor = _dtensor(local, self.mesh, self.placements, shape)
+            self._scales = local_dtensor(scales, self.mesh, self.placements, (shape[0], scales.shape[1]))
+        dtensor = local_dtensor(local, self.mesh, self.placements, shape)
         return nn.Parameter(dtensor, requires_grad=self.policy.requires_grad)
 
     @property
@@ -226,7 +235,7 @@ class ShardedParam(ParamGradients):
             self._regions = None
             view = lay.unpad(padded)
             if self.tp:  # the module computes with DTensors on the tp mesh
-                view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
+                view = local_dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
             registration.bump()  # a new parameter object perparam holds
             if self.on_grad_ready is not None and self.unsharded.is_floating_point():
@@ -383,6 +392,145 @@ class ShardedParam(ParamGradients):
         sharded = self.sharded
         for module, name in self.slots:
             module._parameters[name] = sharded
+
+    # -- gradients --------------------------------------------------------------------------------------
+    def take_unsharded_grad(self, keep: bool) -> torch.Tensor | None:
+        """Move the unsharded gradient into the reduce dtype, summed with what earlier micro-batches left.
+
+        ``keep``: hold it for the next micro-batch (gradient sync off) and return ``None``; otherwise
+        return it (shard dim first, for packing) and hold nothing.
+        """
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is not None:
+            self.unsharded.grad = None
+            # cast first, reduce after: reduce_dtype governs every reduction the gradient goes through,
+            # the tp one included (a Partial gradient of a parameter replicated on the tp axis is summed
+            # over the tp ranks by the redistribute below)
+            if grad.dtype != self.policy.reduce_dtype:
+                grad = grad.to(self.policy.reduce_dtype)
+            if isinstance(grad, DTensor):  # tp: e.g. Partial -> the parameter's own tp placements
+                if tuple(grad.placements) != self.tp.tp_placements:
+                    grad = grad.redistribute(self.tp.tp_mesh, self.tp.tp_placements)
+                grad = grad.to_local()
+        if self.grad_acc is not None:
+            grad = self.grad_acc if grad is None else self.grad_acc.add_(grad)
+            self.grad_acc = None
+        if keep:
+            self.grad_acc = grad
+            return None
+        if grad is None or self.layout.wire_is_layout:  # wire order is the parameter's (to_wire: itself)
+            return grad
+        return self.layout.to_wire(grad)
+
+    def zero_grad_for_reduce(self) -> torch.Tensor:
+        """Zeros in the reduce dtype, shaped like ``take_unsharded_grad``'s result (shard dim first): what a
+        rank without a gradient for this parameter contributes to the group's reduction."""
+        shape = self.layout.rule.wire_shape(self.layout.global_shape)
+        return torch.zeros(shape, dtype=self.policy.reduce_dtype, device=self.local_shard().device)
+
+    def _whole_grad(self) -> torch.Tensor | None:
+        """Stage 1: the whole gradient (dp shape, stored dtype) whose rows the sharded ``.grad`` views, or
+        ``None`` when ``.grad`` is not such a view (``None``, or replaced by the user)."""
+        grad = self.sharded.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else None
+        base = local._base if local is not None else None
+        if base is None or base.dtype != local.dtype or tuple(base.shape) != self.layout.global_shape:
+            return None
+        rows = self.layout.local_piece(base, self.shard_rank)
+        same = (rows.data_ptr() == local.data_ptr() and rows.shape == local.shape
+                and rows.stride() == local.stride())
+        return base if same else None
+
+    def accumulate_whole_grad(self, whole: torch.Tensor) -> None:
+        """Stage 1: add the all-reduced whole gradient (wire order: shard dim first, e.g. a piece of the
+        all-reduce buffer) into the whole gradient kept on this rank, whose rows (this rank's shard, a view)
+        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype.
+
+        ``zero_grad(set_to_none=False)`` (the optimizer's or the module's) zeroes ``.grad``, i.e. this rank's
+        rows only: when ``.grad`` changed in place since perparam last wrote the whole gradient (the
+        DTensor's version counter; under ``update="owner"`` also the rows' digest, since a foreach zeroing
+        moves no counter: a local decision, no collective depends on it) and this rank's rows are
+        all zero (none, for an empty shard), the whole gradient is zeroed before the sum is added, so every
+        row holds this backward's gradient, not earlier steps'. (Not seen: a foreach zeroing on an owner whose
+        rows are empty or were zero already.) Rows changed in place to anything else
+        (scaled by the user) leave the other rows as perparam wrote them."""
+        whole = self.layout.from_wire(whole.view(self.layout.rule.wire_shape(self.layout.global_shape)))
+        kept = self._whole_grad()
+        if kept is not None:
+            grad = self.sharded.grad  # an in-place op on it bumps its own counter (not the local tensor's)
+            rows = grad._local_tensor
+            if grad._version != self._whole_version:
+                if not rows.any():
+                    kept.zero_()  # zeroed through .grad: the rows of the other ranks too
+                kept.add_(whole)
+            elif self._whole_digest is not None:  # update="owner": its whole may be stepped, so a foreach
+                # zeroing (``torch._foreach_zero_`` moves no DTensor's counter) is told by the rows' digest,
+                # on the device: all zero now and not what perparam wrote
+                zero = (rows.count_nonzero() == 0) & (rows_digest(rows) != self._whole_digest)
+                kept.add_(whole)
+                torch.where(zero, whole if whole.dtype == kept.dtype else whole.to(kept.dtype), kept, out=kept)
+            else:
+                kept.add_(whole)
+            self._whole_version = grad._version
+            self._note_whole(kept)
+            return
+        grad = self.sharded.grad
+        if grad is not None:  # a .grad of the user's: add this rank's rows to it
+            grad._local_tensor.add_(self.layout.local_piece(whole, self.shard_rank))
+            return
+        kept = torch.empty(self.layout.global_shape, dtype=self.sharded.dtype, device=whole.device)
+        kept.copy_(whole)  # its own storage: ``whole`` may view the reduction's buffer
+        if self._grad_spec is None:
+            self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+        rows = self.layout.local_piece(kept, self.shard_rank)
+        self.sharded.grad = local_dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
+        self._whole_version = self.sharded.grad._version
+        self._note_whole(kept)
+
+    def _note_whole(self, kept: torch.Tensor) -> None:
+        """Under ``update="owner"``: the digest of this rank's rows of the whole gradient just written."""
+        if self.policy.update == "owner":
+            self._whole_digest = rows_digest(self.layout.local_piece(kept, self.shard_rank))
+
+    def grad_is_own(self, grad) -> bool:
+        """``grad`` (the sharded ``.grad``) is one perparam built (``accumulate_sharded_grad`` or
+        ``accumulate_whole_grad``, then changed in place or not): a DTensor of this parameter's mesh,
+        placements and stored dtype whose local tensor has the local shard's shape. Told by its spec, the
+        object perparam gives every gradient of this parameter (a DTensor op's result gets a new one)."""
+        return self._grad_spec is not None and getattr(grad, "dtensor_spec", None) is self._grad_spec
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor, divisor: float | None = None) -> None:
+        """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``; ``divisor``: divide
+        it by that first (``None``: divided already), bit for bit as a division followed by a cast to the
+        stored dtype and an addition, in fewer passes: the cast in the division's pass (``out=``), and
+        for a power-of-two divisor added to an existing ``.grad`` of the reduce dtype as ``alpha=1/divisor``
+        (``x / 2**m == x * 2**-m`` exactly; fused with the addition it equals dividing first unless
+        ``x / 2**m`` is subnormal). ``local_grad`` may be overwritten (it is the reduction's buffer)."""
+        if not self.layout.wire_is_layout:  # (else from_wire is the tensor itself)
+            local_grad = self.layout.from_wire(local_grad, contiguous=True)
+        dtype = self.sharded.dtype
+        grad = self.sharded.grad
+        tier = self.offload
+        if grad is not None and tier is not None:
+            tier.grad_in()  # an evicted gradient shard read back before adding to it
+        if grad is not None and divisor is not None and local_grad.dtype == dtype and _power_of_two(divisor):
+            grad._local_tensor.add_(local_grad, alpha=1.0 / divisor)  # one pass: divide and add
+            divisor = local_grad = None
+        elif divisor is not None:  # one pass: divide and cast
+            out = local_grad if local_grad.dtype == dtype else torch.empty_like(local_grad, dtype=dtype)
+            local_grad = torch.div(local_grad, divisor, out=out)
+        elif local_grad.dtype != dtype:
+            local_grad = local_grad.to(dtype)
+        if grad is None:
+            if self._grad_spec is None:
+                self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+            if tier is not None:
+                local_grad = tier.grad_new(local_grad)  # in the gradient shard's file, when it has one
+            self.sharded.grad = local_dtensor(local_grad, self.mesh, self.placements, self.global_shape, self._grad_spec)
+        elif local_grad is not None:
+            grad._local_tensor.add_(local_grad)
+        if tier is not None:
+            tier.grad_out()  # written out and dropped until the step's read-ahead
 
 
 def _grad_ready_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .registration import _lookup, class_name
+from .registration import class_name, lookup
 
 #: stock torch modules whose forward reads these children's parameters without calling the children
 READERS: dict[type, tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
@@ -110,7 +110,7 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
     hits, user = [], None
     for i, frame in enumerate(frames):
         for value in frame.f_locals.values():
-            hit = _sharded_in(value, _lookup)
+            hit = _sharded_in(value, lookup)
             if hit is not None:
                 hits = [hit]
                 user = next((f.f_locals["self"] for f in frames[i:]
@@ -120,7 +120,7 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
             break
     if not hits:
         user = next((f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), nn.Module)), None)
-        hits = _registered_sharded(user, _lookup) if user is not None else []
+        hits = _registered_sharded(user, lookup) if user is not None else []
     if not hits:
         return None
     names = {id(m): (f"{i}." if len(roots) > 1 else "") + n for i, root in enumerate(roots)

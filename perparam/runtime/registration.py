@@ -97,14 +97,14 @@ def generation() -> int:
     return GROUPS.generation()
 
 
-def _lookup(tensor) -> tuple | None:
+def lookup(tensor) -> tuple | None:
     """``(group, ShardedParam)`` when ``tensor`` is a sharded or unsharded parameter perparam holds."""
     return GROUPS.lookup(tensor)
 
 
 def group_holding(sp):
     """The group (a ``fully_shard`` call's) that manages ``sp``, or ``None``."""
-    hit = _lookup(sp.sharded)
+    hit = lookup(sp.sharded)
     return hit[0] if hit is not None and hit[1] is sp else None
 
 
@@ -167,7 +167,7 @@ def _restore_vacated(module: nn.Module) -> list[str]:
     order; returns their names."""
     back, order = [], []
     for sp in _owned(module):
-        hit = _lookup(sp.sharded)
+        hit = lookup(sp.sharded)
         for m, n in sp.slots:
             if m is not module:
                 continue
@@ -187,7 +187,7 @@ def _restore_vacated(module: nn.Module) -> list[str]:
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
     if not GROUPS:
         return None
-    hit = _lookup(param)
+    hit = lookup(param)
     if hit is not None and graph_holder(module) and tree_group(module) is None:  # torch.compile's references
         return None
     owner = tree_group(module)
@@ -251,7 +251,7 @@ def _on_module(parent: nn.Module, name: str, child: nn.Module | None):
         for n, p in sub._parameters.items():
             if p is None or id(p) in ignored:
                 continue
-            hit = _lookup(p)
+            hit = lookup(p)
             if hit is not None and _at_slot(hit[1], sub, n):
                 continue
             where = f"{name}.{sub_path}".rstrip(".")

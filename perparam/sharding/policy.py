@@ -291,7 +291,7 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, 
             offload: OffloadPolicy | None = None) -> ResolvedPolicy:
     """Combine the call's ``MixedPrecisionPolicy`` (and ``offload``, the call's ``offload_policy``) with
     ``param``'s ``ParamPolicy`` override ``pp``, already picked from the call's ``param_policy``
-    (``policy_pick._pick``, by ``resolution.resolve_param``: the one place a policy is picked); ``None``: none.
+    (``policy_pick.pick_policy``, by ``resolution.resolve_param``: the one place a policy is picked); ``None``: none.
 
     Raises ``PolicyError`` naming ``name`` for a policy that cannot apply.
     """

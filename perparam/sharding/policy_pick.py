@@ -1,5 +1,5 @@
 """The one place a parameter's ``ParamPolicy`` is picked from a call's ``param_policy`` (a mapping of name
-patterns, a callable or one policy): ``_pick``, and ``check_patterns`` (a pattern matching no
+patterns, a callable or one policy): ``pick_policy``, and ``check_patterns`` (a pattern matching no
 parameter is refused). ``resolution.resolve_param`` picks; ``policy.resolve`` takes what it picked."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .offload_policy import PolicyError
 from .policy import ParamPolicy
 
 
-def _pick(name: str, param, param_policy, names: Sequence[str] = ()) -> ParamPolicy | None:
+def pick_policy(name: str, param, param_policy, names: Sequence[str] = ()) -> ParamPolicy | None:
     """The ``ParamPolicy`` ``param_policy`` gives parameter ``name``. A mapping's patterns match any of the
     parameter's names (``names``: all of them, tied aliases included; default ``(name,)``), first match
     wins per name; a callable is called with ``name``. Raises ``PolicyError`` when two aliases of one tied

@@ -35,7 +35,7 @@ from .policy import (
     check_zero_stage,
     resolve,
 )
-from .policy_pick import _pick, check_patterns
+from .policy_pick import check_patterns, pick_policy
 
 #: The ``ParamPolicy.placement`` value that asks for ``auto_placement``.
 AUTO = "auto"
@@ -94,7 +94,7 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
     ``PolicyError`` (naming ``name``) for a policy that cannot apply, including a string placement other
     than ``"auto"``. ``offload``: the call's ``offload_policy`` (a ``ParamPolicy.offload`` overrides it).
     """
-    pp = _pick(name, p, param_policy, names)
+    pp = pick_policy(name, p, param_policy, names)
     if pp is not None and not isinstance(pp, ParamPolicy):
         raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
     if pp is not None and isinstance(pp.mesh, DeviceMesh):  # "auto" picks for its own shard axis (another
