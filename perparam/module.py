@@ -68,16 +68,16 @@ class ShardedModule:
         return out
 
     def __deepcopy__(self, memo):
-        """Refused with ``DeepcopyError`` (as FSDP2 refuses it, with its ``AssertionError``): a copy would share
-        the original's group, hooks and process groups, so its forward would all-gather the original's
+        """Refused with ``DeepcopyError`` (as FSDP2 refuses it, with its ``AssertionError``): a copy would
+        share the original's group, hooks and process groups, so its forward would all-gather the original's
         parameters and leave its own sharded."""
         raise DeepcopyError(
-            f"copy.deepcopy of {class_name(self)}, a module sharded by fully_shard, is not supported (FSDP2: FSDP does "
-            "not support deepcopy. Please use state dict for serialization): the copy would "
+            f"copy.deepcopy of {class_name(self)}, a module sharded by fully_shard, is not supported (FSDP2: "
+            "FSDP does not support deepcopy. Please use state dict for serialization): the copy would "
             "keep the original's group and hooks (its forward would all-gather the original's parameters). "
-            "Deepcopy the model before fully_shard and shard the copy with calls of its own, or build it again "
-            "and load the values: state = perparam.full_state.full_state_dict(model) on every rank, then "
-            "perparam.full_state.load_full_state_dict(new_sharded_model, state)")
+            "Deepcopy the model before fully_shard and shard the copy with calls of its own, or build it "
+            "again and load the values: state = perparam.full_state.full_state_dict(model) on every rank, "
+            "then perparam.full_state.load_full_state_dict(new_sharded_model, state)")
 
     def __call__(self, *args, **kwargs):
         try:
@@ -85,7 +85,8 @@ class ShardedModule:
         except RuntimeError as e:  # the error path only: nothing is added to a call that succeeds
             if isinstance(e, peers.PeerLostError):  # the frames below (modules, hooks, c10d) say nothing more
                 raise e.with_traceback(None) from None
-            explained = e.__dict__.pop("_perparam_explained", None)  # readers.note, from the post-forward hook
+            # readers.note, from the post-forward hook
+            explained = e.__dict__.pop("_perparam_explained", None)
             if explained is None:
                 group = group_of(self)
                 path = f" '{group.path}'" if group is not None and group.path else ""
@@ -97,14 +98,15 @@ class ShardedModule:
 
     @property
     def _ddp_params_and_buffers_to_ignore(self):
-        """Read by ``DistributedDataParallel`` at its construction (``hasattr``): a sharded model wrapped in DDP
-        (directly, or by accelerate's ``prepare`` or transformers' ``Trainer``) is refused here, naming the
-        routes that work, instead of failing in DTensor's ops at DDP's first broadcast."""
+        """Read by ``DistributedDataParallel`` at its construction (``hasattr``): a sharded model wrapped in
+        DDP (directly, or by accelerate's ``prepare`` or transformers' ``Trainer``) is refused here, naming
+        the routes that work, instead of failing in DTensor's ops at DDP's first broadcast."""
         raise ShardingError(
-            f"perparam: DistributedDataParallel cannot wrap {type(self).__name__}, which fully_shard sharded: perparam "
-            "already reduces its gradients. Train the sharded model as it is; under transformers' Trainer use "
-            "perparam.hf_trainer.ShardedTrainer, under accelerate perparam.hf_accelerate.ShardedAccelerator (or do "
-            "not pass the model to Accelerator.prepare) (docs/huggingface.md)")
+            f"perparam: DistributedDataParallel cannot wrap {type(self).__name__}, which fully_shard "
+            "sharded: perparam already reduces its gradients. Train the sharded model as it is; under "
+            "transformers' Trainer use perparam.hf_trainer.ShardedTrainer, under accelerate "
+            "perparam.hf_accelerate.ShardedAccelerator (or do not pass the model to Accelerator.prepare) "
+            "(docs/huggingface.md)")
 
     @untraced
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -211,8 +213,8 @@ class ShardedModule:
         Raises ``NotImplementedError`` for a ``stream`` (perparam runs reductions on the current stream)
         and ``TypeError`` for a hook that is not callable."""
         if stream is not None:
-            raise NotImplementedError("set_all_reduce_hook(stream=...): perparam issues its reductions and runs "
-                                      "the hook on the current stream; pass stream=None")
+            raise NotImplementedError("set_all_reduce_hook(stream=...): perparam issues its reductions and "
+                                      "runs the hook on the current stream; pass stream=None")
         if hook is not None and not callable(hook):
             raise TypeError(f"set_all_reduce_hook takes a callable hook(reduced_grads) or None, got {hook!r}")
         group_of(self).all_reduce_hook = hook
@@ -348,8 +350,8 @@ class ShardedModule:
         quantized = [p.fqn for p in group.params if p.policy.grad_quant is not None]
         if comm is not None and quantized:
             raise ShardingError(f"{class_name(self)}.set_custom_reduce_scatter: parameters {quantized} have "
-                                "grad_quant, whose reduce-scatter is perparam's own; drop grad_quant for them or "
-                                "keep perparam's reduce-scatter")
+                                "grad_quant, whose reduce-scatter is perparam's own; drop grad_quant for "
+                                "them or keep perparam's reduce-scatter")
         group.reduce_scatter_comm = _check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
 
 
@@ -451,9 +453,10 @@ def _refuse_dtype_change(module: nn.Module, fn) -> list:
             continue
         if changed is not probe:
             raise UnshardedApplyError(
-                f"{class_name(module)} holds parameters sharded by perparam whose unsharded copies are registered "
-                f"now (after unshard(); e.g. '{sp.path}'): .to() / .cuda() / to_empty() would change those copies "
-                "and not the shards. Call reshard() on the sharded module first, then this")
+                f"{class_name(module)} holds parameters sharded by perparam whose unsharded copies are "
+                f"registered now (after unshard(); e.g. '{sp.path}'): .to() / .cuda() / to_empty() would "
+                "change those copies and not the shards. Call reshard() on the sharded module first, then "
+                "this")
     return owned
 
 
@@ -473,8 +476,9 @@ def sharded_class(cls: type) -> type:
 def _checked_forward(cls: type):
     """``cls.forward`` (looked up at each call: a class patched later is followed), raising
     ``UsedWhileShardedError`` with the fix where DTensor's mixing error comes out of a forward called without
-    the module's hooks (``readers.forward_called_directly``). A ``try`` costs nothing while nothing raises; the
-    signature is ``cls.forward``'s (``inspect.signature``, which Hugging Face reads, follows ``__wrapped__``)."""
+    the module's hooks (``readers.forward_called_directly``). A ``try`` costs nothing while nothing raises;
+    the signature is ``cls.forward``'s (``inspect.signature``, which Hugging Face reads, follows
+    ``__wrapped__``)."""
 
     @functools.wraps(cls.forward)
     def forward(self, *args, **kwargs):
@@ -550,17 +554,18 @@ def _prefetch_groups(module: nn.Module, modules, kind: str) -> list[ParamGroup] 
         g = group_of(m) if isinstance(m, nn.Module) else None
         if g is None:
             what = class_name(m) if isinstance(m, nn.Module) else type(m).__name__
-            raise ShardingError(f"{where}: entry {i} ({what}) is not a module fully_shard was applied to, so it "
-                                "has no all-gather to prefetch; list modules passed to fully_shard (e.g. the "
-                                "transformer blocks), or call fully_shard on it first")
+            raise ShardingError(f"{where}: entry {i} ({what}) is not a module fully_shard was applied to, so "
+                                "it has no all-gather to prefetch; list modules passed to fully_shard (e.g. "
+                                "the transformer blocks), or call fully_shard on it first")
         groups.setdefault(id(g), g)
     return list(groups.values()) or None
 
 
 def _check_comm(comm, method: str, interface: str):
     if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
-        raise TypeError(f"{method}: {comm!r} has no allocate(size, *, dtype, device) or is not callable; pass "
-                        f"an object with FSDP2's {interface} interface (or None for perparam's own collective)")
+        raise TypeError(f"{method}: {comm!r} has no allocate(size, *, dtype, device) or is not callable; "
+                        f"pass an object with FSDP2's {interface} interface (or None for perparam's own "
+                        "collective)")
     return comm
 
 
@@ -581,9 +586,11 @@ def check_divide_factor(factor, where: str, mesh_size: int) -> float | None:
     is a positive finite number (not a bool). ``where`` names the call, ``mesh_size`` the default."""
     if factor is None:
         return None
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
+    if (isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor)
+        or factor <= 0):
         raise ShardingError(
-            f"{where}: gradient divide factor {factor!r} is not a positive finite number. It is what the summed "
-            "gradients are divided by: pass the number of ranks whose losses are averaged (the data-parallel "
-            f"degree of the dense part, e.g. {mesh_size} for this mesh), or None for the mesh's size")
+            f"{where}: gradient divide factor {factor!r} is not a positive finite number. It is what the "
+            "summed gradients are divided by: pass the number of ranks whose losses are averaged (the "
+            f"data-parallel degree of the dense part, e.g. {mesh_size} for this mesh), or None for the "
+            "mesh's size")
     return float(factor)

@@ -59,7 +59,8 @@ def _absolute(module: str, node: ast.ImportFrom, modules: dict[str, Path]) -> st
 
 
 def _bound_modules(module: str, tree: ast.AST, modules: dict[str, Path]) -> dict[str, str]:
-    """The names ``tree`` binds to project modules (``import a.b`` binds ``a``; ``from a import b``, ``b``)."""
+    """The names ``tree`` binds to project modules (``import a.b`` binds ``a``; ``from a import b``,
+    ``b``)."""
     bound, tops = {}, {m.split(".")[0] for m in modules}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -123,7 +124,8 @@ def test_test_files_read_no_private_name_of_another_test_file():
     modules = project_modules()
     tests = {m: p for m, p in modules.items() if m.split(".")[0] == "tests"}
     wrong = [w for w in _private_names_in(("tests",), modules) if "tests." in w.split(": ", 1)[1]]
-    assert tests and not wrong, "a private name shared between test files (make it public):\n" + "\n".join(wrong)
+    assert tests and not wrong, ("a private name shared between test files (make it public):\n"
+                                 + "\n".join(wrong))
 
 
 def test_the_private_name_reader_sees_every_spelling(tmp_path):
@@ -131,8 +133,8 @@ def test_the_private_name_reader_sees_every_spelling(tmp_path):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "b.py").write_text("_x = 1\n")
     (tmp_path / "pkg" / "_c.py").write_text("")
-    source = ("from .b import _x, y\nfrom . import b, _c\nimport pkg.b\nimport pkg.b as bee\nb._z()\nb.__name__\n"
-              "pkg.b._w\nbee._v\nobj._u\n")
+    source = ("from .b import _x, y\nfrom . import b, _c\nimport pkg.b\nimport pkg.b as "
+              "bee\nb._z()\nb.__name__\npkg.b._w\nbee._v\nobj._u\n")
     (tmp_path / "pkg" / "a.py").write_text(source)
     modules = project_modules(tmp_path, ("pkg",))
     found = [what for _, what in private_names_across("pkg.a", ast.parse(source), modules)]
@@ -178,8 +180,10 @@ def split_classes(modules: dict[str, Path]) -> list[str]:
         for base in cls.node.bases:
             if isinstance(base, ast.Name):
                 target = _resolve(module, trees[module], base.id, modules, classes)
-            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id in bound:
-                target = (bound[base.value.id], base.attr) if (bound[base.value.id], base.attr) in classes else None
+            elif (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name)
+                  and base.value.id in bound):
+                target = ((bound[base.value.id], base.attr) if (bound[base.value.id], base.attr) in classes
+                          else None)
             else:
                 target = None
             if target is not None:
@@ -195,8 +199,8 @@ def split_classes(modules: dict[str, Path]) -> list[str]:
 
 def test_no_class_is_split_across_files_by_base_class():
     wrong = split_classes(project_modules(ROOT, CODE))
-    assert not wrong, ("a base class that is half of its only subclass, in another file (fold it into the class, "
-                       "or make it a component the class holds):\n" + "\n".join(wrong))
+    assert not wrong, ("a base class that is half of its only subclass, in another file (fold it into the "
+                       "class, or make it a component the class holds):\n" + "\n".join(wrong))
 
 
 def test_the_class_reader_sees_a_split_and_leaves_real_bases_alone(tmp_path):
@@ -218,8 +222,10 @@ def long_lines(text: str, limit: int = MAX_COLUMNS) -> list[int]:
 
 
 def test_no_line_is_longer_than_110_columns():
-    wrong = [f"{p.relative_to(ROOT)}:{i}" for p in project_modules().values() for i in long_lines(p.read_text())]
-    assert not wrong, f"{len(wrong)} lines over {MAX_COLUMNS} columns (wrap them by hand):\n" + "\n".join(wrong)
+    wrong = [f"{p.relative_to(ROOT)}:{i}" for p in project_modules().values()
+             for i in long_lines(p.read_text())]
+    assert not wrong, (f"{len(wrong)} lines over {MAX_COLUMNS} columns (wrap them by hand):\n"
+                       + "\n".join(wrong))
 
 
 def test_ruff_is_told_to_check_the_line_length():

@@ -16,7 +16,8 @@ from perparam.runtime.paths.gather import GatherFacts
 from perparam.runtime.paths.reduce import ReduceFacts
 from perparam.runtime.paths.reduce_packed import PackedReduceScatter
 
-G = GatherFacts(secondary=False, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True, quantized=False)
+G = GatherFacts(secondary=False, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True,
+                quantized=False)
 
 #: (facts changed from ``G``, the path taken)
 GATHER_TABLE = [
@@ -32,7 +33,8 @@ GATHER_TABLE = [
     ({"secondary": True, "hpz": True, "custom": True, "quantized": True}, "hpZ secondary"),  # before custom
 ]
 
-R = ReduceFacts(whole=False, wire=None, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True, cpu=True)
+R = ReduceFacts(whole=False, wire=None, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True,
+                cpu=True)
 
 REDUCE_TABLE = [
     ({}, "zero-copy reduce-scatter"),
@@ -100,10 +102,12 @@ def test_the_common_tail_of_a_reduction_names_no_path():
         names = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
                  | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
                  | {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)})
-        assert not sorted(x for x in names if "owner" in x.lower()), (name, sorted(x for x in names if "owner" in x))
+        owners = sorted(x for x in names if "owner" in x.lower())
+        assert not owners, (name, owners)
         imported = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                     for a in n.names]
-        assert not [m for m in imported if m.startswith("paths.") and m.split(".")[1].startswith("reduce_")], imported
+        assert not [m for m in imported
+                    if m.startswith("paths.") and m.split(".")[1].startswith("reduce_")], imported
         assert not sorted(x for x in names if "zero_copy" in x.lower()), name
         mechanisms = ("zero_copy", "grad_quant", "hpz", "qgz")
         assert not [m for m in imported if any(w in m for w in mechanisms)], imported

@@ -38,7 +38,8 @@ def entries_per_parameter(rank: int, world_size: int) -> dict:
 
     def param_policy(name, p):
         picked[name] += 1
-        return perparam.ParamPolicy(placement="auto", quant=perparam.QuantPolicy("int8") if p.dim() == 2 else None)
+        return perparam.ParamPolicy(placement="auto",
+                                    quant=perparam.QuantPolicy("int8") if p.dim() == 2 else None)
 
     try:
         torch.manual_seed(0)
@@ -50,7 +51,8 @@ def entries_per_parameter(rank: int, world_size: int) -> dict:
     finally:
         for (module, attr), original in zip(COUNTED, originals):
             setattr(module, attr, original)
-    return {"counts": dict(counts), "picked": dict(picked), "shapes": shapes, "layouts": sorted(layouts_resolved)}
+    return {"counts": dict(counts), "picked": dict(picked), "shapes": shapes,
+            "layouts": sorted(layouts_resolved)}
 
 
 def test_each_parameter_is_picked_and_resolved_once_per_fully_shard_call():

@@ -73,8 +73,10 @@ def record_collective(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: t
 
 
 def take_buffer(pool, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 ``[nbytes]`` buffer on ``device``: from ``pool`` (a ``BufferPool``), or a new one without it."""
-    return pool.take(nbytes, device) if pool is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """A uint8 ``[nbytes]`` buffer on ``device``: from ``pool`` (a ``BufferPool``), or a new one without
+    it."""
+    return pool.take(nbytes, device) if pool is not None else torch.empty(nbytes, dtype=torch.uint8,
+                                                                          device=device)
 
 
 class GatheredRows:

@@ -71,8 +71,8 @@ def all_gather_in_place(regions: list[list[torch.Tensor]], group: dist.ProcessGr
     ``GatheredRows`` with no segments (nothing to copy out) and no buffers."""
     k, me = group.size(), group.rank()
     if debug.debug_enabled():
-        debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes, group,
-                    what)
+        debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes,
+                    group, what)
     elif k > 1:
         sequence.expect("all_gather", slot_bytes, k * slot_bytes, group, what)
     record_collective("all_gather", k * slot_bytes, group, torch.uint8)
@@ -257,7 +257,8 @@ def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tens
     else:
         raw = take_buffer(pool, k * n * output.element_size(), device)
         rows = raw.view(dtype).view(k, n)
-        slots = [[rows[r].narrow(0, off, piece.numel()) for r in range(k)] for off, piece in zip(offsets, own)]
+        slots = [[rows[r].narrow(0, off, piece.numel()) for r in range(k)]
+                 for off, piece in zip(offsets, own)]
         into = [s[me] for s in slots]
         zero = [rows[r].narrow(0, a, m) for r in range(k) for a, m in gaps]
         pairs = [(d, s) for d, s in zip(into, own) if s.numel()]

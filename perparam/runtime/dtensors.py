@@ -20,13 +20,16 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def dtensor_spec(mesh: DeviceMesh, placements, shape, dtype: torch.dtype) -> DTensorSpec:
-    """The spec of a contiguous DTensor of global ``shape`` and ``dtype`` placed on ``mesh`` by ``placements``."""
+    """The spec of a contiguous DTensor of global ``shape`` and ``dtype`` placed on ``mesh`` by
+    ``placements``."""
     shape = tuple(shape)
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape),
-                                                                       dtype))
+    return DTensorSpec(mesh, tuple(placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape),
+                                              dtype))
 
 
-def local_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape, spec: DTensorSpec | None = None) -> DTensor:
+def local_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape,
+                  spec: DTensorSpec | None = None) -> DTensor:
     """A DTensor over ``local`` without copying or communicating (``DTensor.from_local`` with
     ``run_check=False``, minus its per-call argument handling: this runs once per parameter per step)."""
     return DTensor(local, spec or dtensor_spec(mesh, placements, shape, local.dtype), requires_grad=False)

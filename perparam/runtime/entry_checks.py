@@ -1,5 +1,5 @@
-"""What a root's forward checks before anything is issued (``perparam.runtime.hooks`` calls them): not inside a
-``torch.func`` transform (``TransformError``), no shard of the tree left on the meta device."""
+"""What a root's forward checks before anything is issued (``perparam.runtime.hooks`` calls them): not inside
+a ``torch.func`` transform (``TransformError``), no shard of the tree left on the meta device."""
 
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ def check_materialized(ctx: IterationContext) -> None:
             if p.sharded.device.type == "meta":
                 owner = ", ".join(class_name(m) for m in g.modules)
                 paths = {id(q): n for m in ctx.groups[0].modules for n, q in m.named_parameters()}
-                on_meta = [paths.get(id(q.sharded), q.fqn) for q in g.params if q.sharded.device.type == "meta"]
+                on_meta = [paths.get(id(q.sharded), q.fqn)
+                           for q in g.params if q.sharded.device.type == "meta"]
                 raise MetaParameterError(
-                    "FSDP parameters should be materialized from meta device before training, but the following "
-                    f"were still on meta device: {on_meta}. "
+                    "FSDP parameters should be materialized from meta device before training, but the "
+                    f"following were still on meta device: {on_meta}. "
                     f"Parameter '{p.path}' of {owner} is on the meta device: a model built under "
                     "torch.device('meta') has no values yet; before the first forward call "
-                    "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
-                    "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")
+                    "model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), "
+                    "or load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")

@@ -106,7 +106,8 @@ def _wrap(value, p: DTensor, local: torch.Tensor):
         return value
     spec = p._spec
     if value.dtype != p.dtype:
-        spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), value.dtype))
+        spec = DTensorSpec(p.device_mesh, p.placements,
+                           tensor_meta=TensorMeta(p.shape, p.stride(), value.dtype))
     return DTensor(value, spec, requires_grad=False)
 
 

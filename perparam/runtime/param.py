@@ -74,9 +74,11 @@ class ShardedParam:
         dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
-        if resolution.layout.global_shape != dp_shape or resolution.layout.num_shards != mesh.size(mesh.ndim - 1):
-            raise ValueError(f"parameter '{fqn}': its resolution is laid out as {resolution.layout.global_shape} over "
-                             f"{resolution.layout.num_shards} shards, not {dp_shape} over {mesh.size(mesh.ndim - 1)}")
+        if (resolution.layout.global_shape != dp_shape
+            or resolution.layout.num_shards != mesh.size(mesh.ndim - 1)):
+            raise ValueError(f"parameter '{fqn}': its resolution is laid out as "
+                             f"{resolution.layout.global_shape} over {resolution.layout.num_shards} shards, "
+                             f"not {dp_shape} over {mesh.size(mesh.ndim - 1)}")
         self.layout, self.pieces = resolution.layout, resolution.pieces
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
@@ -88,28 +90,33 @@ class ShardedParam:
         #: shape for Shard(d > 0) and Replicate(); ``_padded_data`` is its ``.data`` (see ``_ensure_buffers``)
         self._padded: torch.Tensor | None = None
         self._padded_data: torch.Tensor | None = None
-        self._padded_write: torch.Tensor | None = None  # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        self._padded_write: torch.Tensor | None = None
         self._padded_nbytes = 0  # bytes of ``_padded``'s storage when allocated
-        self._regions: tuple | None = None  # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
+        # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
+        self._regions: tuple | None = None
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
         self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
-        #: stage 1: the version counter of the sharded ``.grad`` (the rows of the whole gradient) when perparam
-        #: last wrote the whole gradient (``accumulate_whole_grad``)
+        #: stage 1: the version counter of the sharded ``.grad`` (the rows of the whole gradient) when
+        #: perparam last wrote the whole gradient (``accumulate_whole_grad``)
         self._whole_version = -1
-        #: stage 1 under ``update="owner"``: ``rows_digest`` of this rank's rows when perparam last wrote the whole
-        #: gradient (``runtime.owner_exchange``: the owner steps from its whole gradient while every rank's match)
+        #: stage 1 under ``update="owner"``: ``rows_digest`` of this rank's rows when perparam last wrote the
+        #: whole gradient (``runtime.owner_exchange``: the owner steps from its whole gradient while every
+        #: rank's match)
         self._whole_digest: torch.Tensor | None = None
-        #: ``update="owner"``: its owner's rank on the shard axis once an optimizer planned it (``owner_step.plan``)
+        #: ``update="owner"``: its owner's rank on the shard axis once an optimizer planned it
+        #: (``owner_step.plan``)
         self.owner_rank: int | None = None
         #: ``update="owner"``: the gradients perparam wrote for it (``owner_grads.OwnerGradRecords``), from
         #: its first reduction to its owner
         self.owner_grads = None
         #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
         self.kept = policy.keeps_unsharded
-        #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was gathered (``runtime.zero``)
+        #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was
+        #: gathered (``runtime.zero``)
         self.kept_key: tuple | None = None
         #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.optim``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
@@ -165,10 +172,12 @@ class ShardedParam:
         device = torch.device("meta") if meta else self.mesh_device
         with torch.no_grad():
             if meta:
-                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.policy.stored_dtype, device=device)
+                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.policy.stored_dtype,
+                                    device=device)
             else:
                 # a copy of its own in the stored dtype (master weights: upcast once, here)
-                local = self._dp_piece((original.to_local() if self.tp else original).detach()).to(self.policy.stored_dtype)
+                local = self._dp_piece((original.to_local() if self.tp
+                                        else original).detach()).to(self.policy.stored_dtype)
         shape = self.global_shape
         if self.stored_quantized:  # codes (the parameter) and per-row block scales (a buffer), see quant.py
             q = self.policy.quant
@@ -247,17 +256,19 @@ class ShardedParam:
 
     def recast(self) -> bool:
         """Follow a cast of the sharded DTensor to another floating-point dtype (``module.to(dtype)``,
-        ``perparam.runtime.recast``): the stored dtype becomes the shard's, a ``param_dtype`` / ``reduce_dtype``
-        the policy did not give (``ResolvedPolicy.given``) and equal to the old stored / compute dtype follows
-        it (one the policy gave stays, as FSDP2's: a bf16 model with ``param_dtype=torch.bfloat16`` cast to fp32
-        computes and reduces in bf16), the layout and wire pieces are derived again and
-        the unsharded buffers dropped (made again in the new compute dtype at the next unshard; a stage-1/2
-        kept copy is gathered again). Returns whether anything changed."""
+        ``perparam.runtime.recast``): the stored dtype becomes the shard's, a ``param_dtype`` /
+        ``reduce_dtype`` the policy did not give (``ResolvedPolicy.given``) and equal to the old stored /
+        compute dtype follows it (one the policy gave stays, as FSDP2's: a bf16 model with
+        ``param_dtype=torch.bfloat16`` cast to fp32 computes and reduces in bf16), the layout and wire pieces
+        are derived again and the unsharded buffers dropped (made again in the new compute dtype at the next
+        unshard; a stage-1/2 kept copy is gathered again). Returns whether anything changed."""
         new, pol = self.local_shard().dtype, self.policy
         if new == pol.stored_dtype or self.stored_quantized:
             return False
-        param = new if pol.param_dtype == pol.stored_dtype and "param_dtype" not in pol.given else pol.param_dtype
-        reduce = param if pol.reduce_dtype == pol.param_dtype and "reduce_dtype" not in pol.given else pol.reduce_dtype
+        param = (new if pol.param_dtype == pol.stored_dtype and "param_dtype" not in pol.given
+                 else pol.param_dtype)
+        reduce = (param if pol.reduce_dtype == pol.param_dtype and "reduce_dtype" not in pol.given
+                  else pol.reduce_dtype)
         self.policy = dataclasses.replace(pol, stored_dtype=new, param_dtype=param, reduce_dtype=reduce)
         self.layout, self.pieces = shard_layout(self.layout.global_shape, self.policy, self.layout.num_shards)
         self.free()
@@ -311,7 +322,8 @@ class ShardedParam:
                 out[:piece.numel()].copy_(piece)
             return
         lay, src = self.layout, self.local_shard()
-        if (src.dtype == torch.float32 and src.is_contiguous() and tuple(src.shape) == tuple(lay.padded_local_shape)
+        if (src.dtype == torch.float32 and src.is_contiguous()
+            and tuple(src.shape) == tuple(lay.padded_local_shape)
                 and src.numel()):  # the shard is its whole piece (send_view): quantized where it is, no copy
             q.quantizer.pack_into(src.view(1, -1), q.block_size, outs, overwrite=False)
             return
@@ -328,7 +340,8 @@ class ShardedParam:
         target = self.alloc().view(self._padded.dtype)  # [K, padded_local_numel] for Shard(0)
         scattered = not self.layout.wire_is_layout  # Shard(d > 0): through a scratch tensor, then scattered
         if scattered:
-            target = torch.empty(k, self.layout.padded_local_numel, dtype=self._padded.dtype, device=target.device)
+            target = torch.empty(k, self.layout.padded_local_numel, dtype=self._padded.dtype,
+                                 device=target.device)
         rows = k * self.layout.chunk if self.stored_quantized else k  # the quantizer's rows (see quant.py)
         pieces = [g.view(piece.dtype) for g, piece in zip(gathered, self.pieces)]
         q.quantizer.unpack(pieces, q.block_size, out=target.reshape(rows, -1))
@@ -468,7 +481,8 @@ class ShardedParam:
                 # on the device: all zero now and not what perparam wrote
                 zero = (rows.count_nonzero() == 0) & (rows_digest(rows) != self._whole_digest)
                 kept.add_(whole)
-                torch.where(zero, whole if whole.dtype == kept.dtype else whole.to(kept.dtype), kept, out=kept)
+                torch.where(zero, whole if whole.dtype == kept.dtype else whole.to(kept.dtype), kept,
+                            out=kept)
             else:
                 kept.add_(whole)
             self._whole_version = grad._version
@@ -483,7 +497,8 @@ class ShardedParam:
         if self._grad_spec is None:
             self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
         rows = self.layout.local_piece(kept, self.shard_rank)
-        self.sharded.grad = local_dtensor(rows, self.mesh, self.placements, self.global_shape, self._grad_spec)
+        self.sharded.grad = local_dtensor(rows, self.mesh, self.placements, self.global_shape,
+                                          self._grad_spec)
         self._whole_version = self.sharded.grad._version
         self._note_whole(kept)
 
@@ -523,10 +538,12 @@ class ShardedParam:
             local_grad = local_grad.to(dtype)
         if grad is None:
             if self._grad_spec is None:
-                self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+                self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape,
+                                               self.sharded.dtype)
             if tier is not None:
                 local_grad = tier.grad_new(local_grad)  # in the gradient shard's file, when it has one
-            self.sharded.grad = local_dtensor(local_grad, self.mesh, self.placements, self.global_shape, self._grad_spec)
+            self.sharded.grad = local_dtensor(local_grad, self.mesh, self.placements, self.global_shape,
+                                              self._grad_spec)
         elif local_grad is not None:
             grad._local_tensor.add_(local_grad)
         if tier is not None:

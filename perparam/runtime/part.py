@@ -62,11 +62,14 @@ class MeshPart:
         self.gathered = [p for p in mesh_params if p.layout.gathered]
         self.replicated = [p for p in mesh_params if not p.layout.gathered]
         self.layout = GroupLayout(tuple(p.pieces for p in self.gathered), self.num_shards)
-        self.kept = [p for p in self.gathered if p.kept]  # stage 1/2: unsharded across steps (runtime/zero.py)
+        # stage 1/2: unsharded across steps (runtime/zero.py)
+        self.kept = [p for p in self.gathered if p.kept]
         self._layouts: dict[tuple[int, ...], GroupLayout] = {}  # all-gathers of some of ``gathered``
-        self._plans: dict[int, _GatherPlan] = {}  # id(layout) of ``layout``/``_layouts`` -> its ``_gather_plan``
+        # id(layout) of ``layout``/``_layouts`` -> its ``_gather_plan``
+        self._plans: dict[int, _GatherPlan] = {}
         self._reduce_plans: dict = {}  # a reduction's params -> its ``ReducePlan``
-        self._versioned = [p for p in mesh_params if not p.kept]  # what ``_versions`` reads (``kept`` is fixed)
+        # what ``_versions`` reads (``kept`` is fixed)
+        self._versioned = [p for p in mesh_params if not p.kept]
         self._what_cache: tuple | None = None  # ((path, registration generation), ``_what``)
         # HSDP: the reduce-scattered sums held until a reduction that all-reduces (partial.py)
         self.partial_reduce: dict = {}
@@ -112,8 +115,8 @@ class MeshPart:
     @property
     def _what(self) -> str:
         """How collectives and errors name the part: the call's index, path below the root and classes, the
-        mesh (another mesh's part), the parameters (the index tells apart groups of equal classes and shapes in
-        debug mode). Built again only when the path is set or a parameter moved (``registration.move``
+        mesh (another mesh's part), the parameters (the index tells apart groups of equal classes and shapes
+        in debug mode). Built again only when the path is set or a parameter moved (``registration.move``
         renames it and bumps the registration generation): every collective names its group."""
         call = self.call
         key = (call.path, registration.generation())
@@ -143,7 +146,8 @@ class MeshPart:
             gather = self._gather_path(plan, False).pool_bytes(self, self.gathered, self.layout)
         cpu = all(p.local_shard().device.type == "cpu" for p in self.gathered)
         reduce = 0
-        for (whole, dtype, wire, _), params in self._reduce_sets(self.gathered).items():  # pool: the packed paths
+        # pool: the packed paths
+        for (whole, dtype, wire, _), params in self._reduce_sets(self.gathered).items():
             plan = None if whole else self._reduce_plan(tuple(params), wire)
             reduce += self._reduce_path(plan, whole, wire, cpu).pool_bytes(self, params, dtype, wire)
         return gather + reduce
@@ -185,7 +189,8 @@ class MeshPart:
         """hpZ: keep this rank's secondary rows of a finished forward all-gather (``rows``), for the backward
         all-gather; useless when the gather refreshed stage-1/2 copies (the backward's members, the stage-3
         ones, then have another layout)."""
-        if self.hpz is not None and self.call.state is TrainingState.FORWARD and not any(p.kept for p in members):
+        if (self.hpz is not None and self.call.state is TrainingState.FORWARD
+            and not any(p.kept for p in members)):
             self.hpz.keep(rows.segments, self.pool)
             self._hpz_layout = layout
 
@@ -372,13 +377,15 @@ class MeshPart:
                 self.pool.give_back(item.send)
             item.work = None
             if self.replicate_pg is not None:
-                if partial.hold(self, item):  # set_requires_all_reduce(False): all-reduced by a later reduction
+                # set_requires_all_reduce(False): all-reduced by a later reduction
+                if partial.hold(self, item):
                     item.stage = 2
                     return True
                 partial.merge(self, item)
                 if self.call.invariant:  # perparam.invariant: the replicas' subtree sums added in tree order
                     item.recv = collectives.tree_all_reduce_sum(item.recv, self.reduce_replicate_pg,
-                                                                what=f"{self._what} invariant [{item.recv.dtype}]")
+                                                                what=f"{self._what} invariant "
+                                                                     f"[{item.recv.dtype}]")
                 else:
                     item.work = collectives.all_reduce_sum(item.recv, self.reduce_replicate_pg, async_op=True,
                                                            what=f"{self._what} [{item.recv.dtype}]")
@@ -390,7 +397,8 @@ class MeshPart:
             item.work = None
         if item.stage == 1 and not item.discard:
             if self.call.all_reduce_hook is not None and not block:
-                return False  # a user hook may issue collectives: it runs in the final callback, in issue order
+                # a user hook may issue collectives: it runs in the final callback, in issue order
+                return False
             self._accumulate(item)
         item.stage = 2
         return True
@@ -402,7 +410,8 @@ class MeshPart:
         offloaded one starts its optimizer state's read-ahead at once (``offload.grad_ready()``)."""
         recv, n = item.recv, len(item.params)
         flags = item.summed_flags()  # before any hook or division; read back only where this rank lacked one
-        grads = recv.narrow(0, 0, recv.numel() - item.flag_rows * n)  # flags are not divided: they only tell > 0
+        # flags are not divided: they only tell > 0
+        grads = recv.narrow(0, 0, recv.numel() - item.flag_rows * n)
         if self.call.all_reduce_hook is not None:
             self.call.all_reduce_hook(grads)
         divisor = self.divisor / item.predivided

@@ -94,10 +94,11 @@ def _check_materialized(optimizer: torch.optim.Optimizer, held) -> None:
         sp = by_id.get(id(p))
         if sp is not None and p.device.type == "meta":
             raise MetaParameterError(
-                f"{type(optimizer).__name__}.step(): parameter '{sp.path}' is still on the meta device (a model built "
-                "under torch.device('meta') has no values yet), so the step would change nothing. Before the first "
-                "step call model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
-                "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")
+                f"{type(optimizer).__name__}.step(): parameter '{sp.path}' is still on the meta device (a "
+                "model built under torch.device('meta') has no values yet), so the step would change "
+                "nothing. Before the first step call model.to_empty(device=...) and initialise it (e.g. "
+                "reset_parameters() on each module), or load weights with "
+                "perparam.checkpoint.load_full_state_dict(model, state_dict)")
 
 
 def _check_flattenable(optimizer: torch.optim.Optimizer, held) -> None:
@@ -115,9 +116,10 @@ def _check_flattenable(optimizer: torch.optim.Optimizer, held) -> None:
             reason = str(e).split("\n")[0].rstrip(".")
             placements = ", ".join(placement_str(p) for p in sharded.placements)
             raise UnflattenableShardError(
-                f"{type(optimizer).__name__} flattens every gradient (p.grad.view(-1)), and parameter '{sp.path}' "
-                f"(shape {tuple(sharded.shape)}, placements ({placements}) over {sharded.device_mesh.size()} "
-                f"ranks) cannot be flattened: {reason}. Shard it evenly or replicate it: fully_shard(..., "
-                f"param_policy={{'{sp.fqn}': ParamPolicy(placement='auto')}}) (the dim with the least padding; "
-                "Replicate() for a tiny parameter) or ParamPolicy(placement=Replicate()), or use an optimizer "
-                "that updates each parameter on its own (SGD, Adam, AdamW)") from None
+                f"{type(optimizer).__name__} flattens every gradient (p.grad.view(-1)), and parameter "
+                f"'{sp.path}' (shape {tuple(sharded.shape)}, placements ({placements}) over "
+                f"{sharded.device_mesh.size()} ranks) cannot be flattened: {reason}. Shard it evenly or "
+                f"replicate it: fully_shard(..., param_policy={{'{sp.fqn}': ParamPolicy(placement='auto')}}) "
+                "(the dim with the least padding; Replicate() for a tiny parameter) or "
+                "ParamPolicy(placement=Replicate()), or use an optimizer that updates each parameter on its "
+                "own (SGD, Adam, AdamW)") from None
