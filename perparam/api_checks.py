@@ -176,9 +176,9 @@ def check_param(fqn: str, p: nn.Parameter, owner: str, modules: list[nn.Module])
         raise ShardingError(
             f"parameter '{fqn}' of {owner} (this call) is already sharded by an earlier fully_shard call on "
             f"{earlier.name} (as '{other_fqn}'): the submodule holding it is shared by both. A parameter "
-            f"belongs to one group: build the model again and shard both modules in one call (fully_shard([the "
-            f"{earlier.name}, this {owner}])), or shard the shared submodule first with its own fully_shard call, "
-            "before both")
+            f"belongs to one group: build the model again and shard both modules in one call "
+            f"(fully_shard([the {earlier.name}, this {owner}])), or shard the shared submodule first with "
+            "its own fully_shard call, before both")
     taken = REGISTRY.replaced.get(p)  # the parameter an earlier call replaced (tied across calls)
     if taken is not None:
         other, other_fqn = taken.call, taken.fqn

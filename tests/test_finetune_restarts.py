@@ -97,8 +97,8 @@ def test_a_rank_killed_at_step_5_of_12_ends_on_the_uninterrupted_runs_bits(tmp_p
     times = got["restart_times"][0]  # the restart's timeline, in order (seconds: benchmarks/fault_matrix.py)
     assert times["restart"] == 1 and times["restored_at_step"] == got["restored_at_step"][0]
     assert times["detected"] <= times["started"] <= times["ready"] <= times["first_step"]
-    for key in ("train_losses", "grad_norms", "heldout_losses", "lrs", "heldout_loss_before", "heldout_loss_after",
-                "gguf_sha256"):
+    for key in ("train_losses", "grad_norms", "heldout_losses", "lrs", "heldout_loss_before",
+                "heldout_loss_after", "gguf_sha256"):
         assert got[key] == want[key], key
     a = _checkpoint(tmp_path / "ck-straight" / "step-000012", tmp_path)
     b = _checkpoint(tmp_path / "ck-killed" / "step-000012", tmp_path)

@@ -90,7 +90,8 @@ class ReplicaLink:
         theirs = self._exchange(sizes)
         held = self.store.held(theirs.origin, theirs.generation % 2)
         held.begin(theirs.payload_bytes)
-        receive = dist.irecv(held.payload(theirs.payload_bytes), self.source, group=self.group, tag=PAYLOAD_TAG)
+        receive = dist.irecv(held.payload(theirs.payload_bytes), self.source, group=self.group,
+                             tag=PAYLOAD_TAG)
         self._pending = (None, receive, held, theirs, final)
         self._outgoing = (slot, sizes)
 

@@ -127,8 +127,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
     snaps = snapshots.JobSnapshots(cfg, model, optimizers_saved(optimizer)) if snapshots.enabled() else None
     restored = snaps.restore(cfg, model, optimizer, scheduler, rank, first_step) if snaps is not None else 0
-    run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, float("nan"),
-              restored or first_step, scheduler, llama_cfg, offload, iu, snaps, clock)
+    run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro,
+              float("nan"), restored or first_step, scheduler, llama_cfg, offload, iu, snaps, clock)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are); after a restart, the one the job started from (kept in the snapshot)
     from_snapshot = restored and snaps.fell_back is None  # not the --save checkpoint fallen back to
@@ -212,7 +212,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             issued = len(comm.records)
-            if run.snapshots is not None:  # in memory, every --snapshot-every steps: what a restart continues from
+            # in memory, every --snapshot-every steps: what a restart continues from
+            if run.snapshots is not None:
                 run.snapshots.commit(losses, lrs, norms, evals, run.loss_before, run.scheduler, run.clock)
             with watchdog.paused():
                 save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)

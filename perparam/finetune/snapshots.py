@@ -92,9 +92,9 @@ class JobSnapshots:
         from perparam.elastic import State
 
         self.fell_back: list | None = None  # [step, --save DIR] of a fallback to the disk checkpoint
-        self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica, losses=[],
-                           lrs=[], norms=[], evals=[], loss_before=None, schedule=None, restored_at_step=[],
-                           restart_times=[])
+        self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica,
+                           losses=[], lrs=[], norms=[], evals=[], loss_before=None, schedule=None,
+                           restored_at_step=[], restart_times=[])
         self.pending: dict | None = None  # this restart's record, until its first step is committed
         lifecycle.note_stops_in(self.state.folder)  # when this group stops: for the next restart's record
 

@@ -46,7 +46,8 @@ from .untraced import graph_holder
 #: (weak, so a deep copy of a module does not copy the group)
 _TREE_ATTR = "_perparam_tree"
 
-#: ``module.__dict__`` key of the modules where a ``ShardedParam`` has a place (``module.guard_stored_dtypes``)
+#: ``module.__dict__`` key of the modules where a ``ShardedParam`` has a place
+#: (``module.guard_stored_dtypes``)
 OWNED_ATTR = "_perparam_owned"
 #: class attribute of the ``Sharded<Class>`` subclasses ``fully_shard`` swaps in: the class they derive from
 BASE_ATTR = "_perparam_base"
@@ -87,7 +88,8 @@ def tree_group(module: nn.Module):
 
 
 def bump() -> None:
-    """Perparam created sharded or unsharded parameter objects (a group, or ``ShardedParam._ensure_buffers``)."""
+    """Perparam created sharded or unsharded parameter objects (a group, or
+    ``ShardedParam._ensure_buffers``)."""
     GROUPS.bump()
 
 

@@ -61,12 +61,13 @@ class Retarget:
                     continue
                 if optimizer.state.get(p):
                     raise ReplacedParameterError(
-                        f"{type(optimizer).__name__} holds state for a parameter of shape {tuple(p.shape)} that "
-                        "fully_shard has since replaced by a sharded DTensor; build the optimizer after fully_shard. "
-                        "To keep the state it has, take it before fully_shard with torch.distributed.checkpoint."
-                        "state_dict.get_optimizer_state_dict(model, optimizer, options=StateDictOptions("
-                        "full_state_dict=True)) and load it into the new optimizer with set_optimizer_state_dict("
-                        "model, new_optimizer, state, options=StateDictOptions(full_state_dict=True))")
+                        f"{type(optimizer).__name__} holds state for a parameter of shape {tuple(p.shape)} "
+                        "that fully_shard has since replaced by a sharded DTensor; build the optimizer after "
+                        "fully_shard. To keep the state it has, take it before fully_shard with "
+                        "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer, "
+                        "options=StateDictOptions(full_state_dict=True)) and load it into the new optimizer "
+                        "with set_optimizer_state_dict(model, new_optimizer, state, "
+                        "options=StateDictOptions(full_state_dict=True))")
                 params[i] = replaced.sharded
         found = (GROUPS.sharded_param(p) for g in optimizer.param_groups for p in g["params"])
         mine = weakref.WeakSet(sp for sp in found if sp is not None)
@@ -75,7 +76,8 @@ class Retarget:
             _check_flattenable(optimizer, mine)
         owner_step.check(optimizer, mine)  # a whole-matrix optimizer on shards: refused, never silently wrong
         mixed_step.watch(optimizer, mine, binding)  # another's DTensor mix error, named
-        binding.route = owner_step.plan(optimizer, mine, binding.route)  # the owners of its update="owner" ones
+        # the owners of its update="owner" parameters
+        binding.route = owner_step.plan(optimizer, mine, binding.route)
         binding.held = mine
         binding.install(optimizer)
         self.key = key
