@@ -18,7 +18,8 @@ from perparam.sharding.resolution import resolve_params
 
 def main() -> None:
     m = build_on_meta(PRESETS["gpt2-xl"].factory)
-    named = [(n, nn.Parameter(torch.empty(p.shape, dtype=torch.float16, device="meta"))) for n, p in m.named_parameters()]
+    named = [(n, nn.Parameter(torch.empty(p.shape, dtype=torch.float16, device="meta")))
+             for n, p in m.named_parameters()]
     for k in (64, 256, 1024):
         for pol in (None, ParamPolicy(placement="auto")):
             rs = resolve_params(named, None, pol, k)
@@ -30,7 +31,9 @@ def main() -> None:
             mx = max(per)
             nsh1 = sum(1 for r in rs if r.layout.placement == Shard(1))
             nrep = sum(1 for r in rs if not r.layout.gathered)
-            print(f"K={k} {'auto ' if pol else 'Shard0'} max={mx*8/1e9:.6f}GB mean={float(mean)*8/1e9:.6f}GB (x16/2 bytes total) imbalance={float(mx/mean-1)*100:.2f}% shard1={nsh1} replicated={nrep}")
+            print(f"K={k} {'auto ' if pol else 'Shard0'} max={mx*8/1e9:.6f}GB mean={float(mean)*8/1e9:.6f}GB "
+                  f"(x16/2 bytes total) imbalance={float(mx/mean-1)*100:.2f}% shard1={nsh1} "
+                  f"replicated={nrep}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 job's pretrained model, fp32, 134.5M parameters) with its AdamW state, with and without the SHA-256 of every
 file, paired round by round.
 
-    python -m benchmarks.checkpoint_checksums [--assets .cache/assets] [--rounds 3] [--no-optimizer] [--json out.json]
+    python -m benchmarks.checkpoint_checksums [--assets .cache/assets] [--rounds 3] [--no-optimizer] \\
+        [--json out.json]
 
 One process, no process group (the bytes are those of any world size's checkpoint; with K ranks each rank
 hashes the files it wrote at save and 1/K of the files at load). Each round, in alternating order: a save
@@ -84,14 +85,17 @@ def main(argv: list[str] | None = None) -> dict:
                     row[f"save_{mode}_s"] = _timed(lambda t=target: checkpoint.save(t, model, opt, keep=None))
             files = sorted((root / f"on-{r}").iterdir())
             row["bytes"] = sum(f.stat().st_size for f in files)
-            row["hash_only_s"] = _timed(lambda fs=files: [file_digest(f) for f in fs if f.name != checkpoint.MANIFEST])
+            row["hash_only_s"] = _timed(lambda fs=files: [file_digest(f)
+                                                          for f in fs if f.name != checkpoint.MANIFEST])
             for verify in ((True, False) if r % 2 == 0 else (False, True)):
                 key = f"load_{'on' if verify else 'off'}_s"
-                row[key] = _timed(lambda v=verify, p=root / f"on-{r}": checkpoint.load(p, model, opt, verify=v))
+                row[key] = _timed(lambda v=verify, p=root
+                                  / f"on-{r}": checkpoint.load(p, model, opt, verify=v))
             for mode in order:
                 shutil.rmtree(root / f"{mode}-{r}")
             rows.append(row)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     keys = [k for k in rows[0] if k.endswith("_s")]
@@ -100,11 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
                "save_cost_s": medians["save_on_s"] - medians["save_off_s"],
                "load_cost_s": medians["load_on_s"] - medians["load_off_s"],
                "cpu": os.cpu_count(), "load_average": os.getloadavg()[0]}
-    print(f"SmolLM2-135M checkpoint{'' if opt else ' (model only)'}: {summary['bytes'] / 1e6:.0f} MB; median of "
-          f"{args.rounds}: save {medians['save_off_s']:.2f} s -> {medians['save_on_s']:.2f} s with checksums "
-          f"(+{summary['save_cost_s']:.2f} s), load {medians['load_off_s']:.2f} s -> {medians['load_on_s']:.2f} s "
-          f"verified (+{summary['load_cost_s']:.2f} s); the hash pass alone {medians['hash_only_s']:.2f} s "
-          f"(load average {summary['load_average']:.1f} on {summary['cpu']} CPUs)")
+    print(f"SmolLM2-135M checkpoint{'' if opt else ' (model only)'}: {summary['bytes'] / 1e6:.0f} MB; median "
+          f"of {args.rounds}: save {medians['save_off_s']:.2f} s -> {medians['save_on_s']:.2f} s with "
+          f"checksums (+{summary['save_cost_s']:.2f} s), load {medians['load_off_s']:.2f} s -> "
+          f"{medians['load_on_s']:.2f} s verified (+{summary['load_cost_s']:.2f} s); the hash pass alone "
+          f"{medians['hash_only_s']:.2f} s (load average {summary['load_average']:.1f} on {summary['cpu']} "
+          "CPUs)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return summary

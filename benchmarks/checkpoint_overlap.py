@@ -9,7 +9,8 @@ steps, then ``async_save`` (the time until it returns: the CPU snapshot), then s
 (the steps that began while it was in flight), then a blocking ``save`` of the same state. Reported per rank
 0: the median plain step, the median in-flight step and their ratio, the ``async_save`` return time, the
 background write's duration (in-flight steps sharing the cores) and the blocking save's, and the training time
-a save costs each way (``async_cost_per_save_s``: return time plus the in-flight steps' excess per round). Checkpoints go to a temporary folder.
+a save costs each way (``async_cost_per_save_s``: return time plus the in-flight steps' excess per round).
+Checkpoints go to a temporary folder.
 """
 
 from __future__ import annotations

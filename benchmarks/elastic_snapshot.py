@@ -1,18 +1,18 @@
-"""What ``perparam.elastic``'s in-memory snapshots cost when nothing fails, what memory they take, and how long
-a restore takes.
+"""What ``perparam.elastic``'s in-memory snapshots cost when nothing fails, what memory they take, and how
+long a restore takes.
 
     python -m benchmarks.elastic_snapshot [--size 27m] [--nproc 2] [--rounds 3] [--steps 3] [--replica auto]
                                           [--json out.json]
 
-The GPT of ``harness/model.py`` (``--size``: 27m is the 27.4M model of step_time.py) sharded by ``perparam`` over
-``--nproc`` gloo ranks (one thread each, 2 sequences per rank), AdamW. Paired rounds: each round runs
+The GPT of ``harness/model.py`` (``--size``: 27m is the 27.4M model of step_time.py) sharded by ``perparam``
+over ``--nproc`` gloo ranks (one thread each, 2 sequences per rank), AdamW. Paired rounds: each round runs
 ``--steps`` steps without snapshots and ``--steps`` steps with ``State.commit()`` after each (the order of the
 two halves alternates between rounds), timing wall and CPU (process) time per step. Then the shared memory
 the slots map against the formula ``2 slots x (own payload + the payload of the rank whose replica it
 holds, when replicas are kept)`` (``--replica``: ``State``'s placement; ``auto``, the default, keeps none on
-this one host, ``always`` measures the replica path), and the time of ``State.restore()`` into a fresh model and optimizer on the same ranks. Snapshots go
-to a temporary folder in ``/dev/shm``. Reported: rank 0's medians and the ratio, the commit's time on the
-critical path, each rank's bytes.
+this one host, ``always`` measures the replica path), and the time of ``State.restore()`` into a fresh model
+and optimizer on the same ranks. Snapshots go to a temporary folder in ``/dev/shm``. Reported: rank 0's
+medians and the ratio, the commit's time on the critical path, each rank's bytes.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def _measure(root: str, size: str, rounds: int, steps: int, replica: str) -> dic
     t = time.perf_counter()
     restored = again.restore()
     restore_s = time.perf_counter() - t
-    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), fresh.parameters()))
+    same = all(torch.equal(a.to_local(), b.to_local())
+               for a, b in zip(model.parameters(), fresh.parameters()))
     state.close(remove_snapshots=False)
     again.close()
     med = statistics.median
@@ -147,7 +148,8 @@ def main() -> None:
     out = {"load_average": os.getloadavg(),
            "size": args.size, "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
            "replica": args.replica, "ranks": results,
-           "wall_ratio": r0["snap_wall_s"] / r0["plain_wall_s"], "cpu_ratio": r0["snap_cpu_s"] / r0["plain_cpu_s"],
+           "wall_ratio": r0["snap_wall_s"] / r0["plain_wall_s"],
+           "cpu_ratio": r0["snap_cpu_s"] / r0["plain_cpu_s"],
            "shm_over_formula": [r["shm_bytes"] / r["formula_bytes"] for r in results]}
     print(json.dumps(out, indent=2))
     if args.json:

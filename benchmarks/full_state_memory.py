@@ -5,12 +5,12 @@
 SmolLM2-135M's shapes (``LlamaConfig.smollm2_135m()``: 134.5M fp32 parameters, the largest the 49152 x 576
 embedding) built on the meta device, sharded as the main job shards it over ``--nproc`` gloo ranks on this
 machine, and materialised in place (``to_empty``, then random shards): no full-size tensor was ever
-allocated before the measurement, so the resident set holds only the shards. On rank 0: resident memory before (``VmRSS``, its shards), the peak resident
-memory during the gather (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; Linux only) and
-the bytes of the CPU dict returned; and per tensor gathered, the peak above the resident memory before it
-minus the copy it leaves in the dict (``VmHWM`` reset before each ``full_tensor``). ``transient``: the
-largest of those, what the gather needs beyond the shards and the result so far; the figure reported is
-``transient / largest parameter``. glibc's mmap threshold is
+allocated before the measurement, so the resident set holds only the shards. On rank 0: resident memory before
+(``VmRSS``, its shards), the peak resident memory during the gather (``VmHWM`` after resetting it through
+``/proc/self/clear_refs``; Linux only) and the bytes of the CPU dict returned; and per tensor gathered, the
+peak above the resident memory before it minus the copy it leaves in the dict (``VmHWM`` reset before each
+``full_tensor``). ``transient``: the largest of those, what the gather needs beyond the shards and the result
+so far; the figure reported is ``transient / largest parameter``. glibc's mmap threshold is
 fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the resident set at once.
 """
 
@@ -39,7 +39,7 @@ def _with_marks(full_state_dict, model, marks: list):
     appends ``(peak, RSS at its start)`` per tensor, in gathering order, to ``marks``."""
     from perparam import full_state
 
-    real, start = full_state._full_tensor, []
+    real, start = full_state.full_tensor, []
 
     def reset_then_gather(value):
         if start:  # the previous tensor is gathered and copied into the dict: its peak
@@ -48,11 +48,11 @@ def _with_marks(full_state_dict, model, marks: list):
         Path("/proc/self/clear_refs").write_text("5")
         return real(value)
 
-    full_state._full_tensor = reset_then_gather
+    full_state.full_tensor = reset_then_gather
     try:
         state = full_state_dict(model)
     finally:
-        full_state._full_tensor = real
+        full_state.full_tensor = real
     marks.append((_status("VmHWM"), start[-1]))
     assert len(marks) == len(model.state_dict())  # every entry of this model is a DTensor
     return state
@@ -113,10 +113,11 @@ def main() -> None:
         for p in procs:
             p.join()
     mib = 1024 ** 2
-    print(f"full_state_dict on rank 0 of {result['world_size']}: RSS before {result['rss_before_bytes'] / mib:.1f} "
-          f"MiB, peak {result['peak_bytes'] / mib:.1f} MiB, returned dict {result['returned_bytes'] / mib:.1f} MiB; "
-          f"transient {result['transient_bytes'] / mib:.1f} MiB = {result['transient_over_largest_param']:.2f} x "
-          f"the largest parameter ({result['largest_param_bytes'] / mib:.1f} MiB)")
+    print(f"full_state_dict on rank 0 of {result['world_size']}: RSS before "
+          f"{result['rss_before_bytes'] / mib:.1f} MiB, peak {result['peak_bytes'] / mib:.1f} MiB, returned "
+          f"dict {result['returned_bytes'] / mib:.1f} MiB; transient {result['transient_bytes'] / mib:.1f} "
+          f"MiB = {result['transient_over_largest_param']:.2f} x the largest parameter "
+          f"({result['largest_param_bytes'] / mib:.1f} MiB)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

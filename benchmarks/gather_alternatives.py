@@ -61,7 +61,8 @@ def _run(rank: int, world: int, port: int, reps: int, methods: list[str]) -> Non
         dist.all_to_all_single(others, send, splits, splits, group=pg, async_op=True).wait()
         for first, seg in ((rank, send.view(1, slot)), (peer, others.view(1, slot))):
             torch.split_with_sizes_copy(seg, [n * 4 for n in numels], dim=1,
-                                        out=[b.view(torch.uint8).view(k, -1).narrow(0, first, 1) for b in bufs])
+                                        out=[b.view(torch.uint8).view(k, -1).narrow(0, first, 1)
+                                             for b in bufs])
 
     def p2p():
         own_rows()
@@ -96,7 +97,8 @@ def _run(rank: int, world: int, port: int, reps: int, methods: list[str]) -> Non
         cm.wait()
 
     def alltoall_list():
-        works = [dist.all_to_all([b.view(k, -1)[r] for r in range(k)], [s.reshape(-1)] * k, group=pg, async_op=True)
+        works = [dist.all_to_all([b.view(k, -1)[r] for r in range(k)], [s.reshape(-1)] * k, group=pg,
+                                 async_op=True)
                  for b, s in zip(bufs, shards)]
         for w in works:
             w.wait()

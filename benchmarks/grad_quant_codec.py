@@ -35,7 +35,8 @@ import torch  # noqa: E402
 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
 
 BLOCK = 256
-MAGIC = 1.5 * 2**23  # x + MAGIC, for |x| < 2**22, is an integer-valued float whose low byte is round(x) mod 256
+# x + MAGIC, for |x| < 2**22, is an integer-valued float whose low byte is round(x) mod 256
+MAGIC = 1.5 * 2**23
 
 
 def _timed(fn, reps: int) -> float:
@@ -90,7 +91,8 @@ def _transfer(k: int, n: int, reps: int) -> None:
         ms = [r[1][name][0] for r in results]
         nbytes = results[0][1][name][1]
         print(f"  all-to-all {name}: {nbytes / 1e6:.2f} MB per rank, CPU ms per rank "
-              + ", ".join(f"{m:.2f}" for m in ms) + f" ({statistics.mean(ms) / (nbytes / 1e6):.3f} ms per MB)")
+              + ", ".join(f"{m:.2f}" for m in ms)
+              + f" ({statistics.mean(ms) / (nbytes / 1e6):.3f} ms per MB)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,7 +282,8 @@ def _as_run(k: int, reps: int) -> None:
 
     shards = [g.chunk(k)[0].contiguous() for g in grads]  # one rank's shards
     sends = [[torch.empty(s.numel(), dtype=torch.int8), torch.empty(-(-s.numel() // BLOCK))] for s in shards]
-    gathered = [[torch.randint(-127, 128, (k, s.numel()), dtype=torch.int8), torch.rand(k, -(-s.numel() // BLOCK))]
+    gathered = [[torch.randint(-127, 128, (k, s.numel()), dtype=torch.int8),
+                 torch.rand(k, -(-s.numel() // BLOCK))]
                 for s in shards]
     outs = [torch.empty(k, s.numel()) for s in shards]
 

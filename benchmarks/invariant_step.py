@@ -1,11 +1,11 @@
-"""What the K-invariant mode costs (``perparam.InvariantUnits``): step time, the step's peak resident memory and
-the gradient buffers it holds, against the normal mode at the same global batch, in paired rounds.
+"""What the K-invariant mode costs (``perparam.InvariantUnits``): step time, the step's peak resident memory
+and the gradient buffers it holds, against the normal mode at the same global batch, in paired rounds.
 
     python -m benchmarks.invariant_step --json runs/bench/invariant_step.json    # the 27.4M GPT, K = 2
     python -m benchmarks.invariant_step --quick --json /tmp/invariant.json       # the toy model (smoke test)
 
-Variants, one model each (``benchmarks.harness.configs.build("perparam", ...)``: the seeded init, stage 3, AdamW),
-the same global batches of ``--batch`` sequences (default 8) on ``--world`` ranks (default 2):
+Variants, one model each (``benchmarks.harness.configs.build("perparam", ...)``: the seeded init, stage 3,
+AdamW), the same global batches of ``--batch`` sequences (default 8) on ``--world`` ranks (default 2):
 
 * ``plain``: one backward per rank on its ``batch / K`` rows (the usual synchronised step);
 * ``accum_uU``: the same rows as ``U / K`` micro-batches, gradient sync off for all but the last (the
@@ -64,7 +64,8 @@ class Variant:
         self.model, self.opt = build("perparam", cfg, mesh, 0)
         self.params = [p for g in model_groups(self.model) for p in g.params]
         self.units = int(name.rsplit("_u", 1)[1]) if "_u" in name else world
-        self.iu = perparam.InvariantUnits(self.model, units=self.units, seed=0) if name.startswith("invariant") else None
+        self.iu = (perparam.InvariantUnits(self.model, units=self.units, seed=0)
+                   if name.startswith("invariant") else None)
         self.grad_peak = 0  # bytes of gradient buffers held at the end of a backward, the most seen
 
     def _held(self) -> int:
@@ -114,7 +115,8 @@ class Variant:
         t4 = _now()
         self._step += 1
         marks = {"backward": (t0, t1), "reduce": (t1, t2), "clip": (t2, t3), "optimizer": (t3, t4)}
-        return {f"{k}{suffix}": b[i] - a[i] for k, (a, b) in marks.items() for i, suffix in ((0, ""), (1, "_cpu"))}, \
+        return {f"{k}{suffix}": b[i] - a[i] for k, (a, b) in marks.items()
+                for i, suffix in ((0, ""), (1, "_cpu"))}, \
             reported
 
     _step = 0
@@ -229,7 +231,8 @@ def summarise(timing: list[dict] | None, mem: list[dict] | None, opts: dict) -> 
 
 def _timing_summary(timing: list[dict], n: str) -> dict:
     rounds = len(timing[0]["wall"][n])
-    step = {v: [max(t["wall"][v][i] for t in timing) for i in range(rounds)] for v in {n, "plain", baseline(n)}}
+    step = {v: [max(t["wall"][v][i] for t in timing) for i in range(rounds)]
+            for v in {n, "plain", baseline(n)}}
     rec = {"step_s": statistics.median(step[n]), "step_times_s": step[n],
            "cpu_s_per_rank": [statistics.median(t["cpu"][n]) for t in timing],
            "phase_s_rank0": {k: statistics.median(p[k] for p in timing[0]["phases"][n])
@@ -237,16 +240,16 @@ def _timing_summary(timing: list[dict], n: str) -> dict:
            "final_loss": timing[0]["losses"][n][-1]}
     for base in {"plain", baseline(n)}:
         rec[f"paired_vs_{base}"] = statistics.median(a / b for a, b in zip(step[n], step[base]))
-        rec[f"cpu_paired_vs_{base}_per_rank"] = [statistics.median(a / b for a, b in zip(t["cpu"][n], t["cpu"][base]))
-                                                 for t in timing]
+        rec[f"cpu_paired_vs_{base}_per_rank"] = [
+            statistics.median(a / b for a, b in zip(t["cpu"][n], t["cpu"][base])) for t in timing]
     return rec
 
 
 def render(result: dict) -> str:
     mib = 2 ** 20
-    lines = ["| variant | step ms | paired vs accum (same U) | paired vs plain | CPU ms/rank | CPU paired vs accum | "
-             "CPU ms bwd / reduce / clip / opt (rank 0) | step peak over start MiB | grad buffers MiB (peak) | extra "
-             "vs accum MiB | target log2(U) x shard MiB | final loss |", "|" + "---|" * 12]
+    lines = ["| variant | step ms | paired vs accum (same U) | paired vs plain | CPU ms/rank | CPU paired vs "
+             "accum | CPU ms bwd / reduce / clip / opt (rank 0) | step peak over start MiB | grad buffers "
+             "MiB (peak) | extra vs accum MiB | target log2(U) x shard MiB | final loss |", "|" + "---|" * 12]
     for n, r in result["variants"].items():
         base = baseline(n)
         m = r.get("memory", {})
@@ -257,12 +260,15 @@ def render(result: dict) -> str:
             timed = (f"{r['step_s'] * 1e3:.0f} | {r[f'paired_vs_{base}']:.3f} | {r['paired_vs_plain']:.3f} | "
                      + " / ".join(f"{c * 1e3:.0f}" for c in r["cpu_s_per_rank"]) + " | "
                      + " / ".join(f"{c:.3f}" for c in r[f"cpu_paired_vs_{base}_per_rank"]) + " | "
-                     + " / ".join(f"{ph[k + '_cpu'] * 1e3:.0f}" for k in ("backward", "reduce", "clip", "optimizer")))
+                     + " / ".join(f"{ph[k + '_cpu'] * 1e3:.0f}"
+                                  for k in ("backward", "reduce", "clip", "optimizer")))
         else:
             timed = " | ".join("-" * 6)
         lines.append(f"| {n} | {timed} | "
-                     + (f"{m['peak_over_start'] / mib:.1f} | {m['grad_buffer_peak'] / mib:.1f} | " if m else "- | - | ")
-                     + f"{extra} | {target} | " + (f"{r['final_loss']:.4f} |" if "final_loss" in r else "- |"))
+                     + (f"{m['peak_over_start'] / mib:.1f} | {m['grad_buffer_peak'] / mib:.1f} | " if m
+                        else "- | - | ")
+                     + f"{extra} | {target} | "
+                     + (f"{r['final_loss']:.4f} |" if "final_loss" in r else "- |"))
     return "\n".join(lines)
 
 
@@ -283,8 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--no-memory with --no-timing leaves nothing to run")
     for u in args.units:
         if u & (u - 1) or u < args.world or u % args.world or args.batch % u:
-            ap.error(f"--units {u}: must be a power of two, a multiple of --world {args.world} dividing --batch "
-                     f"{args.batch}")
+            ap.error(f"--units {u}: must be a power of two, a multiple of --world {args.world} dividing "
+                     f"--batch {args.batch}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be at least 1 (got {args.rounds})")
     if args.warmup is not None and args.warmup < 0:
@@ -309,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     opts = {"quick": args.quick, "batch": args.batch, "units": list(args.units),
-            "rounds": args.rounds or (3 if args.quick else 8), "warmup": 1 if args.warmup is None else args.warmup}
+            "rounds": args.rounds or (3 if args.quick else 8),
+            "warmup": 1 if args.warmup is None else args.warmup}
     started = _dt.datetime.now(_dt.timezone.utc)
     load0 = os.getloadavg()
     jobs = ([] if args.no_timing else ["timing"]) + ([] if args.no_memory else ["memory"])
@@ -332,8 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
                                         "mean": statistics.fmean(x[0] for x in loads)},
                        "seconds": (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()},
               "variants": summarise(timing, mem, opts)}
-    print(f"K = {args.world}, {n_params / 1e6:.1f}M parameters, global batch {args.batch}, {opts['rounds']} rounds, "
-          f"load average {result['meta']['loadavg_1min']['min']:.1f}-{result['meta']['loadavg_1min']['max']:.1f}")
+    print(f"K = {args.world}, {n_params / 1e6:.1f}M parameters, global batch {args.batch}, {opts['rounds']} "
+          "rounds, load average "
+          f"{result['meta']['loadavg_1min']['min']:.1f}-{result['meta']['loadavg_1min']['max']:.1f}")
     print(render(result))
     write_json(args.json, result)
     return result

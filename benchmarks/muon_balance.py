@@ -32,7 +32,8 @@ def hidden_shapes(quick: bool) -> list[tuple[int, ...]]:
     from benchmarks.harness.model import GPTConfig
 
     model = seeded_full_init(GPTConfig.quick() if quick else GPTConfig(), 0)
-    return [tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks") and n.endswith(HIDDEN)]
+    return [tuple(p.shape)
+            for n, p in model.named_parameters() if n.startswith("blocks") and n.endswith(HIDDEN)]
 
 
 def _optimizer(shapes, seed: int):
@@ -91,12 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     shapes = hidden_shapes(args.quick)
     whole = one_process(shapes, args.rounds)
-    print(f"{len(shapes)} Muon matrices; one-process Muon step {whole * 1e3:.1f} ms (median of {args.rounds})")
+    print(f"{len(shapes)} Muon matrices; one-process Muon step {whole * 1e3:.1f} ms (median of "
+          f"{args.rounds})")
     for k in (int(x) for x in args.worlds.split(",")):
         r = measure(shapes, k, args.rounds)
         per = ", ".join(f"{m:.1f}" for m in r["medians_ms"])
-        print(f"K = {k}: balance planned {r['planned']:.3f}, measured {r['measured']:.3f} (busiest / mean of per-rank "
-              f"medians: {per} ms; matrices per rank {r['counts']}); 1/K of the one-process step "
+        print(f"K = {k}: balance planned {r['planned']:.3f}, measured {r['measured']:.3f} (busiest / mean of "
+              f"per-rank medians: {per} ms; matrices per rank {r['counts']}); 1/K of the one-process step "
               f"{whole * 1e3 / k:.1f} ms")
 
 

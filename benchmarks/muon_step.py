@@ -46,8 +46,8 @@ def _build(variant: str, cfg, mesh):
         return owner if variant.startswith("owner") and name.endswith(HIDDEN) else None
 
     for modules, reshard in wrap_units(model):
-        perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard,
-                             param_policy=policy)
+        perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                             reshard_after_forward=reshard, param_policy=policy)
     named = dict(model.named_parameters())
     if variant == "adamw":
         return model, [torch.optim.AdamW(model.parameters(), lr=3e-4)]
@@ -112,13 +112,15 @@ def _rank(rank: int, world: int, port: int, quick: bool, rounds: int, variants: 
                 optim[v].append(t2 - t1)
                 ns[v].append(ns_time[0])
             comm[v] = (counter.count("all_to_all"), counter.bytes("all_to_all"), counter.count("all_gather"),
-                       counter.bytes("all_gather"), backward.count("reduce_scatter"), backward.bytes("reduce_scatter"))
+                       counter.bytes("all_gather"), backward.count("reduce_scatter"),
+                       backward.bytes("reduce_scatter"))
     muon_module._zeropower_via_newtonschulz = original
     perparam.configure(owner_grad="rows")
     owned = next(v for v in variants if v.startswith("owner"))
     route = owner_step.routing(built[owned][1][0])
     loads = next(iter(route.loads.values()))
-    matrices = [(tuple(e.sp.global_shape), e.sp.sharded.dtype.itemsize) for b in route.buckets for e in b.entries]
+    matrices = [(tuple(e.sp.global_shape), e.sp.sharded.dtype.itemsize) for b in route.buckets
+                for e in b.entries]
     queue.put((rank, {v: (statistics.median(step[v]), statistics.median(optim[v]), statistics.median(ns[v]),
                           statistics.median(s / a for s, a in zip(step[v], step["adamw"])),
                           statistics.median(o / a for o, a in zip(optim[v], optim["adamw"])), comm[v])
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma-separated, from {','.join(VARIANTS)}; adamw and one owner variant required")
     args = ap.parse_args(argv)
     variants = tuple(args.variants.split(","))
-    if "adamw" not in variants or not any(v.startswith("owner") for v in variants) or set(variants) - set(VARIANTS):
+    if "adamw" not in variants or not any(v.startswith("owner")
+                                          for v in variants) or set(variants) - set(VARIANTS):
         ap.error(f"--variants: adamw, one of owner/owner_reduce and any of {VARIANTS}, got {args.variants!r}")
     results = spawn_ranks(_rank, args.world, args.quick, args.rounds, variants)
     k = args.world
@@ -154,14 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     itemsize = matrices[0][1]
     mean = sum(loads) / len(loads)
     print(f"K = {k}, {len(matrices)} Muon matrices ({elements:,} elements) in {buckets} bucket(s)")
-    print(f"planned Newton-Schulz work: busiest rank {max(loads) / mean:.3f}x the mean (per rank {list(loads)})")
+    print(f"planned Newton-Schulz work: busiest rank {max(loads) / mean:.3f}x the mean (per rank "
+          f"{list(loads)})")
     for v in variants:
         print(f"{v}:")
         for rank, figures, *_ in results:
             s, o, n, ps, po, (a2a, a2a_b, ag, ag_b, rs, rs_b) = figures[v]
-            print(f"  rank {rank}: step {s * 1e3:.1f} ms (paired vs adamw {ps:.3f}), optimizer {o * 1e3:.1f} ms "
-                  f"(paired {po:.3f}), Newton-Schulz {n * 1e3:.1f} ms; optimizer collectives: {a2a} all-to-all "
-                  f"{a2a_b:,} B sent, {ag} all-gather {ag_b:,} B; backward: {rs} reductions {rs_b:,} B")
+            print(f"  rank {rank}: step {s * 1e3:.1f} ms (paired vs adamw {ps:.3f}), optimizer {o * 1e3:.1f} "
+                  f"ms (paired {po:.3f}), Newton-Schulz {n * 1e3:.1f} ms; optimizer collectives: {a2a} "
+                  f"all-to-all {a2a_b:,} B sent, {ag} all-gather {ag_b:,} B; backward: {rs} reductions "
+                  f"{rs_b:,} B")
     for v, factor in (("owner", 3), ("owner_reduce", 2)):
         if v in variants:
             sent = sum(r[1][v][5][1] for r in results)
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{factor * (k - 1) * elements * itemsize // k:,} B")
     ns_ranks = [r[1][owned][2] for r in results]
     if sum(ns_ranks):
-        print(f"measured Newton-Schulz time: busiest rank {max(ns_ranks) / (sum(ns_ranks) / k):.3f}x the mean")
+        print(f"measured Newton-Schulz time: busiest rank {max(ns_ranks) / (sum(ns_ranks) / k):.3f}x the "
+              "mean")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ def rank_job(rank: int, world: int, port: int, config: str, args: dict, out) -> 
         probe: dict = {}
 
         def at_middle(*_):
-            grads = sum(p.grad.to_local().numel() * p.grad.element_size() for p in sharded if p.grad is not None)
+            grads = sum(p.grad.to_local().numel() * p.grad.element_size()
+                        for p in sharded if p.grad is not None)
             probe.update(rss=rss_anon(), grads=grads)
 
         model.blocks[len(model.blocks) // 2].register_full_backward_pre_hook(at_middle)
@@ -123,7 +124,8 @@ def rank_job(rank: int, world: int, port: int, config: str, args: dict, out) -> 
         seconds = time.perf_counter() - t0
         planned_b = plan.optimizer + (plan.params + probe["grads"] if config == "all" else 0)
         out.put((rank, {"config": config, "params": n_params, "model_state": plan.total,
-                        "rss_after_step1": after_step, "planned_a": planned_a, "rss_mid_backward2": probe["rss"],
+                        "rss_after_step1": after_step, "planned_a": planned_a,
+                        "rss_mid_backward2": probe["rss"],
                         "planned_b": planned_b if config != "device" else 0, "peak_step2": peak.peak,
                         "tier_bytes": perparam.offload.offloaded_bytes().get("disk", 0), "seconds": seconds}))
     finally:
@@ -162,16 +164,18 @@ def main() -> None:
     parser = disk_tier_parser(__doc__, world=2, width=1024, layers=24, heads=16, vocab=24576, seq=64)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--timeout", type=float, default=1200.0)
-    parser.add_argument("--port", type=int, default=None, help="the first config's port (default: a free one each)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="the first config's port (default: a free one each)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     opts = vars(args)
     rows = {}
     for i, config in enumerate(args.configs.split(",")):
-        rows[config] = run_config(config, opts, args.world, free_port() if args.port is None else args.port + i)
+        rows[config] = run_config(config, opts, args.world,
+                                  free_port() if args.port is None else args.port + i)
     first = next(iter(rows.values()))[0]
-    print(f"GPT {first['params']:,} parameters, fp32 AdamW, K = {args.world}: model state {first['model_state'] / 1e6:.1f} "
-          f"MB per rank; 1 x {args.seq} tokens per rank; RssAnon in MB")
+    print(f"GPT {first['params']:,} parameters, fp32 AdamW, K = {args.world}: model state "
+          f"{first['model_state'] / 1e6:.1f} MB per rank; 1 x {args.seq} tokens per rank; RssAnon in MB")
     base = rows.get("device")
     print("config     rank  after step 1  fall (planned, ratio)      mid backward 2  fall (planned, ratio)"
           "      peak step 2  tier files  s")
@@ -188,7 +192,8 @@ def main() -> None:
                 line += f"  {fb / 1e6:7.1f} ({rec['planned_b'] / 1e6:7.1f}, {rec['ratio_b']:.3f})"
             else:
                 line += f"  {'':>26}  {rec['rss_mid_backward2'] / 1e6:14.1f}  {'':>26}"
-            line += f"  {rec['peak_step2'] / 1e6:11.1f}  {rec['tier_bytes'] / 1e6:10.1f}  {rec['seconds']:.0f}"
+            line += (f"  {rec['peak_step2'] / 1e6:11.1f}  {rec['tier_bytes'] / 1e6:10.1f}  "
+                     f"{rec['seconds']:.0f}")
             print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": opts, "rows": rows}, indent=1) + "\n")

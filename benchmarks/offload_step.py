@@ -118,7 +118,8 @@ def main() -> None:
             moved = sum(s["bytes_fetched"] + s["bytes_written"] for s in io[name]) / steps
             hidden = 1 - wait / (read + write) if read + write else 1.0
             line += (f"; per step {moved / 1e6:.1f} MB moved, read {read * 1e3:.1f} ms + write-back "
-                     f"{write * 1e3:.1f} ms on the I/O thread, waited {wait * 1e3:.1f} ms: {hidden:.0%} hidden")
+                     f"{write * 1e3:.1f} ms on the I/O thread, waited {wait * 1e3:.1f} ms: {hidden:.0%} "
+                     "hidden")
         print(line)
     dist.destroy_process_group()
 

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
-    ap.add_argument("--hook-rounds", type=int, default=200, help="rounds of the step hooks alone (default 200)")
+    ap.add_argument("--hook-rounds", type=int, default=200,
+                    help="rounds of the step hooks alone (default 200)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     halves = [((s[0] + 1) // 2, *s[1:]) for s in shapes]
     locals_ = [torch.randn(s) for s in halves]
     grads = [torch.randn(s) for s in halves]
-    dparams = [nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False)) for t in locals_]
+    dparams = [nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+               for t in locals_]
     for p, g in zip(dparams, grads):
         p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
     pparams = [nn.Parameter(t.clone()) for t in locals_]
@@ -88,10 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     alone = (time.process_time() - c0) / args.hook_rounds
     n = sum(t.numel() for t in locals_)
     print(f"AdamW(foreach={args.foreach}) on {len(halves)} shards, {n / 1e6:.1f}M elements, load "
-          f"{os.getloadavg()[0]:.2f}: DTensor {statistics.median(cpu['dtensor']) * 1e3:.1f} ms CPU, local tensors "
-          f"{statistics.median(cpu['local']) * 1e3:.1f} ms, perparam {statistics.median(cpu['perparam']) * 1e3:.1f} "
-          f"ms (its hooks: {hooks * 1e3:.2f} ms per step, paired median); bitwise equal after {args.steps + 1} "
-          f"steps: {same}; the hooks alone ({len(pre)} pre, {len(post)} post): {alone * 1e6:.0f} us per step")
+          f"{os.getloadavg()[0]:.2f}: DTensor {statistics.median(cpu['dtensor']) * 1e3:.1f} ms CPU, local "
+          f"tensors {statistics.median(cpu['local']) * 1e3:.1f} ms, perparam "
+          f"{statistics.median(cpu['perparam']) * 1e3:.1f} ms (its hooks: {hooks * 1e3:.2f} ms per step, "
+          f"paired median); bitwise equal after {args.steps + 1} steps: {same}; the hooks alone ({len(pre)} "
+          f"pre, {len(post)} post): {alone * 1e6:.0f} us per step")
     dist.destroy_process_group()
 
 

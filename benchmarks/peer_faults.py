@@ -36,8 +36,8 @@ def main() -> None:
             print(f"{name} of rank 1 in {phase}" + (f" (bound {bound:g} s)" if bound else "") +
                   f": rank {rank} exit {fault.codes[rank]}, first line after "
                   f"{'-' if detected is None else f'{detected:.2f}'} s, exit after "
-                  f"{'-' if exited is None else f'{exited:.1f}'} s, {len(fault.err[rank].splitlines())} stderr lines; "
-                  f"left stopped: {fault.left_stopped}")
+                  f"{'-' if exited is None else f'{exited:.1f}'} s, {len(fault.err[rank].splitlines())} "
+                  f"stderr lines; left stopped: {fault.left_stopped}")
             print(f"    {fault.error_line(rank)[:400]}")
 
 

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--versus", default=None, metavar="FIELD=VALUE,...",
                     help="A/B: alternate steps (ABBA) between the configuration above and this one, e.g. "
                          "'gloo_all_gather=all_to_all,local_optimizer_step=0' (reports both, paired)")
-    ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime", help="profile order (default tottime)")
+    ap.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime",
+                    help="profile order (default tottime)")
     ap.add_argument("--quick", action="store_true", help="the toy model (--size quick)")
     ap.add_argument("--size", choices=tuple(SIZES), default="27m", help="model size (default 27m)")
     ap.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank (default 2)")
@@ -143,8 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.harness.launch import spawn_ranks
 
     results = spawn_ranks(_rank, args.world, args)
-    print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}, all-gather: {args.gloo_all_gather}): CPU ms per step, median of "
-          f"{args.steps}: " + ", ".join(f"rank {r} {c * 1e3:.0f}" for r, c, _ in results))
+    print(f"{args.config} (gloo reduce-scatter: {args.gloo_reduce_scatter}, all-gather: "
+          f"{args.gloo_all_gather}): CPU ms per step, median of {args.steps}: "
+          + ", ".join(f"rank {r} {c * 1e3:.0f}" for r, c, _ in results))
     print(results[0][2])
 
 

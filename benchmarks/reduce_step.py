@@ -60,11 +60,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
             if i:  # round 0 warms up
                 times[algorithm].append(time.process_time() - c0)
             if args.check and i == 0:
-                results[algorithm] = [p.sharded.grad.to_local().clone() for g in groups for p in g.trainable()]
+                results[algorithm] = [p.sharded.grad.to_local().clone() for g in groups
+                                      for p in g.trainable()]
     if args.check:
         first = results[algorithms[0]]
         for a in algorithms[1:]:
-            assert all(torch.equal(u, v) for u, v in zip(first, results[a])), f"{a} differs from {algorithms[0]}"
+            assert all(torch.equal(u, v)
+                       for u, v in zip(first, results[a])), f"{a} differs from {algorithms[0]}"
     queue.put((rank, *paired_medians(times), len(groups)))
     dist.destroy_process_group()
 

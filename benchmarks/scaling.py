@@ -3,15 +3,15 @@
     python -m benchmarks.scaling --sizes 27m,110m,350m --worlds 2,4 --json runs/bench/scaling.json
     python -m benchmarks.scaling --table runs/bench/scaling_*.json        # the markdown table again
 
-Per size (``benchmarks/harness/model.py``'s ``SIZES``: 27.4M, 111.9M, 344.4M) and K, the timing job and the memory
-jobs of ``benchmarks/harness/runner.py`` (the method of ``benchmarks/README.md``: every configuration built in
-each rank, rounds of one step of each with the order rotating, paired ratios, CPU time; then each
+Per size (``benchmarks/harness/model.py``'s ``SIZES``: 27.4M, 111.9M, 344.4M) and K, the timing job and the
+memory jobs of ``benchmarks/harness/runner.py`` (the method of ``benchmarks/README.md``: every configuration
+built in each rank, rounds of one step of each with the order rotating, paired ratios, CPU time; then each
 configuration alone in fresh processes for the training-phase peak RSS), over ``ddp``, ``fsdp2`` and
 ``perparam`` by default. Every size runs the same tokens per rank (``--batch-per-rank`` x the context of
 128), so compute and bytes both grow with the parameters and the ratios compare like with like; larger
 sizes run fewer rounds (``ROUNDS``). A configuration whose memory does not fit next to the others
-(``benchmarks/harness/fits.py``: the ZeRO formulas against ``MemAvailable``) is skipped with the bytes it needs;
-should ``MemAvailable`` still fall under ``--floor-gb`` while a job runs, its ranks are killed and the
+(``benchmarks/harness/fits.py``: the ZeRO formulas against ``MemAvailable``) is skipped with the bytes it
+needs; should ``MemAvailable`` still fall under ``--floor-gb`` while a job runs, its ranks are killed and the
 size is reported skipped (``fits.MemoryGuard``), not left to the kernel's OOM killer.
 
 Reported per size and K: perparam's paired step ratio against FSDP2 and DDP (and the CPU-time ratio), CPU
@@ -52,13 +52,16 @@ def _csv(text: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; bad values exit with a one-line error naming the flag."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="27m,110m,350m", help=f"comma-separated model sizes from {','.join(SIZES)}")
+    ap.add_argument("--sizes", default="27m,110m,350m",
+                    help=f"comma-separated model sizes from {','.join(SIZES)}")
     ap.add_argument("--worlds", "-K", default="2,4", help="comma-separated K (default 2,4)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                    help=f"comma-separated subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
+                    help=f"comma-separated subset of {','.join(CONFIGS)} (default "
+                         f"{','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--steps", type=int, help="timed rounds for every size (default per size: ROUNDS)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first for every size (default per size)")
-    ap.add_argument("--batch-per-rank", type=int, default=1, help="sequences of 128 tokens per rank (default 1)")
+    ap.add_argument("--batch-per-rank", type=int, default=1,
+                    help="sequences of 128 tokens per rank (default 1)")
     ap.add_argument("--rss-steps", type=int, default=2, help="steps of each memory job (default 2)")
     ap.add_argument("--no-rss", action="store_true", help="skip the memory jobs")
     ap.add_argument("--reserve-gb", type=float, default=2.0,
@@ -118,7 +121,8 @@ def _extend(name: str, c: dict, models: dict, tokens_per_rank: int) -> None:
 
 
 def run_one(size: str, world: int, args: argparse.Namespace) -> dict:
-    """One size on ``world`` ranks: the configurations that fit, timed side by side, then their memory jobs."""
+    """One size on ``world`` ranks: the configurations that fit, timed side by side, then their memory
+    jobs."""
     from benchmarks.harness.fits import MemoryGuard, fitting, job_bytes, mem_available
     from benchmarks.harness.launch import launch
     from benchmarks.harness.report import add_ratios, summarise
@@ -163,8 +167,8 @@ def run_one(size: str, world: int, args: argparse.Namespace) -> dict:
         _extend(name, c, models, out["tokens_per_rank"])
     loads = [la[0] for la in per_rank[0]["loadavg"]]
     out.update(status="ok", configs=configs, formulas=models, wall_s=time.monotonic() - t0,
-               loadavg={"start": list(load_start), "end": list(load_end), "min": min(loads), "max": max(loads),
-                        "mean": statistics.mean(loads)})
+               loadavg={"start": list(load_start), "end": list(load_end), "min": min(loads),
+                        "max": max(loads), "mean": statistics.mean(loads)})
     return out
 
 
@@ -177,8 +181,8 @@ def _cell(c: dict | None, fmt) -> str:
 
 
 def _per_config(run: dict, fmt, names=("perparam", "fsdp2", "ddp")) -> str:
-    return " / ".join(_cell(run.get("configs", {}).get(n) or ({"status": "skipped"} if n in run["skipped"] else None),
-                            fmt) for n in names)
+    return " / ".join(_cell(run.get("configs", {}).get(n)
+                            or ({"status": "skipped"} if n in run["skipped"] else None), fmt) for n in names)
 
 
 def _r(x) -> str:
@@ -188,9 +192,10 @@ def _r(x) -> str:
 def markdown(runs: list[dict]) -> str:
     """The table of ``benchmarks/README.md``: one row per size and K (perparam's figures against FSDP2 and
     DDP), then the reasons for what was skipped."""
-    head = ("| size | K | rounds | perparam paired vs FSDP2 (CPU) | paired vs DDP (CPU) | step s perparam / FSDP2 / DDP "
-            "| CPU us/token perparam / FSDP2 / DDP | state MiB/rank (x ZeRO-3 model) | sent MiB/rank (x ZeRO-3 model) "
-            "| train peak over base MiB perparam / FSDP2 / DDP | load mean (min-max) |")
+    head = ("| size | K | rounds | perparam paired vs FSDP2 (CPU) | paired vs DDP (CPU) | step s perparam / "
+            "FSDP2 / DDP | CPU us/token perparam / FSDP2 / DDP | state MiB/rank (x ZeRO-3 model) | sent "
+            "MiB/rank (x ZeRO-3 model) | train peak over base MiB perparam / FSDP2 / DDP | load mean "
+            "(min-max) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     notes = []
     for run in runs:
@@ -228,9 +233,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(markdown(runs))
         return None
     result = {"meta": {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                       "command": " ".join(["python -m benchmarks.scaling", *(sys.argv[1:] if argv is None else argv)]),
-                       "machine": machine_info(), "configs": args.configs, "batch_per_rank": args.batch_per_rank,
-                       "rss_steps": args.rss_steps, "reserve_gb": args.reserve_gb},
+                       "command": " ".join(["python -m benchmarks.scaling",
+                                            *(sys.argv[1:] if argv is None else argv)]),
+                       "machine": machine_info(), "configs": args.configs,
+                       "batch_per_rank": args.batch_per_rank, "rss_steps": args.rss_steps,
+                       "reserve_gb": args.reserve_gb},
               "runs": []}
     for size in args.sizes:
         for world in args.worlds:

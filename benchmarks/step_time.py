@@ -6,7 +6,8 @@ DDP, torch FSDP2 (fp32 and bf16) and perparam, in one run.
 Every configuration trains the same model (``benchmarks/harness/model.py``) from the same weights
 (``benchmarks/harness/configs.py``) on the same data over gloo, ``--world`` ranks on 127.0.0.1, one thread per
 rank; the script starts its own ranks (``benchmarks/harness/launch.py``). What a rank runs:
-``benchmarks/harness/runner.py``; RSS: ``benchmarks/harness/memory.py``; summary and tables: ``benchmarks/harness/report.py``.
+``benchmarks/harness/runner.py``; RSS: ``benchmarks/harness/memory.py``; summary and tables:
+``benchmarks/harness/report.py``.
 """
 
 from __future__ import annotations
@@ -33,18 +34,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--world", type=int, default=2, help="ranks (default 2; more than the cores oversubscribes)")
+    ap.add_argument("--world", type=int, default=2,
+                    help="ranks (default 2; more than the cores oversubscribes)")
     ap.add_argument("--steps", type=int, help="timed rounds (default 20; --quick 3)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default 3; --quick 1)")
     ap.add_argument("--quick", action="store_true", help="toy model and few steps (smoke test)")
-    ap.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: all; without --quick "
-                                      "the bf16 ones are left out where this CPU emulates bf16)")
+    ap.add_argument("--configs",
+                    help=f"comma-separated subset of {','.join(CONFIGS)} (default: all; without --quick "
+                         "the bf16 ones are left out where this CPU emulates bf16)")
     ap.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank per step (default 2)")
     ap.add_argument("--rss-steps", type=int, help="steps of each memory run (default 3; --quick 2)")
     ap.add_argument("--no-rss", action="store_true", help="skip the per-configuration memory runs")
     ap.add_argument("--mmap-threshold", type=int, default=4 << 20,
-                    help="bytes: also run each memory run under mallopt(M_MMAP_THRESHOLD, this), a glibc that "
-                         "returns freed large blocks at once (default 4194304; 0: skip)")
+                    help="bytes: also run each memory run under mallopt(M_MMAP_THRESHOLD, this), a glibc "
+                         "that returns freed large blocks at once (default 4194304; 0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before a job is killed")
     args = ap.parse_args(argv)
@@ -54,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--configs: unknown configurations {sorted(unknown)}; choose from {','.join(CONFIGS)}")
     if args.world < 2:
-        ap.error(f"--world must be at least 2 (got {args.world}); sharding over one rank is not measured here")
+        ap.error(f"--world must be at least 2 (got {args.world}); sharding over one rank is not measured "
+                 "here")
     check_counts(ap, args, ("steps", "rss_steps", "batch_per_rank"))
     args.steps = args.steps if args.steps is not None else (3 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -70,8 +74,9 @@ def drop_emulated_bf16(args) -> None:
         return
     skipped = [c for c in args.configs if "bf16" in c]
     args.configs = [c for c in args.configs if "bf16" not in c]
-    print(f"left out {','.join(skipped)}: this CPU emulates bf16 matmuls (their steps would take ~20x longer and "
-          "say nothing of bf16 where it is native); name them in --configs to run them anyway", flush=True)
+    print(f"left out {','.join(skipped)}: this CPU emulates bf16 matmuls (their steps would take ~20x longer "
+          "and say nothing of bf16 where it is native); name them in --configs to run them anyway",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,15 +108,17 @@ def main(argv: list[str] | None = None) -> dict:
     params = num_params(GPT(cfg))
     result = {
         "meta": {
-            "date": started.isoformat(timespec="seconds"), "command": " ".join(["python -m benchmarks.step_time", *sys.argv[1:]]),
+            "date": started.isoformat(timespec="seconds"),
+            "command": " ".join(["python -m benchmarks.step_time", *sys.argv[1:]]),
             "machine": machine_info(), "world_size": world, "threads_per_rank": 1, "backend": "gloo",
-            "oversubscribed": world > (os.cpu_count() or 1),
-            "model": cfg.as_dict(), "model_params": params, "batch_per_rank": args.batch_per_rank,
-            "steps": args.steps, "warmup": args.warmup, "rss_steps": args.rss_steps, "quick": args.quick,
-            "returning_allocator": (f"mallopt(M_MMAP_THRESHOLD, {args.mmap_threshold}) in each rank before building"
+            "oversubscribed": world > (os.cpu_count() or 1), "model": cfg.as_dict(), "model_params": params,
+            "batch_per_rank": args.batch_per_rank, "steps": args.steps, "warmup": args.warmup,
+            "rss_steps": args.rss_steps, "quick": args.quick,
+            "returning_allocator": (f"mallopt(M_MMAP_THRESHOLD, {args.mmap_threshold}) in each rank before "
+                                    "building"
                                     if args.mmap_threshold and not args.no_rss else None),
-            "loadavg": {"start": list(load_start), "end": list(load_end), "min": min(loads), "max": max(loads),
-                        "mean": statistics.mean(loads)},
+            "loadavg": {"start": list(load_start), "end": list(load_end), "min": min(loads),
+                        "max": max(loads), "mean": statistics.mean(loads)},
         },
         "configs": {name: summarise(name, per_rank, rss.get(name), world, rss_returning.get(name))
                     for name in args.configs},

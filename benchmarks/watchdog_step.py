@@ -82,8 +82,9 @@ def main() -> None:
     for rank, wall, paired, cpu, paired_cpu, thread in spawn_ranks(_rank, args.nproc, args.width, args.rounds,
                                                                    args.steps):
         print(f"rank {rank}: step without {wall['without'] * 1e3:.2f} ms, with {wall['with'] * 1e3:.2f} ms "
-              f"(paired {paired:.3f}); CPU without {cpu['without'] * 1e3:.2f} ms, with {cpu['with'] * 1e3:.2f} ms "
-              f"(paired {paired_cpu:.3f}); heartbeat thread {thread * 1e6:.1f} us CPU per step")
+              f"(paired {paired:.3f}); CPU without {cpu['without'] * 1e3:.2f} ms, with "
+              f"{cpu['with'] * 1e3:.2f} ms (paired {paired_cpu:.3f}); heartbeat thread {thread * 1e6:.1f} us "
+              "CPU per step")
 
 
 if __name__ == "__main__":

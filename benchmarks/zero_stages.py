@@ -2,20 +2,20 @@
 
     python -m benchmarks.zero_stages --quick [--worlds 2,4] [--json runs/bench/zero_stages.json]
 
-Configurations (``benchmarks/harness/configs.py``), all trained from the same seeded weights on the same batches,
-AdamW, fp32, wrapped as torchtitan wraps (embeddings, each block, ``[ln_f, head]`` kept from forward to
-backward, root): ``ddp``; ``perparam_stage1``, ``perparam_stage2``, ``perparam`` (all stage 3) and
+Configurations (``benchmarks/harness/configs.py``), all trained from the same seeded weights on the same
+batches, AdamW, fp32, wrapped as torchtitan wraps (embeddings, each block, ``[ln_f, head]`` kept from forward
+to backward, root): ``ddp``; ``perparam_stage1``, ``perparam_stage2``, ``perparam`` (all stage 3) and
 ``perparam_mix`` (embeddings and norms stage 1, attention stage 2, MLP and head stage 3); ``fsdp2`` and
 ``fsdp2_keep`` (FSDP2 with ``reshard_after_forward=False``, its nearest to ZeRO-2).
 
-Per K: the timing job of ``benchmarks/harness/runner.py`` (every configuration built in each rank, rounds of one
-step of each, the order rotating; step time is the slower rank's; ``paired`` ratios are the median over
+Per K: the timing job of ``benchmarks/harness/runner.py`` (every configuration built in each rank, rounds of
+one step of each, the order rotating; step time is the slower rank's; ``paired`` ratios are the median over
 rounds of the ratio within a round), then one memory job per configuration in fresh processes (the
 training-phase peak RSS over the pre-build baseline, the larger rank). Model state: rank 0's live bytes
 after the last step (``perparam.memory.measure.model_state_bytes``; rank 0 holds ``torch.chunk``'s remainder
 rows). Bytes sent per rank and step: ``CommCounter`` (perparam), the ``torch.distributed`` wrappers
-(FSDP2), the gradient bytes (DDP, whose all-reduce runs in C++), converted as ``benchmarks/harness/report.py`` does.
-Formulas: ``benchmarks/harness/zero_formulas.py``.
+(FSDP2), the gradient bytes (DDP, whose all-reduce runs in C++), converted as ``benchmarks/harness/report.py``
+does. Formulas: ``benchmarks/harness/zero_formulas.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     ap.add_argument("--rss-steps", type=int, default=3, help="steps of each memory job (default 3)")
     ap.add_argument("--no-rss", action="store_true", help="skip the memory jobs")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
@@ -70,7 +71,8 @@ def _paired(c: dict, base: dict | None) -> float | None:
 
 
 def run_world(world: int, cfg, args: argparse.Namespace) -> dict:
-    """Every configuration on ``world`` ranks: the summary of ``benchmarks/harness/report.py`` plus the formulas."""
+    """Every configuration on ``world`` ranks: the summary of ``benchmarks/harness/report.py`` plus the
+    formulas."""
     from benchmarks.harness.configs import seeded_full_init
     from benchmarks.harness.launch import launch
     from benchmarks.harness.model import num_params
@@ -94,8 +96,9 @@ def run_world(world: int, cfg, args: argparse.Namespace) -> dict:
             c["formula"] = formulas(name, model, world)
             c.update({f"paired_vs_{b}": _paired(c, configs.get(b)) for b in PAIRED})
     loads = [la[0] for la in per_rank[0]["loadavg"]]
-    return {"world": world, "configs": configs, "loadavg": {"start": list(load_start), "end": list(os.getloadavg()),
-                                                             "mean_during_timing": statistics.mean(loads)}}
+    return {"world": world, "configs": configs,
+            "loadavg": {"start": list(load_start), "end": list(os.getloadavg()),
+                         "mean_during_timing": statistics.mean(loads)}}
 
 
 def render(result: dict) -> None:
@@ -110,7 +113,8 @@ def render(result: dict) -> None:
     for w in result["worlds"]:
         la = w["loadavg"]
         table = Table(title=f"K = {w['world']} (load average {la['start'][0]:.1f} at start, "
-                            f"{la['mean_during_timing']:.1f} mean during the timing run, {la['end'][0]:.1f} at end)")
+                            f"{la['mean_during_timing']:.1f} mean during the timing run, {la['end'][0]:.1f} "
+                            "at end)")
         for col in cols:
             table.add_column(col, justify="left" if col == "config" else "right")
         for name, c in w["configs"].items():
@@ -129,7 +133,8 @@ def render(result: dict) -> None:
     for w in result["worlds"]:
         for name, c in w["configs"].items():
             if c["status"] != "ok":
-                console.print(f"K = {w['world']} {name}: {c['status']}: {str(c.get('reason', '')).strip()[-400:]}")
+                console.print(f"K = {w['world']} {name}: {c['status']}: "
+                              f"{str(c.get('reason', '')).strip()[-400:]}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -142,8 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     started = _dt.datetime.now(_dt.timezone.utc)
     result = {"meta": {"date": started.isoformat(timespec="seconds"),
                        "command": " ".join(["python -m benchmarks.zero_stages", *(argv or sys.argv[1:])]),
-                       "machine": machine_info(), "model": cfg.as_dict(), "model_params": num_params(GPT(cfg)),
-                       "steps": args.steps, "warmup": args.warmup, "rss_steps": args.rss_steps},
+                       "machine": machine_info(), "model": cfg.as_dict(),
+                       "model_params": num_params(GPT(cfg)), "steps": args.steps, "warmup": args.warmup,
+                       "rss_steps": args.rss_steps},
               "worlds": [run_world(w, cfg, args) for w in args.worlds]}
     write_json(args.json, result, indent=1)
     render(result)

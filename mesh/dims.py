@@ -105,8 +105,8 @@ class ParallelDims:
             known = math.prod(others.values())
             if world % known:
                 raise IndivisibleWorldError(
-                    f"{name}=-1 takes the rest of the world, but {_product(others)} = {known} does not divide "
-                    f"the world's {world} ranks")
+                    f"{name}=-1 takes the rest of the world, but {_product(others)} = {known} does not "
+                    f"divide the world's {world} ranks")
             sizes[name] = world // known
         total = math.prod(sizes.values())
         if total != world:
@@ -195,7 +195,8 @@ def default_device_type(group=None) -> str:
     if dist.is_available() and dist.is_initialized():
         try:
             config = dist.get_backend_config(group)
-        except (RuntimeError, ValueError, AttributeError):  # a backend without a config (torch's threaded one)
+        # a backend without a config (torch's threaded one)
+        except (RuntimeError, ValueError, AttributeError):
             config = str(dist.get_backend(group))
         return device_type_of_backends(config)
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,13 +270,14 @@ def check_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     Raises ``MeshNamesError`` (a ``MeshError``, a ``ValueError``).
     """
     if not isinstance(mesh, DeviceMesh):
-        raise MeshNamesError(f"expected a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        raise MeshNamesError("expected a torch.distributed.device_mesh.DeviceMesh, got "
+                             f"{type(mesh).__name__}")
     names = mesh.mesh_dim_names
     shape = tuple(mesh.shape)
     if mesh.ndim > 2:
-        raise MeshNamesError(f"a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard); got a {mesh.ndim}D "
-                             f"mesh of shape {shape} (axes {names}): pass the data-parallel sub-mesh, e.g. "
-                             "world_mesh['dp_replicate', 'dp_shard']")
+        raise MeshNamesError("a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard); got a "
+                             f"{mesh.ndim}D mesh of shape {shape} (axes {names}): pass the data-parallel "
+                             "sub-mesh, e.g. world_mesh['dp_replicate', 'dp_shard']")
     if names is not None and "tp" in names:
         raise MeshNamesError(f"the mesh of shape {shape} has axes {names}: 'tp' is the tensor-parallel axis, "
                              "not a data-parallel one; pass the data-parallel sub-mesh (Meshes.dp_mesh)")
@@ -284,7 +286,7 @@ def check_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
             raise MeshNamesError(f"the 2D mesh of shape {shape} has axes {names}; a data-parallel mesh is "
                                  "(replicate, shard): pass world_mesh['dp_replicate', 'dp_shard']")
     elif names == ("dp_replicate",):
-        raise MeshNamesError(f"the 1D mesh of shape {shape} is the replicate axis, but fully_shard shards over "
-                             "a 1D mesh: pass world_mesh['dp_shard'], or the 2D world_mesh['dp_replicate', "
-                             "'dp_shard'] for HSDP")
+        raise MeshNamesError(f"the 1D mesh of shape {shape} is the replicate axis, but fully_shard shards "
+                             "over a 1D mesh: pass world_mesh['dp_shard'], or the 2D "
+                             "world_mesh['dp_replicate', 'dp_shard'] for HSDP")
     return mesh

@@ -12,15 +12,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .api_checks import (
-    _check_containers,
-    _check_mesh,
-    _check_param,
-    _collect,
-    _compose,
-    _ignored,
-    _param_mesh,
-    _reshard_after_forward,
+    check_containers,
+    check_mesh,
+    check_param,
+    collect_params,
     default_mesh,
+    ignored_ids,
+    param_mesh,
+    reshard_setting,
+    tp_composition,
 )
 from .comm import peers
 from .comm.process_groups import warm_up
@@ -56,9 +56,10 @@ ParamPolicyArg = ParamPolicy | Mapping[str, ParamPolicy] | Callable[[str, nn.Par
 
 
 def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                param_policy: ParamPolicyArg | None = None, ignored_params: set[nn.Parameter] | None = None,
-                gradient_divide_factor: float | None = None, offload_policy: OffloadPolicy | str | None = None):
+                reshard_after_forward: bool | int | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None, param_policy: ParamPolicyArg | None = None,
+                ignored_params: set[nn.Parameter] | None = None, gradient_divide_factor: float | None = None,
+                offload_policy: OffloadPolicy | str | None = None):
     """Shard ``module``'s parameters over ``mesh`` (ZeRO-3), in place; returns ``module``.
 
     Every parameter not already managed by a ``fully_shard`` call on a submodule is replaced by an
@@ -86,8 +87,8 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
             expert-data-parallel mesh): one all-gather per mesh per unshard and one reduce-scatter per
             (mesh, reduce dtype) per reduction (``perparam.runtime.meshes``, ``docs/mixture-of-experts.md``).
             A module whose own parameters compute in another dtype than the call's ``param_dtype``
-            casts its inputs and outputs (a precision island, ``perparam.runtime.islands``); a norm with running
-            statistics (BatchNorm, InstanceNorm with ``track_running_stats``) computes in their dtype.
+            casts its inputs and outputs (a precision island, ``perparam.runtime.islands``); a norm with
+            running statistics (BatchNorm, InstanceNorm with ``track_running_stats``) computes in their dtype.
         ignored_params: parameters left as they are: plain tensors, neither sharded nor all-gathered nor
             reduced (FSDP2's argument), for parameters managed elsewhere. As in FSDP2, those outside
             ``module``'s tree (or sharded by an earlier call) are not this call's concern: one set can be
@@ -147,64 +148,67 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
         mp_policy = as_mp_policy(mp_policy, "fully_shard(mp_policy=...)")
     except PolicyError as e:
         raise ShardingError(str(e)) from None
-    if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping)) or callable(param_policy)):
-        raise ShardingError(f"param_policy must be a ParamPolicy, a mapping from glob patterns to ParamPolicy, or a "
-                            f"callable (name, param) -> ParamPolicy | None; got {type(param_policy).__name__}")
+    if not (param_policy is None or isinstance(param_policy, (ParamPolicy, Mapping))
+            or callable(param_policy)):
+        raise ShardingError("param_policy must be a ParamPolicy, a mapping from glob patterns to "
+                            "ParamPolicy, or a callable (name, param) -> ParamPolicy | None; got "
+                            f"{type(param_policy).__name__}")
     try:
         offload_policy = as_offload(offload_policy, "fully_shard(offload_policy=...)")
     except PolicyError as e:
         raise ShardingError(str(e)) from None
     mesh = mesh if mesh is not None else default_mesh()
-    _check_mesh(mesh)
+    check_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
-    reshard_after_forward, secondary_size = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
-    gradient_divide_factor = check_divide_factor(gradient_divide_factor, "fully_shard(gradient_divide_factor=...)",
-                                                 mesh.size())
+    reshard_after_forward, secondary_size = reshard_setting(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    gradient_divide_factor = check_divide_factor(gradient_divide_factor,
+                                                 "fully_shard(gradient_divide_factor=...)", mesh.size())
     for m in modules:
         if isinstance(m, ShardedModule):
             raise ShardingError(
-                f"fully_shard was already applied to this {registration.class_name(m)}; call it once per module "
-                "(FSDP2 refuses a second call too: Each distinct composable distributed API can only be applied to a "
-                "module once). What the first call set changes through the module's setters "
+                f"fully_shard was already applied to this {registration.class_name(m)}; call it once per "
+                "module (FSDP2 refuses a second call too: Each distinct composable distributed API can only "
+                "be applied to a module once). What the first call set changes through the module's setters "
                 "(set_reshard_after_forward, set_reshard_after_backward, set_gradient_divide_factor, "
-                "set_modules_to_forward_prefetch) and .to(dtype); for another mesh, policy or grouping, gather the "
-                "weights with perparam.full_state.full_state_dict(model), build the model again, shard it with the "
-                "new arguments and load them (load_full_state_dict)")
+                "set_modules_to_forward_prefetch) and .to(dtype); for another mesh, policy or grouping, "
+                "gather the weights with perparam.full_state.full_state_dict(model), build the model again, "
+                "shard it with the new arguments and load them (load_full_state_dict)")
 
     owner = ", ".join(type(m).__name__ for m in modules)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ShardingError(f"fully_shard({owner}): this rank ({dist.get_rank()}) is not in the mesh passed "
-                            f"(ranks {mesh.mesh.flatten().tolist()}); call fully_shard on a rank only with a mesh "
-                            "that holds it (each rank passes the mesh it belongs to), or leave mesh=None for "
-                            "all ranks")
+                            f"(ranks {mesh.mesh.flatten().tolist()}); call fully_shard on a rank only with a "
+                            "mesh that holds it (each rank passes the mesh it belongs to), or leave "
+                            "mesh=None for all ranks")
     shard_rank, num_shards = coordinate[-1], mesh.size(mesh.ndim - 1)
 
     refusal = readers.check_readers(modules, group_of)
     if refusal is not None:
         raise ShardingError(f"fully_shard: {refusal}")
-    found, aliases = _collect(modules)
-    ignored = _ignored(ignored_params, found)
+    found, aliases = collect_params(modules)
+    ignored = ignored_ids(ignored_params, found)
     found = [entry for entry in found if id(entry[1]) not in ignored]
-    _check_containers(modules, found)
+    check_containers(modules, found)
     for fqn, original, _ in found:
-        _check_param(fqn, original, owner, modules)
+        check_param(fqn, original, owner, modules)
     # validate everything before changing anything: a failed call leaves the module as it was
     prefixes = [(f"{i}." if len(modules) > 1 else "", m) for i, m in enumerate(modules)]
     try:
-        resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards, owner,
-                                  aliases=aliases, compute_dtypes=buffer_dtypes(
+        resolved = resolve_params([(fqn, p) for fqn, p, _ in found], mp_policy, param_policy, num_shards,
+                                  owner, aliases=aliases, compute_dtypes=buffer_dtypes(
                                       prefixes, lambda m: group_of(m) is not None), offload=offload_policy)
         policies = [r.policy for r in resolved]
-        meshes = [_param_mesh(fqn, p, policy.mesh, mesh, owner, secondary_size)
+        meshes = [param_mesh(fqn, p, policy.mesh, mesh, owner, secondary_size)
                   for (fqn, p, _), policy in zip(found, policies)]
         ranks = [shard_rank if m is mesh else m.get_coordinate()[-1] for m in meshes]
-        tps = [_compose(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
+        tps = [tp_composition(fqn, p, mesh, policy) for (fqn, p, _), policy in zip(found, policies)]
         island_list = islands.find_islands(
             prefixes, [(fqn, slots, pol.param_dtype if p.is_floating_point() else None)
                        for (fqn, p, slots), pol in zip(found, policies)],
             mp_policy.param_dtype, lambda m: group_of(m) is not None)
-        scratches = offload_tier.check([(r.name, r.policy, r.stored_bytes(k)) for r, k in zip(resolved, ranks)],
+        scratches = offload_tier.check([(r.name, r.policy, r.stored_bytes(k))
+                                        for r, k in zip(resolved, ranks)],
                                        mesh.device_type, owner)
     except (PolicyError, ParamError, CompositionError, islands.IslandError, OffloadError) as e:
         raise ShardingError(str(e)) from None
@@ -256,9 +260,9 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], *, mesh: DeviceMesh | N
 
 
 def _name_in_model(module: nn.Module) -> None:
-    """Every parameter sharded in ``module``'s tree, this call's and earlier calls' below it, named by its path
-    from ``module`` (``layers.1.mlp.up.weight``): the outermost module sharded so far, the root once the last
-    call (bottom-up) has run; what refusals print (``ShardedParam.path``)."""
+    """Every parameter sharded in ``module``'s tree, this call's and earlier calls' below it, named by its
+    path from ``module`` (``layers.1.mlp.up.weight``): the outermost module sharded so far, the root once the
+    last call (bottom-up) has run; what refusals print (``ShardedParam.path``)."""
     paths: dict[int, str] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), name)
@@ -291,8 +295,8 @@ def _warn_low_precision_training(found, policies) -> None:
     if low and not _WARNED_LOW_PRECISION:
         _WARNED_LOW_PRECISION = True
         fqn, dtype = low[0]
-        warnings.warn(f"perparam: {len(low)} trainable parameter(s), e.g. '{fqn}', are stored in {dtype}: the "
-                      "optimizer will update low-precision weights and keep its state in that dtype, and small "
-                      "updates round away. To train with fp32 master weights while computing in the low "
-                      "precision, pass MixedPrecisionPolicy(master_dtype=torch.float32, param_dtype="
+        warnings.warn(f"perparam: {len(low)} trainable parameter(s), e.g. '{fqn}', are stored in {dtype}: "
+                      "the optimizer will update low-precision weights and keep its state in that dtype, and "
+                      "small updates round away. To train with fp32 master weights while computing in the "
+                      "low precision, pass MixedPrecisionPolicy(master_dtype=torch.float32, param_dtype="
                       f"{dtype}) (this warning is shown once per process)", UserWarning, stacklevel=3)

@@ -57,15 +57,16 @@ def copies(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> int:
     Raises ``ValueError`` for a placement that neither shards (``Shard``, ``_StridedShard``) nor replicates,
     e.g. ``Partial``: its local tensors hold summands of the elements, not the elements."""
     if len(mesh_shape) != len(placements):
-        raise ValueError(f"mesh shape {tuple(mesh_shape)} and placements {tuple(placements)} need one entry per "
-                         "mesh axis")
+        raise ValueError(f"mesh shape {tuple(mesh_shape)} and placements {tuple(placements)} need one entry "
+                         "per mesh axis")
     n = 1
     for size, placement in zip(mesh_shape, placements):
         if placement.is_replicate():
             n *= size
         elif not isinstance(placement, (Shard, _StridedShard)):
-            raise ValueError(f"placement {placement!r} holds partial values, not the gradient's elements; reduce "
-                             "the gradient first (grad.redistribute(placements=[Replicate() or Shard(d)]))")
+            raise ValueError(f"placement {placement!r} holds partial values, not the gradient's elements; "
+                             "reduce the gradient first (grad.redistribute(placements=[Replicate() or "
+                             "Shard(d)]))")
     return n
 
 
@@ -86,10 +87,11 @@ def outside_copies(root_shape: Sequence[int], root_names: Sequence[str] | None, 
         if name in replicated_axes:
             n *= size
         elif name not in distinct_axes:
-            raise ValueError(f"its mesh was cut from a mesh with axes {root_names} along axis {name or axis} (size "
-                             f"{size}), which is neither replicating nor distinct: pass "
-                             f"replicated_axes=(..., {name!r}) if the ranks along it hold the same parameters, "
-                             f"distinct_axes=(..., {name!r}) if they hold other ones (experts, pipeline stages)")
+            raise ValueError(f"its mesh was cut from a mesh with axes {root_names} along axis {name or axis} "
+                             f"(size {size}), which is neither replicating nor distinct: pass "
+                             f"replicated_axes=(..., {name!r}) if the ranks along it hold the same "
+                             f"parameters, distinct_axes=(..., {name!r}) if they hold other ones (experts, "
+                             "pipeline stages)")
     return n
 
 
@@ -105,12 +107,13 @@ def _mesh_copies(mesh: DeviceMesh, distinct_axes: Collection[str], replicated_ax
     if spans is None:
         ranks = mesh.mesh.flatten().tolist()
         where = torch.stack([(root.mesh == r).nonzero()[0] for r in ranks])  # [mesh size, root ndim]
-        spans = _SPANS[mesh] = frozenset(a for a in range(root.ndim) if bool((where[:, a] != where[0, a]).any()))
+        spans = _SPANS[mesh] = frozenset(a for a in range(root.ndim)
+                                         if bool((where[:, a] != where[0, a]).any()))
     return outside_copies(tuple(root.shape), root.mesh_dim_names, spans, distinct_axes, replicated_axes)
 
 
-def local_contribution(shards: Iterable[tuple[torch.Tensor, int]], norm_type: float, foreach: bool | None = None,
-                       device: torch.device | str = "cpu") -> torch.Tensor:
+def local_contribution(shards: Iterable[tuple[torch.Tensor, int]], norm_type: float,
+                       foreach: bool | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """This rank's part of the global ``norm_type``-norm, a 0-dim float64 tensor on ``device``.
 
     ``shards``: ``(local tensor, copies)`` pairs, any shapes and floating dtypes. Finite ``p``: the sum of
@@ -148,13 +151,13 @@ def check_max_norm(max_norm) -> None:
     if not value >= 0:
         harm = "make every gradient NaN" if value != value else "flip the sign of every gradient"
         raise ValueError(f"clip_grad_norm_: max_norm={value!r} would {harm}; pass the largest global norm to "
-                         "allow (>= 0, e.g. 1.0), or float('inf') to measure the norm and leave the gradients as "
-                         "they are")
+                         "allow (>= 0, e.g. 1.0), or float('inf') to measure the norm and leave the "
+                         "gradients as they are")
 
 
 @lost_peers("perparam.clip_grad_norm_")
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None, *,
                     distinct_axes: Collection[str] = DISTINCT_AXES,
                     replicated_axes: Collection[str] = REPLICATED_AXES) -> torch.Tensor:
     """Clip gradients by their global norm, the same on every rank; return that norm (0-dim float32).
@@ -167,15 +170,15 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     (``perparam.comm.collectives.all_reduce_sum``) where row ``r`` carries rank ``r``'s contribution and zeros
     elsewhere (adding zeros is exact), then every rank reduces the same rows in the same order, so the norm
     is bitwise equal on every rank; one value is read back to the host (whether some rank refused, so every
-    rank raises alike), the norm stays on the device. Every gradient is then scaled by ``min(max_norm / (norm + 1e-6), 1)``
-    (``torch.nn.utils.clip_grads_with_norm_``), in place on the local shards. ``error_if_nonfinite`` and
-    ``foreach`` mean what they mean to torch.
+    rank raises alike), the norm stays on the device. Every gradient is then scaled by ``min(max_norm / (norm
+    + 1e-6), 1)`` (``torch.nn.utils.clip_grads_with_norm_``), in place on the local shards.
+    ``error_if_nonfinite`` and ``foreach`` mean what they mean to torch.
 
     Raises ``TypeError`` for a ``norm_type`` or ``max_norm`` that is not a number (a str such as ``"1"``, a
-    bool); ``ValueError`` for a negative or NaN ``max_norm`` (``check_max_norm``), unless ``norm_type > 0`` (``inf`` included) or when an axis name is in both
-    collections; ``ValueError`` on every rank when a rank holds a gradient the rule cannot count (a
-    ``Partial`` placement, a mesh cut along an axis in neither collection); ``RuntimeError`` for a
-    non-finite norm with ``error_if_nonfinite=True``.
+    bool); ``ValueError`` for a negative or NaN ``max_norm`` (``check_max_norm``), unless ``norm_type > 0``
+    (``inf`` included) or when an axis name is in both collections; ``ValueError`` on every rank when a rank
+    holds a gradient the rule cannot count (a ``Partial`` placement, a mesh cut along an axis in neither
+    collection); ``RuntimeError`` for a non-finite norm with ``error_if_nonfinite=True``.
     """
     for name, value in (("norm_type", norm_type), ("max_norm", max_norm)):
         # a str would be read as a number by float() ("1", "inf"), a bool as 0 or 1: a typo, refused
@@ -185,10 +188,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     norm_type = float(norm_type)
     check_max_norm(max_norm)
     if not norm_type > 0:
-        raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be > 0 (2.0, 1.0, any p, or float('inf'))")
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be > 0 (2.0, 1.0, any p, or "
+                         "float('inf'))")
     if set(distinct_axes) & set(replicated_axes):
-        raise ValueError(f"clip_grad_norm_: axes {sorted(set(distinct_axes) & set(replicated_axes))} are in both "
-                         "distinct_axes and replicated_axes; an axis is one or the other")
+        raise ValueError(f"clip_grad_norm_: axes {sorted(set(distinct_axes) & set(replicated_axes))} are in "
+                         "both distinct_axes and replicated_axes; an axis is one or the other")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     initialized = dist.is_available() and dist.is_initialized()
@@ -219,7 +223,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             refused.append(f"the gradient of parameter #{i} (shape {tuple(g.shape)}, placements "
                            f"{tuple(g.placements)}, mesh axes {g.device_mesh.mesh_dim_names}): {e}")
     kind = default_device_type() if initialized else "cpu"  # where the world's all-reduce runs
-    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else torch.device("cpu")
+    device = (torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu"
+              else torch.device("cpu"))
     rows = torch.zeros(world, 2, dtype=torch.float64, device=device)
     me = dist.get_rank() if initialized else 0
     rows[me, 0] = local_contribution(shards, norm_type, foreach, device)
@@ -229,13 +234,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     if bool(rows[:, 1].any()):
         ranks = [r for r in range(world) if rows[r, 1]]
         raise ValueError("clip_grad_norm_: " + ("; ".join(refused) if refused else
-                                                f"rank(s) {ranks} hold a gradient it cannot count (their error "
-                                                "names it and the fix)"))
+                                                f"rank(s) {ranks} hold a gradient it cannot count (their "
+                                                "error names it and the fix)"))
     total = combine(rows[:, 0], norm_type).to(torch.float32)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
-                           "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
-                           "norm anyway, set `error_if_nonfinite=False`")
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the "
+                           "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
     clip_grads_with_norm_([_GradHolder(t) for t, _ in shards], max_norm, total, foreach)
     for sp, g in held_for_owner:  # a whole gradient held for its owner: its rows' record follows the scaling
         owner_grads.refresh(sp, g)

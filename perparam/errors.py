@@ -12,7 +12,8 @@ from .sharding.errors import ShardingError
 
 class CheckpointError(RuntimeError):
     """A checkpoint or full state dict that cannot be saved or loaded; the message says what is wrong and
-    what to do. (Its one home; ``perparam``, ``perparam.checkpoint`` and ``perparam.full_state`` re-export it.)"""
+    what to do. (Its one home; ``perparam``, ``perparam.checkpoint`` and ``perparam.full_state`` re-export
+    it.)"""
 
 
 class CheckpointDamagedError(CheckpointError):

@@ -60,12 +60,12 @@ def _refuse_per_rank(what: str, state: dict, model: nn.Module) -> None:
     if per_rank:
         shown = ", ".join(f"'{k}'" for k in per_rank[:5]) + (" ..." if len(per_rank) > 5 else "")
         raise CheckpointError(
-            f"{what}: {shown} {'is a different tensor' if len(per_rank) == 1 else 'are different tensors'} on "
-            "different ranks (each rank's on its own ParamPolicy(mesh=...) mesh, e.g. its expert), and a full "
-            "state dict holds one tensor per name: it would keep one rank's and give it to every rank. Save "
-            "and load such a model with perparam.checkpoint.save/load (each stored as '<key>@ranks=<mesh "
-            "ranks>'), or gather those parameters yourself over the expert-parallel group. Nothing was "
-            f"{'gathered' if what == 'full_state_dict' else 'loaded'}")
+            f"{what}: {shown} {'is a different tensor' if len(per_rank) == 1 else 'are different tensors'} "
+            "on different ranks (each rank's on its own ParamPolicy(mesh=...) mesh, e.g. its expert), and a "
+            "full state dict holds one tensor per name: it would keep one rank's and give it to every rank. "
+            "Save and load such a model with perparam.checkpoint.save/load (each stored as "
+            "'<key>@ranks=<mesh ranks>'), or gather those parameters yourself over the expert-parallel "
+            f"group. Nothing was {'gathered' if what == 'full_state_dict' else 'loaded'}")
 
 
 @lost_peers("perparam.full_state.full_state_dict")
@@ -80,7 +80,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     state = model.state_dict()
     _refuse_per_rank("full_state_dict", state, model)
     for key, value in state.items():
-        full = _full_tensor(value) if isinstance(value, DTensor) else value
+        full = full_tensor(value) if isinstance(value, DTensor) else value
         if out is not None:
             out[key] = full.detach().to("cpu", copy=True)
         del full
@@ -121,7 +121,7 @@ def dequantized_full_state_dict(model: nn.Module, dtype: torch.dtype = torch.flo
     return out
 
 
-def _full_tensor(value: DTensor) -> torch.Tensor:
+def full_tensor(value: DTensor) -> torch.Tensor:
     """``full_tensor()``, gathering fp8 codes as bytes (gloo has no float8 all-gather)."""
     if value.dtype.itemsize != 1 or not value.dtype.is_floating_point:
         return value.full_tensor()
@@ -156,17 +156,19 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
         name, module = missing[0]
         raise CheckpointError(
             f"module '{name}' ({type(module).__name__}) has non-persistent buffers on the meta device "
-            f"({sorted(module._non_persistent_buffers_set)}): no state dict holds them, so after to_empty() they "
-            "would be uninitialised memory. Define reset_non_persistent_buffers(self) on it to recompute them "
-            "(perparam calls it after materialising), or build that module on a real device")
+            f"({sorted(module._non_persistent_buffers_set)}): no state dict holds them, so after to_empty() "
+            "they would be uninitialised memory. Define reset_non_persistent_buffers(self) on it to "
+            "recompute them (perparam calls it after materialising), or build that module on a real device")
     model.to_empty(device=device)
     for module in model.modules():
-        if module._non_persistent_buffers_set and callable(getattr(module, "reset_non_persistent_buffers", None)):
+        if module._non_persistent_buffers_set and callable(getattr(module, "reset_non_persistent_buffers",
+                                                                   None)):
             module.reset_non_persistent_buffers()
 
 
 @lost_peers("perparam.full_state.load_full_state_dict")
-def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None, *, src: int = 0) -> None:
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None, *,
+                         src: int = 0) -> None:
     """Load an unsharded ``state_dict`` held by rank ``src`` only (the other ranks pass ``None``) into the
     sharded ``model``; every rank calls it. A model still on the meta device is materialised first on the
     mesh's device. Values are cast to each entry's stored dtype.
@@ -196,10 +198,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             def few(items):
                 return f"{len(items)}: {items[:5]}" + (" ..." if len(items) > 5 else "")
 
-            parts = [f"missing {few(missing)}" if missing else "", f"unexpected {few(unexpected)}" if unexpected else "",
+            parts = [f"missing {few(missing)}" if missing else "",
+                     f"unexpected {few(unexpected)}" if unexpected else "",
                      f"other shapes {few(reshaped)}" if reshaped else "",
-                     f"float values for stored-quantized parameters {quantized[:5]} (pass their codes and _qscale "
-                     "scales, or shard the float weights with fully_shard)" if quantized else ""]
+                     f"float values for stored-quantized parameters {quantized[:5]} (pass their codes and "
+                     "_qscale scales, or shard the float weights with fully_shard)" if quantized else ""]
             problem = "; ".join(p for p in parts if p)
     if dist.is_initialized():
         box = [problem]
@@ -222,7 +225,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             if key in sharded:
                 piece = sharded[key].shard_of(full)
             elif isinstance(target, DTensor):
-                piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                piece = distribute_tensor(full, target.device_mesh, target.placements,
+                                          src_data_rank=None).to_local()
             else:
                 piece = full
             local.copy_(piece)
@@ -261,7 +265,8 @@ def _slice_plain(module: nn.Module, entries, state_dict, prefix: str, assign: bo
         key = prefix + name
         value = state_dict.get(key)
         if (isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_meta
-                and tuple(value.shape) == sp.global_shape and not (sp.stored_quantized and value.is_floating_point())):
+                and tuple(value.shape) == sp.global_shape
+                and not (sp.stored_quantized and value.is_floating_point())):
             local = sp.shard_of(value.detach()).to(sp.sharded.dtype)
             value = state_dict[key] = DTensor.from_local(local, sp.mesh, sp.placements, run_check=False,
                                                          shape=sp.sharded.shape, stride=sp.sharded.stride())
@@ -281,15 +286,15 @@ def _take(module: nn.Module, name: str, sp, key: str, value: torch.Tensor) -> nn
     registered = module._parameters.get(name)
     if registered is not sp.sharded:
         raise CheckpointError(
-            f"load_state_dict(assign=True): '{key}' ('{sp.fqn}') has its unsharded parameter registered now (after "
-            "unshard(), or between a forward and its backward): assigning would replace the gathered copy, not the "
-            "shard. Call reshard() on the sharded module first, then load")
+            f"load_state_dict(assign=True): '{key}' ('{sp.fqn}') has its unsharded parameter registered now "
+            "(after unshard(), or between a forward and its backward): assigning would replace the gathered "
+            "copy, not the shard. Call reshard() on the sharded module first, then load")
     why = take.misfit(sp, value)
     if why:
         raise CheckpointError(
-            f"load_state_dict(assign=True): '{key}' cannot become the sharded parameter '{sp.fqn}': {why}. Pass "
-            f"distribute_tensor(full, param.device_mesh, param.placements) for it (param = the model's "
-            f"state_dict()['{key}']: {take.spec_text(sp.sharded)}), or the full unsharded tensor; a stored-quantized "
-            "parameter takes its codes (and '<name>_qscale' scales)")
+            f"load_state_dict(assign=True): '{key}' cannot become the sharded parameter '{sp.fqn}': {why}. "
+            f"Pass distribute_tensor(full, param.device_mesh, param.placements) for it (param = the model's "
+            f"state_dict()['{key}']: {take.spec_text(sp.sharded)}), or the full unsharded tensor; a "
+            "stored-quantized parameter takes its codes (and '<name>_qscale' scales)")
     take.take(sp, value)
     return registered

@@ -8,10 +8,10 @@ the unit's gradient into it, the tree's own addition: at most ``log2(U/K)`` unsh
 once, accumulator included, for ``U/K >= 2``. ``reduce()`` puts each parameter's subtree sum back and
 reduces through the invariant tree reduce-scatter (``runtime/paths/reduce_invariant.py``: an all-to-all of
 row pieces, the K pieces added in tree order; at K = 2 the zero-copy reduce-scatter, whose one addition is
-the tree's), divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole gradients
-take the same tree through a reduce-scatter then an all-gather (``INVARIANT_WHOLE``); on an HSDP mesh the
-replicas' sums are added in tree order too (``collectives.tree_all_reduce_sum``). The same thread count
-must be used at every K.
+the tree's), divided by ``U`` once (the gradient divide factor). Replicated and stage-1 parameters' whole
+gradients take the same tree through a reduce-scatter then an all-gather (``INVARIANT_WHOLE``); on an HSDP
+mesh the replicas' sums are added in tree order too (``collectives.tree_all_reduce_sum``). The same thread
+count must be used at every K.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class InvariantError(ShardingError, ValueError):
 
 
 class InvariantUnits:
-    """See the module docstring. ``model``: a ``fully_shard``-ed module (every group on one mesh, 1-D or HSDP);
-    ``units``: U, a power of two divisible by the mesh size K; ``seed``: keys each unit's RNG.
+    """See the module docstring. ``model``: a ``fully_shard``-ed module (every group on one mesh, 1-D or
+    HSDP); ``units``: U, a power of two divisible by the mesh size K; ``seed``: keys each unit's RNG.
 
     On an HSDP mesh (replicate R x shard S) K = R * S and the rank's index is ``replicate * S + shard``.
 
@@ -50,7 +50,8 @@ class InvariantUnits:
 
     def __init__(self, model, units: int, seed: int = 0) -> None:
         if isinstance(units, bool) or not is_power_of_two(units):
-            raise InvariantError(f"InvariantUnits: units={units!r} must be a power of two (an int: 1, 2, 4, ...)")
+            raise InvariantError(f"InvariantUnits: units={units!r} must be a power of two (an int: 1, 2, 4, "
+                                 "...)")
         groups = [g for g in _groups(model) if g.params]  # a root wrapping only children holds none
         if not groups:
             raise InvariantError("InvariantUnits: the model has no fully_shard-ed group")
@@ -71,9 +72,10 @@ class InvariantUnits:
         managed = {id(p.sharded) for g in groups for p in g.params}
         for name, p in model.named_parameters():
             if p.requires_grad and id(p) not in managed:
-                raise InvariantError(f"InvariantUnits: trainable parameter '{name}' is not managed by any fully_shard "
-                                     "call, so its gradient would stay this rank's units' alone (never reduced); "
-                                     "call fully_shard on the model (the root) too, or freeze it")
+                raise InvariantError(f"InvariantUnits: trainable parameter '{name}' is not managed by any "
+                                     "fully_shard call, so its gradient would stay this rank's units' alone "
+                                     "(never reduced); call fully_shard on the model (the root) too, or "
+                                     "freeze it")
         for g in groups:
             _check(g, part.mesh)
         # what close() gives back: each group's setting before the mode
@@ -95,23 +97,26 @@ class InvariantUnits:
         invariant_guard.install(self, InvariantError)
 
     def split(self, batch):
-        """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``, the
-        same ``B`` for every tensor). Returns ``[(unit index, slice)]`` for this rank's units in order.
+        """``batch``: a tensor, or tuple/list/dict of tensors, dim 0 the global batch ``B`` (``B % U == 0``,
+        the same ``B`` for every tensor). Returns ``[(unit index, slice)]`` for this rank's units in order.
 
-        Raises ``InvariantError`` for ``B`` not divisible by U, tensors of different ``B``, a non-tensor entry."""
+        Raises ``InvariantError`` for ``B`` not divisible by U, tensors of different ``B``, a non-tensor
+        entry."""
         entries = batch.items() if isinstance(batch, dict) else (
             enumerate(batch) if isinstance(batch, (tuple, list)) else [("batch", batch)])
         sizes = {}
         for key, x in entries:
             if not isinstance(x, torch.Tensor) or not x.dim():
-                raise InvariantError(f"InvariantUnits.split: entry {key!r} is {type(x).__name__}, not a tensor with a "
-                                     "batch dim 0; pass only the tensors to split (keep the rest out of the batch)")
+                raise InvariantError(f"InvariantUnits.split: entry {key!r} is {type(x).__name__}, not a "
+                                     "tensor with a batch dim 0; pass only the tensors to split (keep the "
+                                     "rest out of the batch)")
             sizes[key] = x.shape[0]
         if len(set(sizes.values())) > 1:
-            raise InvariantError(f"InvariantUnits.split: the tensors' dim 0 (the global batch) differ: {sizes}; "
-                                 "every entry must hold the same global batch")
+            raise InvariantError("InvariantUnits.split: the tensors' dim 0 (the global batch) differ: "
+                                 f"{sizes}; every entry must hold the same global batch")
         if sizes and (b := next(iter(sizes.values()))) % self.units:
-            raise InvariantError(f"InvariantUnits.split: global batch {b} not divisible by units={self.units}")
+            raise InvariantError(f"InvariantUnits.split: global batch {b} not divisible by "
+                                 f"units={self.units}")
 
         def cut(x, u):
             n = x.shape[0] // self.units
@@ -127,17 +132,18 @@ class InvariantUnits:
 
     @contextlib.contextmanager
     def unit(self, index: int, step: int):
-        """Around one unit's forward and backward: sync off, RNG seeded by ``(seed, step, index)``; on exit the
-        unit's gradients join the tree. This rank's units run once each, in the order ``split`` gives (the
+        """Around one unit's forward and backward: sync off, RNG seeded by ``(seed, step, index)``; on exit
+        the unit's gradients join the tree. This rank's units run once each, in the order ``split`` gives (the
         tree adds them in that order); anything else raises ``InvariantError``. An exception inside the unit
         gives up this rank's step (the tree and the gradients accumulated so far dropped): run the step again
         from its first unit."""
         expected = self.indices[self._done()] if self._done() < len(self.indices) else None
         if index != expected:
             raise InvariantError(
-                f"InvariantUnits.unit: unit {index!r} given, this rank runs units {list(self.indices)} once each "
-                f"in order and expects {'reduce() now' if expected is None else f'unit {expected} next'}; call "
-                "iu.unit(u, step) with the u of `for u, part in iu.split(batch)` (unit first, then the step)")
+                f"InvariantUnits.unit: unit {index!r} given, this rank runs units {list(self.indices)} once "
+                "each in order and expects "
+                f"{'reduce() now' if expected is None else f'unit {expected} next'}; call iu.unit(u, step) "
+                "with the u of `for u, part in iu.split(batch)` (unit first, then the step)")
         for g in self.groups:
             g.requires_gradient_sync = False
         seeded = self._seed_accumulators()
@@ -189,9 +195,9 @@ class InvariantUnits:
     @torch.no_grad()
     @lost_peers("InvariantUnits.reduce()")
     def reduce(self) -> None:
-        """Every rank: the tree-order reduction of this rank's units into the sharded ``.grad``, / U. First the
-        ranks agree (one flag all-reduced) whether any refused a gradient outside a unit in this step: then
-        ``InvariantError`` on every rank and the step given up."""
+        """Every rank: the tree-order reduction of this rank's units into the sharded ``.grad``, / U. First
+        the ranks agree (one flag all-reduced) whether any refused a gradient outside a unit in this step:
+        then ``InvariantError`` on every rank and the step given up."""
         flag = torch.tensor([1.0 if self._refused else 0.0], dtype=torch.float64, device=self._device)
         collectives.all_reduce_sum(flag, self.part.reduce_shard_pg, what="InvariantUnits.agree")
         if self.part.replicate_pg is not None:
@@ -202,8 +208,9 @@ class InvariantUnits:
                                  f"{len(self.indices)} expected")
         for g in self.groups:  # checked before anything is changed
             if not g.requires_all_reduce:  # HSDP's partial hold would add the held sums outside the tree
-                raise InvariantError(f"InvariantUnits.reduce: {g._what} has set_requires_all_reduce(False); the "
-                                     "mode reduces once per step: leave it True")
+                raise InvariantError(f"InvariantUnits.reduce: {g.own._what} has "
+                                     "set_requires_all_reduce(False); the mode reduces once per step: leave "
+                                     "it True")
         for p in self._params:
             stack = self._stacks.pop(id(p), None)
             if stack is not None:
@@ -240,7 +247,8 @@ class InvariantUnits:
     def __exit__(self, kind, value, tb) -> None:
         if kind is None:
             self.close()
-        else:  # an exception is on its way: this step's units dropped, the settings restored without the check
+        # an exception is on its way: this step's units dropped, the settings restored without the check
+        else:
             self._abandon()
             self.close()
 
@@ -267,7 +275,8 @@ class InvariantUnits:
                 shape = p.sharded.shape
                 place = p.placements[-1]  # the shard axis's placement
                 d = place.dim if isinstance(place, Shard) and len(shape) else 0
-                _, offset = compute_local_shape_and_global_offset(shape, p.sharded.device_mesh, p.sharded.placements)
+                _, offset = compute_local_shape_and_global_offset(shape, p.sharded.device_mesh,
+                                                                  p.sharded.placements)
                 counted = isinstance(place, Shard) or p.shard_rank == 0
                 slots.append((total + (offset[d] if len(shape) else 0), d, counted))
                 total += shape[d] if len(shape) else 1
@@ -284,14 +293,15 @@ class InvariantUnits:
         only zeros, exact; a replicated parameter's slices by shard rank 0 alone), then summed in one fixed
         order; gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` (torch's rule). Returns the norm
         (0-dim float32, on the mesh's device: nothing is read back to the host; ``.item()`` it to log it).
-        Every rank calls it, after ``reduce()`` (else ``InvariantError``); a negative or NaN ``max_norm`` raises
-        ``ValueError`` (``perparam.clip.check_max_norm``)."""
+        Every rank calls it, after ``reduce()`` (else ``InvariantError``); a negative or NaN ``max_norm``
+        raises ``ValueError`` (``perparam.clip.check_max_norm``)."""
         check_max_norm(max_norm)
         if self._done():
-            raise InvariantError(f"InvariantUnits.clip_grad_norm_: {self._done()} units run and not reduced yet; "
-                                 "call iu.reduce() first (the norm is of the reduced gradients)")
+            raise InvariantError(f"InvariantUnits.clip_grad_norm_: {self._done()} units run and not reduced "
+                                 "yet; call iu.reduce() first (the norm is of the reduced gradients)")
         slots, total = self._clip_slots()
-        entries = [(start, g.to_local(), d, counted) for p, (start, d, counted) in zip(self._params, slots, strict=True)
+        entries = [(start, g.to_local(), d, counted)
+                   for p, (start, d, counted) in zip(self._params, slots, strict=True)
                    if (g := p.sharded.grad) is not None]
         vec = torch.zeros(total, dtype=torch.float64, device=self._device)
         for start, local, d, counted in entries:
@@ -299,7 +309,8 @@ class InvariantUnits:
                 slices = local.reshape(1, 1) if not local.dim() else local.movedim(d, 0).contiguous()
                 slices = slices.reshape(slices.shape[0], -1)
                 step = max(1, _CLIP_CHUNK // slices.shape[1])  # float64 squares a few slices at a time: in
-                for i in range(0, slices.shape[0], step):      # cache, 4x less CPU than all at once, same bits
+                # cache, 4x less CPU than all at once, same bits
+                for i in range(0, slices.shape[0], step):
                     blk = slices[i:i + step].double()
                     torch.sum(blk.mul_(blk), dim=1, out=vec[start + i:start + i + blk.shape[0]])
         # HSDP: the replicas hold the same reduced gradients, so the shard axis alone covers every slice once
@@ -312,12 +323,14 @@ class InvariantUnits:
 
     @torch.no_grad()
     def mean(self, values) -> torch.Tensor:
-        """The mean of every unit's scalar loss (``values``: this rank's, one per unit, in order), same on every
-        rank: 0-dim float32 on the mesh's device (nothing read back to the host; ``.item()`` it to log). Raises ``InvariantError`` when ``len(values)`` is not this rank's unit count."""
+        """The mean of every unit's scalar loss (``values``: this rank's, one per unit, in order), same on
+        every rank: 0-dim float32 on the mesh's device (nothing read back to the host; ``.item()`` it to log).
+        Raises ``InvariantError`` when ``len(values)`` is not this rank's unit count."""
         values = list(values)
         if len(values) != len(self.indices):
             raise InvariantError(f"InvariantUnits.mean: {len(values)} values given, this rank runs "
-                                 f"{len(self.indices)} units; pass one loss per unit of iu.split(batch), in order")
+                                 f"{len(self.indices)} units; pass one loss per unit of iu.split(batch), in "
+                                 "order")
         mine = torch.zeros(self.units, dtype=torch.float64, device=self._device)
         for u, v in zip(self.indices, values):
             mine[u] = v  # a device copy (float(v) read each loss back to the host: a sync per unit on CUDA)
@@ -348,19 +361,20 @@ def _stack_with_zeros(done: int, like: torch.Tensor) -> TreeStack:
 
 
 def _groups(model):
-    from .module_settings import _groups_below
+    from .module import groups_below
 
-    return _groups_below(model, True)
+    return groups_below(model, True)
 
 
 def _check(g, mesh) -> None:
     if len(g.parts) > 1:
-        raise InvariantError(f"InvariantUnits: {g._what} has parameters on other meshes (ParamPolicy.mesh)")
+        raise InvariantError(f"InvariantUnits: {g.own._what} has parameters on other meshes "
+                             "(ParamPolicy.mesh)")
     if g.parts[0].mesh != mesh:
-        raise InvariantError(f"InvariantUnits: {g._what} is on mesh {g.parts[0].mesh.mesh.tolist()}, another "
-                             f"group on {mesh.mesh.tolist()}; shard every group on one mesh")
+        raise InvariantError(f"InvariantUnits: {g.own._what} is on mesh {g.parts[0].mesh.mesh.tolist()}, "
+                             f"another group on {mesh.mesh.tolist()}; shard every group on one mesh")
     if g.reduce_scatter_comm is not None:
-        raise InvariantError(f"InvariantUnits: {g._what} has a custom reduce-scatter")
+        raise InvariantError(f"InvariantUnits: {g.own._what} has a custom reduce-scatter")
     for p in g.params:
         name = f"'{p.path}'"
         if p.tp:
@@ -369,6 +383,7 @@ def _check(g, mesh) -> None:
             raise InvariantError(f"InvariantUnits: parameter {name} has grad_quant (qgZ), refused")
         if p.policy.quant is not None and not p.stored_quantized:
             raise InvariantError(f"InvariantUnits: parameter {name} has a quantized all-gather (QuantPolicy "
-                                 "without store_quantized): its blocks run over each rank's flattened shard, so "
-                                 "the gathered values depend on K; refused (a frozen parameter stored quantized, "
-                                 "QuantPolicy(store_quantized=True), gathers its codes exactly and is accepted)")
+                                 "without store_quantized): its blocks run over each rank's flattened shard, "
+                                 "so the gathered values depend on K; refused (a frozen parameter stored "
+                                 "quantized, QuantPolicy(store_quantized=True), gathers its codes exactly "
+                                 "and is accepted)")

@@ -55,8 +55,8 @@ def outside_unit(iu, group) -> str:
              else "after leaving `with iu.unit(u, step):` (the next unit would drop it)")
     return (f"InvariantUnits: a gradient reached sharded module '{group.path or group.name}' outside a unit, "
             f"{where}; the mode counts only gradients of a backward run inside `with iu.unit(u, step):`: run "
-            "each unit's forward and backward inside it (add an extra loss to the unit's loss), or iu.close() "
-            "before a plain backward")
+            "each unit's forward and backward inside it (add an extra loss to the unit's loss), or "
+            "iu.close() before a plain backward")
 
 
 def agreed(iu, flag: torch.Tensor) -> None:
@@ -64,7 +64,8 @@ def agreed(iu, flag: torch.Tensor) -> None:
     ranks: raises ``InvariantError`` on every rank when any rank refused a gradient in this step."""
     if flag.item():
         message = iu._refused or ("InvariantUnits.reduce: another rank refused a gradient outside a unit in "
-                                  "this step (its error names the module); this step is given up on every rank")
+                                  "this step (its error names the module); this step is given up on every "
+                                  "rank")
         iu._refused = None
         iu._abandon()
         raise _STATE["error"](message)
@@ -78,6 +79,6 @@ def _before_step(optimizer, args, kwargs) -> None:
         if iu._refused:
             raise _STATE["error"](f"{type(optimizer).__name__}.step refused: {iu._refused}")
         if iu._done():
-            raise _STATE["error"](f"InvariantUnits: {type(optimizer).__name__}.step with {iu._done()} units run "
-                                 "and not reduced (the step would not see their gradients); call iu.reduce() "
-                                 "after the last unit and before the step")
+            raise _STATE["error"](f"InvariantUnits: {type(optimizer).__name__}.step with {iu._done()} units "
+                                 "run and not reduced (the step would not see their gradients); call "
+                                 "iu.reduce() after the last unit and before the step")

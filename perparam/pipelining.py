@@ -70,9 +70,10 @@ class PipelineStage(_TorchPipelineStage):
         if backward_type != "full":
             raise NotImplementedError(
                 f"perparam.pipelining.PipelineStage (stage {self.stage_index}): a split backward "
-                f"('{backward_type}', zero-bubble schedules) is not supported on perparam-sharded stages; use "
-                "ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS")
-        for m in modules:  # FSDP2's hand-over, as torch's stage gives an FSDPModule (recurse=False: each once)
+                f"('{backward_type}', zero-bubble schedules) is not supported on perparam-sharded stages; "
+                "use ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+        # FSDP2's hand-over, as torch's stage gives an FSDPModule (recurse=False: each once)
+        for m in modules:
             m.set_is_last_backward(False)
             m.set_reshard_after_backward(False, recurse=False)
             m.set_requires_gradient_sync(False, recurse=False)

@@ -64,7 +64,8 @@ def state(model, opt) -> dict:
         for p, s in o.state.items():
             for key, v in s.items():
                 if isinstance(v, torch.Tensor) and v.ndim:
-                    out[f"optim{i}.{names[id(p)]}.{key}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                    out[f"optim{i}.{names[id(p)]}.{key}"] = (v.full_tensor() if hasattr(v, "full_tensor")
+                                                             else v).clone()
     return out
 
 
@@ -86,9 +87,11 @@ def flip_bit(path: Path, key_part: str) -> str:
     data = bytearray((path / name).read_bytes())
     blob = bytes(data[offset:offset + length])
     entry = next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if i.filename.endswith("/data/0"))
-    start = entry.header_offset + 30 + int.from_bytes(blob[entry.header_offset + 26:entry.header_offset + 28], "little") \
+    start = entry.header_offset + 30 + int.from_bytes(blob[entry.header_offset + 26:entry.header_offset
+                                                           + 28], "little") \
         + int.from_bytes(blob[entry.header_offset + 28:entry.header_offset + 30], "little")
-    data[offset + start + (entry.file_size // 8) * 4 + 3] ^= 0x40  # float32, little-endian: the exponent's top
+    # float32, little-endian: the exponent's top
+    data[offset + start + (entry.file_size // 8) * 4 + 3] ^= 0x40
     (path / name).write_bytes(bytes(data))
     return name
 

@@ -47,8 +47,8 @@ def text_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def plain_tiny_run(tmp_path_factory, text_dir):
-    """``(proc, summary)`` of the plain tiny run: ``perparam finetune`` with ``TINY`` on ``text_dir``, 2 ranks,
-    fp32, no quantization, a 1D mesh, ``--summary-json``. The run the finetune tests compare theirs to
+    """``(proc, summary)`` of the plain tiny run: ``perparam finetune`` with ``TINY`` on ``text_dir``, 2
+    ranks, fp32, no quantization, a 1D mesh, ``--summary-json``. The run the finetune tests compare theirs to
     (``test_finetune_cli``'s variants, ``test_finetune_checkpoint``'s uninterrupted run,
     ``test_finetune_offload``'s run without offload): one launch per session instead of one per file."""
     import json

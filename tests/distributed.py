@@ -114,8 +114,8 @@ def one_process(fn, *args):
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
                     grace: float = 2.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. Once a rank
-    fails, the others have ``grace`` seconds to report before they are killed (a test that checks what a
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. Once a
+    rank fails, the others have ``grace`` seconds to report before they are killed (a test that checks what a
     survivor does after a peer died gives it longer)."""
     import torch
 
@@ -174,7 +174,8 @@ def _errors(results: dict) -> str:
                    if status == "error")
 
 
-# all_to_all_single: perparam's reduce-scatter on gloo (an all-to-all, then a local sum: perparam.comm.collectives)
+# all_to_all_single: perparam's reduce-scatter on gloo (an all-to-all, then a local sum:
+# perparam.comm.collectives)
 C10D_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce")
 # ProcessGroup.send / recv: the zero-copy all-gather on gloo (perparam.comm.collectives.all_gather_in_place)
 C10D_POINT_TO_POINT = ("send", "recv")

@@ -88,7 +88,8 @@ def main(out: str, steps: int, victim: int = -1, phase: str = "", kill_step: int
     opt.register_step_pre_hook(lambda o, a, k: stop_at("step"))
     finish = slots.SlotFile.finish
 
-    def finish_or_stop(self, header):  # runs in State's background thread: the step is the header's, not armed's
+    # runs in State's background thread: the step is the header's, not armed's
+    def finish_or_stop(self, header):
         if "-own-" in self.path.name and here and phase == "commit" and header.generation == kill_step + 1:
             _wait_to_be_killed(out)
         finish(self, header)
@@ -111,7 +112,8 @@ def main(out: str, steps: int, victim: int = -1, phase: str = "", kill_step: int
     names = {id(p): n for n, p in model.named_parameters()}
     shas = {f"model.{k}": _sha(v) for k, v in model.state_dict().items()}
     for p, st in opt.state.items():
-        shas.update({f"optim.{names[id(p)]}.{k}": _sha(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
+        shas.update({f"optim.{names[id(p)]}.{k}": _sha(v)
+                     for k, v in st.items() if isinstance(v, torch.Tensor)})
     if rank == 0:
         with open(os.path.join(out, "final.json"), "w") as f:
             json.dump({"sha256": shas, "losses": state.losses, "restarts": restart}, f)

@@ -10,7 +10,8 @@ import torch
 
 
 def make_llama():
-    """A tiny random ``LlamaForCausalLM`` (no hub): 33 vocabulary rows and 25 MLP rows split unevenly over 2 ranks."""
+    """A tiny random ``LlamaForCausalLM`` (no hub): 33 vocabulary rows and 25 MLP rows split unevenly over 2
+    ranks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -32,7 +33,8 @@ def sharded_llama():
 
 
 class Tokens(torch.utils.data.Dataset):
-    """``n`` sequences of 7 random ids (seeded): every label counts, so each micro-batch has the same tokens."""
+    """``n`` sequences of 7 random ids (seeded): every label counts, so each micro-batch has the same
+    tokens."""
 
     def __init__(self, n: int, seed: int):
         self.ids = torch.randint(0, 33, (n, 7), generator=torch.Generator().manual_seed(seed))
@@ -48,8 +50,8 @@ def launched(rank: int, world: int) -> None:
     """What torchrun sets, which transformers and accelerate read to see a distributed run (the harness has
     initialised the process group already; they use it). ``world == 0`` (one process's reference): nothing."""
     if world:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="29500")
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 
 
 def ddp_refusal(wrap) -> str | None:

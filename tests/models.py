@@ -47,8 +47,8 @@ def shard_blocks_then_root(model: nn.Module, root: dict | None = None, **kwargs)
     return model
 
 
-def sharded_tiny(seed: int = 0, *, shard: bool = True, d: int = 6, n_blocks: int = 2, call_twice: bool = False,
-                 root: dict | None = None, **kwargs) -> TinyNet:
+def sharded_tiny(seed: int = 0, *, shard: bool = True, d: int = 6, n_blocks: int = 2,
+                 call_twice: bool = False, root: dict | None = None, **kwargs) -> TinyNet:
     """The setup most tests share: ``torch.manual_seed(seed)``, ``TinyNet(d, n_blocks, call_twice)``, then
     each block and the root sharded by ``shard_blocks_then_root(model, root, **kwargs)``. ``shard=False``:
     the same model unsharded (the one-process reference)."""

@@ -54,7 +54,8 @@ class ExpertParallelMoE(nn.Module):
         send, recv = send.tolist(), recv.tolist()
         group = self.group or dist.group.WORLD
         tokens = all_to_all_single(h.new_empty(sum(recv), D), h[order], recv, send, group=group)
-        back = all_to_all_single(h.new_empty(len(route), D), getattr(self, self.expert_name)(tokens), send, recv, group=group)
+        back = all_to_all_single(h.new_empty(len(route), D), getattr(self, self.expert_name)(tokens), send,
+                                 recv, group=group)
         return self.post(torch.relu(back[torch.argsort(order)]))
 
 
@@ -88,7 +89,8 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, expert: int, 
         if after_step is not None:
             after_step()
         opt.zero_grad()
-    return {"grads": grads, "params": {n: p.full_tensor().clone() for n, p in named.items()}, "counts": counts}
+    return {"grads": grads, "params": {n: p.full_tensor().clone() for n, p in named.items()},
+            "counts": counts}
 
 
 class ReferenceMoE(nn.Module):

@@ -1,7 +1,7 @@
-"""``.to()`` / ``to_empty()`` between steps on a sharded tree (``nn.Module._apply``): the next forward computes
-with the shards as they are after it, never with an unsharded copy kept from before (stage-1/2 kept copies,
-``perparam.runtime.zero``), whether it is called on the root, on a sharded submodule or on a plain submodule
-of a sharded tree."""
+"""``.to()`` / ``to_empty()`` between steps on a sharded tree (``nn.Module._apply``): the next forward
+computes with the shards as they are after it, never with an unsharded copy kept from before (stage-1/2 kept
+copies, ``perparam.runtime.zero``), whether it is called on the root, on a sharded submodule or on a plain
+submodule of a sharded tree."""
 
 from __future__ import annotations
 
@@ -87,7 +87,9 @@ def dcp_load_in_place(rank: int, world_size: int, path: str, kept: str, how: str
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
     if kept == "stages":
-        perparam.fully_shard(model, param_policy={"0.*": ParamPolicy(zero_stage=1), "2.*": ParamPolicy(zero_stage=2)})
+        perparam.fully_shard(model,
+                             param_policy={"0.*": ParamPolicy(zero_stage=1),
+                                           "2.*": ParamPolicy(zero_stage=2)})
     else:
         perparam.fully_shard(model, reshard_after_forward=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -132,7 +134,8 @@ def test_dcp_load_in_place_without_load_state_dict_is_refused_until_the_kept_sto
            "stage3": ("reshard_after_forward=False", "model.mark_shards_written()")}
     for rank, per_kept in enumerate(run_distributed(dcp_loads_in_place, 2, str(tmp_path / "ckpt"))):
         for (kept, how), got in per_kept.items():
-            for fragment in ("'0.weight'", "dcp.load(model.state_dict())", "set_model_state_dict", *fix[kept]):
+            for fragment in ("'0.weight'", "dcp.load(model.state_dict())", "set_model_state_dict",
+                             *fix[kept]):
                 assert fragment in got["error"], (kept, how, rank, got["error"])
             torch.manual_seed(0)
             reference = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))

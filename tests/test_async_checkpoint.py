@@ -1,6 +1,6 @@
 """perparam.checkpoint.async_save: returns once the state is copied, writes on its own process group while
-training goes on, loads bit-exactly (1D, and HSDP over 2 replicas), survives a rank killed during the write, chains saves,
-and reports a failed write at the next wait or save on every rank."""
+training goes on, loads bit-exactly (1D, and HSDP over 2 replicas), survives a rank killed during the write,
+chains saves, and reports a failed write at the next wait or save on every rank."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ BATCH = 4
 
 
 class Scaled(TinyNet):
-    """TinyNet (empty shards of ``Linear(d, 2)`` on 3-4 ranks) times a 0-dim parameter, whose DTensor DCP's own
-    stager would not copy."""
+    """TinyNet (empty shards of ``Linear(d, 2)`` on 3-4 ranks) times a 0-dim parameter, whose DTensor DCP's
+    own stager would not copy."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,7 +82,8 @@ def assert_equal_states(got: dict, want: dict) -> None:
 
 def save_async_then_train(rank: int, world_size: int, path: str, layout: str) -> dict:
     """async_save, then a training step while the write is held back: the step's collectives run on the
-    default group while the checkpoint's are in flight on its own; the checkpoint holds the state at the call."""
+    default group while the checkpoint's are in flight on its own; the checkpoint holds the state at the
+    call."""
     model, opt = build(world_size, layout)
     train(model, opt, 2, rank, world_size)
     saved = state_of(model, opt)
@@ -131,11 +132,13 @@ def three_in_a_row(rank: int, world_size: int, folder: str) -> list:
     assert pending.wait().name == "step-000003"
     checkpoint.wait_pending()  # nothing left: returns at once
     # the training group's timeout (the harness's 120 s), not gloo's 30-minute default
-    assert checkpoint_async._timeout_of(group) == timedelta(seconds=120) == checkpoint_async._timeout_of(dist.group.WORLD)
+    assert (checkpoint_async._timeout_of(group) == timedelta(seconds=120)
+            == checkpoint_async._timeout_of(dist.group.WORLD))
     return [states, [loaded(rank, world_size, f"{folder}/step-{step:06d}", "hsdp") for step in (2, 3)]]
 
 
-def test_async_saves_in_a_row_on_an_hsdp_mesh_wait_for_each_other_keep_the_newest_and_load_bit_exact(tmp_path):
+def test_async_saves_in_a_row_on_an_hsdp_mesh_wait_for_each_other_keep_the_newest_and_load_bit_exact(
+        tmp_path):
     states, got = run_distributed(three_in_a_row, 2, str(tmp_path))[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
     for step, one in zip((2, 3), got):
@@ -171,7 +174,8 @@ def save_then_async(rank: int, world_size: int, path: str, fail: str) -> str:
 def test_a_failed_background_write_is_raised_by_the_next_save_on_every_rank(tmp_path):
     path = str(tmp_path / "ckpt")
     for got in run_distributed(save_then_async, 2, path, "raise"):
-        assert "No space left on device" in got["message"] and "previous checkpoint is unchanged" in got["message"]
+        assert ("No space left on device" in got["message"]
+                and "previous checkpoint is unchanged" in got["message"])
         assert got["loaded"] == {"step": 1}
 
 
@@ -180,7 +184,8 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
     with pytest.raises(AssertionError, match="rank 1"):
         # grace: rank 0 reports only after it removed the partial folder (seconds on a loaded host)
         run_distributed(save_then_async, 2, path, "die", timeout=60, grace=50)
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt.tmp-")]  # rank 0 saw the failure: removed
+    # rank 0 saw the failure: removed
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt.tmp-")]
     assert run_distributed(loaded, 2, path)[0]["extra"] == {"step": 1}
 
 

@@ -1,4 +1,5 @@
-"""Parity: a model sharded with ``placement="auto"`` (Shard(1) and Replicate chosen) trains like one process."""
+"""Parity: a model sharded with ``placement="auto"`` (Shard(1) and Replicate chosen) trains like one
+process."""
 
 from __future__ import annotations
 

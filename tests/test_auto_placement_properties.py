@@ -1,4 +1,5 @@
-"""``placement="auto"``: never more bytes on the largest rank than ``Shard(0)``; the layout partitions the tensor."""
+"""``placement="auto"``: never more bytes on the largest rank than ``Shard(0)``; the layout partitions the
+tensor."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Benchmarks' ranks meet on a port the kernel picked free (``benchmarks/harness/ports.py``), never a fixed or random
-one: two benchmarks started together on one machine never collide."""
+"""Benchmarks' ranks meet on a port the kernel picked free (``benchmarks/harness/ports.py``), never a fixed or
+random one: two benchmarks started together on one machine never collide."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from benchmarks.harness.ports import free_port
 pytestmark = pytest.mark.fast
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-#: a line naming a port (``port``, ``MASTER_PORT``, ``init_method=tcp://...:``) with a random pick or a literal
+#: a line naming a port (``port``, ``MASTER_PORT``, ``init_method=tcp://...:``) with a random pick or a
+#: literal
 _PICKED = re.compile(r"(\bport\b|_port\b|MASTER_PORT|tcp://)[^#\n]*(randint\(|randrange\(|\b\d{4,5}\b)", re.I)
 
 
@@ -28,7 +29,8 @@ def test_a_free_port_binds_and_two_picks_held_at_once_differ():
 
 
 def test_no_benchmark_picks_a_fixed_or_random_port():
-    found = [f"{path.relative_to(BENCHMARKS)}:{i}: {line.strip()}" for path in sorted(BENCHMARKS.rglob("*.py"))
+    found = [f"{path.relative_to(BENCHMARKS)}:{i}: {line.strip()}"
+             for path in sorted(BENCHMARKS.rglob("*.py"))
              if path != BENCHMARKS / "harness" / "ports.py"
              for i, line in enumerate(path.read_text().splitlines(), 1) if _PICKED.search(line)]
     assert not found, "pick the port with benchmarks.harness.ports.free_port():\n" + "\n".join(found)

@@ -1,6 +1,6 @@
-"""Every benchmark is run as ``python -m benchmarks.<name>`` and named so in ``benchmarks/README.md``, and every
-command or benchmark file the repository's pages and docstrings name exists (source text only: nothing is
-imported, no process starts)."""
+"""Every benchmark is run as ``python -m benchmarks.<name>`` and named so in ``benchmarks/README.md``, and
+every command or benchmark file the repository's pages and docstrings name exists (source text only: nothing
+is imported, no process starts)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ AS_FILE = re.compile(r"(?:python|\$\(PY\))\S* benchmarks/\w")
 
 def _runnable(path: Path) -> bool:
     """The file has an ``if __name__ == "__main__":`` block."""
-    return any(isinstance(n, ast.If) and "__name__" in ast.unparse(n.test) and "__main__" in ast.unparse(n.test)
+    return any(isinstance(n, ast.If) and "__name__" in ast.unparse(n.test)
+               and "__main__" in ast.unparse(n.test)
                for n in ast.parse(path.read_text()).body)
 
 
@@ -65,8 +66,8 @@ def test_every_benchmark_command_and_file_named_exists():
 def test_benchmarks_are_started_as_modules_everywhere():
     wrong = [f"{page.relative_to(REPO)}:{i}: {line.strip()}" for page in pages()
              for i, line in enumerate(page.read_text().splitlines(), 1) if AS_FILE.search(line)]
-    assert not wrong, "start a benchmark as `python -m benchmarks.<name>` from the repository root:\n" + "\n".join(
-        wrong)
+    assert not wrong, ("start a benchmark as `python -m benchmarks.<name>` from the repository root:\n"
+                       + "\n".join(wrong))
 
 
 def test_the_readers_see_a_missing_command_and_a_file_started_as_a_script():

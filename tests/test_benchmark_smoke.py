@@ -14,10 +14,11 @@ CONFIGS = ["bound", "ddp", "fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "
            "perparam_int8_grad", "perparam_int8_both"]
 OK_KEYS = {"description", "status", "step_time_s", "phase_time_s", "cpu_time_s", "final_loss",
            "model_state_bytes", "model_state_bytes_per_rank", "comm_bytes_per_step", "comm_source",
-           "comm_sent_bytes_per_rank", "comm_sent_vs_zero3_model", "peak_rss_bytes", "training_peak_rss_bytes",
-           "training_peak_over_baseline_bytes", "rss_profile_rank0", "ratio_vs_bound", "ratio_vs_ddp",
-           "ratio_vs_fsdp2", "ratio_vs_fsdp2_bf16", "paired_ratio_vs_fsdp2", "paired_ratio_vs_fsdp2_bf16",
-           "memory_ratio_vs_fsdp2", "training_peak_ratio_vs_ddp", "training_peak_ratio_vs_fsdp2",
+           "comm_sent_bytes_per_rank", "comm_sent_vs_zero3_model", "peak_rss_bytes",
+           "training_peak_rss_bytes", "training_peak_over_baseline_bytes", "rss_profile_rank0",
+           "ratio_vs_bound", "ratio_vs_ddp", "ratio_vs_fsdp2", "ratio_vs_fsdp2_bf16",
+           "paired_ratio_vs_fsdp2", "paired_ratio_vs_fsdp2_bf16", "memory_ratio_vs_fsdp2",
+           "training_peak_ratio_vs_ddp", "training_peak_ratio_vs_fsdp2",
            "training_peak_over_baseline_bytes_returning", "training_peak_ratio_vs_ddp_returning",
            "training_peak_ratio_vs_fsdp2_returning"}
 
@@ -46,8 +47,10 @@ def test_quick_benchmark_writes_json(tmp_path):
         assert OK_KEYS <= c.keys(), (name, OK_KEYS - c.keys())
         assert c["step_time_s"]["median"] > 0 and c["step_time_s"]["n"] == meta["steps"]
         assert c["model_state_bytes"]["total"] > 0 and c["peak_rss_bytes"] > 0
-        assert len(c["training_peak_rss_bytes"]) == meta["world_size"] and min(c["training_peak_rss_bytes"]) > 0
-        assert [p["phase"] for p in c["rss_profile_rank0"]][-4:] == ["forward", "backward", "optimizer", "end"]
+        assert (len(c["training_peak_rss_bytes"]) == meta["world_size"]
+                and min(c["training_peak_rss_bytes"]) > 0)
+        assert [p["phase"] for p in c["rss_profile_rank0"]][-4:] == ["forward", "backward", "optimizer",
+                                                                     "end"]
         assert (c["comm_bytes_per_step"]["total"] > 0) == (name != "bound")
         assert c["ratio_vs_bound"] > 0 and c["ratio_vs_fsdp2"] > 0 and c["memory_ratio_vs_fsdp2"] > 0
 
@@ -55,7 +58,8 @@ def test_quick_benchmark_writes_json(tmp_path):
     assert fsdp2["ratio_vs_fsdp2"] == 1.0 and fsdp2["memory_ratio_vs_fsdp2"] == 1.0
     assert result["configs"]["bound"]["ratio_vs_bound"] == 1.0
     # same model, data and initial weights: the fp32 configurations train alike
-    assert abs(pp["final_loss"] - fsdp2["final_loss"]) < 1e-3 and abs(ddp["final_loss"] - fsdp2["final_loss"]) < 1e-3
+    assert abs(pp["final_loss"] - fsdp2["final_loss"]) < 1e-3 and abs(ddp["final_loss"]
+                                                                      - fsdp2["final_loss"]) < 1e-3
     # FSDP2 and perparam move the same bytes in fp32 (one all-gather per group in forward, again in
     # backward for the blocks; one reduce-scatter per group), plus perparam's used flags: one fp32 per
     # trainable parameter in each rank's reduce-scatter piece; DDP all-reduces every gradient once
@@ -77,7 +81,8 @@ def test_quick_benchmark_writes_json(tmp_path):
     assert pp["model_state_bytes"]["params"] * 2 == ddp["model_state_bytes"]["params"]
     assert abs(pp["model_state_bytes"]["total"] * 2 / ddp["model_state_bytes"]["total"] - 1) < 0.01
     # in bf16 too (bf16 all-gathers, fp32 reduce-scatters)
-    pp16, fsdp16 = dict(result["configs"]["perparam_bf16"]["comm_bytes_per_step"]), result["configs"]["fsdp2_bf16"]
+    pp16, fsdp16 = (dict(result["configs"]["perparam_bf16"]["comm_bytes_per_step"]),
+                    result["configs"]["fsdp2_bf16"])
     pp16["reduce_scatter"] -= flags
     pp16["total"] -= flags
     assert pp16 == fsdp16["comm_bytes_per_step"]

@@ -1,6 +1,6 @@
-"""The collectives' buffer pool (``perparam.comm.buffers``): bounded in bytes, only buffers glibc would map anew
-(>= 32 MiB), and ``ParamGroup.pool_bytes()`` equal to what one unshard and one reduction of the group take
-from it, on 2 and 3 ranks (the first, middle and last rank) with two reduce dtypes in one group."""
+"""The collectives' buffer pool (``perparam.comm.buffers``): bounded in bytes, only buffers glibc would map
+anew (>= 32 MiB), and ``ParamGroup.pool_bytes()`` equal to what one unshard and one reduction of the group
+take from it, on 2 and 3 ranks (the first, middle and last rank) with two reduce dtypes in one group."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def test_pool_keeps_only_large_buffers_and_at_most_max_idle_bytes():
         pool.give_back(buf)
     assert pool.idle_bytes() == 80  # the 9-byte buffer is below min_bytes; the third 40 would pass 100
     again = pool.take(40, torch.device("cpu"))
-    assert again.untyped_storage().data_ptr() in {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+    assert again.untyped_storage().data_ptr() in {a.untyped_storage().data_ptr(),
+                                                  b.untyped_storage().data_ptr()}
     assert pool.idle_bytes() == 40
     pool.clear()
     assert pool.idle_bytes() == 0
@@ -52,13 +53,15 @@ def _taken_in_one_step(rank: int, world: int) -> list[tuple[int, int]]:
     for gather, reduce in ALGORITHMS:
         previous = perparam.configure(gloo_all_gather=gather, gloo_reduce_scatter=reduce)
         result.append(_taken_with_the_configured_all_gather())
-        perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather,
+                           gloo_reduce_scatter=previous.gloo_reduce_scatter)
     return result
 
 
 def _taken_with_the_configured_all_gather() -> tuple[int, int]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))  # uneven rows: padding on 2 and 3 ranks
+    # uneven rows: padding on 2 and 3 ranks
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
     perparam.fully_shard(model, param_policy={"2.*": ParamPolicy(reduce_dtype=torch.float64)})
     x = torch.randn(4, 5)
     F.mse_loss(model(x), torch.zeros(4, 3)).backward()  # creates the root's context

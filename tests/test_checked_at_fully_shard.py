@@ -20,4 +20,5 @@ def test_fp8_policy_dtypes_are_refused_at_fully_shard(fake_mesh, field):
         perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, mp_policy=MixedPrecisionPolicy(**{field: fp8}))
     if field != "output_dtype":  # ParamPolicy has no output_dtype
         with pytest.raises(perparam.ShardingError, match=rf"{field} of 'weight' is {fp8}.*QuantPolicy"):
-            perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, param_policy={"weight": ParamPolicy(**{field: fp8})})
+            perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh,
+                                 param_policy={"weight": ParamPolicy(**{field: fp8})})

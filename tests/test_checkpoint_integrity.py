@@ -1,7 +1,7 @@
-"""A damaged checkpoint is never loaded: the manifest records every file's size and SHA-256 and ``load`` checks
-them first (the files split between the ranks), so a flipped bit in a weight or in optimizer state (owner
-parameters' included), a shard cut short, missing or overwritten, and a truncated or edited manifest each
-give one line naming the file and the damage, on every rank, with nothing changed; a full disk during a
+"""A damaged checkpoint is never loaded: the manifest records every file's size and SHA-256 and ``load``
+checks them first (the files split between the ranks), so a flipped bit in a weight or in optimizer state
+(owner parameters' included), a shard cut short, missing or overwritten, and a truncated or edited manifest
+each give one line naming the file and the damage, on every rank, with nothing changed; a full disk during a
 save or an async save (a real one: a small tmpfs) is named as ENOSPC and the partial folder is removed."""
 
 from __future__ import annotations
@@ -38,16 +38,21 @@ def _edit_manifest(path: Path) -> None:
 
 #: each damage, and what the one line must say about it
 DAMAGE = {
-    "flipped weight": (lambda p, kind: flip_bit(p, "blocks.0.fc1.weight"), "distcp was changed in place: the same"),
-    "flipped optimizer state": (lambda p, kind: flip_bit(p, "momentum_buffer" if kind == "owner" else "exp_avg_sq"),
+    "flipped weight": (lambda p, kind: flip_bit(p, "blocks.0.fc1.weight"),
+                       "distcp was changed in place: the same"),
+    "flipped optimizer state": (lambda p, kind: flip_bit(p, "momentum_buffer" if kind == "owner"
+                                                         else "exp_avg_sq"),
                                 "distcp was changed in place: the same"),
     "truncated shard": (lambda p, kind: (f := _largest_shard(p)).write_bytes(f.read_bytes()[:1000]),
                         "distcp is truncated: 1000 of the"),
     "missing shard": (lambda p, kind: _largest_shard(p).unlink(), "distcp is missing"),
-    "overwritten shard": (lambda p, kind: (f := _largest_shard(p)).write_bytes(os.urandom(f.stat().st_size + 7)),
-                          "distcp was overwritten:"),
-    "truncated manifest": (lambda p, kind: _truncate_manifest(p), "perparam_checkpoint.json cannot be read (truncated"),
-    "edited manifest": (lambda p, kind: _edit_manifest(p), "perparam_checkpoint.json was changed after the save"),
+    "overwritten shard": (
+        lambda p, kind: (f := _largest_shard(p)).write_bytes(os.urandom(f.stat().st_size + 7)),
+        "distcp was overwritten:"),
+    "truncated manifest": (lambda p, kind: _truncate_manifest(p),
+                           "perparam_checkpoint.json cannot be read (truncated"),
+    "edited manifest": (lambda p, kind: _edit_manifest(p),
+                        "perparam_checkpoint.json was changed after the save"),
 }
 
 
@@ -83,12 +88,14 @@ def load_each_damaged(rank: int, world_size: int, root: str, kind: str, mode: st
 @pytest.mark.parametrize("world_size,kind,mode", [
     pytest.param(1, "adamw", "sync", marks=pytest.mark.fast), (2, "adamw", "async"), (3, "owner", "sync"),
     (2, "owner", "async")])
-def test_every_damage_is_one_line_naming_the_file_on_every_rank_and_nothing_is_loaded(tmp_path, world_size, kind, mode):
+def test_every_damage_is_one_line_naming_the_file_on_every_rank_and_nothing_is_loaded(
+        tmp_path, world_size, kind, mode):
     got = run_distributed(load_each_damaged, world_size, str(tmp_path), kind, mode)
     for rank, out in enumerate(got):
         for how, (_, fragment) in DAMAGE.items():
             message = out[how]
-            assert fragment in message and "is damaged" in message and "\n" not in message, (rank, how, message)
+            assert (fragment in message and "is damaged" in message
+                    and "\n" not in message), (rank, how, message)
             assert str(tmp_path / how) in message
         assert out["unchanged"], rank
         assert out["unverified"] > 1e30  # the damage the checksum finds: loaded in silence without it
@@ -105,7 +112,8 @@ def test_survey_names_the_damaged_newest_and_latest_skips_it(tmp_path):
     assert [p.name for p, _ in found] == ["step-4", "step-2"]
     assert "perparam_checkpoint.json cannot be read (truncated" in found[0][1] and found[1][1] is None
     assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
-    assert checkpoint.survey(tmp_path / "step-2") == [(tmp_path / "step-2", None)]  # a checkpoint named itself
+    # a checkpoint named itself
+    assert checkpoint.survey(tmp_path / "step-2") == [(tmp_path / "step-2", None)]
     (f := _largest_shard(tmp_path / "step-2")).write_bytes(f.read_bytes()[:10])
     assert "__0_0.distcp is truncated: 10 of the" in checkpoint.survey(tmp_path)[1][1]  # sizes: no hashing
 
@@ -137,12 +145,14 @@ def save_on_full_disk(rank: int, world_size: int, disk: str, kind: str, mode: st
     return out
 
 
-@pytest.mark.parametrize("world_size,kind,mode", [(1, "adamw", "sync"), (2, "adamw", "async"), (2, "owner", "sync")])
+@pytest.mark.parametrize("world_size,kind,mode",
+                         [(1, "adamw", "sync"), (2, "adamw", "async"), (2, "owner", "sync")])
 def test_a_full_disk_is_named_as_enospc_and_the_partial_folder_is_removed(tmp_path, world_size, kind, mode):
     with small_tmpfs(tmp_path / "disk") as disk:
         got = run_distributed(save_on_full_disk, world_size, str(disk), kind, mode)
     for rank, out in enumerate(got):
-        assert "No space left on device (ENOSPC) on the file system holding" in out["full"], (rank, out["full"])
+        assert "No space left on device (ENOSPC) on the file system holding" in out["full"], (
+            rank, out["full"])
         assert ("background save of" if mode == "async" else "saving") in out["full"], out["full"]
         assert "the partial folder .step-2.tmp-" in out["full"] and "was removed" in out["full"], out["full"]
         assert "\n" not in out["full"] and len(out["full"]) < 400, out["full"]

@@ -84,10 +84,12 @@ def saved_on_4(tmp_path_factory) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("world,layout", [(2, "1d"), (4, "hsdp"), (0, "single")])
-def test_saved_on_4_ranks_loads_bit_exact_on_2_ranks_hsdp_and_one_unsharded_process(saved_on_4, world, layout):
+def test_saved_on_4_ranks_loads_bit_exact_on_2_ranks_hsdp_and_one_unsharded_process(
+        saved_on_4, world, layout):
     path, saved = saved_on_4
     assert not any(k.startswith("optim.unused.") for k in saved)  # never got a gradient: no state
-    got = run_distributed(load_into, world, path, layout)[0] if world else one_process(load_into, path, layout)
+    got = (run_distributed(load_into, world, path, layout)[0] if world
+           else one_process(load_into, path, layout))
     assert got["extra"] == {"step": 3}
     assert got["state"].keys() == saved.keys()
     for key, value in saved.items():
@@ -107,8 +109,8 @@ def straight(rank: int, world_size: int) -> list[float]:
 
 @pytest.fixture(scope="module")
 def straight_and_saved_at_5(tmp_path_factory) -> tuple[list, str]:
-    """The uninterrupted 10-step run's per-rank losses on 4 ranks, and a checkpoint of another 4-rank run saved
-    after step 5; made once for the module (resuming only reads the checkpoint)."""
+    """The uninterrupted 10-step run's per-rank losses on 4 ranks, and a checkpoint of another 4-rank run
+    saved after step 5; made once for the module (resuming only reads the checkpoint)."""
     path = str(tmp_path_factory.mktemp("saved_at_5") / "ckpt")
     want = run_distributed(straight, 4)
     run_distributed(save_after, 4, path, 5)
@@ -174,7 +176,8 @@ def test_mismatched_missing_and_foreign_checkpoints_are_refused_before_anything_
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(CheckpointError) as e:
         checkpoint.load(path, other, torch.optim.AdamW(other.parameters()))
-    for fragment in ("'unused.weight' is in the checkpoint", "'blocks.0.fc1.weight' was saved as float32[", "Nothing"):
+    for fragment in ("'unused.weight' is in the checkpoint", "'blocks.0.fc1.weight' was saved as float32[",
+                     "Nothing"):
         assert fragment in str(e.value), str(e.value)
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -183,7 +186,8 @@ def test_mismatched_missing_and_foreign_checkpoints_are_refused_before_anything_
     with open(path / ".metadata", "wb") as f:
         pickle.dump(os.system, f)
     model, opt = build(0, "single")
-    with pytest.raises(checkpoint.CheckpointDamagedError, match=r"damaged: \.metadata is truncated: 31 of the"):
+    with pytest.raises(checkpoint.CheckpointDamagedError,
+                       match=r"damaged: \.metadata is truncated: 31 of the"):
         checkpoint.load(path, model, opt)  # the checksum finds it first
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         checkpoint.load(path, model, opt, verify=False)
@@ -249,7 +253,8 @@ def test_keep_prunes_only_its_own_series_and_damage_is_a_checkpoint_error(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["best", "init", "step-2", "step-3"]
     for f in (tmp_path / "step-3").glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:10])
-    with pytest.raises(checkpoint.CheckpointDamagedError, match=r"is damaged: __0_0\.distcp is truncated: 10 of the"):
+    with pytest.raises(checkpoint.CheckpointDamagedError,
+                       match=r"is damaged: __0_0\.distcp is truncated: 10 of the"):
         checkpoint.load(tmp_path / "step-3", model, opt)
     os.rename(tmp_path / "best", tmp_path / ".best.old-abc")  # killed between the two renames of a save
     with pytest.raises(CheckpointError, match="intact at"):

@@ -1,6 +1,6 @@
-"""``perparam.checkpoint.save``/``async_save`` never delete what is not theirs: a folder that is not a perparam
-checkpoint, a file, ``""`` or ``.`` is refused on every rank before anything is written (the ranks agree,
-also on paths that differ between them); ``keep`` keeps exactly that many checkpoints of the series, is
+"""``perparam.checkpoint.save``/``async_save`` never delete what is not theirs: a folder that is not a
+perparam checkpoint, a file, ``""`` or ``.`` is refused on every rank before anything is written (the ranks
+agree, also on paths that differ between them); ``keep`` keeps exactly that many checkpoints of the series, is
 refused below 1, and prunes nothing that is not a perparam checkpoint."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def user_folders(root: Path) -> dict[str, Path]:
 
 
 def listing(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"/" for p in sorted(root.rglob("*"))}
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"/"
+            for p in sorted(root.rglob("*"))}
 
 
 def refusals(rank: int, world_size: int, root: str, kind: str, mode: str) -> dict:
@@ -63,13 +64,14 @@ def test_a_folder_that_is_not_a_checkpoint_a_file_and_empty_paths_are_refused_on
     got = run_distributed(refusals, world_size, str(tmp_path), kind, mode)
     want = {"folder": "notes is a folder that is not a perparam checkpoint (it holds metrics.csv, notes.txt)",
             "file": "file.pt is a file, not a perparam checkpoint", "empty string": "the path '' is empty",
-            "dot": "'.' names no folder of its own", "keep=0": "keep=0: pass how many", "keep=-1": "keep=-1: pass",
-            "keep=1.5": "keep=1.5: pass", "keep=True": "keep=True: pass"}
+            "dot": "'.' names no folder of its own", "keep=0": "keep=0: pass how many",
+            "keep=-1": "keep=-1: pass", "keep=1.5": "keep=1.5: pass", "keep=True": "keep=True: pass"}
     if world_size > 1:
         want["per-rank path"] = "the ranks were given different paths"
     for rank, messages in enumerate(got):
         for what, fragment in want.items():
-            assert fragment in messages[what] and "Nothing was written" in messages[what], (rank, what, messages[what])
+            assert (fragment in messages[what]
+                    and "Nothing was written" in messages[what]), (rank, what, messages[what])
             assert "\n" not in messages[what]
     assert got == [got[0]] * world_size  # every rank the same message
     after = listing(tmp_path)
@@ -94,12 +96,14 @@ def keep_series(rank: int, world_size: int, root: str, mode: str) -> list[list[s
 def test_keep_keeps_exactly_that_many_checkpoints_and_never_prunes_anything_else(tmp_path, world_size, mode):
     user_folders(tmp_path)
     checkpoint.save(tmp_path / "step-0", *build(0, 0, "adamw"), keep=None)  # the oldest of the series, but
-    (tmp_path / "step-0" / "notes.txt").write_text("mine")  # the user added a file: no longer only a checkpoint
+    # the user added a file: no longer only a checkpoint
+    (tmp_path / "step-0" / "notes.txt").write_text("mine")
     got = run_distributed(keep_series, world_size, str(tmp_path), mode)[0]
     user = ["file.pt", "notes", "step-0", "step-7"]
-    assert got == [sorted(user + s) for s in (["step-1"], ["step-1", "step-2"], ["step-1", "step-2", "step-3"],
-                                               ["step-2", "step-3", "step-4"], ["step-5"], ["step-5", "step-6"],
-                                               ["step-5", "step-6", "step-8"])]
+    assert got == [sorted(user + s)
+                   for s in (["step-1"], ["step-1", "step-2"], ["step-1", "step-2", "step-3"],
+                              ["step-2", "step-3", "step-4"], ["step-5"], ["step-5", "step-6"],
+                              ["step-5", "step-6", "step-8"])]
     assert listing(tmp_path / "notes") == {k: v.encode() for k, v in USER_FILES.items()}
     assert (tmp_path / "step-0" / "notes.txt").read_text() == "mine"
 

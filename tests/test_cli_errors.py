@@ -102,7 +102,8 @@ def test_a_gguf_flag_pointing_at_a_text_file_is_called_not_a_gguf(capsys, tmp_pa
 
 def test_a_non_finite_loss_stops_the_run(tiny):
     proc = subprocess.run([sys.executable, "-m", "perparam.cli", "finetune", *tiny, "--nproc", "1", "--steps",
-                           "6", "--seq-len", "16", "--batch-size", "1", "--eval-tokens", "32", "--lr", "1e30"],
+                           "6", "--seq-len", "16", "--batch-size", "1", "--eval-tokens", "32", "--lr",
+                           "1e30"],
                           capture_output=True, text=True, timeout=120, cwd=REPO, env=subprocess_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()

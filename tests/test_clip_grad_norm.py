@@ -32,7 +32,8 @@ NORM_TYPES = (2.0, 1.0, 3.0, INF)
 
 
 # -- one process: the weighting against the norm of the global gradients -----------------------------------
-def rank_shards(full: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple) -> list[tuple[torch.Tensor, int]]:
+def rank_shards(full: torch.Tensor, mesh_shape: tuple[int, ...],
+                placements: tuple) -> list[tuple[torch.Tensor, int]]:
     """Each mesh rank's (row-major) local shard of ``full`` (``torch.chunk`` semantics, nested over the mesh
     axes: uneven and empty shards) and how many ranks of the mesh hold each of its elements."""
     out = []
@@ -130,12 +131,15 @@ def test_a_norm_type_that_is_not_positive_is_refused(norm_type):
         perparam.clip_grad_norm_([p], 1.0, norm_type)
 
 
-@pytest.mark.parametrize("norm_type,max_norm", [("1", 1.0), ("inf", 1.0), (True, 1.0), (None, 1.0), (2.0, "1")])
+@pytest.mark.parametrize("norm_type,max_norm",
+                         [("1", 1.0), ("inf", 1.0), (True, 1.0), (None, 1.0), (2.0, "1")])
 def test_a_norm_type_or_max_norm_that_is_not_a_number_is_refused_before_anything_changes(norm_type, max_norm):
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 2.0)
     name = "max_norm" if norm_type == 2.0 else "norm_type"
-    with pytest.raises(TypeError, match=rf"{name} must be a number .* got {max_norm if name == 'max_norm' else norm_type!r}"):
+    with pytest.raises(TypeError,
+                       match=rf"{name} must be a number .* got "
+                             rf"{max_norm if name == 'max_norm' else norm_type!r}"):
         perparam.clip_grad_norm_([p], max_norm, norm_type)
     assert torch.equal(p.grad, torch.full((3,), 2.0))
 
@@ -244,12 +248,14 @@ def _layouts(rank: int) -> dict[str, list[tuple[str, nn.Parameter]]]:
     torch.manual_seed(0)
     out: dict[str, list[tuple[str, nn.Parameter]]] = {}
     hsdp = nn.Linear(4, 3)  # 3 rows over 2 shards, replicated twice
-    perparam.fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))
+    perparam.fully_shard(hsdp,
+                         mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))
     out["hsdp"] = [(f"hsdp.{n}", p) for n, p in hsdp.named_parameters()]
     fsdp = nn.Linear(4, 2)  # 2 rows on 4 ranks: ranks 2 and 3 hold empty shards
     perparam.fully_shard(fsdp, mesh=init_device_mesh("cpu", (4,)))
     out["empty_shards"] = [(f"fsdp.{n}", p) for n, p in fsdp.named_parameters()]
-    ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))  # expert e on the 2 ranks of ep group e
+    # expert e on the 2 ranks of ep group e
+    ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
     expert = nn.Linear(4, 3)
     perparam.fully_shard(expert, mesh=ep["edp"])
     e = ep.get_local_rank("ep")
@@ -323,7 +329,8 @@ def test_a_rank_with_empty_shards_issues_the_same_one_all_reduce_and_gets_the_sa
     outs = run_distributed(empty_shard_norms, 3)
     assert outs[2]["local_rows"] == 0
     torch.manual_seed(0)
-    full = [_grad(f"lin.{n}", p.shape) for n, p in nn.Linear(4, 2).named_parameters()] + [_grad("plain", (3,))]
+    full = [_grad(f"lin.{n}", p.shape)
+            for n, p in nn.Linear(4, 2).named_parameters()] + [_grad("plain", (3,))]
     for p in NORM_TYPES:
         want = torch.nn.utils.get_total_norm(full, p)
         for out in outs:

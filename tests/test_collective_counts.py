@@ -30,8 +30,9 @@ def count_one_step(rank: int, world_size: int, reshard_after_forward: bool | Non
         with CommCounter() as bwd:
             loss.backward()
     # the zero-copy all-gather (K = 2, no empty shard): per parameter one send and one receive
-    sizes = {"root": len(group_of(model).gathered), "block": len(group_of(model.blocks[0]).gathered),
-             # the zero-copy reduce-scatter: per trainable parameter and its used flags one send and one receive
+    sizes = {"root": len(group_of(model).own.gathered), "block": len(group_of(model.blocks[0]).own.gathered),
+             # the zero-copy reduce-scatter: per trainable parameter and its used flags one send and one
+             # receive
              "reduced": sum(len(group_of(m).trainable()) + 1 for m in (model, *model.blocks))}
     return {"fwd": fwd.by_kind(), "bwd": bwd.by_kind(), "raw": raw, "gathered": sizes}
 
@@ -100,8 +101,8 @@ def step_bytes(rank: int, world_size: int) -> dict:
     x, y = (local_slice(t, rank, world_size) for t in make_batches(1, 6)[0])
     with CommCounter() as comm:
         F.mse_loss(model(x), y).backward()
-    return {"groups": groups, "all_gather": comm.bytes("all_gather"), "reduce_scatter": comm.bytes("reduce_scatter"),
-            "sizes": {r.group_size for r in comm.records}}
+    return {"groups": groups, "all_gather": comm.bytes("all_gather"),
+            "reduce_scatter": comm.bytes("reduce_scatter"), "sizes": {r.group_size for r in comm.records}}
 
 
 def test_a_zero3_step_moves_exactly_the_layouts_bytes():
@@ -114,7 +115,8 @@ def test_a_zero3_step_moves_exactly_the_layouts_bytes():
     # forward gathers every group; backward gathers the blocks again (the root kept its parameters)
     assert out["all_gather"] == sum(gather) + sum(gather[:-1])
     # one reduce-scatter per group, over every rank's padded chunk and one used flag per parameter
-    assert out["reduce_scatter"] == sum(world_size * (lay.padded_local_numel + 1) * 4 for ls in layouts for lay in ls)
+    assert out["reduce_scatter"] == sum(world_size * (lay.padded_local_numel + 1) * 4 for ls in layouts
+                                        for lay in ls)
     assert out["sizes"] == {world_size}
 
 
@@ -135,7 +137,8 @@ def grouped_step(rank: int, world_size: int) -> dict:
         loss = F.mse_loss(model(x), y)
     with CommCounter() as bwd:
         loss.backward()
-    sizes = {n: [r.nbytes for r in c.records if r.kind == "all_gather"] for n, c in (("fwd", fwd), ("bwd", bwd))}
+    sizes = {n: [r.nbytes for r in c.records if r.kind == "all_gather"]
+             for n, c in (("fwd", fwd), ("bwd", bwd))}
     return {**sizes, "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
 
 
@@ -177,7 +180,8 @@ def accumulate(rank: int, world_size: int, lib: str, variant: str, raf: bool | N
                 last = i == len(batches) - 1
                 model.set_requires_gradient_sync(last)
                 model.set_reshard_after_backward({"always": True, "last": last, "never": False}[variant])
-                F.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+                F.mse_loss(model(local_slice(x, rank, world_size)),
+                           local_slice(y, rank, world_size)).backward()
             opt.step()
             opt.zero_grad()
         gathers.append(raw["all_gather_single"] if lib == "fsdp2" else comm.by_kind().get("all_gather", 0))

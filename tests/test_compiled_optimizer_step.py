@@ -29,7 +29,8 @@ def _train(rank: int, world_size: int, compiled: bool, kind: str) -> dict:
     perparam.fully_shard(model)
     if kind == "owner":
         weights = [layer.weight for layer in model]
-        opts = [torch.optim.Muon(weights, lr=0.02), torch.optim.AdamW([layer.bias for layer in model], lr=0.01)]
+        opts = [torch.optim.Muon(weights, lr=0.02),
+                torch.optim.AdamW([layer.bias for layer in model], lr=0.01)]
     elif kind == "owner_adamw":  # the owner weights routed to their owners, stepped there whole by AdamW
         opts = [torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)]
     else:

@@ -27,7 +27,8 @@ def test_default_bf16_becomes_fp32_only_where_bf16_matmuls_are_slower_than_fp32(
     dtype, line = throughput.compute_dtype("bf16", by_default, slowdown)
     assert dtype == want
     if slowdown > throughput.BF16_EMULATED_ABOVE:  # one line either way, with the figure and the way out
-        assert line is not None and "\n" not in line and "emulates bf16" in line and f"{slowdown:.1f}x" in line
+        assert (line is not None and "\n" not in line and "emulates bf16" in line
+                and f"{slowdown:.1f}x" in line)
         assert ("--param-dtype bf16 forces it" in line) == by_default
     else:
         assert line is None
@@ -37,7 +38,8 @@ def test_default_bf16_becomes_fp32_only_where_bf16_matmuls_are_slower_than_fp32(
 def _job(monkeypatch, slowdown: float, capsys, **flags) -> tuple[str, str]:
     monkeypatch.setattr(train, "setup_distributed", lambda timeout_s: (0, 1, torch.device("cpu")))
     monkeypatch.setattr(throughput, "bf16_slowdown", lambda device: slowdown)
-    cfg = job.hardware_compute_dtype(JobConfig(steps=1, seq_len=8, batch_size=1, lr=1e-3, seed=0, lora=4, **flags))
+    cfg = job.hardware_compute_dtype(JobConfig(steps=1, seq_len=8, batch_size=1, lr=1e-3, seed=0, lora=4,
+                                               **flags))
     return cfg.param_dtype, capsys.readouterr().out
 
 
@@ -64,7 +66,8 @@ def test_the_launcher_hands_an_unchosen_compute_dtype_to_the_workers_to_settle()
 
 def test_the_benchmark_table_marks_bf16_rows_that_ran_emulated():
     emulated = {"bf16_emulated": True, "bf16_matmul_slowdown": EMULATED}
-    assert row_name("perparam_bf16", emulated) == "perparam_bf16 *" and row_name("perparam", emulated) == "perparam"
+    assert (row_name("perparam_bf16", emulated) == "perparam_bf16 *"
+            and row_name("perparam", emulated) == "perparam")
     assert "ran emulated" in bf16_note(emulated) and "11.3x" in bf16_note(emulated)
     native = {"bf16_emulated": False, "bf16_matmul_slowdown": NATIVE}
     assert row_name("fsdp2_bf16", native) == "fsdp2_bf16" and bf16_note(native) is None

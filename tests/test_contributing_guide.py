@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "CONTRIBUTING.md"
 MAP_HEADING = "## Map of the tests"
 MAX_ROW = 400
-#: where a path written relative to a folder is looked up, in order (``runtime/hooks.py``, ``paths/choose.py``)
+#: where a path written relative to a folder is looked up, in order (``runtime/hooks.py``,
+#: ``paths/choose.py``)
 BASES = ("", "perparam", "perparam/runtime", "tests", "benchmarks")
 #: named by the guide but made by a command, never committed (git-ignored)
 MADE_BY_COMMANDS = {".cache/assets/": "downloaded by `make test`"}

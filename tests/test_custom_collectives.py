@@ -1,5 +1,6 @@
-"""A seam for custom collectives, as FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: objects
-with FSDP2's ``AllGather`` / ``ReduceScatter`` interface replace perparam's own, with the same results."""
+"""A seam for custom collectives, as FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``:
+objects with FSDP2's ``AllGather`` / ``ReduceScatter`` interface replace perparam's own, with the same
+results."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_custom_all_gather_and_reduce_scatter_train_like_perparams_own(world_siz
     own = run_distributed(train_with, world_size, False)
     custom = run_distributed(train_with, world_size, True)
     for a, b in zip(own, custom):
-        assert b["calls"] == b["counted"] and b["calls"][0] > 0 and b["calls"][1] > 0  # every collective went there
+        # every collective went there
+        assert b["calls"] == b["counted"] and b["calls"][0] > 0 and b["calls"][1] > 0
         assert a["counted"] == b["counted"]
         for name, value in a["params"].items():  # SGD: a scale error would show; sum order may differ (K = 3)
             torch.testing.assert_close(b["params"][name], value, atol=1e-6, rtol=1e-5, msg=name)

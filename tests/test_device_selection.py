@@ -45,7 +45,8 @@ def test_distributed_session_sets_the_local_rank_gpu_and_creates_the_nccl_commun
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
     monkeypatch.setattr(dist, "is_initialized", lambda: "init" in calls)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("init", (backend, kw)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.setdefault("init", (backend, kw)))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.setdefault("destroyed", True))
     for name, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(name, value)
@@ -63,7 +64,8 @@ def test_the_main_job_sets_the_local_rank_gpu_and_creates_the_nccl_communicator_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("init", (backend, kw)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.setdefault("init", (backend, kw)))
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -21,7 +21,8 @@ from tests.distributed import run_distributed
 class Chain(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(6, 2)  # c: empty shards on 3 ranks
+        # c: empty shards on 3 ranks
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(6, 2)
 
     def forward(self, x: torch.Tensor, extra: int = 0) -> torch.Tensor:  # [batch, 4] -> [batch, 2]
         x = self.a(x)

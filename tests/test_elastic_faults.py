@@ -22,7 +22,8 @@ STEPS = 6
 
 
 def launch(out: Path, nproc: int, *fault: str, restarts: int = 1) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PERPARAM_SNAPSHOT_DIR": str(out / "shm"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PERPARAM_SNAPSHOT_DIR": str(out / "shm"),
+           "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", "--monitor-interval=0.1", str(ROOT / "tests" / "elastic_worker.py"),
            str(out), str(STEPS), *fault]
@@ -61,8 +62,8 @@ def kill_when_ready(proc: subprocess.Popen, out: Path) -> float:
 
 @pytest.mark.parametrize("nproc,victim,phase", [
     (2, 1, "commit"), (2, 0, "forward"), (3, 1, "backward"), (3, 2, "step")])
-def test_a_worker_killed_at_any_phase_ends_on_the_uninterrupted_runs_bits(tmp_path, uninterrupted, nproc, victim,
-                                                                          phase):
+def test_a_worker_killed_at_any_phase_ends_on_the_uninterrupted_runs_bits(tmp_path, uninterrupted, nproc,
+                                                                          victim, phase):
     kill_step = 3  # 0-based: steps 0-2 committed
     proc = launch(tmp_path, nproc, str(victim), phase, str(kill_step))
     killed_at = kill_when_ready(proc, tmp_path)

@@ -41,9 +41,9 @@ def everything(model, opt) -> dict:
 
 def run(rank: int, world_size: int, root: str, job: str, stop_after: int | None, layout: str = "1d",
         replica: str = "always") -> dict:
-    """Restore (if any), then train to STEPS committing after each step; ``stop_after``: return after that many
-    steps of this incarnation, as a killed run would (its slots stay). ``replica="always"``: the replica path
-    even on this one host."""
+    """Restore (if any), then train to STEPS committing after each step; ``stop_after``: return after that
+    many steps of this incarnation, as a killed run would (its slots stay). ``replica="always"``: the replica
+    path even on this one host."""
     model, opt, sched = build(world_size, layout)
     state = State(model, opt, sched, root=root, job=job, seen=0, replica=replica)
     start = state.restore()
@@ -87,7 +87,8 @@ def test_restore_continues_as_the_uninterrupted_run(tmp_path, straight, before, 
 
 
 def lose_node(folder, node_ranks: set[int]) -> list[str]:
-    """Delete what a node of ``node_ranks`` held in memory: those ranks' own slots and the replicas they held."""
+    """Delete what a node of ``node_ranks`` held in memory: those ranks' own slots and the replicas they
+    held."""
     gone = []
     for path in sorted(folder.iterdir()):
         origin, kind = path.name.split("-")[:2]
@@ -184,5 +185,6 @@ def test_a_job_on_one_host_keeps_a_replica_only_when_told_to(tmp_path, replica, 
     held = sorted(p.name for p in (tmp_path / job).iterdir() if "-by" in p.name)
     assert [g["replica"] for g in got] == [kept, kept]
     assert held == (["r0-by1-s1", "r1-by0-s1"] if kept else [])
-    for r, g in enumerate(got):  # memory: the own slot, plus the other rank's when a replica is kept (one commit:
+    # memory: the own slot, plus the other rank's when a replica is kept (one commit:
+    for r, g in enumerate(got):
         assert g["mapped"] == g["own"] + (got[1 - r]["own"] if kept else 0)  # one slot of each)

@@ -27,7 +27,8 @@ from perparam.sharding.layout import ShardLayout
 
 pytestmark = pytest.mark.fast
 
-POLICIES = ["plain", "bf16", "int8", "fp8", "nf4", "stored_int8", "stored_nf4", "frozen", "replicate", "shard1"]
+POLICIES = ["plain", "bf16", "int8", "fp8", "nf4", "stored_int8", "stored_nf4", "frozen", "replicate",
+            "shard1"]
 
 
 def _policy(kind: str) -> ParamPolicy | None:

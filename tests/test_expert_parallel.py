@@ -57,15 +57,16 @@ def test_without_a_factor_expert_gradients_are_ep_times_the_mean():
 def test_the_factor_adds_no_collective():
     # per step: forward gathers the dense group (2 ranks) and the expert (1 rank); the expert gathers again
     # in backward (the root keeps its parameters); one reduce-scatter each. The factor is only a division.
-    want = Counter({("all_gather", 2): 1, ("all_gather", 1): 2, ("reduce_scatter", 2): 1, ("reduce_scatter", 1): 1})
+    want = Counter({("all_gather", 2): 1, ("all_gather", 1): 2, ("reduce_scatter", 2): 1,
+                    ("reduce_scatter", 1): 1})
     for factor in (None, 2):
         for got in run_distributed(expert_parallel, 2, "sgd", factor):
             assert got["counts"] == want, factor
 
 
 # -- HSDP, Replicate() parameters, low-precision reductions ------------------------------------------------
-HSDP_CASES = {"fp32": (torch.float32, None), "fp32_factor_2": (torch.float32, 2), "bf16": (torch.bfloat16, None),
-              "bf16_factor_4": (torch.bfloat16, 4.0)}
+HSDP_CASES = {"fp32": (torch.float32, None), "fp32_factor_2": (torch.float32, 2),
+              "bf16": (torch.bfloat16, None), "bf16_factor_4": (torch.bfloat16, 4.0)}
 
 
 def _small() -> nn.Sequential:
@@ -93,7 +94,8 @@ def hsdp_grads(rank: int, world_size: int) -> dict:
             F.mse_loss(model(x), y).backward()
         placements = {n: p.placements[-1] for n, p in model.named_parameters()}
         out[case] = {"grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
-                     "counts": Counter((r.kind, r.group_size) for r in comm.records), "placements": placements}
+                     "counts": Counter((r.kind, r.group_size) for r in comm.records),
+                     "placements": placements}
     return out
 
 
@@ -103,7 +105,8 @@ def test_hsdp_and_replicated_gradients_are_divided_by_the_factor_and_the_default
     F.mse_loss(model(x), y).backward()  # the mean over 4 ranks' equal batches
     want = {n: p.grad for n, p in model.named_parameters()}
     for got in run_distributed(hsdp_grads, 4):
-        assert got["fp32"]["placements"]["0.bias"] == Replicate() and got["fp32"]["placements"]["0.weight"] != Replicate()
+        assert (got["fp32"]["placements"]["0.bias"] == Replicate()
+                and got["fp32"]["placements"]["0.weight"] != Replicate())
         moe.assert_matches(got["fp32"]["grads"], want)
         # the sum over 4 ranks divided by 2: twice the mean, sharded and replicated parameters alike
         moe.assert_matches(got["fp32_factor_2"]["grads"], {n: 2 * g for n, g in want.items()})
@@ -139,7 +142,8 @@ def test_a_factor_that_is_not_a_positive_finite_number_is_refused(via_setter):
     for factor, message in zip(BAD_FACTORS, messages):
         assert repr(factor) in message and "positive finite number" in message, message
         assert "data-parallel degree" in message, message
-        assert ("Linear.set_gradient_divide_factor" if via_setter else "fully_shard(gradient_divide_factor") in message
+        assert ("Linear.set_gradient_divide_factor" if via_setter
+                else "fully_shard(gradient_divide_factor") in message
 
 
 def setter_scope(rank: int, world_size: int, recurse: bool) -> dict:

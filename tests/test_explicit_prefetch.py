@@ -26,8 +26,8 @@ def _layers() -> nn.Sequential:
 
 
 def _timeline(model: nn.Sequential, explicit: bool, rank: int) -> tuple[list[list[str]], dict]:
-    """Per step: the all-gathers (``AG<layer>``) and reduce-scatters (``RS``) in issue order, with ``c<layer>``
-    where each layer's forward starts computing; and the parameters after two SGD steps."""
+    """Per step: the all-gathers (``AG<layer>``) and reduce-scatters (``RS``) in issue order, with
+    ``c<layer>`` where each layer's forward starts computing; and the parameters after two SGD steps."""
     sizes = {}
     for i, layer in enumerate(model):  # which layer an all-gather belongs to, by its bytes
         with CommCounter() as comm:

@@ -19,17 +19,18 @@ TESTS = Path(__file__).resolve().parent
 #: the features whose one parity (or collective-count) test on gloo ranks the fast loop keeps; each file
 #: must keep at least one fast test (a new feature adds its file here with its marked test)
 FEATURES = (
-    "test_fully_shard_parity.py", "test_writes_seen.py", "test_init_matches_unsharded.py", "test_elastic_slots.py",
-    "test_collective_counts.py", "test_policies.py", "test_hsdp.py", "test_tensor_parallel.py",
-    "test_runtime_routes.py", "test_rank_dependent_use.py", "test_precision_islands.py", "test_nf4.py",
-    "test_zero_dim_params.py", "test_full_state_dict.py", "test_meta_assign_load.py", "test_stored_dtype.py",
-    "test_fsdp2_api_parity.py", "test_iteration_context.py", "test_no_import_side_effects.py",
-    "test_custom_collectives.py", "test_clip_grad_norm.py", "test_expert_parallel.py",
-    "test_post_accumulate_grad_hooks.py", "test_zero_stages.py", "test_invariant_training.py", "test_hpz.py",
-    "test_zero_copy_gather.py", "test_zero_copy_reduce_scatter.py", "test_whole_matrix.py",
-    "test_grad_quant.py", "test_param_mesh.py", "test_offload_plan.py", "test_offload.py", "test_paths.py",
-    "test_resolution_once.py", "test_threaded_ranks.py", "test_local_optimizer_step.py",
-    "test_owner_zero_grad.py", "test_block_output_objects.py", "test_invariant_uncounted_grads.py",
+    "test_fully_shard_parity.py", "test_writes_seen.py", "test_init_matches_unsharded.py",
+    "test_elastic_slots.py", "test_collective_counts.py", "test_policies.py", "test_hsdp.py",
+    "test_tensor_parallel.py", "test_runtime_routes.py", "test_rank_dependent_use.py",
+    "test_precision_islands.py", "test_nf4.py", "test_zero_dim_params.py", "test_full_state_dict.py",
+    "test_meta_assign_load.py", "test_stored_dtype.py", "test_fsdp2_api_parity.py",
+    "test_iteration_context.py", "test_no_import_side_effects.py", "test_custom_collectives.py",
+    "test_clip_grad_norm.py", "test_expert_parallel.py", "test_post_accumulate_grad_hooks.py",
+    "test_zero_stages.py", "test_invariant_training.py", "test_hpz.py", "test_zero_copy_gather.py",
+    "test_zero_copy_reduce_scatter.py", "test_whole_matrix.py", "test_grad_quant.py", "test_param_mesh.py",
+    "test_offload_plan.py", "test_offload.py", "test_paths.py", "test_resolution_once.py",
+    "test_threaded_ranks.py", "test_local_optimizer_step.py", "test_owner_zero_grad.py",
+    "test_block_output_objects.py", "test_invariant_uncounted_grads.py",
 )
 
 
@@ -74,7 +75,8 @@ def _placed_fast_marks(tree: ast.Module) -> int:
               and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)]
     placed += [d for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
                for d in n.decorator_list]
-    return sum(1 for root in placed for node in ast.walk(root) if _is_fast(node) and isinstance(node, ast.Attribute))
+    return sum(1 for root in placed
+               for node in ast.walk(root) if _is_fast(node) and isinstance(node, ast.Attribute))
 
 
 def _slow_tests(tree: ast.Module) -> set[str]:
@@ -107,7 +109,8 @@ def test_the_fast_loop_keeps_one_parity_test_per_feature_and_the_pure_files_whol
     pure = [p for p in _files() if p.name.endswith("_properties.py")]
     pure += [TESTS / n for n in ("test_layers.py", "test_public_names.py", "test_fast_selection.py")]
     partial = [p.name for p in pure if not fast_tests(p)[0]]
-    assert not partial, f"pure test files not marked fast as a whole (pytestmark = pytest.mark.fast): {partial}"
+    assert not partial, ("pure test files not marked fast as a whole (pytestmark = pytest.mark.fast): "
+                         f"{partial}")
 
 
 #: a suite's size or duration written out: "933 tests", "21 min", "3 minutes"
@@ -123,5 +126,6 @@ def test_the_suites_size_and_time_are_stated_in_the_readme_alone():
     for name in ("CONTRIBUTING.md", "Makefile"):
         text = (TESTS.parent / name).read_text()
         stated = [m.group() for m in STATED.finditer(text)]
-        assert not stated, f"{name} states the suite's size or time ({stated}): state it in README.md, point there"
+        assert not stated, (f"{name} states the suite's size or time ({stated}): state it in README.md, "
+                            "point there")
         assert "README.md" in text, f"{name} does not point to README.md for the suite's size and time"

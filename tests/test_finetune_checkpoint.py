@@ -54,7 +54,8 @@ def test_bad_resume_folders_stop_before_any_worker_starts(tmp_path, text_dir, ca
     assert "--save" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_resume_takes_the_newest_intact_checkpoint_and_names_what_it_skipped(tmp_path, text_dir, plain_tiny_run):
+def test_resume_takes_the_newest_intact_checkpoint_and_names_what_it_skipped(
+        tmp_path, text_dir, plain_tiny_run):
     """A truncated newest manifest (found by the launcher and the workers alike) and a flipped bit in the
     newest shard (found by the checksums at load, on every rank) each make --resume take step 2, saying
     so in one line; the run then continues as the uninterrupted one does."""
@@ -79,7 +80,8 @@ def test_resume_takes_the_newest_intact_checkpoint_and_names_what_it_skipped(tmp
                             "--summary-json", str(out))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines = [line for line in proc.stdout.splitlines() if "skipped" in line]
-        assert len(lines) == 1 and why in lines[0] and lines[0].endswith("resuming from step-000002"), proc.stdout
+        assert (len(lines) == 1 and why in lines[0]
+                and lines[0].endswith("resuming from step-000002")), proc.stdout
         if folder == flipped:
             assert "distcp was changed in place" in lines[0], lines[0]
         resumed = json.loads(out.read_text())

@@ -20,9 +20,11 @@ from tests.finetune_helpers import (
 )
 
 
-def _tiny_run(folder: Path, text_dir: Path, *flags: str, nproc: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
+def _tiny_run(folder: Path, text_dir: Path, *flags: str,
+              nproc: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
     out = folder / "runs" / "summary.json"
-    proc = run_finetune(*TINY, "--text", str(text_dir), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    proc = run_finetune(*TINY, "--text", str(text_dir), "--nproc", str(nproc), *flags, "--summary-json",
+                        str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     losses = [summary["heldout_loss_before"], summary["heldout_loss_after"], *summary["train_losses"]]
@@ -75,7 +77,8 @@ def test_hsdp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     the same losses as the plain 2-rank run (which also means the replicas stayed equal)."""
     _, base = fp32_run
     _, summary = _tiny_run(tmp_path, text_dir, "--dp-replicate", "2", nproc=4)
-    assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"], summary["tp"]) == (4, 2, 2, 1)
+    assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"],
+            summary["tp"]) == (4, 2, 2, 1)
     assert _close(summary["train_losses"], base["train_losses"])
     assert _close([summary["heldout_loss_after"]], [base["heldout_loss_after"]])
     # each rank holds what a rank of the 2-rank run holds; gradients are also all-reduced over the replicas
@@ -91,7 +94,8 @@ def test_tp_run_matches_the_plain_run(tmp_path, text_dir, fp32_run):
     run, and each rank holds 1/(2x2) of the tensor-parallel weights and 1/2 of the rest."""
     _, base = fp32_run
     proc, summary = _tiny_run(tmp_path, text_dir, "--tp", "2", nproc=4)
-    assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"], summary["tp"]) == (4, 1, 2, 2)
+    assert (summary["world_size"], summary["dp_replicate"], summary["dp_shard"],
+            summary["tp"]) == (4, 1, 2, 2)
     assert _close(summary["train_losses"], base["train_losses"])
     assert _close([summary["heldout_loss_after"]], [base["heldout_loss_after"]])
     per_rank, zero3 = summary["model_state_bytes_per_rank"], summary["model_state_bytes_zero3_formula"]
@@ -116,9 +120,9 @@ def test_bf16_compute_smoke(tmp_path, text_dir, fp32_run):
     assert summary["model_state_bytes_per_rank"] == base["model_state_bytes_per_rank"]
 
 
-# measured on this config: the layers' gathers (int8 codes + an fp32 scale per 256, or 4-bit NF4 codes + an fp32
-# scale per 64; fp32 norms) are 0.2565x / 0.1436x of fp32; a whole step, with the fp32 embedding gathered once,
-# 0.331x / 0.229x
+# measured on this config: the layers' gathers (int8 codes + an fp32 scale per 256, or 4-bit NF4 codes + an
+# fp32 scale per 64; fp32 norms) are 0.2565x / 0.1436x of fp32; a whole step, with the fp32 embedding gathered
+# once, 0.331x / 0.229x
 @pytest.mark.slow
 @pytest.mark.parametrize("quant,layers,step", [("int8", 0.27, 0.34), ("nf4", 0.15, 0.24)])
 def test_quantized_all_gather_smoke(tmp_path, text_dir, fp32_run, quant, layers, step):
@@ -177,21 +181,25 @@ def test_bad_inputs_give_one_line_errors(capsys, tmp_path, text_dir, bad_ggufs, 
     tiny = ["--config", "tiny", "--text", str(text_dir)]
     assert_one_line_error(capsys, ["--gguf", str(tmp_path / "missing.gguf"), "--text", str(text_dir)],
                           "does not exist")
-    assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["truncated"]), "--text", str(text_dir)], "truncated")
+    assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["truncated"]), "--text", str(text_dir)],
+                          "truncated")
     assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["other"]), "--text", str(text_dir)],
                           "architecture 'falcon'")
     assert_one_line_error(capsys, ["--assets", str(tmp_path / "no-assets")], "make assets")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_one_line_error(capsys, ["--config", "tiny", "--text", str(empty)], "no non-empty text file")
-    assert_one_line_error(capsys, ["--config", "tiny", "--text", str(tmp_path / "nothing.txt")], "does not exist")
+    assert_one_line_error(capsys, ["--config", "tiny", "--text", str(tmp_path / "nothing.txt")],
+                          "does not exist")
     assert_one_line_error(capsys, [*tiny, "--nproc", "16", "--batch-size", "16", "--seq-len", "512"],
                           "larger than the data allows")
     assert_one_line_error(capsys, [*tiny, "--seq-len", "5000"], "above the model's context of 1024")
-    assert_one_line_error(capsys, ["--gguf", str(bad_ggufs["good"]), "--text", str(text_dir), "--seq-len", "300"],
+    assert_one_line_error(capsys,
+                          ["--gguf", str(bad_ggufs["good"]), "--text", str(text_dir), "--seq-len", "300"],
                           "above the model's context of 256")
     assert_one_line_error(capsys, [*tiny, "--nproc", "3", "--batch-size", "4"], "cannot be split evenly")
-    assert_one_line_error(capsys, [*tiny, "--nproc", "6", "--dp-replicate", "4"], "pass a --nproc that is a multiple of 4")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "6", "--dp-replicate", "4"],
+                          "pass a --nproc that is a multiple of 4")
     assert_one_line_error(capsys, [*tiny, "--nproc", "2", "--tp", "4"], "multiple of 4")
     assert_one_line_error(capsys, [*tiny, "--tp", "0"], "--tp 0 must be at least 1")
     missing = tmp_path / "no-such-folder"
@@ -200,6 +208,7 @@ def test_bad_inputs_give_one_line_errors(capsys, tmp_path, text_dir, bad_ggufs, 
     assert not missing.exists()  # refused, never created
     assert_one_line_error(capsys, [*tiny, "--offload", "*=disk", "--offload-dir", str(bad_ggufs["good"])],
                           "is not a folder")
-    assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "4"], "--tp 4 does not divide the model's 2 key/value")
+    assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "4"],
+                          "--tp 4 does not divide the model's 2 key/value")
     assert_one_line_error(capsys, [*tiny, "--nproc", "4", "--tp", "2", "--batch-size", "3"],
                           "cannot be split evenly over 2 data-parallel ranks")

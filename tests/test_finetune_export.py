@@ -82,7 +82,8 @@ def test_exported_safetensors_have_hugging_face_names_and_the_exact_values(expor
 
 
 def _load_on_ranks(rank: int, world: int, path: str, tp: int) -> tuple[int, dict | None]:
-    """Rank ``rank`` of the main job's GGUF loading: how often it opened the file, and rank 0's gathered state."""
+    """Rank ``rank`` of the main job's GGUF loading: how often it opened the file, and rank 0's gathered
+    state."""
     from perparam.checkpoint import full_state_dict
     from perparam.finetune import gguf_loader
     from perparam.finetune.train import build_meshes, build_sharded_model
@@ -149,9 +150,11 @@ def test_bad_export_paths_stop_before_any_worker_starts(capsys, tmp_path, text_d
     (tmp_path / "dir.gguf").mkdir()
     assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "dir.gguf")], "is a folder")
     (tmp_path / "file").write_text("")
-    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "file" / "m.gguf")], "is a file, not a folder")
-    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "a.gguf"), "--export", str(tmp_path / "b.gguf")],
-                          "pass one path per suffix")
+    assert_one_line_error(capsys, [*tiny, "--export", str(tmp_path / "file" / "m.gguf")],
+                          "is a file, not a folder")
+    assert_one_line_error(capsys,
+                          [*tiny, "--export", str(tmp_path / "a.gguf"), "--export",
+                           str(tmp_path / "b.gguf")], "pass one path per suffix")
     if os.geteuid() != 0:  # root may write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)

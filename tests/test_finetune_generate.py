@@ -35,7 +35,8 @@ def _generate_rank(rank: int, world: int, tp: int, temperature: float) -> dict:
             model(torch.tensor([PROMPT]))
         gathers_later = comm.count("all_gather")
     return {"new": new, "gathers_after_forward": gathers_after_forward, "groups": groups,
-            "gathers_later": gathers_later, "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+            "gathers_later": gathers_later,
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
 def test_generation_gives_the_same_text_on_1_2_and_4_ranks_gathering_once():
@@ -49,5 +50,6 @@ def test_generation_gives_the_same_text_on_1_2_and_4_ranks_gathering_once():
         for r in results:
             assert r["new"] == reference, (layout, r["new"], reference)
             # every group all-gathered in the first forward, then no all-gather for the other tokens
-            assert r["gathers_after_forward"] == [r["groups"]] * NEW_TOKENS, (layout, r["gathers_after_forward"])
+            assert (r["gathers_after_forward"] == [r["groups"]]
+                    * NEW_TOKENS), (layout, r["gathers_after_forward"])
             assert r["gathers_later"] == 2 * r["groups"] and r["sharded"], layout

@@ -1,9 +1,9 @@
 """``perparam finetune --invariant-units U``: the rule (a power of two that --nproc divides, a batch of whole
 units) and the flags the mode refuses are one-line errors before any worker starts; the global batch is cut
 into the same units whatever the number of ranks, each rank taking its contiguous U/K of them, at every
-step of the stream; ``--nproc 1`` and ``4`` write the same per-step losses, gradient norms, held-out losses and
-GGUF bit for bit, and a checkpoint saved at ``--nproc 4`` resumed at ``--nproc 2`` ends on the same losses,
-GGUF and checkpoint (parameters, AdamW state, schedule) as the uninterrupted ``--nproc 4`` run."""
+step of the stream; ``--nproc 1`` and ``4`` write the same per-step losses, gradient norms, held-out losses
+and GGUF bit for bit, and a checkpoint saved at ``--nproc 4`` resumed at ``--nproc 2`` ends on the same
+losses, GGUF and checkpoint (parameters, AdamW state, schedule) as the uninterrupted ``--nproc 4`` run."""
 
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ RUN = ("--invariant-units", "4", "--max-grad-norm", "0.5", "--eval-every", "2")
     (["--invariant-units", "0"], "--invariant-units 0 must be a power of two"),
     (["--invariant-units", "2", "--nproc", "4"], "--invariant-units 2 is not divisible by --nproc 4"),
     (["--invariant-units", "8", "--nproc", "2"], "--batch-size 4 cannot be cut into --invariant-units 8"),
-    (["--invariant-units", "4", "--nproc", "2", "--tp", "2"], "--invariant-units with --tp 2: tensor parallelism"),
+    (["--invariant-units", "4", "--nproc", "2", "--tp", "2"],
+     "--invariant-units with --tp 2: tensor parallelism"),
     (["--invariant-units", "4", "--nproc", "2", "--grad-quant", "int8"],
      "--invariant-units with --grad-quant int8: quantized gradient reduction"),
     (["--invariant-units", "4", "--grad-accum", "3"], "--invariant-units with --grad-accum 3: a step's U x"),
-    (["--invariant-units", "4", "--quant", "int8"], "--invariant-units with --quant int8: a quantized all-gather"),
+    (["--invariant-units", "4", "--quant", "int8"],
+     "--invariant-units with --quant int8: a quantized all-gather"),
 ])
 def test_invariant_units_rule_and_refused_flags_are_one_line_errors(capsys, text_dir, flags, expect):
     assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), *flags], expect)
@@ -45,7 +47,8 @@ def test_invariant_units_without_the_library_mode_are_refused_not_run_silently(c
                           "no K-invariant mode (perparam.no_such_mode")
 
 
-def test_invariant_units_on_cuda_with_several_ranks_are_refused_before_workers_start(capsys, text_dir, monkeypatch):
+def test_invariant_units_on_cuda_with_several_ranks_are_refused_before_workers_start(
+        capsys, text_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--invariant-units", "4", "--nproc", "2"],
                           "--invariant-units on CUDA with --nproc 2")
@@ -75,9 +78,11 @@ def test_the_heldout_rows_are_a_multiple_of_the_units_the_same_at_every_nproc():
     from perparam.finetune.tokenizer import ByteTokenizer
 
     docs = [("a", "x" * 2000), ("b", "y" * 700)]  # 10 held-out rows of 64; 200 tokens ask for 4
-    rows = {k: prepare_data(docs, (), ByteTokenizer(), 63, k, 200, "t", eval_pieces=8).heldout for k in (1, 2, 4)}
+    rows = {k: prepare_data(docs, (), ByteTokenizer(), 63, k, 200, "t", eval_pieces=8).heldout
+            for k in (1, 2, 4)}
     assert all(torch.equal(r, rows[1]) for r in rows.values()) and rows[1].shape[0] == 8  # not 4 (nor 3 or 5)
-    with pytest.raises(FinetuneInputError, match="--invariant-units 16: the held-out text gives fewer than 16"):
+    with pytest.raises(FinetuneInputError,
+                       match="--invariant-units 16: the held-out text gives fewer than 16"):
         prepare_data(docs, (), ByteTokenizer(), 63, 2, 2000, "t", eval_pieces=16)
 
 def _launch(out: Path, text: Path, name: str, nproc: int, *flags: str) -> subprocess.Popen:
@@ -138,13 +143,16 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_saved_at_nproc_4_resumed_at_nproc_2_ends_on_the_uninterrupted_runs_losses_gguf_and_checkpoint(straight):
+def test_saved_at_nproc_4_resumed_at_nproc_2_ends_on_the_uninterrupted_runs_losses_gguf_and_checkpoint(
+        straight):
     out = straight["dir"]
-    resumed = _done(out, "r2", _launch(out, straight["text"], "r2", 2, "--resume", str(out / "ck4" / "step-000002"),
-                                       "--save", str(out / "ckr")))
+    resumed = _done(out, "r2",
+                    _launch(out, straight["text"], "r2", 2, "--resume", str(out / "ck4" / "step-000002"),
+                            "--save", str(out / "ckr")))
     four = straight[4]
     assert resumed["first_step"] == 2
-    assert resumed["train_losses"] == four["train_losses"][2:] and resumed["grad_norms"] == four["grad_norms"][2:]
+    assert (resumed["train_losses"] == four["train_losses"][2:]
+            and resumed["grad_norms"] == four["grad_norms"][2:])
     assert resumed["heldout_losses"] == four["heldout_losses"][1:]  # from step 2 (the resumed model) on
     assert resumed["gguf_sha256"] == four["gguf_sha256"]
     a, b = _checkpoint(out / "ck4" / "step-000004", out), _checkpoint(out / "ckr" / "step-000004", out)

@@ -1,5 +1,5 @@
-"""``perparam finetune``'s training loop, samples and plot on the tiny config: ``--grad-accum 2 --batch-size 4``
-takes the steps of ``--batch-size 8``; the learning-rate schedule's values, also across ``--resume``; the
+"""``perparam finetune``'s training loop, samples and plot on the tiny config: ``--grad-accum 2 --batch-size
+4`` takes the steps of ``--batch-size 8``; the learning-rate schedule's values, also across ``--resume``; the
 ``--plot`` PNG holds the run's series; samples are stored and are the same on 1 and 2 ranks; bad values of the
 new flags stop with one line before any worker starts."""
 
@@ -25,7 +25,8 @@ GENERATE = ("--generate", PROMPTS[0], "--generate", PROMPTS[1], "--max-new-token
 
 def _run(folder: Path, text: Path, *flags: str, nproc: int = 2, ok: bool = True):
     out = folder / "summary.json"
-    proc = run_finetune(*TINY, *LOOP, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    proc = run_finetune(*TINY, *LOOP, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json",
+                        str(out))
     if ok:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, (json.loads(out.read_text()) if ok else None)
@@ -49,7 +50,8 @@ def test_grad_accum_2_of_batch_4_equals_batch_8_and_samples_match_on_one_rank(tm
     _, proc, accum = accum_run
     _, plain = _run(tmp_path, text_dir, "--batch-size", "8", *GENERATE, nproc=1)
     assert accum["grad_accum"] == 2 and plain["grad_accum"] == 1 and len(accum["train_losses"]) == 4
-    assert _close(accum["train_losses"], plain["train_losses"]), (accum["train_losses"], plain["train_losses"])
+    assert _close(accum["train_losses"], plain["train_losses"]), (accum["train_losses"],
+                                                                  plain["train_losses"])
     assert _close(accum["grad_norms"], plain["grad_norms"]) and len(accum["grad_norms"]) == 4
     assert _close([x for _, x in accum["heldout_losses"]], [x for _, x in plain["heldout_losses"]])
     assert accum["lrs"] == plain["lrs"] == [schedule.lr_at(s, 3e-3, 4, 1, 3e-4) for s in range(4)]
@@ -61,7 +63,8 @@ def test_grad_accum_2_of_batch_4_equals_batch_8_and_samples_match_on_one_rank(tm
     # samples: the same text before fine-tuning on 1 and 2 ranks (same init, same --sample-seed)
     assert [s["prompt"] for s in accum["samples"]] == list(PROMPTS)
     assert [s["before"] for s in accum["samples"]] == [s["before"] for s in plain["samples"]]
-    assert all(len(s["before"]) and len(s["after"]) for s in accum["samples"])  # 12 bytes each, printable or not
+    # 12 bytes each, printable or not
+    assert all(len(s["before"]) and len(s["after"]) for s in accum["samples"])
     assert accum["sampling_all_gathers_per_generation"] == 3  # 2 layers + root, once for 12 forwards
     assert accum["mfu"] > 0 and accum["matmul_peak_flops"] > 0 and accum["tokens_per_s"] > 0
     assert "step 1/4  loss" in proc.stdout and "grad-norm" in proc.stdout and "Samples (" in proc.stdout
@@ -81,7 +84,8 @@ def test_plot_png_holds_the_runs_series(accum_run):
 
 
 @pytest.mark.slow
-def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_dir, accum_run, capsys, monkeypatch):
+def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_dir, accum_run, capsys,
+                                                               monkeypatch):
     folder, _, straight = accum_run
     mid_schedule = folder / "ckpt" / "step-000002"  # after the warmup, 2 steps into the cosine decay
     _, resumed = _run(tmp_path, text_dir, "--grad-accum", "2", "--resume", str(mid_schedule))
@@ -104,7 +108,8 @@ def test_resume_mid_schedule_continues_the_same_learning_rates(tmp_path, text_di
 def test_learning_rate_schedule_values_and_lambda_lr_state_round_trip():
     lr, min_lr, steps, warmup = 1e-3, 1e-4, 10, 2
     want = [lr / 2, lr] + [min_lr + (lr - min_lr) * (1 + math.cos(math.pi * k / 8)) / 2 for k in range(1, 9)]
-    assert [schedule.lr_at(s, lr, steps, warmup, min_lr) for s in range(steps)] == pytest.approx(want, rel=1e-12)
+    assert [schedule.lr_at(s, lr, steps, warmup, min_lr)
+            for s in range(steps)] == pytest.approx(want, rel=1e-12)
     assert schedule.lr_at(steps - 1, lr, steps, warmup, min_lr) == pytest.approx(min_lr, rel=1e-12)
     assert [schedule.lr_at(s, lr, steps) for s in range(steps)] == [lr] * steps  # default: constant
 

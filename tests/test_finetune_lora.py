@@ -132,10 +132,12 @@ def _qlora_rank(rank: int, world: int) -> dict:
     fp32_bytes = sum(p.numel() * 4 for p in bases.values())
     _shard(model, world, cfg)
     named = dict(model.named_parameters())
-    base_bytes = sum(named[n].to_local().nbytes + model.get_buffer(f"{n}_qscale").to_local().nbytes for n in bases)
+    base_bytes = sum(named[n].to_local().nbytes + model.get_buffer(f"{n}_qscale").to_local().nbytes
+                     for n in bases)
     codes = {n: named[n].to_local().clone() for n in bases}
     opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
-    inputs, targets = (t.chunk(world)[rank] for t in (_rows()[:GLOBAL_BATCH, :-1], _rows()[:GLOBAL_BATCH, 1:]))
+    inputs, targets = (t.chunk(world)[rank]
+                       for t in (_rows()[:GLOBAL_BATCH, :-1], _rows()[:GLOBAL_BATCH, 1:]))
     losses, comms = [], []
     for _ in range(8):  # one batch again and again: the loss must fall
         opt.zero_grad(set_to_none=True)
@@ -206,8 +208,8 @@ def _resume_rank(rank: int, world: int, folder: str) -> dict:
     from perparam.finetune.lora import trainable_parameters
     from perparam.finetune.model import next_token_loss
 
-    job = JobConfig(steps=3, seq_len=SEQ, batch_size=GLOBAL_BATCH, lr=1e-2, seed=0, config="tiny", save=folder,
-                    save_every=2, lora=4, lora_alpha=8.0, qlora=True)
+    job = JobConfig(steps=3, seq_len=SEQ, batch_size=GLOBAL_BATCH, lr=1e-2, seed=0, config="tiny",
+                    save=folder, save_every=2, lora=4, lora_alpha=8.0, qlora=True)
     stream = BatchStream(_rows(), GLOBAL_BATCH, seed=0)
 
     def run(first: int, last: int, model=None, resume: str | None = None):
@@ -249,8 +251,9 @@ def test_qlora_checkpoint_resume_continues_exactly(tmp_path):
     for r in run_distributed(_resume_rank, 2, str(tmp_path / "ckpt"), timeout=120):
         assert r["first"] == 2 and r["losses"] == r["straight"] and r["same"], r
         assert r["state"] == 2 * 7 * 2  # AdamW state of the adapters only
-        assert r["extra_lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                   "gate_proj", "up_proj", "down_proj"], "qlora": True}
+        assert r["extra_lora"] == {"rank": 4, "alpha": 8.0,
+                                   "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                               "up_proj", "down_proj"], "qlora": True}
 
 
 @pytest.mark.slow
@@ -274,7 +277,8 @@ def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp
     assert summary["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "down_proj"], "qlora": False}
     assert summary["param_dtype"] == "fp32" and "LoRA: rank 4, alpha 8 (scale 2)" in proc.stdout
     by_mode = summary["model_state_bytes_by_mode"]
-    assert by_mode["mode"] == "lora" and by_mode["measured"]["params"] == by_mode["planned_rank0"]["lora"]["params"]
+    assert (by_mode["mode"] == "lora"
+            and by_mode["measured"]["params"] == by_mode["planned_rank0"]["lora"]["params"])
     planned = by_mode["planned_rank0"]
     assert planned["lora"]["trainable"] == 2 * 4 * (64 + 64 + 128 + 64)  # 2 layers x rank 4 x (in + out)
     adapters = 4 * planned["lora"]["trainable"] // 2  # fp32 bytes of rank 0's half of the adapters
@@ -283,11 +287,13 @@ def test_lora_flags_end_to_end_and_a_resume_with_other_lora_flags_is_refused(tmp
     assert planned["full"]["grads"] == planned["full"]["params"]
     projections = 4 * 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) // 2  # rank 0's fp32 bytes of them
     # QLoRA: the projections at 0.140625x (NF4 codes + scales), the embedding and norms fp32, the adapters
-    assert planned["qlora"]["params"] == planned["full"]["params"] - projections + 0.140625 * projections + adapters
+    assert (planned["qlora"]["params"] == planned["full"]["params"] - projections + 0.140625 * projections
+            + adapters)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--resume", str(ckpt), "--steps", "6"],
-                          "trained with --lora 4 --lora-alpha 8 --lora-targets q_proj,down_proj, this run has no --lora")
+                          "trained with --lora 4 --lora-alpha 8 --lora-targets q_proj,down_proj, this run "
+                          "has no --lora")
 
 
 @pytest.mark.parametrize("flags, expect", [

@@ -26,7 +26,8 @@ LOSS_TOL, WEIGHT_TOL = 5e-5, 2e-3
 
 def _run(tmp: Path, text: Path, name: str, *flags: str, nproc: int = 2) -> dict:
     out = tmp / f"{name}.json"
-    proc = run_finetune(*TINY, *MUON, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json", str(out))
+    proc = run_finetune(*TINY, *MUON, "--text", str(text), "--nproc", str(nproc), *flags, "--summary-json",
+                        str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())
 
@@ -55,7 +56,8 @@ def test_muon_trains_and_two_ranks_end_where_one_rank_does(muon_run, text_dir, p
     assert abs(one["heldout_loss_after"] - two["heldout_loss_after"]) <= LOSS_TOL
 
 
-def test_muon_save_at_step_2_then_resume_equals_the_uninterrupted_run(muon_run, text_dir, capsys, monkeypatch):
+def test_muon_save_at_step_2_then_resume_equals_the_uninterrupted_run(muon_run, text_dir, capsys,
+                                                                      monkeypatch):
     tmp, straight = muon_run
     ckpt = tmp / "ckpt"
     first = _run(tmp, text_dir, "first", "--steps", "2", "--save", str(ckpt), "--save-every", "1")
@@ -67,7 +69,8 @@ def test_muon_save_at_step_2_then_resume_equals_the_uninterrupted_run(muon_run, 
     assert resumed["first_step"] == 2
     assert resumed["train_losses"] == straight["train_losses"][2:]  # fp32, same world: bitwise
     assert resumed["heldout_loss_after"] == straight["heldout_loss_after"]
-    one_rank = _run(tmp, text_dir, "one-resumed", "--resume", str(ckpt), nproc=1)  # owners re-planned for K = 1
+    # owners re-planned for K = 1
+    one_rank = _run(tmp, text_dir, "one-resumed", "--resume", str(ckpt), nproc=1)
     assert max(abs(a - b) for a, b in zip(one_rank["train_losses"], straight["train_losses"][2:])) <= LOSS_TOL
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

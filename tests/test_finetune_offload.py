@@ -14,7 +14,8 @@ from tests.finetune_helpers import TINY, assert_one_line_error, run_finetune
 def test_memory_budget_plans_applies_and_trains_exactly_as_without(tmp_path, text_dir, plain_tiny_run):
     budgeted = tmp_path / "budget.json"
     _, want = plain_tiny_run  # the same flags without offload: TINY on text_dir, 2 ranks
-    per_rank = max(sum(r[k] for k in ("params", "grads", "optimizer")) for r in want["model_state_bytes_by_rank"])
+    per_rank = max(sum(r[k] for k in ("params", "grads", "optimizer"))
+                   for r in want["model_state_bytes_by_rank"])
     budget = per_rank // 2  # AdamW state alone is half of fp32 training's model state: some shards go too
     done = run_finetune(*TINY, "--text", str(text_dir), "--nproc", "2", "--summary-json", str(budgeted),
                         "--memory-budget", str(budget), "--offload-dir", str(tmp_path), timeout=300)

@@ -68,7 +68,8 @@ def _parity_rank(rank: int, world: int) -> dict:
     ref = dict(reference.named_parameters())
     max_diff = max((full[n] - ref[n]).abs().max().item() for n in ref)
     return {"sharded": sharded, "losses": losses, "ref_losses": ref_losses, "max_param_diff": max_diff,
-            "names": sorted(full) == sorted(ref), "tensors": len(full), "bytes": model_state_bytes(model, opt).as_dict(),
+            "names": sorted(full) == sorted(ref), "tensors": len(full),
+            "bytes": model_state_bytes(model, opt).as_dict(),
             "params_total": sum(p.numel() for p in reference.parameters())}
 
 
@@ -142,7 +143,8 @@ def _layout_parity_rank(rank: int, world: int, layouts: tuple[tuple[int, int], .
             loss.backward()
             opt.step()
             mean = loss.detach().clone()
-            dist.all_reduce(mean)  # the tp ranks of one dp group hold the same loss: the world mean is the dp mean
+            # the tp ranks of one dp group hold the same loss: the world mean is the dp mean
+            dist.all_reduce(mean)
             losses.append(mean.item() / world)
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         out[(replicate, tp)] = {
@@ -155,7 +157,8 @@ def _layout_parity_rank(rank: int, world: int, layouts: tuple[tuple[int, int], .
 
 # Two process sets: after a (1, 2, 2) world mesh was used for tensor parallelism, a parameter parallelised
 # on a later (2, 1, 2) mesh's "tp" slice reports the earlier (equal) tp mesh, whose root fully_shard then
-# rejects (perparam/runtime/tp.py compares root meshes by identity); one world mesh per process is the normal case.
+# rejects (perparam/runtime/tp.py compares root meshes by identity); one world mesh per process is the normal
+# case.
 @pytest.mark.parametrize("layouts", [((1, 2),), ((2, 1), (2, 2))], ids=["tp2xdp2", "hsdp2x2,hsdp2xtp2"])
 def test_tp_and_hsdp_layouts_on_four_ranks_match_one_process(layouts):
     results = run_distributed(_layout_parity_rank, 4, layouts, timeout=180)
@@ -165,9 +168,11 @@ def test_tp_and_hsdp_layouts_on_four_ranks_match_one_process(layouts):
             assert got["dp_rank"] == rank // tp  # mesh order (dp_replicate, dp_shard, tp)
             diffs = [abs(a - b) for a, b in zip(got["losses"], r["ref_losses"], strict=True)]
             assert max(diffs) <= LAYOUT_TOL, ((replicate, tp), got["losses"], r["ref_losses"])
-            assert got["max_param_diff"] <= LAYOUT_PARAM_TOL, ((replicate, tp), got["max_param_diff"], got["worst_param"])
+            assert got["max_param_diff"] <= LAYOUT_PARAM_TOL, ((replicate, tp), got["max_param_diff"],
+                                                               got["worst_param"])
             shard = 4 // (replicate * tp)
             f = got["factors"]
             assert f["embed.weight"] == f["layers.0.attn_norm.weight"] == shard  # not tensor-parallel
             assert f["layers.0.attn.q_proj.weight"] == f["layers.1.mlp.down_proj.weight"] == shard * tp
-    assert results[0]["moved"] > 100 * LAYOUT_PARAM_TOL  # the steps changed the weights well beyond the tolerance
+    # the steps changed the weights well beyond the tolerance
+    assert results[0]["moved"] > 100 * LAYOUT_PARAM_TOL

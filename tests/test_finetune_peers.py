@@ -16,7 +16,8 @@ import pytest
 from perparam.finetune import peers
 from tests.finetune_helpers import REPO, subprocess_env
 
-pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.fast]
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+              pytest.mark.fast]
 
 #: a torchrun worker (no perparam launcher) that has finished step 5 of 10 and saved step 4
 WORKER = textwrap.dedent("""
@@ -41,8 +42,9 @@ def _closed_port() -> int:
 
 
 def _sigterm_worker(store_port: int, dead_peer: int = 0, rank: int = 0) -> tuple[int, str]:
-    env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": "0", "GROUP_RANK": str(rank), "WORLD_SIZE": "2",
-           "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port)}
+    env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": "0", "GROUP_RANK": str(rank),
+           "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store_port)}
     env.pop("PET_RDZV_ENDPOINT", None)
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(dead_peer)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -60,8 +62,9 @@ def test_a_sigterm_after_the_store_host_died_names_it_and_exits_1():
     port = _closed_port()
     code, err = _sigterm_worker(port, rank=1)
     assert code == 1, err
-    assert err.strip() == (f"perparam finetune: rank 1 stopped: a peer process died (node 0 (host of the workers' "
-                           f"store 127.0.0.1:{port}) is gone); last checkpoint: step 4 in /ckpt"), err
+    assert err.strip() == ("perparam finetune: rank 1 stopped: a peer process died (node 0 (host of the "
+                           f"workers' store 127.0.0.1:{port}) is gone); last checkpoint: step 4 in "
+                           "/ckpt"), err
 
 
 def test_a_sigterm_after_a_peer_nodes_rank_died_names_the_rank():
@@ -72,8 +75,8 @@ def test_a_sigterm_after_a_peer_nodes_rank_died_names_the_rank():
         store.listen()
         code, err = _sigterm_worker(store.getsockname()[1], dead_peer=gone.pid, rank=1)
     assert code == 1, err
-    assert err.strip() == ("perparam finetune: rank 1 stopped: a peer process died (rank 0 (node 0) is gone); "
-                           "last checkpoint: step 4 in /ckpt"), err
+    assert err.strip() == ("perparam finetune: rank 1 stopped: a peer process died (rank 0 (node 0) is "
+                           "gone); last checkpoint: step 4 in /ckpt"), err
 
 
 def test_a_sigterm_with_every_peer_and_store_alive_is_an_interruption():
@@ -86,7 +89,8 @@ def test_a_sigterm_with_every_peer_and_store_alive_is_an_interruption():
 
 
 def test_the_rendezvous_endpoint_is_read_from_torchruns_command_line():
-    argv = ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv_endpoint", "10.0.0.7:29500", "x"]
+    argv = ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv_endpoint", "10.0.0.7:29500",
+            "x"]
     assert peers.rendezvous_endpoint(argv) == ("10.0.0.7", 29500)
     assert peers.rendezvous_endpoint(["torchrun", "--rdzv-endpoint=node7", "x"]) == ("node7", 29400)
     assert peers.rendezvous_endpoint(["torchrun", "--rdzv-endpoint", "[::1]:1234"]) == ("::1", 1234)

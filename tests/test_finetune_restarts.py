@@ -1,7 +1,8 @@
 """``perparam finetune --max-restarts N``: a worker SIGKILLed from outside mid-run is restarted by torch's
 elastic agent and the job continues from the in-memory snapshot of the last completed step; with
 ``--invariant-units`` it ends on the uninterrupted run's losses, held-out losses, gradient norms, GGUF and
-final checkpoint (parameters and every AdamW state tensor) bit for bit, and the summary records the restart."""
+final checkpoint (parameters and every AdamW state tensor) bit for bit, and the summary records the
+restart."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import torch
 
 from tests.finetune_helpers import REPO, TINY, assert_one_line_error, subprocess_env
 
-RUN = ("--nproc", "4", "--invariant-units", "8", "--batch-size", "8", "--steps", "12", "--max-grad-norm", "0.5",
-       "--eval-every", "4", "--save-every", "12")
+RUN = ("--nproc", "4", "--invariant-units", "8", "--batch-size", "8", "--steps", "12", "--max-grad-norm",
+       "0.5", "--eval-every", "4", "--save-every", "12")
 
 
 def _launch(out: Path, text: Path, name: str, *flags: str) -> subprocess.Popen:
@@ -66,7 +67,8 @@ def _kill_at_step(proc: subprocess.Popen, rank: int, step: int) -> int:
     deadline = time.time() + 240
     while time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[0][-4000:]
-        for progress in glob.glob(os.path.join(tempfile.gettempdir(), f"perparam-finetune-{proc.pid}-*", "progress")):
+        for progress in glob.glob(os.path.join(tempfile.gettempdir(), f"perparam-finetune-{proc.pid}-*",
+                                               "progress")):
             try:
                 done = int(Path(progress).read_text().split()[0])
             except (OSError, ValueError, IndexError):
@@ -89,13 +91,14 @@ def test_a_rank_killed_at_step_5_of_12_ends_on_the_uninterrupted_runs_bits(tmp_p
     got, log = _done(tmp_path, "killed", faulted)
     assert 5 <= killed_after < 12
     assert got["restarts"] == 1 and len(got["restored_at_step"]) == 1
-    # the progress file says a step is done before its snapshot is committed: the kill may land between the two
+    # the progress file says a step is done before its snapshot is committed: the kill may land between the
+    # two
     assert got["restored_at_step"][0] >= killed_after - 1
     times = got["restart_times"][0]  # the restart's timeline, in order (seconds: benchmarks/fault_matrix.py)
     assert times["restart"] == 1 and times["restored_at_step"] == got["restored_at_step"][0]
     assert times["detected"] <= times["started"] <= times["ready"] <= times["first_step"]
-    for key in ("train_losses", "grad_norms", "heldout_losses", "lrs", "heldout_loss_before", "heldout_loss_after",
-                "gguf_sha256"):
+    for key in ("train_losses", "grad_norms", "heldout_losses", "lrs", "heldout_loss_before",
+                "heldout_loss_after", "gguf_sha256"):
         assert got[key] == want[key], key
     a = _checkpoint(tmp_path / "ck-straight" / "step-000012", tmp_path)
     b = _checkpoint(tmp_path / "ck-killed" / "step-000012", tmp_path)
@@ -109,7 +112,8 @@ def test_a_rank_killed_at_step_5_of_12_ends_on_the_uninterrupted_runs_bits(tmp_p
 @pytest.mark.parametrize("flags,expect", [
     (["--max-restarts", "-1"], "--max-restarts -1 must be 0 or more"),
     (["--max-restarts", "1", "--snapshot-every", "0"], "--snapshot-every 0 must be 1 or more"),
-    (["--max-restarts", "1", "--nproc", "2", "--tp", "2"], "--max-restarts with --tp 2: in-memory snapshots do not"),
+    (["--max-restarts", "1", "--nproc", "2", "--tp", "2"],
+     "--max-restarts with --tp 2: in-memory snapshots do not"),
 ])
 def test_max_restarts_refuses_what_cannot_compose_in_one_line(capsys, text_dir, flags, expect):
     assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), *flags], expect)

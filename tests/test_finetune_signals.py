@@ -108,7 +108,8 @@ def test_an_interrupted_run_names_its_last_checkpoint(tmp_path):
     run.proc.send_signal(signal.SIGINT)
     status, err = run.finish()
     assert status == 130 and count_tracebacks(err) == 0, err
-    match = re.fullmatch(r"perparam finetune: interrupted at step (\d+)/2000; last checkpoint: step (\d+) in (.+)",
+    match = re.fullmatch(r"perparam finetune: interrupted at step (\d+)/2000; last checkpoint: step (\d+) in "
+                         r"(.+)",
                          err.strip())
     assert match, err
     step, saved, folder = int(match[1]), int(match[2]), Path(match[3])
@@ -148,8 +149,10 @@ def test_a_killed_worker_after_a_checkpoint_names_it(tmp_path):
     os.kill(_workers_of(run.proc.pid)[-1], signal.SIGKILL)
     status, err = run.finish()
     assert status == 1 and count_tracebacks(err) == 0, err
-    assert re.fullmatch(r"perparam finetune: error: rank \d was killed by signal 9 \(its output is above\); the other "
-                        rf"ranks were stopped; last checkpoint: step \d+ in {re.escape(str(ckpt.absolute()))}",
+    assert re.fullmatch(r"perparam finetune: error: rank \d was killed by signal 9 \(its output is above\); "
+                        r"the other "
+                        r"ranks were stopped; last checkpoint: step \d+ in "
+                        rf"{re.escape(str(ckpt.absolute()))}",
                         err.strip().splitlines()[-1]), err
     run.assert_nothing_left()
 
@@ -164,10 +167,12 @@ def test_a_stopped_worker_is_named_and_killed_by_the_step_watchdog(tmp_path):
     assert status == 1 and count_tracebacks(err) == 0, err
     lines = err.strip().splitlines()
     assert len(lines) == 2, err
-    said = re.fullmatch(rf"perparam: rank (\d) \(host \S+, pid {workers[-1]}\) was stopped: rank \d saw no step for "
+    said = re.fullmatch(rf"perparam: rank (\d) \(host \S+, pid {workers[-1]}\) was stopped: rank \d saw no "
+                        r"step for "
                         r"[\d.]+ s, over the step watchdog's bound of 3.0 s \(set\); killed it", lines[0])
     assert said, err
-    assert re.fullmatch(rf"perparam finetune: error: rank {said[1]} was killed by signal 9 \(its output is above\); "
+    assert re.fullmatch(rf"perparam finetune: error: rank {said[1]} was killed by signal 9 \(its output is "
+                        r"above\); "
                         r"the other ranks were stopped; last checkpoint: step \d+ in .+", lines[1]), err
     run.assert_nothing_left()
 

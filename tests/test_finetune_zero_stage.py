@@ -9,7 +9,8 @@ import json
 from tests.finetune_helpers import TINY, assert_one_line_error, run_finetune
 
 
-def test_finetune_zero_stage_1_holds_whole_parameters_and_gradients_as_planned_for_stage_1(tmp_path, text_dir):
+def test_finetune_zero_stage_1_holds_whole_parameters_and_gradients_as_planned_for_stage_1(
+        tmp_path, text_dir):
     """The flag reaches every ``fully_shard`` call: each rank holds the whole model (kept copies, the fp32
     shards views of them) and whole gradients, AdamW state sharded (parity of the stages themselves:
     tests/test_zero_stages.py)."""
@@ -33,13 +34,16 @@ def test_finetune_zero_stage_1_holds_whole_parameters_and_gradients_as_planned_f
     assert (measured["params"], measured["grads"]) == (planned["1"]["params"], planned["1"]["grads"])
     assert 0 <= measured["optimizer"] - planned["1"]["optimizer"] <= 8 * summary["param_tensors"]
     assert planned["1"]["params"] == planned["2"]["params"] > planned["3"]["params"]  # the kept whole copy
-    assert planned["1"]["grads"] > planned["2"]["grads"] == planned["3"]["grads"]  # stage 1: the whole gradient
-    for row in ("full fine-tuning, stage 1", "full fine-tuning, stage 2", "full fine-tuning, stage 3", "(measured)"):
+    # stage 1: the whole gradient
+    assert planned["1"]["grads"] > planned["2"]["grads"] == planned["3"]["grads"]
+    for row in ("full fine-tuning, stage 1", "full fine-tuning, stage 2", "full fine-tuning, stage 3",
+                "(measured)"):
         assert row in proc.stdout, proc.stdout
 
 
 def test_finetune_refuses_zero_stage_1_or_2_with_qlora(capsys, text_dir):
-    assert_one_line_error(capsys, [*TINY, "--text", str(text_dir), "--qlora", "--lora", "4", "--zero-stage", "2"],
+    assert_one_line_error(capsys,
+                          [*TINY, "--text", str(text_dir), "--qlora", "--lora", "4", "--zero-stage", "2"],
                           "--zero-stage 2 cannot go with --qlora")
 
 
@@ -55,8 +59,8 @@ def test_qlora_table_marks_stages_1_and_2_refused_beside_stage_3(capsys):
     planned = lora_memory.planned_bytes(LlamaConfig.tiny(), 2, cfg, zero_stage=1)
     assert planned["qlora"]["zero_stage"] == 3 and planned["full"]["zero_stage"] == 1
     measured = {**by_stage["3"]}
-    lora_memory.print_mode_table({"planned_rank0": planned, "planned_rank0_by_stage": by_stage, "measured": measured,
-                                  "mode": "qlora", "zero_stage": 3, "lora_rank": 4, "lora_targets": ["q_proj"],
-                                  "shard_ranks": 2})
+    lora_memory.print_mode_table({"planned_rank0": planned, "planned_rank0_by_stage": by_stage,
+                                  "measured": measured, "mode": "qlora", "zero_stage": 3, "lora_rank": 4,
+                                  "lora_targets": ["q_proj"], "shard_ranks": 2})
     out = capsys.readouterr().out
     assert out.count("refused") == 2 * 4, out  # params, grads, optimizer, total of stages 1 and 2

@@ -21,8 +21,8 @@ from perparam.full_state import load_full_state_dict
 from tests.distributed import run_distributed
 from tests.models import TinyNet, make_batches
 
-VARIANTS = ["stage3", "stage1", "stage2", "no_reshard", "offload_cpu", "owner_muon", "invariant", "checkpoint",
-            "bf16", "int8", "full_state_clip", "forward_only",
+VARIANTS = ["stage3", "stage1", "stage2", "no_reshard", "offload_cpu", "owner_muon", "invariant",
+            "checkpoint", "bf16", "int8", "full_state_clip", "forward_only",
             "owner_grad_muon"]
 
 
@@ -40,7 +40,8 @@ def _build_and_train(variant: str, world_size: int, path: str):
     elif variant in ("owner_muon", "owner_grad_muon"):
         kw["param_policy"] = {"*": perparam.ParamPolicy(update="owner")}
     elif variant == "bf16":
-        kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32)
     elif variant == "int8":  # int8 all-gather and int8 gradient reduce-scatter of the Linear weights
         int8 = perparam.ParamPolicy(quant=perparam.QuantPolicy(torch.int8), grad_quant="int8")
         linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -90,7 +91,8 @@ def _alive_after_del(rank: int, world_size: int, path: str) -> dict[str, list[st
             if previous is not None:
                 perparam.configure(owner_grad=previous.owner_grad)
         gc.collect()
-        out[variant] = [n for n, r in zip(["model", "parameter", "optimizer", "units"], refs) if r() is not None]
+        out[variant] = [n for n, r in zip(["model", "parameter", "optimizer", "units"], refs)
+                        if r() is not None]
     return out
 
 

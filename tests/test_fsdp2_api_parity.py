@@ -285,16 +285,18 @@ def between_forward_and_backward(rank: int, world_size: int) -> dict:
     registered = {"same": all(p is q for p, q in zip(model.parameters(), before)),
                   "dtensors": all(isinstance(p, DTensor) for p in model.parameters())}
     with CommCounter() as comm:
-        for m in model.modules():  # the fix (docs/fsdp2-differences.md): the gathered storage, kept, is registered
+        # the fix (docs/fsdp2-differences.md): the gathered storage, kept, is registered
+        for m in model.modules():
             if isinstance(m, perparam.ShardedModule):
                 m.unshard()
     registered["plain"] = not any(isinstance(p, DTensor) for p in model.parameters())
     (out.mean() + 0.1 * sum(p.pow(2).sum() for p in model.parameters())).backward()
-    return {**registered, "unshard_comm": comm.by_kind(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+    return {**registered, "unshard_comm": comm.by_kind(),
+            "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
             "after": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
-def test_after_a_forward_kept_unsharded_the_sharded_parameters_stay_registered_and_unshard_gives_the_gathered():
+def test_after_a_forward_kept_unsharded_sharded_parameters_stay_registered_and_unshard_gives_the_gathered():
     want = one_process(between_forward_and_backward)
     for got in run_distributed(between_forward_and_backward, 3):
         assert got["same"] and got["dtensors"] and got["plain"] and got["after"]

@@ -1,7 +1,7 @@
 """FSDP2 ``FSDPModule`` methods on ``ShardedModule``: ``set_all_reduce_hook`` (a user all-reduce over the
 replicate ranks makes HSDP by hand), ``set_is_last_backward`` (changes nothing: perparam finishes every
-reduction in backward), ``set_reduce_scatter_max_input_buffers`` (accepted without effect, with FSDP2's checks).
-``reset_iter_state`` is tested with ``reset()`` in ``test_runtime_routes.py``."""
+reduction in backward), ``set_reduce_scatter_max_input_buffers`` (accepted without effect, with FSDP2's
+checks). ``reset_iter_state`` is tested with ``reset()`` in ``test_runtime_routes.py``."""
 
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def hsdp_by_hand(rank: int, world_size: int) -> dict:
     """Sharded over the 2 ranks of the shard axis of a 2 x 2 mesh; the hook all-reduces each reduction over
-    the 2 replicas, and the factor divides by all 4 ranks. Biases ``Replicate()`` (a reduction of their own)."""
+    the 2 replicas, and the factor divides by all 4 ranks. Biases ``Replicate()`` (a reduction of their
+    own)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     model = _small()
-    perparam.fully_shard(model, mesh=mesh["shard"], param_policy={"*.bias": ParamPolicy(placement=Replicate())},
+    perparam.fully_shard(model, mesh=mesh["shard"],
+                         param_policy={"*.bias": ParamPolicy(placement=Replicate())},
                          gradient_divide_factor=4)
     calls = []
 

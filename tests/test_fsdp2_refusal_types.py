@@ -13,7 +13,8 @@ from tests.distributed import run_distributed
 
 
 def _caught(call, *types) -> str:
-    """``"TypeName: message"`` if ``call()`` raised an error that is an instance of every type in ``types``."""
+    """``"TypeName: message"`` if ``call()`` raised an error that is an instance of every type in
+    ``types``."""
     try:
         call()
     except Exception as e:  # every kind is reported, the test asserts on it
@@ -85,9 +86,9 @@ class Scalar(nn.Module):
 
 
 def fsdp2_types(rank: int, world_size: int) -> dict:
-    """The refusals FSDP2 users catch by type (FSDP2 2.13: ``ValueError`` for a mesh of 3 axes and for a scalar
-    parameter, ``RuntimeError`` for a parameter still on meta at lazy init; ``NotImplementedError`` for a
-    non-contiguous parameter, which perparam shards)."""
+    """The refusals FSDP2 users catch by type (FSDP2 2.13: ``ValueError`` for a mesh of 3 axes and for a
+    scalar parameter, ``RuntimeError`` for a parameter still on meta at lazy init; ``NotImplementedError`` for
+    a non-contiguous parameter, which perparam shards)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     def meta_forward():
@@ -102,7 +103,8 @@ def fsdp2_types(rank: int, world_size: int) -> dict:
     want = transposed(torch.ones(2, 4)).detach()
     perparam.fully_shard(transposed)
     return {
-        "mesh_3d": _caught(lambda: perparam.fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1, 2))),
+        "mesh_3d": _caught(lambda: perparam.fully_shard(nn.Linear(2, 2),
+                                                        mesh=init_device_mesh("cpu", (1, 1, 2))),
                            perparam.ShardingError, ValueError),
         "scalar": _caught(lambda: perparam.fully_shard(Scalar()), perparam.ShardingError, ValueError),
         "meta": _caught(meta_forward, perparam.ShardingError, RuntimeError),
@@ -115,7 +117,8 @@ def test_refusals_fsdp2_shares_have_fsdp2s_exception_types():
         assert got["mesh_3d"].startswith("ShardingError") and "3D mesh" in got["mesh_3d"], got["mesh_3d"]
         assert got["scalar"].startswith("ShardingError") and "'scale'" in got["scalar"], got["scalar"]
         assert got["meta"].startswith("MetaParameterError") and "'weight'" in got["meta"], got["meta"]
-        assert got["non_contiguous"] < 1e-6, got["non_contiguous"]  # FSDP2 refuses it (NotImplementedError); perparam shards it
+        # FSDP2 refuses it (NotImplementedError); perparam shards it
+        assert got["non_contiguous"] < 1e-6, got["non_contiguous"]
 
 
 def train_a_deepcopy(rank: int, world_size: int) -> dict:
@@ -149,8 +152,10 @@ def train_a_deepcopy(rank: int, world_size: int) -> dict:
 
 def test_a_deepcopy_of_a_sharded_model_is_refused_with_fsdp2s_type_and_the_fix_trains_like_one_process():
     want = train_a_deepcopy(0, 0)
-    for got in run_distributed(train_a_deepcopy, 3):  # 3 ranks: empty shards of Embedding(5, 6)'s, Linear(6, 2)'s rows
-        assert got["refusal"].startswith("DeepcopyError") and "full_state_dict" in got["refusal"], got["refusal"]
+    # 3 ranks: empty shards of Embedding(5, 6)'s, Linear(6, 2)'s rows
+    for got in run_distributed(train_a_deepcopy, 3):
+        assert (got["refusal"].startswith("DeepcopyError")
+                and "full_state_dict" in got["refusal"]), got["refusal"]
         for which in ("twin", "model"):
             for name, value in want[which].items():
                 torch.testing.assert_close(got[which][name], value, rtol=0, atol=1e-5, msg=f"{which} {name}")
@@ -201,7 +206,9 @@ def containers(rank: int, world_size: int) -> dict:
 def test_a_module_list_or_dict_given_as_a_module_is_refused_and_its_modules_as_a_list_match_one_process():
     want = containers(0, 0)["params"]
     for got in run_distributed(containers, 3):
-        assert got["list"].startswith("ShardingError") and "fully_shard(list(container))" in got["list"], got["list"]
-        assert got["dict"].startswith("ShardingError") and "list(container.values())" in got["dict"], got["dict"]
+        assert (got["list"].startswith("ShardingError")
+                and "fully_shard(list(container))" in got["list"]), got["list"]
+        assert (got["dict"].startswith("ShardingError")
+                and "list(container.values())" in got["dict"]), got["dict"]
         for name, value in want.items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-5, msg=name)

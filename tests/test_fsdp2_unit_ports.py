@@ -255,14 +255,16 @@ FSDP2_WORDS = {
     "container": "fully_shard does not support containers that do not implement forward",
     "mesh_3d": "fully_shard expects a 1D or 2D DeviceMesh but got",
     "scalar": "fully_shard doesn't support scalar parameters",
-    "meta": (r"FSDP parameters should be materialized from meta device before training, but the following were "
+    "meta": (r"FSDP parameters should be materialized from meta device before training, but the following "
+             r"were "
              r"still on meta device: \['0.in_proj.weight', '0.in_proj.bias', '0.out_proj.weight', "
              r"'0.out_proj.bias'\]"),
 }
 
 
 def shared_refusals(rank: int, world: int, which: str) -> dict:
-    """Each refusal FSDP2 and perparam share, raised by ``which`` (``"perparam"`` or ``"fsdp2"``): its message."""
+    """Each refusal FSDP2 and perparam share, raised by ``which`` (``"perparam"`` or ``"fsdp2"``): its
+    message."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 

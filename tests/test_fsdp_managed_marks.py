@@ -23,7 +23,8 @@ def marks(rank: int, world: int) -> list[list[str]]:
     for shard in (fully_shard, fsdp2_shard):
         torch.manual_seed(0)
         model = TinyNet(n_blocks=2)
-        before = [n for n, m in model.named_modules() if any(getattr(m, a, False) for a in FSDP_MANAGED_ATTRS)]
+        before = [n for n, m in model.named_modules()
+                  if any(getattr(m, a, False) for a in FSDP_MANAGED_ATTRS)]
         assert before == []
         shard(model.blocks[0])
         shard(model)
@@ -35,5 +36,5 @@ def marks(rank: int, world: int) -> list[list[str]]:
 def test_fully_shard_marks_the_modules_it_manages_as_fsdp2_does():
     ours, fsdp2 = run_distributed(marks, 2)[0]
     assert ours == fsdp2
-    assert ours == ["", "embed", "blocks", "blocks.0", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1",
-                    "blocks.1.norm", "blocks.1.fc1", "blocks.1.fc2", "head"]
+    assert ours == ["", "embed", "blocks", "blocks.0", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2",
+                    "blocks.1", "blocks.1.norm", "blocks.1.fc1", "blocks.1.fc2", "head"]

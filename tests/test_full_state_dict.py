@@ -1,5 +1,5 @@
-"""Full state dicts: gathered on rank 0 one tensor at a time; loaded from rank 0 into a sharded (also meta-device,
-also tensor-parallel with an uneven dp split) model, one tensor at a time."""
+"""Full state dicts: gathered on rank 0 one tensor at a time; loaded from rank 0 into a sharded (also
+meta-device, also tensor-parallel with an uneven dp split) model, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class Rope(nn.Module):
         self.n = n
         self.register_buffer("table", torch.arange(n, dtype=torch.float32), persistent=False)
         if reset:
-            self.reset_non_persistent_buffers = lambda: self.table.copy_(torch.arange(self.n, dtype=torch.float32))
+            self.reset_non_persistent_buffers = lambda: self.table.copy_(
+                torch.arange(self.n, dtype=torch.float32))
 
     def forward(self, x):
         return x + self.table[: x.shape[-1]].sum()

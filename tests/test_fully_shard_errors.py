@@ -147,7 +147,8 @@ def wrong_field_types(rank: int, world_size: int) -> dict[str, str]:
         "store_quantized_as_a_string": {"param_policy": pp(requires_grad=False,
                                                              quant=qp("int8", store_quantized="yes"))},
         "pin_memory_as_a_string": {"offload_policy": perparam.OffloadPolicy("cpu", pin_memory="no")},
-        "cast_forward_inputs_as_a_string": {"mp_policy": perparam.MixedPrecisionPolicy(cast_forward_inputs="no")},
+        "cast_forward_inputs_as_a_string": {
+            "mp_policy": perparam.MixedPrecisionPolicy(cast_forward_inputs="no")},
     }
     out = {}
     for case, kwargs in calls.items():

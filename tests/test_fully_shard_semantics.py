@@ -61,9 +61,11 @@ def storage_is_released(rank: int, world_size: int) -> dict:
     freed_after_forward = [p.storage_alive for b in model.blocks for p in group_of(b).params]
     root_kept = [p.storage_alive for p in group_of(model).params]
     loss.backward()
-    freed_after_backward = [p.storage_alive for m in model.modules() if group_of(m) for p in group_of(m).params]
-    return {"after_forward": freed_after_forward, "root_kept": root_kept, "after_backward": freed_after_backward,
-            "buffer": model.counts.clone(), "buffer_is_dtensor": isinstance(model.counts, DTensor)}
+    freed_after_backward = [p.storage_alive for m in model.modules() if group_of(m)
+                            for p in group_of(m).params]
+    return {"after_forward": freed_after_forward, "root_kept": root_kept,
+            "after_backward": freed_after_backward, "buffer": model.counts.clone(),
+            "buffer_is_dtensor": isinstance(model.counts, DTensor)}
 
 
 def test_unsharded_storage_is_really_released():
@@ -127,7 +129,8 @@ def tied_weights(rank: int, world_size: int, as_list: bool) -> tuple[torch.Tenso
     loss = model(idx).square().mean()
     loss.backward()
     grad = model.embed.weight.grad
-    return (grad.full_tensor() if isinstance(grad, DTensor) else grad), float(model.head.weight is model.embed.weight)
+    return (grad.full_tensor() if isinstance(grad, DTensor)
+            else grad), float(model.head.weight is model.embed.weight)
 
 
 def test_tied_weights_in_one_group_share_one_sharded_parameter():

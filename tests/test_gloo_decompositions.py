@@ -1,5 +1,5 @@
-"""perparam's gloo all-gather and reduce-scatter (all-to-alls, ``perparam.comm.collectives``) give bitwise what
-torch's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` give: every world size 1-4 (so first,
+"""perparam's gloo all-gather and reduce-scatter (all-to-alls, ``perparam.comm.collectives``) give bitwise
+what torch's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` give: every world size 1-4 (so first,
 middle and last ranks), rows of 0, 1 and odd numbers of bytes, fp32/bf16/fp64, and the buffer pool; the
 unpacked reduce-scatter (``reduce_scatter_in_place``) what the packed one gives."""
 
@@ -58,7 +58,8 @@ def _check(rank: int, world: int) -> list[str]:
                     bad.append(f"reduce_scatter_sum {dtype} n={n} async={async_op}")
                 ref = sum(x.view(world, n)[rank].double() for x in inputs)  # this rank's chunk, summed
                 low = dtype == torch.bfloat16
-                if not torch.allclose(out.double(), ref, rtol=1e-2 if low else 1e-6, atol=5e-2 if low else 1e-6):
+                if not torch.allclose(out.double(), ref, rtol=1e-2 if low else 1e-6,
+                                      atol=5e-2 if low else 1e-6):
                     bad.append(f"reduce_scatter_sum {dtype} n={n} async={async_op} vs fp64 sum")
     if world > 1:
         bad += _check_in_place(rank, world, group, pool)

@@ -13,7 +13,8 @@ from torch import nn
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "accelerate")),
-                                reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
+                                reason="transformers and accelerate are test dependencies: pip install -e "
+                                       "'.[dev]'")
 
 
 @pytest.mark.fast
@@ -38,7 +39,8 @@ def torch_policies_and_loop(rank: int, world: int):
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     net = nn.Linear(3, 5)
-    fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), offload_policy=OffloadPolicy())
+    fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                offload_policy=OffloadPolicy())
     dtype = group_of(net).mp_policy.param_dtype
     try:
         fully_shard(nn.Linear(3, 5), mp_policy={"param_dtype": torch.bfloat16})
@@ -75,7 +77,8 @@ def _as_fsdp2_module() -> dict:
         m.reshard()
     return {"count": len(fsdp), "same_names": names == [type(m).__name__ for m in model.modules()],
             "accelerate_keeps_it": fsdp2_prepare_model(object(), model) is model,
-            "perparam_methods": type(model).set_requires_gradient_sync is ShardedModule.set_requires_gradient_sync,
+            "perparam_methods": (type(model).set_requires_gradient_sync
+                                 is ShardedModule.set_requires_gradient_sync),
             "stepped": not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight.full_tensor())}
 
 
@@ -84,15 +87,15 @@ def test_torch_policies_the_sharded_accelerator_loop_and_the_fsdp2_module_opt_in
     assert got["dtype"] == torch.bfloat16
     assert "torch's torch.distributed.fsdp.MixedPrecisionPolicy, got dict" in got["refused"]
     assert got["loop"]["loss_max_diff"] < 1e-5 and got["loop"]["param_max_diff"] < 1e-5
-    assert got["fsdp2"] == {"count": 3, "same_names": True, "accelerate_keeps_it": True, "perparam_methods": True,
-                            "stepped": True}
+    assert got["fsdp2"] == {"count": 3, "same_names": True, "accelerate_keeps_it": True,
+                            "perparam_methods": True, "stepped": True}
 
 
 def test_gpu_check_runs_the_accelerate_section_on_cpu_and_skips_the_plugin_there(tmp_path):
     from benchmarks.gpu.check import main
 
-    result = main(["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch", "2",
-                   "--sections", "accelerate", "--json", str(tmp_path / "gpu.json")])
+    result = main(["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1",
+                   "--batch", "2", "--sections", "accelerate", "--json", str(tmp_path / "gpu.json")])
     out = result["accelerate"]
     assert out["ok"], out.get("traceback")
     assert out["loop"]["loss_max_diff"] < 1e-5 and "skipped" in out["fsdp2_plugin"]

@@ -13,7 +13,8 @@ from benchmarks.gpu.check import BUDGET_S, SECTIONS, TOTAL_BUDGET_S, main, parse
 from benchmarks.gpu.simulated import simulated_memory
 from benchmarks.harness.model import GPTConfig
 
-CPU_QUICK = ["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch", "2"]
+CPU_QUICK = ["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sim-steps", "1", "--batch",
+             "2"]
 
 
 def test_gpu_check_flags_are_checked_before_anything_starts(capsys):
@@ -45,7 +46,8 @@ def test_the_section_budgets_add_up_to_under_five_minutes():
     assert {n for n, _ in SECTIONS} < set(BUDGET_S) and sum(BUDGET_S.values()) <= TOTAL_BUDGET_S == 300
 
 
-def test_a_failing_section_leaves_its_error_and_the_next_sections_run_with_the_json_written_after_each(tmp_path):
+def test_a_failing_section_leaves_its_error_and_the_next_sections_run_with_the_json_written_after_each(
+        tmp_path):
     path = tmp_path / "gpu.json"
     seen = []
 
@@ -78,12 +80,14 @@ def test_every_section_but_two_ranks_runs_on_cpu_and_says_what_it_measured(tmp_p
     assert result["parity"]["within_1e-5"], result["parity"]
     assert {"perparam_bf16", "fsdp2_bf16", "ddp_autocast_bf16"} <= set(result["step_time"])
     syncs = result["host_syncs"]["perparam_bf16"]
-    assert syncs["forward_backward"]["counted"] == 0, syncs  # nothing read back or uploaded in forward and backward
+    # nothing read back or uploaded in forward and backward
+    assert syncs["forward_backward"]["counted"] == 0, syncs
     [(site, n)] = syncs["clip_grad_norm"]["sites"].items()  # the agreement that no rank refused a gradient
     assert site.startswith("perparam/clip.py:") and n == 1, syncs
     tier = result["cpu_tier"]
     assert tier["params_bitwise_equal"] and tier["state_entries_equal_between_steps"], tier
-    assert tier["state_entries_without_storage_between_steps"] == tier["state_tensors_without_storage_between_steps"] == 0
+    assert (tier["state_entries_without_storage_between_steps"]
+            == tier["state_tensors_without_storage_between_steps"] == 0)
     assert all(result[n]["budget_s"] > 0 and "over_budget" in result[n] for n in names.split(","))
     assert result["budget_s"] == sum(BUDGET_S[n] for n in names.split(",")) and "over_total_budget" in result
 

@@ -1,6 +1,6 @@
-"""Low-precision gradient reduce-scatter (``ParamPolicy(grad_quant=...)``, ZeRO++ qgZ): error bounds against the
-fp32 reduce-scatter, exact zeros and flags, collectives and bytes, a short AdamW training, HSDP with no-sync
-accumulation and stage 2, and the refusals."""
+"""Low-precision gradient reduce-scatter (``ParamPolicy(grad_quant=...)``, ZeRO++ qgZ): error bounds against
+the fp32 reduce-scatter, exact zeros and flags, collectives and bytes, a short AdamW training, HSDP with
+no-sync accumulation and stage 2, and the refusals."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ from tests.models import TinyNet, local_slice, make_batches, sharded_tiny
 
 
 class Net(nn.Module):
-    """``a``: 30 x 40 (several 256-blocks per piece, uneven over 4 ranks), ``b``: ``Linear(4, 2)`` (empty shards
-    on 3-4 ranks), ``z``: used with an all-zero gradient, ``u``: never used (its gradient stays ``None``),
-    ``w``: ``Linear(32, 16)``, whose weight's pieces on 2 ranks are one whole block (quantized in place)."""
+    """``a``: 30 x 40 (several 256-blocks per piece, uneven over 4 ranks), ``b``: ``Linear(4, 2)`` (empty
+    shards on 3-4 ranks), ``z``: used with an all-zero gradient, ``u``: never used (its gradient stays
+    ``None``), ``w``: ``Linear(32, 16)``, whose weight's pieces on 2 ranks are one whole block (quantized in
+    place)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,10 +104,13 @@ def bounds_on_ranks(rank: int, world_size: int) -> dict:
                 bound = part.abs().sum(dim=0) * 2.0 ** -8
             slack = 1e-6 * part.abs().sum(dim=0) / world_size + 1e-7  # fp32 rounding of the reference sums
             err = (got - ref).abs()
-            assert bool((err <= bound / world_size + slack).all()), (kind, name, (err - bound / world_size).max())
-            worst[kind] = max(worst[kind], float((err / (bound / world_size + slack)).max()) if err.numel() else 0.0)
+            assert bool((err <= bound / world_size + slack).all()), (kind, name,
+                                                                     (err - bound / world_size).max())
+            worst[kind] = max(worst[kind],
+                              float((err / (bound / world_size + slack)).max()) if err.numel() else 0.0)
         if name.startswith("z."):  # used, all-zero gradient: exact zeros (scale 0), not None
-            assert torch.equal(dict(int8.named_parameters())[name].grad.to_local(), torch.zeros_like(ref.view(-1))
+            assert torch.equal(dict(int8.named_parameters())[name].grad.to_local(),
+                               torch.zeros_like(ref.view(-1))
                                .view(dict(int8.named_parameters())[name].grad.to_local().shape))
     return {"rs": int8_comm.count("reduce_scatter"), "rs_fp32": fp32_comm.count("reduce_scatter"),
             "bytes": int8_comm.bytes("reduce_scatter"), "bytes_fp32": fp32_comm.bytes("reduce_scatter"),
@@ -115,14 +119,16 @@ def bounds_on_ranks(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3, 4])
-def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds_one_collective_per_format(world_size):
+def test_int8_and_bf16_reduce_scatter_errors_stay_within_their_block_bounds_one_collective_per_format(
+        world_size):
     results = run_distributed(bounds_on_ranks, world_size)
     gather = 0 if perparam.configure().gloo_all_gather == "zero_copy" else 1  # the all-gather's all-to-all
     fp32 = 0 if perparam.configure().gloo_reduce_scatter == "zero_copy" else 1  # the fp32 reduce-scatter's
     for r in results:  # one reduce-scatter for the group as in fp32; all-to-alls: it (and the all-gather)
         assert r["rs"] == r["rs_fp32"] == 1
         assert r["raw"]["all_to_all_single"] == 1 + gather and r["raw"]["reduce_scatter_single"] == 0
-        assert r["rs_mixed"] == 3 and r["a2a_mixed"] == 2 + fp32 + gather  # one per wire format: int8, bf16, fp32
+        # one per wire format: int8, bf16, fp32
+        assert r["rs_mixed"] == 3 and r["a2a_mixed"] == 2 + fp32 + gather
     assert len({r["bytes"] for r in results}) == 1  # every rank sends the same bytes
     layouts = [math.ceil(n_rows / world_size) * rest for n_rows, rest in ((30, 40), (30, 1), (2, 4), (2, 1),
                                                                              (3, 5), (3, 1), (3, 3), (3, 1),
@@ -249,15 +255,18 @@ def test_hsdp_no_sync_held_all_reduce_and_stage_2_with_int8_gradients_keep_sgd_u
     (ParamPolicy(grad_quant="int8", zero_stage=1), "'weight' has zero_stage=1.*zero_stage=2"),
     (ParamPolicy(grad_quant="int4"), "grad_quant: QuantPolicy for 'weight' names no registered quantizer"),
     (ParamPolicy(grad_quant=QuantPolicy("int8", store_quantized=True)), "'weight' has store_quantized"),
-    (ParamPolicy(grad_quant="bf16", reduce_dtype=torch.bfloat16), "'weight' already reduces in torch.bfloat16"),
+    (ParamPolicy(grad_quant="bf16", reduce_dtype=torch.bfloat16),
+     "'weight' already reduces in torch.bfloat16"),
 ])
-def test_grad_quant_that_cannot_apply_is_refused_at_fully_shard_naming_the_parameter(fake_mesh, policy, message):
+def test_grad_quant_that_cannot_apply_is_refused_at_fully_shard_naming_the_parameter(
+        fake_mesh, policy, message):
     with pytest.raises(perparam.ShardingError, match=message):
         perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, param_policy={"weight": policy})
 
 
 def test_a_custom_reduce_scatter_is_refused_for_a_group_with_grad_quant(fake_mesh):
-    model = perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh, param_policy={"weight": ParamPolicy(grad_quant="int8")})
+    model = perparam.fully_shard(nn.Linear(4, 4), mesh=fake_mesh,
+                                 param_policy={"weight": ParamPolicy(grad_quant="int8")})
 
     class Comm:
         def allocate(self, *a, **k):

@@ -1,9 +1,10 @@
-"""accelerate's ``Accelerator`` loop with a perparam-sharded model (``perparam.hf_accelerate.ShardedAccelerator``):
-2 gloo ranks against one process with plain ``Accelerator`` (tiny random Llama, global batch 4, gradient
-accumulation 2, clipping every step, AdamW), ``save_state`` at step 3 and ``load_state`` in a new run ending
-where the uninterrupted run ends, ``get_state_dict`` giving full tensors; a sharded model given to plain
-``Accelerator.prepare`` (DDP) refused; torch's FSDP2 policies accepted by ``fully_shard``. One 2-rank launch
-for the loop cases (importing transformers and accelerate costs seconds per rank).
+"""accelerate's ``Accelerator`` loop with a perparam-sharded model
+(``perparam.hf_accelerate.ShardedAccelerator``): 2 gloo ranks against one process with plain ``Accelerator``
+(tiny random Llama, global batch 4, gradient accumulation 2, clipping every step, AdamW), ``save_state`` at
+step 3 and ``load_state`` in a new run ending where the uninterrupted run ends, ``get_state_dict`` giving full
+tensors; a sharded model given to plain ``Accelerator.prepare`` (DDP) refused; torch's FSDP2 policies accepted
+by ``fully_shard``. One 2-rank launch for the loop cases (importing transformers and accelerate costs seconds
+per rank).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from tests.distributed import run_distributed
 from tests.hf_helpers import ddp_refusal, launched, make_llama, sharded_llama
 
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "accelerate")),
-                                reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
+                                reason="transformers and accelerate are test dependencies: pip install -e "
+                                       "'.[dev]'")
 
 WORLD = 2
 GLOBAL_BATCH = 4
@@ -44,7 +46,8 @@ def _loop(world: int, folder: str | None, resume: bool = False):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / STEPS)
     # step_scheduler_with_optimizer=False: the scheduler steps once per optimizer step whatever the world size
     # (accelerate's default steps it once per process, for schedules written for one process's step count)
-    accelerator = (ShardedAccelerator if world else Accelerator)(cpu=True, gradient_accumulation_steps=ACCUMULATION,
+    accelerator = (ShardedAccelerator if world else Accelerator)(cpu=True,
+                                                                 gradient_accumulation_steps=ACCUMULATION,
                                                                  step_scheduler_with_optimizer=False)
     model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
     batches, losses, norms = data, [], []
@@ -94,7 +97,8 @@ def accelerate_run(rank: int, world: int, folder: str, shard: bool = True):
 
 def _two_optimizers_and_a_second_prepare(folder: str) -> dict:
     """Muon-style split (two optimizers over one sharded model, the model prepared twice): ``save_state``
-    keeps both optimizers' shards, once; one optimizer over two sharded models is refused at ``save_state``."""
+    keeps both optimizers' shards, once; one optimizer over two sharded models is refused at
+    ``save_state``."""
     from perparam.checkpoint import CheckpointError
     from perparam.hf_accelerate import ShardedAccelerator
 
@@ -145,7 +149,8 @@ def runs():
 def test_an_accelerator_loop_over_a_sharded_model_matches_one_process_with_accumulation_and_clipping(runs):
     (r0, r1), ref = runs
     assert len(ref["losses"]) == STEPS * ACCUMULATION and len(ref["norms"]) == STEPS
-    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]  # equal tokens: the ranks' mean is the mean
+    # equal tokens: the ranks' mean is the mean
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
     assert max(abs(a - b) for a, b in zip(mean, ref["losses"])) < 1e-5
     assert min(ref["norms"]) > MAX_GRAD_NORM
     assert max(abs(a - b) for a, b in zip(r0["norms"], ref["norms"])) < 1e-5
@@ -165,7 +170,8 @@ def test_save_state_and_load_state_resume_every_ranks_optimizer_shards_exactly(r
 def test_plain_accelerator_prepare_of_a_sharded_model_is_refused(runs):
     (r0, r1), _ = runs
     for r in (r0, r1):
-        assert r["plain_prepare"] is not None and "perparam.hf_accelerate.ShardedAccelerator" in r["plain_prepare"]
+        assert (r["plain_prepare"] is not None
+                and "perparam.hf_accelerate.ShardedAccelerator" in r["plain_prepare"])
 
 
 def _not_launched(rank: int, world: int) -> str | None:
@@ -194,4 +200,5 @@ def test_save_state_keeps_every_optimizer_of_a_sharded_model_once_and_refuses_on
         assert r["two_files"] == ["perparam_state_0"], r["two_files"]  # the model prepared twice: saved once
         assert r["second_restored"]  # the second optimizer's shards come back from the perparam checkpoint
         assert r["one_over_two"] and "its own optimizer" in r["one_over_two"], r["one_over_two"]
-        assert r["three_files"] == ["perparam_state_0", "perparam_state_1", "perparam_state_2"], r["three_files"]
+        assert r["three_files"] == ["perparam_state_0", "perparam_state_1",
+                                    "perparam_state_2"], r["three_files"]

@@ -20,7 +20,8 @@ from tests.distributed import run_distributed
 from tests.hf_helpers import Tokens, ddp_refusal, launched, make_llama, sharded_llama
 
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(n) for n in ("transformers", "accelerate")),
-                                reason="transformers and accelerate are test dependencies: pip install -e '.[dev]'")
+                                reason="transformers and accelerate are test dependencies: pip install -e "
+                                       "'.[dev]'")
 
 WORLD = 2
 GLOBAL_BATCH = 4
@@ -33,10 +34,11 @@ def _args(out: str, world: int, **overrides):
     from transformers import TrainingArguments
 
     kwargs = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // max(world, 1) // ACCUMULATION,
-                  per_device_eval_batch_size=2, gradient_accumulation_steps=ACCUMULATION, max_grad_norm=MAX_GRAD_NORM,
-                  learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="linear", max_steps=STEPS,
-                  eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3, logging_steps=1,
-                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+                  per_device_eval_batch_size=2, gradient_accumulation_steps=ACCUMULATION,
+                  max_grad_norm=MAX_GRAD_NORM, learning_rate=1e-2, optim="adamw_torch",
+                  lr_scheduler_type="linear", max_steps=STEPS, eval_strategy="steps", eval_steps=3,
+                  save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                  disable_tqdm=True, dataloader_num_workers=0)
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
 
@@ -90,7 +92,8 @@ def _peft(world: int, folder: str) -> dict:
     from perparam import fully_shard
     from perparam.hf_trainer import ShardedTrainer
 
-    model = get_peft_model(make_llama(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = get_peft_model(make_llama(),
+                           LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     if world:
         inner = model.base_model.model
         for layer in inner.model.layers:
@@ -105,15 +108,16 @@ def _peft(world: int, folder: str) -> dict:
     state = _full(model)
     adapter = None if state is None else {k: v for k, v in state.items() if "lora_" in k}
     trainer.save_model(os.path.join(out, "adapter"))
-    files = sorted(os.listdir(os.path.join(out, "adapter"))) if os.path.isdir(os.path.join(out, "adapter")) else []
+    files = (sorted(os.listdir(os.path.join(out, "adapter"))) if os.path.isdir(os.path.join(out, "adapter"))
+             else [])
     merged = _full(model.merge_and_unload())
     return {"losses": trainer.recorded, "adapter": adapter, "files": files,
             "merged": None if merged is None else {k: v for k, v in merged.items() if "q_proj" in k}}
 
 
 def _bf16(world: int, folder: str) -> dict:
-    """``bf16=True`` (accelerate's autocast) with perparam's policy computing in bf16 over fp32 shards, against
-    the one-process run with ``bf16=True`` over fp32 weights: 4 steps, accumulation and clipping."""
+    """``bf16=True`` (accelerate's autocast) with perparam's policy computing in bf16 over fp32 shards,
+    against the one-process run with ``bf16=True`` over fp32 weights: 4 steps, accumulation and clipping."""
     from transformers import Trainer
 
     from perparam import MixedPrecisionPolicy, fully_shard
@@ -126,8 +130,9 @@ def _bf16(world: int, folder: str) -> dict:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     cls = _recording(ShardedTrainer if world else Trainer)
-    trainer = cls(model=model, args=_args(os.path.join(folder, f"bf16-{world}"), world, bf16=True, max_steps=4,
-                                          eval_strategy="no", save_strategy="no"),
+    trainer = cls(model=model,
+                  args=_args(os.path.join(folder, f"bf16-{world}"), world, bf16=True, max_steps=4,
+                             eval_strategy="no", save_strategy="no"),
                   train_dataset=Tokens(GLOBAL_BATCH * 4, 1))
     trainer.recorded = []
     trainer.train()
@@ -143,11 +148,12 @@ def trainer_run(rank: int, world: int, folder: str, shard: bool = True):
     trainer, evals, norms = _train(world, out)
     losses = trainer.recorded
     params = _full(trainer.model)
-    result = {"losses": losses, "evals": evals, "norms": norms, "params": params, "peft": _peft(world, folder),
-              "bf16": _bf16(world, folder)}
+    result = {"losses": losses, "evals": evals, "norms": norms, "params": params,
+              "peft": _peft(world, folder), "bf16": _bf16(world, folder)}
     if not world:
         return result
-    # the same run stopped at step 3 (its checkpoint-3 holds everything) and resumed to the end in a new trainer
+    # the same run stopped at step 3 (its checkpoint-3 holds everything) and resumed to the end in a new
+    # trainer
     short = os.path.join(folder, "interrupted")
     _train(world, short, stop_at=3)
     resumed, resumed_evals, _ = _train(world, os.path.join(folder, "resumed"),
@@ -229,7 +235,8 @@ def test_bf16_under_sharded_trainer_with_a_bf16_compute_policy_tracks_the_one_pr
     one-process run over 8 micro-batches); the shards stay fp32."""
     (r0, r1), ref = runs
     mean = [(a + b) / 2 for a, b in zip(r0["bf16"]["losses"], r1["bf16"]["losses"])]
-    assert len(mean) == 4 * ACCUMULATION and max(abs(a - b) for a, b in zip(mean, ref["bf16"]["losses"])) < 1e-2
+    assert len(mean) == 4 * ACCUMULATION and max(abs(a - b)
+                                                 for a, b in zip(mean, ref["bf16"]["losses"])) < 1e-2
     assert r0["bf16"]["dtypes"] == ["torch.float32"]
 
 
@@ -247,7 +254,8 @@ def _not_launched(rank: int, world: int, folder: str) -> dict:
 
     def refusal(args) -> str | None:
         try:
-            ShardedTrainer(model=sharded_llama(), args=args, train_dataset=Tokens(8, 1), eval_dataset=Tokens(4, 2))
+            ShardedTrainer(model=sharded_llama(), args=args, train_dataset=Tokens(8, 1),
+                           eval_dataset=Tokens(4, 2))
         except ShardingError as e:
             return str(e)
         return None
@@ -276,7 +284,8 @@ def test_the_pieces_refuse_a_model_with_trainable_parameters_no_fully_shard_call
     from perparam import ShardingError
     from perparam.hf_entry import check_sharded
 
-    with pytest.raises(ShardingError, match="is not sharded by perparam; call fully_shard on each decoder layer"):
+    with pytest.raises(ShardingError,
+                       match="is not sharded by perparam; call fully_shard on each decoder layer"):
         check_sharded(torch.nn.Linear(3, 5), "ShardedTrainer")
     with pytest.raises(ShardingError, match="model_init is not supported"):
         check_sharded(None, "ShardedTrainer")
@@ -290,7 +299,8 @@ def test_the_private_trainer_methods_the_piece_overrides_are_unchanged():
     from transformers import Trainer
 
     signatures = {name: str(inspect.signature(getattr(Trainer, name))) for name in (
-        "_defer_fsdp_gradient_reduction", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_save")}
+        "_defer_fsdp_gradient_reduction", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+        "_save")}
     assert signatures == {
         "_defer_fsdp_gradient_reduction": "(self)",
         "_save_optimizer_and_scheduler": "(self, output_dir: str) -> None",
@@ -298,5 +308,6 @@ def test_the_private_trainer_methods_the_piece_overrides_are_unchanged():
         "_save": "(self, output_dir: str | None = None, state_dict: dict | None = None) -> None",
     }
     for method in ("_prepare_for_training", "_run_epoch", "_save"):
-        assert "self.is_distributed_loading_by_transformers" in inspect.getsource(getattr(Trainer, method)), method
+        source = inspect.getsource(getattr(Trainer, method))
+        assert "self.is_distributed_loading_by_transformers" in source, method
     assert "self._defer_fsdp_gradient_reduction" in inspect.getsource(Trainer._run_epoch)

@@ -1,12 +1,12 @@
 """No host sync on the hot path: a training step's forward and backward read nothing back from the device
 and upload no host data, and the rest of the step (``clip_grad_norm_`` whose norm is not read, AdamW's step,
 ``zero_grad``) reads one value back, ``clip_grad_norm_``'s agreement that no rank refused a gradient
-(``benchmarks/harness/host_syncs.py`` counts the calls that would block the host on CUDA: ``.item()``, ``bool(t)``,
-``.tolist()``, ``.cpu()``, ``torch.tensor(data, device=...)``, ...), whatever the reduction path: gloo's
-zero-copy and packed reduce-scatters, replicated parameters' all-reduce, HSDP, int8 gradient reduce-scatter,
-int8 all-gathers (their scales), NF4 stored weights; world sizes with empty shards. The used flags are device
-constants (``perparam.runtime.reduction.used_flags``); their sums are read back only on a rank that lacked a
-gradient a peer may have had (a rank-dependent branch)."""
+(``benchmarks/harness/host_syncs.py`` counts the calls that would block the host on CUDA: ``.item()``,
+``bool(t)``, ``.tolist()``, ``.cpu()``, ``torch.tensor(data, device=...)``, ...), whatever the reduction path:
+gloo's zero-copy and packed reduce-scatters, replicated parameters' all-reduce, HSDP, int8 gradient
+reduce-scatter, int8 all-gathers (their scales), NF4 stored weights; world sizes with empty shards. The used
+flags are device constants (``perparam.runtime.reduction.used_flags``); their sums are read back only on a
+rank that lacked a gradient a peer may have had (a rank-dependent branch)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def _policy(case: str):
     if case == "int8_gather":
         return {"*fc*": ParamPolicy(quant=QuantPolicy("int8"))}
     if case == "nf4":
-        return {"*fc1.weight": ParamPolicy(requires_grad=False, quant=QuantPolicy("nf4", store_quantized=True))}
+        return {"*fc1.weight": ParamPolicy(requires_grad=False,
+                                           quant=QuantPolicy("nf4", store_quantized=True))}
     return None
 
 
@@ -63,7 +64,8 @@ def test_a_step_reads_back_only_the_clip_agreement_and_uploads_nothing_on_every_
         for case in cases:
             for r in run_distributed(_steps, world, case):
                 # the first step uploads each distinct flag pattern once, then they are device constants
-                assert all("reduction.py" in site and "upload" in site for site in r["counts"][0]), r["counts"]
+                assert all("reduction.py" in site and "upload" in site
+                           for site in r["counts"][0]), r["counts"]
                 assert r["counts"][1:] == [{}, {}], (world, case, r["counts"])
                 # clip_grad_norm_ + AdamW's step + zero_grad: perparam reads one value back, clip_grad_norm_'s
                 # agreement that no rank refused a gradient (the mesh tensors are read once per mesh, at the
@@ -80,7 +82,8 @@ class _Branchy(nn.Module):
 
     def forward(self, x, use_branch: bool):
         h = self.trunk(x)
-        return h + self.branch(h) * (1.0 if use_branch else 0.0) if use_branch else h + 0 * self.branch(h).detach()
+        return (h + self.branch(h) * (1.0 if use_branch else 0.0) if use_branch
+                else h + 0 * self.branch(h).detach())
 
 
 def _rank_dependent(rank: int, world_size: int) -> dict:

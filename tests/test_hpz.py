@@ -49,15 +49,17 @@ def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECO
         with CommCounter() as fwd:
             loss = F.mse_loss(model(x), y)
         if world_size:
-            out["kept"].append([group_of(b).hpz.kept_bytes() if group_of(b).hpz else 0 for b in model.blocks])
-            out["gathered"] = [group_of(b).layout.all_gather_bytes for b in model.blocks]
+            out["kept"].append([group_of(b).own.hpz.kept_bytes() if group_of(b).own.hpz else 0
+                                for b in model.blocks])
+            out["gathered"] = [group_of(b).own.layout.all_gather_bytes for b in model.blocks]
         with CommCounter() as bwd:
             loss.backward()
         out["forward"].append([(r.group_size, r.nbytes) for r in fwd.records if r.kind == "all_gather"])
         out["backward"].append([(r.group_size, r.nbytes) for r in bwd.records if r.kind == "all_gather"])
         opt.step()
         opt.zero_grad()
-    out["params"] = {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
+    out["params"] = {n: (p.full_tensor() if world_size else p).detach().clone()
+                     for n, p in model.named_parameters()}
     if world_size and optimizer == "adamw" and reshard_after_forward == SECONDARY and not hsdp:
         # set_reshard_after_forward: True turns hpZ off (FSDP2's setter), None restores fully_shard's int
         out["setter"] = []
@@ -70,7 +72,8 @@ def train(rank: int, world_size: int, optimizer: str, reshard_after_forward=SECO
             out["setter"].append([r.group_size for r in bwd.records if r.kind == "all_gather"])
         opt.zero_grad()
     if world_size:  # nothing kept once backward is done
-        out["kept_after_backward"] = [group_of(b).hpz.kept_bytes() if group_of(b).hpz else 0 for b in model.blocks]
+        out["kept_after_backward"] = [group_of(b).own.hpz.kept_bytes() if group_of(b).own.hpz else 0
+                                      for b in model.blocks]
     return out
 
 

@@ -175,7 +175,8 @@ def _group_layouts(model: TinyNet, k: int) -> list[list[ShardLayout]]:
     return groups + [[ShardLayout(tuple(p.shape), p.dtype, k) for p in root]]
 
 
-def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_after_forward: bool | None) -> dict:
+def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int],
+               reshard_after_forward: bool | None) -> dict:
     torch.manual_seed(0)
     model = TinyNet(n_blocks=3)
     mesh = _mesh(mesh_shape)
@@ -194,14 +195,16 @@ def count_step(rank: int, world_size: int, mesh_shape: tuple[int, int], reshard_
 
     groups = {axis: (mesh.get_group(axis).group_name, mesh.get_group(axis).size()) for axis in NAMES}
     # gradient reductions run on their own process group over the same ranks (perparam.comm.process_groups)
-    reduce = {axis: (reduce_group(mesh.get_group(axis)).group_name, mesh.get_group(axis).size()) for axis in NAMES}
+    reduce = {axis: (reduce_group(mesh.get_group(axis)).group_name, mesh.get_group(axis).size())
+              for axis in NAMES}
     from perparam.runtime.group import group_of
 
-    gathered = sum(len(group_of(m).gathered) for m in (model, *model.blocks))  # zero-copy: per parameter one send
+    # zero-copy: per parameter one send
+    gathered = sum(len(group_of(m).own.gathered) for m in (model, *model.blocks))
     # zero-copy reduce-scatter: per trainable parameter and its used flags one send and one receive
     reduced = sum(len(group_of(m).trainable()) + 1 for m in (model, *model.blocks))
-    return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts, "gathered": gathered,
-            "reduced": reduced}
+    return {"steps": steps, "groups": groups, "reduce_groups": reduce, "layouts": layouts,
+            "gathered": gathered, "reduced": reduced}
 
 
 def _by(records, *fields) -> Counter:
@@ -273,4 +276,5 @@ def accumulate(rank: int, world_size: int) -> list[dict]:
 
 def test_no_sync_micro_batches_neither_reduce_scatter_nor_all_reduce():
     for counts in run_distributed(accumulate, 4):
-        assert [(c.get("reduce_scatter", 0), c.get("all_reduce", 0)) for c in counts] == [(0, 0), (0, 0), (3, 3)]
+        assert [(c.get("reduce_scatter", 0), c.get("all_reduce", 0))
+                for c in counts] == [(0, 0), (0, 0), (3, 3)]

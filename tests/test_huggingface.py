@@ -40,7 +40,8 @@ def make_lora(model=None):
 
 
 def batches(rank: int, world: int) -> list[torch.Tensor]:
-    """``STEPS`` global batches of 4 sequences; rank r of ``world`` takes its rows (all of them at world 0)."""
+    """``STEPS`` global batches of 4 sequences; rank r of ``world`` takes its rows (all of them at world
+    0)."""
     g = torch.Generator().manual_seed(7)
     out = [torch.randint(0, 33, (4, 7), generator=g) for _ in range(STEPS)]
     return out if world == 0 else [b.chunk(world)[rank] for b in out]
@@ -70,11 +71,13 @@ def train(rank: int, world: int, kind: str, optimizer: str) -> dict:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if not world and not losses:  # the one process's first gradients (where Adam's first step is steep)
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            first_grads = {n: p.grad.detach().clone()
+                           for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    state = full_state_dict(model) if world else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = full_state_dict(model) if world else {k: v.detach().clone()
+                                                  for k, v in model.state_dict().items()}
     return {"losses": losses, "state": state, "first_grads": first_grads}
 
 
@@ -93,15 +96,16 @@ def generation(rank: int, world: int) -> dict:
     model = make_llama().eval()
     prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6, 7]])]
     eos = greedy_eos(model, prompts)
-    expected = [model.generate(p, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)[0].tolist()
+    expected = [model.generate(p, max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                               pad_token_id=0)[0].tolist()
                 for p in prompts]
     shard(model, model.model.layers)
     got = model.generate(prompts[rank], max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
     # a peft model (its inner model as the root), ranks asking for different numbers of new tokens
     peft_model = make_lora().eval()
     lengths = [3, 8]
-    peft_expected = peft_model.generate(input_ids=prompts[rank], max_new_tokens=lengths[rank], do_sample=False,
-                                        pad_token_id=0)
+    peft_expected = peft_model.generate(input_ids=prompts[rank], max_new_tokens=lengths[rank],
+                                        do_sample=False, pad_token_id=0)
     shard(peft_model, peft_model.base_model.model.model.layers, root=peft_model.base_model.model)
     peft_got = peft_model.generate(input_ids=prompts[rank], max_new_tokens=lengths[rank], do_sample=False,
                                    pad_token_id=0)
@@ -158,7 +162,8 @@ def merging(rank: int, world: int) -> dict:
     merged = peft_model.merge_and_unload()
     with torch.no_grad():
         logits = merged(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
-    state = full_state_dict(merged) if world else {k: v.detach().clone() for k, v in merged.state_dict().items()}
+    state = full_state_dict(merged) if world else {k: v.detach().clone()
+                                                   for k, v in merged.state_dict().items()}
     return {"logits": logits, "state": state}
 
 
@@ -224,22 +229,24 @@ def test_llama_and_lora_sharded_per_layer_train_like_one_process(sharded, name):
     got = [result(sharded, name, r) for r in range(WORLD)]
     steep = {}
     if name == "lora_adamw":
-        # Adam's first update of an element is lr g / (|g| + eps) (bias-corrected m / sqrt(v) = g / |g|), whose
-        # slope in g, lr eps / (|g| + eps)^2, reaches lr / eps = 1e6 at g = 0. One element has a first gradient
-        # that near zero: layer 0's q_proj lora_B[1, 0], g = 1.32e-8 (eps 1e-8), the sum of the two ranks'
-        # halves +1.9354e-4 and -1.9352e-4 that cancel. Their fp32 rounding (1.2e-10 and 1.5e-10 off float64,
-        # about 5 ulp of the halves) makes the sum 1.19e-10 apart added in another order (one process 1.0e-10
-        # off float64, the 2 ranks 1.7e-11: neither wrong), and the slope 1.85e5 there turns that into
+        # Adam's first update of an element is lr g / (|g| + eps) (bias-corrected m / sqrt(v) = g / |g|),
+        # whose slope in g, lr eps / (|g| + eps)^2, reaches lr / eps = 1e6 at g = 0. One element has a first
+        # gradient that near zero: layer 0's q_proj lora_B[1, 0], g = 1.32e-8 (eps 1e-8), the sum of the two
+        # ranks' halves +1.9354e-4 and -1.9352e-4 that cancel. Their fp32 rounding (1.2e-10 and 1.5e-10 off
+        # float64, about 5 ulp of the halves) makes the sum 1.19e-10 apart added in another order (one process
+        # 1.0e-10 off float64, the 2 ranks 1.7e-11: neither wrong), and the slope 1.85e5 there turns that into
         # 2.2e-5 after the first step, carried unchanged to the last (on an Intel Xeon host; 1e-5 on an AMD
         # EPYC one). So: elements whose first gradient is within 100 eps of zero (that one) at 5e-5, the slope
         # times 2.7e-10 (both halves' rounding in one direction); every other element at the project's 1e-5
         # (measured 5.4e-7); SGD, whose update is linear in g, at 1e-5 everywhere
         steep = {k: g.abs() < 100 * 1e-8 for k, g in want["first_grads"].items()}
-        assert sum(int(m.sum()) for m in steep.values()) == 1, "the steep elements changed: measure them again"
+        assert (sum(int(m.sum()) for m in steep.values())
+                == 1), "the steep elements changed: measure them again"
         for k, m in steep.items():
             diff = (got[0]["state"][k] - want["state"][k]).abs()
             assert diff.where(m, 0).max() <= 5e-5 and diff.where(~m, 0).max() <= 1e-5, (k, diff.max())
-    assert_states_close(*({k: v for k, v in st.items() if k not in steep} for st in (got[0]["state"], want["state"])))
+    assert_states_close(*({k: v for k, v in st.items() if k not in steep}
+                          for st in (got[0]["state"], want["state"])))
     mean = [sum(r["losses"][s] for r in got) / WORLD for s in range(STEPS)]
     assert mean == pytest.approx(want["losses"], abs=1e-5)
     if kind == "lora":  # the adapters trained, the frozen base did not move
@@ -263,7 +270,8 @@ def test_generate_finishes_when_ranks_stop_at_different_steps_with_one_process_t
     assert [len(r["peft_got"]) for r in runs] == [3 + 3, 4 + 8]
 
 
-def test_save_pretrained_without_state_dict_and_tree_changes_after_sharding_are_refused_with_the_recipe(sharded):
+def test_save_pretrained_without_state_dict_and_tree_changes_after_sharding_are_refused_with_the_recipe(
+        sharded):
     for rank in range(WORLD):
         out = result(sharded, "refusals", rank)
         for key, cls in [("save", "LlamaForCausalLM"), ("peft_save", "PeftModel")]:
@@ -310,7 +318,8 @@ def test_qlora_dequantized_full_state_dict_loads_into_peft_and_merges(sharded):
     for key in want:
         if any(key.endswith(n.replace("self_attn.", "")) for n in NF4):
             assert state[key].dtype == torch.float32
-            bound = get("nf4").error_bound(want[key].abs().amax(dim=1, keepdim=True))  # one block per row (16 < 64)
+            # one block per row (16 < 64)
+            bound = get("nf4").error_bound(want[key].abs().amax(dim=1, keepdim=True))
             assert ((state[key] - want[key]).abs() <= bound + 1e-7).all(), key
         else:
             assert torch.equal(state[key], want[key]), key

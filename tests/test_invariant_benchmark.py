@@ -1,5 +1,5 @@
-"""``python -m benchmarks.invariant_step --quick`` runs end to end (2 ranks, the toy GPT) and writes the JSON its
-docstring describes: every variant trains the same global batches to the same loss, and the gradient
+"""``python -m benchmarks.invariant_step --quick`` runs end to end (2 ranks, the toy GPT) and writes the JSON
+its docstring describes: every variant trains the same global batches to the same loss, and the gradient
 buffers the K-invariant mode holds are the counted ones (no timing is asserted)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-KEYS = {"step_s", "step_times_s", "cpu_s_per_rank", "phase_s_rank0", "final_loss", "paired_vs_plain", "memory"}
+KEYS = {"step_s", "step_times_s", "cpu_s_per_rank", "phase_s_rank0", "final_loss", "paired_vs_plain",
+        "memory"}
 
 
 def test_quick_invariant_benchmark_writes_json_and_counts_the_trees_gradient_buffers(tmp_path):

@@ -70,7 +70,8 @@ def _misuses(rank, world_size):
         torch.nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
         return [p.grad.to_local().clone() for p in model.parameters()]
 
-    def reduced_grads(retry):  # one step; with `retry`, its second unit first raises and the step is run again
+    # one step; with `retry`, its second unit first raises and the step is run again
+    def reduced_grads(retry):
         model, inv = _build(world_size)
         parts = inv.split((x, y))
         if retry:
@@ -100,7 +101,7 @@ def _misuses(rank, world_size):
     return out
 
 
-def test_invariant_units_refuse_out_of_order_units_an_early_clip_short_means_ragged_batches_and_unsharded_params_and_close():
+def test_invariant_units_refuse_out_of_order_units_an_early_clip_ragged_batches_unsharded_params_and_close():
     for out in run_distributed(_misuses, 2):
         assert "iu.unit(u, step)" in out["swapped"] and "unit 1 given" in out["swapped"], out["swapped"]
         assert out["repeated"] and "in order" in out["repeated"], out["repeated"]

@@ -21,7 +21,8 @@ def _train(rank, world_size, units, steps, clip, case="fp32"):
     mesh = init_device_mesh("cpu", (world_size,))
     kw = {}
     if case == "bf16":
-        kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32)
     if case == "stage2":
         kw["param_policy"] = {"*": perparam.ParamPolicy(zero_stage=2)}
     if case == "frozen":
@@ -169,7 +170,7 @@ def _mixed_on_every_mesh(rank, world_size):
     return {name: _train_on(mesh, 8, 4, MIXED) for name, mesh in _meshes(world_size).items()}
 
 
-def test_invariant_units_with_replicated_stage_1_and_stage_3_parameters_on_1d_and_hsdp_meshes_are_bitwise_equal():
+def test_invariant_units_with_replicated_stage_1_and_stage_3_parameters_on_1d_and_hsdp_are_bitwise_equal():
     """One launch of four ranks: K = 1, 2, 4 (1D) and HSDP 2 x 2, the mixed model, 4 clipped AdamW steps:
     one parameter hash and one list of reported losses over every mesh and rank."""
     results = run_distributed(_mixed_on_every_mesh, 4)
@@ -203,7 +204,8 @@ def _state_hash(model, opt):
     return h.hexdigest()
 
 
-#: the legs of the resumed run: (world size, steps run); the K = 4 launch also runs on to the end uninterrupted
+#: the legs of the resumed run: (world size, steps run); the K = 4 launch also runs on to the end
+#: uninterrupted
 LEGS = [(4, 2), (2, 2), (1, 2), (4, 2)]
 
 
@@ -260,7 +262,8 @@ class CheckpointedNet(TinyNet):
 
 
 class Adapted(torch.nn.Module):
-    """A frozen base ``Linear`` plus a rank-2 adapter ``x @ a.T @ b.T`` (LoRA's shape, both factors nonzero)."""
+    """A frozen base ``Linear`` plus a rank-2 adapter ``x @ a.T @ b.T`` (LoRA's shape, both factors
+    nonzero)."""
 
     def __init__(self, base: torch.nn.Linear) -> None:
         super().__init__()
@@ -292,9 +295,11 @@ def _feature_run(mesh, case, steps=2):
         perparam.fully_shard(block, mesh=mesh, param_policy=NF4_BASE if case == "qlora" else OWNER)
     perparam.fully_shard(model, mesh=mesh, param_policy=None if case == "qlora" else CPU_ALL)
     inv = perparam.InvariantUnits(model, units=8, seed=7)
-    whole = [p for n, p in model.named_parameters() if case == "owner" and ".fc" in n and n.endswith("weight")]
+    whole = [p for n, p in model.named_parameters()
+             if case == "owner" and ".fc" in n and n.endswith("weight")]
     rest = [p for p in model.parameters() if p.requires_grad and all(p is not w for w in whole)]
-    opts = [torch.optim.AdamW(rest, lr=1e-2, foreach=False)] + ([torch.optim.Muon(whole, lr=0.02)] if whole else [])
+    opts = [torch.optim.AdamW(rest, lr=1e-2, foreach=False)] + ([torch.optim.Muon(whole, lr=0.02)] if whole
+                                                                else [])
     for step, (x, y) in enumerate(make_batches(steps, 16)):
         for u, (xu, yu) in inv.split((x, y)):
             with inv.unit(u, step):
@@ -309,10 +314,11 @@ def _feature_run(mesh, case, steps=2):
 
 def _features_on_every_mesh(rank, world_size):
     meshes = _meshes(world_size)
-    return {(case, name): _feature_run(meshes[name], case) for case in ("qlora", "owner") for name in ("1", "2", "4")}
+    return {(case, name): _feature_run(meshes[name], case) for case in ("qlora", "owner")
+            for name in ("1", "2", "4")}
 
 
-def test_invariant_units_with_checkpointing_qlora_offload_and_the_muon_owner_path_are_bitwise_equal_on_every_mesh():
+def test_invariant_units_with_checkpointing_qlora_offload_and_owner_muon_are_bitwise_equal_on_every_mesh():
     """One launch of four ranks, K = 1, 2 and 4 side by side: per case one parameter hash."""
     results = run_distributed(_features_on_every_mesh, 4)
     for case in ("qlora", "owner"):
@@ -338,4 +344,5 @@ def _refuse_held_partial_sums(rank, world_size):
 
 
 def test_invariant_reduce_refuses_hsdp_held_partial_sums_naming_the_setting():
-    assert all(m and "set_requires_all_reduce(False)" in m for m in run_distributed(_refuse_held_partial_sums, 2))
+    assert all(m and "set_requires_all_reduce(False)" in m
+               for m in run_distributed(_refuse_held_partial_sums, 2))

@@ -25,7 +25,8 @@ def test_subtree_sums_added_in_tree_order_equal_the_one_rank_tree_sum_bitwise(lo
 
 @settings(max_examples=40, deadline=None)
 @given(log_u=st.integers(0, 6), n=st.integers(1, 33), seed=st.integers(0, 2**31))
-def test_odd_leaves_added_into_their_taken_left_sibling_give_the_tree_sum_bitwise_holding_log2_sums(log_u, n, seed):
+def test_odd_leaves_added_into_their_taken_left_sibling_give_the_tree_sum_bitwise_holding_log2_sums(
+        log_u, n, seed):
     # perparam.invariant seeds the accumulator of an odd unit with its left sibling (take_leaf), the backward
     # adds the unit's gradient into it, and the sum goes back as a level-1 node: one partial sum less held
     u = 2**log_u
@@ -40,7 +41,8 @@ def test_odd_leaves_added_into_their_taken_left_sibling_give_the_tree_sum_bitwis
         else:
             stack.push(left.add_(leaf), level=1)
     assert most <= max(log_u, 1)
-    assert torch.equal(stack.result().view(torch.int32), tree_sum([t.clone() for t in leaves]).view(torch.int32))
+    assert torch.equal(stack.result().view(torch.int32),
+                       tree_sum([t.clone() for t in leaves]).view(torch.int32))
 
 
 def test_the_binary_counter_stack_holds_at_most_log2_plus_one_partial_sums():
@@ -74,7 +76,8 @@ def test_a_left_sibling_seeded_as_accumulator_and_added_to_twice_in_a_unit_is_re
     p = SimpleNamespace(path="blocks.0.fc1.weight")
     left = torch.tensor([-0.0, 1.0])
     v = left._version
-    assert torch.equal(_sibling_sum(p, left, v), torch.tensor([0.0, 1.0]))  # no gradient: left + 0, as a zero leaf
+    # no gradient: left + 0, as a zero leaf
+    assert torch.equal(_sibling_sum(p, left, v), torch.tensor([0.0, 1.0]))
     acc = torch.ones(2)
     v = acc._version
     acc.add_(1.0)

@@ -46,7 +46,8 @@ def test_state_dict_calls_keep_the_bookkeeping_per_parameter_constant(fake_mesh)
 
 def test_state_dict_values_of_shards_with_storage_of_their_own_are_tracked_while_alive(fake_mesh):
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
-    perparam.fully_shard(model, mesh=fake_mesh, param_policy=ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16))
+    perparam.fully_shard(model, mesh=fake_mesh,
+                         param_policy=ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16))
     with torch.no_grad():
         model(torch.ones(2, 3, dtype=torch.bfloat16))
     held = [model.state_dict() for _ in range(5)]

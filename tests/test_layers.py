@@ -3,9 +3,9 @@
 Floors, lowest first: ``perparam/sharding/`` (pure: what each rank holds) < ``perparam/comm/`` (collectives)
 < ``perparam/runtime/`` (groups, hooks) < the face (``perparam/*.py``: ``fully_shard``, ``ShardedModule``,
 checkpoints). ``perparam/memory/`` (the planner) and ``perparam/offload/`` (the tiers' files and hooks)
-stand beside them on ``sharding/`` alone; ``perparam/elastic/`` (in-memory snapshots) stands on the face; ``perparam/finetune/`` is a
-user of the face (and of ``memory/``). Every import counts: top-level, inside functions and under
-``TYPE_CHECKING``, so no circle can hide in a function-local import.
+stand beside them on ``sharding/`` alone; ``perparam/elastic/`` (in-memory snapshots) stands on the face;
+``perparam/finetune/`` is a user of the face (and of ``memory/``). Every import counts: top-level, inside
+functions and under ``TYPE_CHECKING``, so no circle can hide in a function-local import.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ ALLOWED = {
 
 #: tensor factories: called at a sharding module's import they would allocate
 FACTORIES = {"tensor", "as_tensor", "empty", "zeros", "ones", "full", "rand", "randn", "randint", "arange",
-             "linspace", "logspace", "eye", "empty_like", "zeros_like", "ones_like", "full_like", "from_numpy",
-             "frombuffer", "Tensor"}
+             "linspace", "logspace", "eye", "empty_like", "zeros_like", "ones_like", "full_like",
+             "from_numpy", "frombuffer", "Tensor"}
 
 
 def module_name(path: Path) -> str:
@@ -45,8 +45,8 @@ def module_name(path: Path) -> str:
 
 
 def part_of(module: str) -> str:
-    """``sharding``, ``comm``, ``runtime``, ``memory``, ``offload``, ``finetune`` or ``face`` (``perparam`` itself and
-    ``perparam/*.py``)."""
+    """``sharding``, ``comm``, ``runtime``, ``memory``, ``offload``, ``finetune`` or ``face`` (``perparam``
+    itself and ``perparam/*.py``)."""
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in ALLOWED and parts[1] != "face":
         return parts[1]
@@ -145,10 +145,10 @@ def test_no_floor_imports_a_floor_above_it():
     for module, imported in _graph().items():
         for target, line in imported:
             if part_of(target) not in ALLOWED[part_of(module)]:
-                wrong.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line}: {module} ({part_of(module)}) "
-                             f"imports {target} ({part_of(target)})")
-    assert not wrong, ("imports against the layers sharding < comm < runtime < face (memory, offload: sharding only; "
-                       "finetune: the face, memory and offload):\n" + "\n".join(wrong))
+                wrong.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line}: {module} "
+                             f"({part_of(module)}) imports {target} ({part_of(target)})")
+    assert not wrong, ("imports against the layers sharding < comm < runtime < face (memory, offload: "
+                       "sharding only; finetune: the face, memory and offload):\n" + "\n".join(wrong))
 
 
 def test_memory_never_imports_the_runtime():
@@ -200,7 +200,8 @@ def test_sharding_allocates_no_tensor_at_import(module, path):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+            owner = (func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                     else "")
             if name in FACTORIES and owner in ("torch", ""):
                 calls.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
     assert not calls, f"{module} (pure floor) allocates tensors at import: {calls}"
@@ -216,18 +217,17 @@ def test_the_checks_see_an_upward_import_hidden_in_a_function():
 # -- CONTRIBUTING's rules, read from the source ---------------------------------------------------------
 #: the core: every file of perparam/ but the main job's (perparam/finetune/, a user of perparam)
 CORE = {m: p for m, p in MODULES.items() if part_of(m) != "finetune"}
-MAX_CORE_LINES = 400
 
 #: torch.distributed calls that move bytes between ranks
-DIST_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
-                    "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
-                    "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "monitored_barrier", "recv",
-                    "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
-                    "scatter_object_list", "send"}
+DIST_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                    "all_gather_single", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
+                    "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
+                    "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_single",
+                    "reduce_scatter_tensor", "scatter", "scatter_object_list", "send"}
 #: perparam.comm's issuing functions
-COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", "all_reduce_sum", "exchange_rows",
-                "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum", "reduce_to_owners",
-                "tree_all_reduce_sum"}
+COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", "all_reduce_sum",
+                "exchange_rows", "exchange_uneven", "reduce_scatter_in_place", "reduce_scatter_sum",
+                "reduce_to_owners", "tree_all_reduce_sum"}
 #: where a collective may be issued (CONTRIBUTING, "Where collectives are issued"): comm/ issues them
 #: through torch.distributed; the paths (runtime/paths/: one file each, its mechanism inside) and the common
 #: tail of a reduction (the HSDP all-reduce), issue them through comm/; the face's exceptions talk to
@@ -235,24 +235,30 @@ COMM_ISSUERS = {"all_gather_rows", "all_gather_in_place", "all_gather_objects", 
 ISSUE_DIST = {"perparam.comm": "the collectives",
               "perparam.checkpoint": "ranks agree on what a save writes (all_gather_object), barriers",
               "perparam.full_state": "a full state dict gathered or broadcast one tensor at a time",
-              "perparam.elastic": "snapshots: replicas sent point-to-point, the ranks agree on the newest complete one"}
+              "perparam.elastic": "snapshots: replicas sent point-to-point, the ranks agree on the newest "
+                                  "complete one"}
 ISSUE_COMM = {"perparam.runtime.paths": "the paths",
-              "perparam.runtime.part_reduce": "a reduction's common tail: the HSDP all-reduce",
+              "perparam.runtime.part": "a reduction's common tail: the HSDP all-reduce",
               "perparam.clip": "clip_grad_norm_: the squared norms of every mesh all-reduced",
-              "perparam.invariant": "K-invariant training: per-unit losses and per-row squared norms all-reduced",
-              "perparam.runtime.owner_exchange": "whole-matrix optimizers: the owner gather and scatter at the step",
+              "perparam.invariant": "K-invariant training: per-unit losses and per-row squared norms "
+                                    "all-reduced",
+              "perparam.runtime.owner_exchange": "whole-matrix optimizers: the owner gather and scatter at "
+                                                 "the step",
               "perparam.runtime.owner_state": "whole-matrix optimizers: their state moved for a checkpoint",
               "perparam.runtime.recast": "a cast of owner parameters: the ranks agree whether it is refused"}
 #: module-level names a core function rebinds (``global``): state, none of them a switch of how perparam
 #: runs; the switches are ``RuntimeConfig`` fields (``perparam.configure``), and ``set_debug`` the one
 #: exception (comm/ is below the runtime's config; the checks change no result)
 REBOUND = {("perparam.runtime.config", "_current"): "the RuntimeConfig itself",
-           ("perparam.comm.debug", "_enabled"): "set_debug", ("perparam.comm.debug", "_timeout_s"): "set_debug",
+           ("perparam.comm.debug", "_enabled"): "set_debug",
+           ("perparam.comm.debug", "_timeout_s"): "set_debug",
            ("perparam.api", "_WARNED_LOW_PRECISION"): "warned once",
            ("perparam.checkpoint.background", "_GROUP"): "the writer's process group",
            ("perparam.checkpoint.background", "_EXECUTOR"): "the writer thread",
-           ("perparam.offload.tier", "_order"): "the last forward's order", ("perparam.offload.tier", "_current"): "this one's",
-           ("perparam.offload.mapped", "_EXECUTORS"): "the I/O threads", ("perparam.offload.mapped", "_libc"): "libc"}
+           ("perparam.offload.tier", "_order"): "the last forward's order",
+           ("perparam.offload.tier", "_current"): "this one's",
+           ("perparam.offload.mapped", "_EXECUTORS"): "the I/O threads",
+           ("perparam.offload.mapped", "_libc"): "libc"}
 
 
 def _within(module: str, homes) -> bool:
@@ -260,10 +266,11 @@ def _within(module: str, homes) -> bool:
 
 
 def collectives_issued(tree: ast.AST) -> list[tuple[str, int]]:
-    """``dist.X(...)`` / ``torch.distributed.X(...)`` for a collective X, and ``collectives.Y(...)`` (or ``Y(...)``
-    imported from it) for one of comm's issuing functions, with their lines."""
+    """``dist.X(...)`` / ``torch.distributed.X(...)`` for a collective X, and ``collectives.Y(...)`` (or
+    ``Y(...)`` imported from it) for one of comm's issuing functions, with their lines."""
     imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                and (node.module or "").split(".")[-1] == "collectives" for a in node.names if a.name in COMM_ISSUERS}
+                and (node.module or "").split(".")[-1] == "collectives"
+                for a in node.names if a.name in COMM_ISSUERS}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported:
@@ -307,30 +314,27 @@ def _module_constants_set_from_outside(tree: ast.AST) -> list[tuple[str, int]]:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AugAssign, ast.AnnAssign)) else []
         for t in targets:
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.attr.lstrip("_").isupper():
+            if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                and t.attr.lstrip("_").isupper()):
                 found.append((ast.unparse(t), node.lineno))
     return found
 
 
 def test_no_module_level_runtime_switch_outside_runtime_config():
     rebound = sorted((m, n) for m, p in CORE.items() for n in _rebinds(ast.parse(p.read_text())))
-    assert [r for r in rebound if r not in REBOUND] == [], "module-level names rebound: make a switch a RuntimeConfig field"
+    assert ([r for r in rebound if r not in REBOUND]
+            == []), "module-level names rebound: make a switch a RuntimeConfig field"
     benchmarks = PACKAGE.parent / "benchmarks"
     set_outside = [f"{p.relative_to(PACKAGE.parent)}:{line}: {what}"
                    for p in [*CORE.values(), *sorted(benchmarks.rglob("*.py"))]
                    for what, line in _module_constants_set_from_outside(ast.parse(p.read_text()))]
-    assert not set_outside, "module constants set from outside (use perparam.configure):\n" + "\n".join(set_outside)
+    assert not set_outside, ("module constants set from outside (use perparam.configure):\n"
+                             + "\n".join(set_outside))
 
 
 def test_the_switch_reader_sees_a_constant_set_from_outside():
     assert _module_constants_set_from_outside(ast.parse("tier.GATHER_READ_AHEAD = 0\nx.y = 1\n")) == [
         ("tier.GATHER_READ_AHEAD", 1)]
-
-
-def test_core_files_are_under_400_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in CORE.values()
-            if (n := len(p.read_text().splitlines())) > MAX_CORE_LINES}
-    assert not long, f"core files over {MAX_CORE_LINES} lines (split them by responsibility): {long}"
 
 
 #: attribute names of the features that decide how bytes move or what a reduction does: custom collectives,
@@ -345,7 +349,7 @@ MAX_CALL_SETTINGS = 8
 
 
 def test_the_call_declares_its_feature_settings_and_reads_none():
-    # runtime/group.py (the fully_shard call) holds its settings; its mesh parts (part.py, part_reduce.py)
+    # runtime/group.py (the fully_shard call) holds its settings; its mesh parts (part.py)
     # and the paths read them, so no feature is decided in the call
     tree = ast.parse((PACKAGE / "runtime" / "group.py").read_text())
     read = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in FEATURE_FLAGS
@@ -353,7 +357,8 @@ def test_the_call_declares_its_feature_settings_and_reads_none():
     named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in FEATURE_FLAGS}
     named |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in FEATURE_FLAGS}
     assert read == [], f"runtime/group.py reads feature flags (read them in the part or the path): {read}"
-    assert len(named) <= MAX_CALL_SETTINGS, f"runtime/group.py names {len(named)} feature settings: {sorted(named)}"
+    assert len(named) <= MAX_CALL_SETTINGS, (f"runtime/group.py names {len(named)} feature settings: "
+                                             f"{sorted(named)}")
 
 
 def test_no_test_file_imports_another():
@@ -369,46 +374,13 @@ def test_no_test_file_imports_another():
     assert not bad, bad
 
 
-def _private_names_across(folder: Path) -> list[str]:
-    """``from .sibling import _name`` and ``sibling._name`` between the files of ``folder`` (a package)."""
-    siblings = {p.stem for p in folder.glob("*.py")} - {"__init__"}
-    found = []
-    for path in sorted(folder.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "") in siblings:
-                found += [f"{path.name}: from .{node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in siblings
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
-                found.append(f"{path.name}: {node.value.id}.{node.attr}")
-    return found
-
-
-def test_the_checkpoint_family_is_one_folder_that_imports_no_private_name_across_its_files():
+def test_the_checkpoint_family_is_one_folder():
+    """(No private name crosses its files, nor any other files: ``tests/test_code_rules.py``.)"""
     folder = PACKAGE / "checkpoint"
     assert (folder / "__init__.py").is_file() and not sorted(PACKAGE.glob("checkpoint*.py"))
-    assert _private_names_across(folder) == []
     homes = [m for m, p in CORE.items() for node in ast.walk(ast.parse(p.read_text()))
              if isinstance(node, ast.ClassDef) and node.name in ("CheckpointError", "CheckpointDamagedError")]
     assert homes == ["perparam.errors", "perparam.errors"], homes  # one home for the family's errors
-
-
-def test_the_private_name_reader_sees_both_spellings(tmp_path):
-    (tmp_path / "a.py").write_text("from .b import _x, y\nfrom . import b\nb._z()\nb.__name__\n")
-    (tmp_path / "b.py").write_text("")
-    assert _private_names_across(tmp_path) == ["a.py: from .b import _x", "a.py: b._z"]
-
-
-def test_the_hf_family_imports_no_private_name_across_its_files():
-    """``perparam/hf/``: no file imports an underscore name from another module (each file's helpers stay
-    its own; a shared one is public)."""
-    found = []
-    for name, path in MODULES.items():
-        if not name.startswith("perparam.hf"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_")]
-    assert not found, found
 
 
 # benchmarks/: the scripts at the top, what they share in harness/, the GPU check in gpu/ (CONTRIBUTING.md)
@@ -470,8 +442,8 @@ def test_a_benchmark_imports_the_harness_only_and_the_harness_imports_no_benchma
     wrong = [f"{BENCHMARK_MODULES[m].relative_to(PACKAGE.parent)}:{line}: imports {w}"
              for m, found in _benchmark_graph().items() for w, _, line in found
              if w != "benchmarks" and benchmark_part(w) not in BENCHMARK_ALLOWED[benchmark_part(m)]]
-    assert not wrong, ("benchmarks/: a script imports benchmarks/harness/ only, benchmarks/gpu/ the harness and "
-                       "itself, the harness itself (move what two scripts share into the harness):\n"
+    assert not wrong, ("benchmarks/: a script imports benchmarks/harness/ only, benchmarks/gpu/ the harness "
+                       "and itself, the harness itself (move what two scripts share into the harness):\n"
                        + "\n".join(wrong))
 
 
@@ -489,18 +461,10 @@ def test_no_benchmark_imports_the_tests():
                        + "\n".join(wrong))
 
 
-def test_no_private_name_is_imported_across_benchmark_files():
-    wrong = [f"{BENCHMARK_MODULES[m].relative_to(PACKAGE.parent)}:{line}: {name} from {w}"
-             for m, found in _benchmark_graph().items() for w, name, line in found
-             if name is not None and name.startswith("_") and w != m]
-    assert not wrong, "a private name imported from another benchmark file (make it public there):\n" + "\n".join(
-        wrong)
-
-
 def test_the_benchmark_checks_see_a_circle_a_private_name_and_an_upward_import():
     known = {"benchmarks.harness.a": None, "benchmarks.gpu.b": None, "benchmarks.c": None}
-    a = benchmark_imports("benchmarks.harness.a", ast.parse("def f():\n    from benchmarks.gpu.b import _g\n"),
-                          known)
+    a = benchmark_imports("benchmarks.harness.a",
+                          ast.parse("def f():\n    from benchmarks.gpu.b import _g\n"), known)
     b = benchmark_imports("benchmarks.gpu.b", ast.parse("from ..harness import a\nimport torch\n"), known)
     assert a == [("benchmarks.gpu.b", "_g", 2)] and b == [("benchmarks.harness.a", None, 1)]
     assert _cycles({"benchmarks.harness.a": [(a[0][0], 2)], "benchmarks.gpu.b": [(b[0][0], 1)]}, known) == [

@@ -26,7 +26,8 @@ MESH_SHAPES = [(a, n // a) for n in range(1, 9) for a in range(1, n + 1) if n % 
 @cache
 def fake_mesh(mesh_shape: tuple[int, int], rank: int) -> DeviceMesh:
     """A ``DeviceMesh`` as seen by ``rank``, with no process group behind it (``_init_backend=False``)."""
-    return DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).view(mesh_shape), _init_backend=False, _rank=rank)
+    return DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).view(mesh_shape), _init_backend=False,
+                      _rank=rank)
 
 
 def placement_pairs(ndim: int) -> list[tuple]:
@@ -78,7 +79,8 @@ def test_local_shape_and_offset_is_nested_chunk_and_dtensor_and_reassembles(case
         assert local_shape == tuple(piece.shape), (rank, coordinate)
         assert list(offset) == chunk_offset, (rank, coordinate)
         assert torch.equal(full[region(local_shape, offset)], piece)
-        dt_shape, dt_offset = compute_local_shape_and_global_offset(shape, fake_mesh(mesh_shape, rank), placements)
+        dt_shape, dt_offset = compute_local_shape_and_global_offset(shape, fake_mesh(mesh_shape, rank),
+                                                                    placements)
         assert local_shape == tuple(dt_shape), (rank, coordinate)
         if piece.numel():  # see test_empty_shard_offsets_match_dtensor for empty pieces
             assert offset == tuple(dt_offset), (rank, coordinate)

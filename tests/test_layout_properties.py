@@ -74,7 +74,8 @@ def test_packed_all_gather_buffer_round_trips_any_mix_of_dtypes(case):
     group = GroupLayout.plain(lays, tuple(d for _, d in params))
     offsets = [o[0] for o in group.offsets]
     sizes = [ps[0].nbytes for ps in group.pieces]
-    fulls = [(torch.randint(0, 100, s) if not d.is_floating_point else torch.randn(s)).to(d) for s, d in params]
+    fulls = [(torch.randint(0, 100, s) if not d.is_floating_point else torch.randn(s)).to(d)
+             for s, d in params]
     # every rank packs its padded local shards into its slot
     gathered = torch.zeros(k, group.slot_bytes, dtype=torch.uint8)
     for rank in range(k):

@@ -62,7 +62,8 @@ def _train(rank: int, world_size: int, local: bool, make_opt, closure: bool = Fa
         state = {name: {k: v for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
         return {"params": [p.to_local().clone() for p in model.parameters()],
                 "kinds": sorted({type(v).__name__ for s in state.values() for v in s.values()}),
-                "state": {n: {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in s.items()}
+                "state": {n: {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+                              for k, v in s.items()}
                           for n, s in state.items()},
                 "placements": {n: [tuple(v.placements) for v in s.values() if isinstance(v, DTensor)]
                                for n, s in state.items()},
@@ -114,7 +115,8 @@ def _zero_dim_state_kinds(local: bool) -> dict:
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        return {n: {k: type(v).__name__ for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+        return {n: {k: type(v).__name__ for k, v in opt.state[p].items()}
+                for n, p in model.named_parameters()}
     finally:
         perparam.configure(local_optimizer_step=previous.local_optimizer_step)
 

@@ -36,7 +36,8 @@ def _check(world: int, phase: str, victim: int) -> None:
         assert fault.codes[rank] == 1, err
         assert count_tracebacks(err) == 1, err
         line = fault.error_line(rank)
-        pattern = (rf"\[rank{rank}\]: perparam\.PeerLostError: perparam: rank {rank} lost rank {victim} \(host \S+, "
+        pattern = (rf"\[rank{rank}\]: perparam\.PeerLostError: perparam: rank {rank} lost rank {victim} "
+                   r"\(host \S+, "
                    rf"pid {fault.victim_pid}: process gone\) {DURING[phase]}; last complete checkpoint: "
                    rf"{re.escape(fault.ckpt)}/step-1 \(Connection (closed|reset) by peer .*\)")
         assert re.fullmatch(pattern, line), line
@@ -62,13 +63,16 @@ def test_a_peer_killed_before_the_first_forward_is_named_by_the_wait_in_the_stor
     assert fault.codes == [1, -signal.SIGKILL], fault.err
     assert count_tracebacks(fault.err[0]) == 1, fault.err[0]
     assert re.fullmatch(rf"\[rank0\]: perparam\.PeerLostError: perparam: rank 0 lost rank 1 \(host \S+, pid "
-                        rf"{fault.victim_pid}: process gone\) during a wait for the peers in the store \(before a "
-                        r"collective\); last complete checkpoint: none saved or loaded by this process \(its post "
+                        rf"{fault.victim_pid}: process gone\) during a wait for the peers in the store "
+                        r"\(before a "
+                        r"collective\); last complete checkpoint: none saved or loaded by this process \(its "
+                        r"post "
                         r"never came\)", fault.error_line(0)), fault.err[0]
 
 
 def test_the_lost_peer_error_is_exported_and_pickles_with_its_fields():
-    error = perparam.PeerLostError("perparam: rank 0 lost rank 1", [1], "/ckpt/step-4", "Connection reset by peer")
+    error = perparam.PeerLostError("perparam: rank 0 lost rank 1", [1], "/ckpt/step-4",
+                                   "Connection reset by peer")
     assert isinstance(error, perparam.CollectiveTimeoutError) and "PeerLostError" in perparam.__all__
     back = pickle.loads(pickle.dumps(error))
     assert (str(back), back.ranks, back.checkpoint, back.cause) == (str(error), [1], "/ckpt/step-4",

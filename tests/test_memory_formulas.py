@@ -92,8 +92,9 @@ def test_unknown_stage_and_bad_world():
 
 @pytest.mark.parametrize(
     "text, value",
-    [("1.5e9", 1_500_000_000), ("1.5B", 1_500_000_000), ("124M", 124_000_000), ("1_557_611_200", 1_557_611_200),
-     ("7b", 7_000_000_000), ("2.5K", 2500), (" 42 ", 42), (1.5e9, 1_500_000_000)],
+    [("1.5e9", 1_500_000_000), ("1.5B", 1_500_000_000), ("124M", 124_000_000),
+     ("1_557_611_200", 1_557_611_200), ("7b", 7_000_000_000), ("2.5K", 2500), (" 42 ", 42),
+     (1.5e9, 1_500_000_000)],
 )
 def test_parse_count(text, value):
     assert parse_count(text) == value
@@ -148,7 +149,8 @@ def test_cli_tables(capsys):
     # (perparam's stages, then the paper's ZeRO-1, labelled)
     stages = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in stages]
-    rows = [row for row in rows if row[1] not in ("=", "(perparam's")]  # not the formula notes under the tables
+    # not the formula notes under the tables
+    rows = [row for row in rows if row[1] not in ("=", "(perparam's")]
     assert len(rows) == 9
     assert [row[4] for row in rows[:4]] == TABLE_GB
     assert [row[5] for row in rows[:4]] == TABLE_RATIO

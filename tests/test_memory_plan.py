@@ -91,7 +91,8 @@ def test_plan_matches_layout_per_parameter():
     plan = plan_model("gpt2-tiny", 5)
     model = build_on_meta(gpt2_tiny)
     for r in range(5):
-        want = sum(ShardLayout(tuple(p.shape), torch.float16, 5, Shard(0)).local_bytes(r) for p in model.parameters())
+        want = sum(ShardLayout(tuple(p.shape), torch.float16, 5, Shard(0)).local_bytes(r)
+                   for p in model.parameters())
         assert plan.rank(r).params == want
 
 
@@ -118,7 +119,8 @@ def test_scalar_parameters_are_replicated_as_fully_shard_does(policy):
     assert [str(p.placements) for p in plan.params][0] == "(Replicate(),)"
     if isinstance(policy, dict):
         assert str(plan.params[1].placements) == "(Shard(dim=0),)"
-        # w: 6 rows over 4 ranks in chunks of 2 -> 2, 2, 2, 0 rows of 2 fp16 elements; the scalar on every rank
+        # w: 6 rows over 4 ranks in chunks of 2 -> 2, 2, 2, 0 rows of 2 fp16 elements; the scalar on every
+        # rank
         assert [plan.rank(r).params for r in range(4)] == [2 + 8, 2 + 8, 2 + 8, 2 + 0]
 
 
@@ -141,7 +143,8 @@ def test_ranks_sum_to_unsharded(params, k, keep_dtype, optim, grad):
     for i, (shape, dtype, trainable) in enumerate(params):
         model.register_parameter(f"p{i}", nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
                                                        requires_grad=trainable))
-    plan = plan_module(model, k, dtype=None if keep_dtype else torch.float16, grad_bytes=grad, optim_bytes=optim)
+    plan = plan_module(model, k, dtype=None if keep_dtype else torch.float16, grad_bytes=grad,
+                       optim_bytes=optim)
     total = plan.sum_over_ranks()
     assert total == plan.unsharded
     itemsize = (lambda d: d.itemsize) if keep_dtype else (lambda d: 2)
@@ -193,7 +196,8 @@ def test_cli_params_table(capsys):
 
 
 def test_cli_model_flag(capsys):
-    assert main(["plan", "--model", f"{__name__}:tiny_factory", "--world", "2", "--json", "--dtype", "model"]) == 0
+    assert main(["plan", "--model", f"{__name__}:tiny_factory", "--world", "2", "--json", "--dtype",
+                 "model"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_params"] == 108 and data["bytes_per_element"]["params"] == ["float32"]
     assert main(["plan", "--model", "perparam.memory.presets:gpt2_tiny", "-K", "2"]) == 0
@@ -231,7 +235,8 @@ def test_plan_with_auto_placement_lowers_the_largest_rank_at_k1024():
 
 
 def test_cli_plan_placement_auto(capsys):
-    assert main(["plan", "--preset", "gpt2-tiny", "-K", "3", "--placement", "auto", "--json", "--params-table"]) == 0
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "3", "--placement", "auto", "--json",
+                 "--params-table"]) == 0
     data = json.loads(capsys.readouterr().out)
     # tiny (<= 1024-byte) parameters are replicated: every rank holds a copy, so the ranks sum to more
     assert "(Replicate(),)" in {p["placements"] for p in data["params"]}
@@ -256,8 +261,8 @@ def test_plan_of_an_all_stage_k_policy_gives_table_7_2_rows_up_to_padding(stage,
 
 
 def test_plan_takes_a_stage_per_pattern_and_refuses_an_unknown_one(capsys):
-    assert main(["plan", "--preset", "gpt2-tiny", "-K", "2", "--param-policy", "*.attn.*=stage1", "--zero-stage", "2",
-                 "--json"]) == 0
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "2", "--param-policy", "*.attn.*=stage1",
+                 "--zero-stage", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["zero_stages"] == [1, 2]
     assert main(["plan", "--preset", "gpt2-tiny", "-K", "2", "--param-policy", "*.attn.*=stage4"]) == 2
     err = capsys.readouterr().err

@@ -112,7 +112,8 @@ def test_from_env_errors():
     with pytest.raises(AxisSizeError, match="PERPARAM_TP='two' is not an int"):
         ParallelDims.from_env(environ={"WORLD_SIZE": "4", "PERPARAM_TP": "two"})
     with pytest.raises(WorldSizeMismatchError, match="= 3, but the world has 4 ranks"):
-        ParallelDims.from_env(environ={"WORLD_SIZE": "4", "PERPARAM_DP_REPLICATE": "3", "PERPARAM_DP_SHARD": "1"})
+        ParallelDims.from_env(environ={"WORLD_SIZE": "4", "PERPARAM_DP_REPLICATE": "3",
+                                       "PERPARAM_DP_SHARD": "1"})
 
 
 def test_from_env_reads_os_environ(monkeypatch):
@@ -130,8 +131,9 @@ def _fake_mesh(shape, names=None) -> DeviceMesh:
 
 
 def test_check_dp_mesh_accepts():
-    for m in [_fake_mesh((4,)), _fake_mesh((4,), ("dp_shard",)), _fake_mesh((2, 2), ("dp_replicate", "dp_shard")),
-              _fake_mesh((2, 2), ("replicate", "shard")), _fake_mesh((2, 2))]:  # unnamed: by position, as FSDP2
+    for m in [_fake_mesh((4,)), _fake_mesh((4,), ("dp_shard",)),
+              _fake_mesh((2, 2), ("dp_replicate", "dp_shard")), _fake_mesh((2, 2), ("replicate", "shard")),
+              _fake_mesh((2, 2))]:  # unnamed: by position, as FSDP2
         assert check_dp_mesh(m) is m
 
 

@@ -16,8 +16,9 @@ from perparam.runtime.group import group_of
 from tests.distributed import run_distributed
 
 #: settings and bookkeeping of the call that a part must not have a copy of
-CALL_ONLY = ("state", "forward_depth", "offload_hook", "all_gather_comm", "reduce_scatter_comm", "all_reduce_hook",
-             "requires_all_reduce", "gradient_divide_factor", "held_unsynced", "tree", "islands", "driver")
+CALL_ONLY = ("state", "forward_depth", "offload_hook", "all_gather_comm", "reduce_scatter_comm",
+             "all_reduce_hook", "requires_all_reduce", "gradient_divide_factor", "held_unsynced", "tree",
+             "islands", "driver")
 
 
 class _Comm:

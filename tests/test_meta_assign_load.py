@@ -63,8 +63,9 @@ def meta_start(rank: int, world_size: int, how: str) -> dict:
             "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
-@pytest.mark.parametrize("how,world_size", [pytest.param("dtensor", 4, marks=pytest.mark.fast), ("dtensor", 1), ("plain", 3), ("set_model_state_dict", 2),
-                                            ("dtensor-stage2", 3), ("dtensor-real", 2)])
+@pytest.mark.parametrize("how,world_size", [
+    pytest.param("dtensor", 4, marks=pytest.mark.fast), ("dtensor", 1), ("plain", 3),
+    ("set_model_state_dict", 2), ("dtensor-stage2", 3), ("dtensor-real", 2)])
 def test_a_meta_model_loaded_with_assign_keeps_its_parameters_and_trains_like_one_process(how, world_size):
     want = one_process(meta_start, how)
     for got in run_distributed(meta_start, world_size, how):
@@ -80,7 +81,8 @@ def refused(rank: int, world_size: int) -> dict:
     perparam.fully_shard(model)
     current = model.state_dict()
     sd = {k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in current.items()}
-    sd["head.weight"] = distribute_tensor(full["head.weight"], current["head.weight"].device_mesh, [Replicate()])
+    sd["head.weight"] = distribute_tensor(full["head.weight"], current["head.weight"].device_mesh,
+                                          [Replicate()])
     errors = []
     try:
         model.load_state_dict(sd, assign=True)
@@ -100,4 +102,5 @@ def test_an_assigned_dtensor_of_other_placements_or_over_unsharded_parameters_is
         placements, unsharded = got["errors"]
         assert "'head.weight'" in placements and "Replicate()" in placements, placements
         assert "distribute_tensor(full, param.device_mesh, param.placements)" in placements, placements
-        assert "'embed.weight'" in unsharded and "reshard() on the sharded module first" in unsharded, unsharded
+        assert ("'embed.weight'" in unsharded
+                and "reshard() on the sharded module first" in unsharded), unsharded

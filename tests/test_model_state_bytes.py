@@ -17,7 +17,8 @@ def measure_after_step(rank: int, world_size: int) -> dict:
     model = TinyNet(d=16, n_blocks=2)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
-    groups = [[f"blocks.{i}.{n}" for n, _ in block.named_parameters()] for i, block in enumerate(model.blocks)]
+    groups = [[f"blocks.{i}.{n}" for n, _ in block.named_parameters()]
+              for i, block in enumerate(model.blocks)]
     for block in model.blocks:
         perparam.fully_shard(block)
     perparam.fully_shard(model)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.fast
 
 PACKAGE = Path(__file__).resolve().parent.parent / "perparam"
 
-_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "bytearray", "local",
-                    "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "WeakIdKeyDictionary"})
+_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "bytearray",
+                    "local", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "WeakIdKeyDictionary"})
 _DISPLAYS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
 _MUTATORS = frozenset({"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "add",
                        "discard", "setdefault", "sort", "reverse"})
@@ -37,8 +37,9 @@ ALLOWED = {
     "sharding/quant.py:_REGISTRY": "the quantizer registry by name: process-wide by design (register/get), "
                                    "filled at import and by users",
     "comm/c10d.py:NAMES": "the c10d names chosen once at import for this torch (tests force the older ones)",
-    "comm/counter.py:_counters": "the CommCounters recording now (a context manager's stack: entered and left "
-                                 "by their owner; process-wide, as backward hooks run on autograd's thread)",
+    "comm/counter.py:_counters": "the CommCounters recording now (a context manager's stack: entered and "
+                                 "left by their owner; process-wide, as backward hooks run on autograd's "
+                                 "thread)",
     "comm/debug.py:global _enabled": "configure(debug=...), a process-wide setting read at every collective",
     "comm/debug.py:global _timeout_s": "configure(debug_timeout=...), the same setting's timeout",
     "comm/peers.py:_ROSTER": "the peers' (host, pid) of the one default process group, as they post them",
@@ -46,7 +47,8 @@ ALLOWED = {
                             "default group is",
     "comm/point_to_point.py:_threads": "the waiter threads, weakly: joined by the atexit hook (a thread is "
                                        "process state)",
-    "comm/point_to_point.py:_waiters": "the waiter thread per (pid, process group): a forked child starts its own",
+    "comm/point_to_point.py:_waiters": "the waiter thread per (pid, process group): a forked child starts "
+                                       "its own",
     "comm/process_groups.py:_REDUCE_GROUPS": _WEAK_PG + ": its reduction group",
     "comm/process_groups.py:_COUNTERS": _WEAK_PG + ": ParamGroups counted per default group",
     "comm/process_groups.py:_WARM": _WEAK_PG + ": communicators warmed up",
@@ -59,22 +61,31 @@ ALLOWED = {
                               "thread rank alike",
     "runtime/readers.py:READERS": "a table of torch modules that read their children's parameters, completed "
                                   "at import where torch has the module, never written after",
-    "runtime/reduction.py:_FLAGS": "a bounded cache (256) of flag tensors keyed by their values, dtype and device: "
+    "runtime/reduction.py:_FLAGS": "a bounded cache (256) of flag tensors keyed by their values, dtype and "
+                                   "device: "
                                    "the same content whoever asks",
-    "runtime/whole_matrix.py:KNOWN": "constant table: whole-matrix optimizers from outside torch, by class name",
-    "runtime/zero.py:_GENERATIONS": "weak on the default process group: the load generation of each thread rank",
+    "runtime/whole_matrix.py:KNOWN": "constant table: whole-matrix optimizers from outside torch, by class "
+                                     "name",
+    "runtime/zero.py:_GENERATIONS": "weak on the default process group: the load generation of each thread "
+                                    "rank",
     "runtime/zero.py:_NO_WORLD": "the load generation before init_process_group (no group to key it by)",
     # -- the face -----------------------------------------------------------------------------------------
     "api.py:global _WARNED_LOW_PRECISION": _ONCE + " (a parameter stored in bf16/fp16)",
-    "module.py:_CLASS_CACHE": "the Sharded<Class> subclass made once per module class (a class is process-wide)",
+    "module.py:_CLASS_CACHE": "the Sharded<Class> subclass made once per module class (a class is "
+                              "process-wide)",
     "clip.py:_SPANS": "weak on the DeviceMesh: the root axes it spans, read once per mesh",
     "cli.py:SUBCOMMANDS": "constant table: the CLI's subcommands",
     "cli.py:HELPS": "constant table: the CLI's help lines",
-    "invariant_guard.py:_LIVE": "the InvariantUnits in their mode, weakly: torch's global step hook reads them",
-    "invariant_guard.py:_STATE": "the handle of torch's global step pre-hook (one per process) and its error type",
-    "checkpoint/background.py:_PENDING": "the background saves in flight in this process (its one executor's)",
-    "checkpoint/background.py:global _GROUP": "the gloo group of background saves, made once per default group",
-    "checkpoint/background.py:global _EXECUTOR": "the background saves' one thread (a thread is process state)",
+    "invariant_guard.py:_LIVE": "the InvariantUnits in their mode, weakly: torch's global step hook reads "
+                                "them",
+    "invariant_guard.py:_STATE": "the handle of torch's global step pre-hook (one per process) and its "
+                                 "error type",
+    "checkpoint/background.py:_PENDING": "the background saves in flight in this process (its one "
+                                         "executor's)",
+    "checkpoint/background.py:global _GROUP": "the gloo group of background saves, made once per default "
+                                              "group",
+    "checkpoint/background.py:global _EXECUTOR": "the background saves' one thread (a thread is process "
+                                                 "state)",
     "hf/accelerator.py:_FSDP_CLASSES": "the FSDP-named subclass made once per module class",
     "hf/methods.py:TREE_CHANGES": "constant table: methods that change the module tree",
     # -- beside: memory, offload, elastic -----------------------------------------------------------------
@@ -91,7 +102,8 @@ ALLOWED = {
     "offload/mapped.py:global _EXECUTORS": "the I/O threads of the disk tier (threads are process state)",
     "offload/mapped.py:global _libc": "libc, loaded once for sync_file_range",
     "offload/scratch.py:_SCRATCH": "one scratch folder per (pid, root): removed at exit",
-    "offload/tier.py:_OWNERS": "the ShardedParams with an offloaded tier, weakly: the global step hooks read them",
+    "offload/tier.py:_OWNERS": "the ShardedParams with an offloaded tier, weakly: the global step hooks "
+                               "read them",
     "offload/tier.py:_hooks": "the handles of torch's global optimizer hooks the tiers install once",
     "offload/tier.py:_STATE_DICT_HOOKED": "optimizers given the state_dict pre-hook, weakly",
     "offload/tier.py:_order": "the offloaded groups in the last forward's order (the prefetch plan)",
@@ -112,7 +124,8 @@ ALLOWED = {
     "finetune/lifecycle.py:_progress": "the job's progress for its interruption line (one job per process)",
     "finetune/lifecycle.py:_parent": "the job's parent pid once watched (one job per process)",
     "finetune/lifecycle.py:_said": _ONCE + " (why the worker stops)",
-    "finetune/lifecycle.py:_stops": "the job's snapshot folder where a stopping worker notes when (one job per "
+    "finetune/lifecycle.py:_stops": "the job's snapshot folder where a stopping worker notes when (one job "
+                                    "per "
                                     "process; read in a signal handler, so set before any signal)",
     "finetune/lora.py:TARGETS": "constant table: LoRA's target modules",
     "finetune/peers.py:ROSTER": "the job's ranks as recorded (one job per process)",
@@ -162,8 +175,8 @@ def _written(tree: ast.Module, name: str) -> bool:
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             if any(isinstance(t, ast.Subscript) and _name(t.value) == name for t in targets):
                 return True
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
-                and _name(node.func.value) == name):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MUTATORS and _name(node.func.value) == name):
             return True
         if isinstance(node, ast.Global) and name in node.names:
             return True

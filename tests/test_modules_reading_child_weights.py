@@ -89,8 +89,9 @@ def read_outside(rank: int, world: int, case: str) -> tuple[str, str]:
     return "no error", ""
 
 
-@pytest.mark.parametrize("case,param,user", [("tied", "'embed.weight' of group 'embed'", "TiedHead.forward"),
-                                             ("reads_head", "'head.weight' of group 'head'", "ReadsHead.forward")])
+@pytest.mark.parametrize("case,param,user", [
+    ("tied", "'embed.weight' of group 'embed'", "TiedHead.forward"),
+    ("reads_head", "'head.weight' of group 'head'", "ReadsHead.forward")])
 def test_a_sharded_weight_read_outside_its_groups_forward_is_named_with_the_fix(case, param, user):
     kind, message = run_distributed(read_outside, 2, case)[0]
     assert kind == UsedWhileShardedError.__name__, message

@@ -34,11 +34,12 @@ def test_two_torchrun_nodes_match_one_launcher(tmp_path, per_node):
     world = 2 * per_node
     flags = (*FLAGS, "--text", str(text), "--batch-size", str(world))
     endpoint, run_id = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-                               str(per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id",
-                               run_id, "-m", "perparam.finetune", *flags,
-                               "--summary-json", str(tmp_path / f"node{n}.json")],
-                              cwd=REPO, env={**subprocess_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                               "--nproc_per_node", str(per_node), "--rdzv_backend", "c10d",
+                               "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, "-m", "perparam.finetune",
+                               *flags, "--summary-json", str(tmp_path / f"node{n}.json")],
+                              cwd=REPO,
+                              env={**subprocess_env(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in range(2)]
     try:

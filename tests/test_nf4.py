@@ -70,8 +70,8 @@ def gather_nf4(rank: int, world_size: int, stored: bool) -> dict:
     model.reshard()
     local = {n: (tuple(p.to_local().shape), p.dtype) for n, p in model.named_parameters()}
     buffers = {n: tuple(b.to_local().shape) for n, b in model.named_buffers()}
-    return {"full": full, "unsharded": unsharded, "comm": comm.by_kind(), "ag_bytes": comm.bytes("all_gather"),
-            "local": local, "buffers": buffers}
+    return {"full": full, "unsharded": unsharded, "comm": comm.by_kind(),
+            "ag_bytes": comm.bytes("all_gather"), "local": local, "buffers": buffers}
 
 
 @pytest.mark.parametrize("stored,world_size", [
@@ -147,7 +147,8 @@ def qlora_nf4(rank: int, world_size: int) -> dict:
         losses.append(loss.item())
     stored = {n: p.to_local().nbytes + model.get_buffer(f"{n}_qscale").to_local().nbytes
               for n, p in model.named_parameters() if n.endswith("base.weight")}
-    return {"losses": losses, "with_grad": sorted(n for n, p in model.named_parameters() if p.grad is not None),
+    return {"losses": losses,
+            "with_grad": sorted(n for n, p in model.named_parameters() if p.grad is not None),
             "unchanged": all(torch.equal(p.to_local(), codes_before[n]) for n, p in model.named_parameters()
                              if n in codes_before),
             "stored": stored, "fp32_bytes": fp32_bytes}

@@ -38,7 +38,8 @@ def test_importing_perparam_loads_neither_transformers_nor_accelerate():
     """The core never imports the Hugging Face libraries (``perparam.hf.trainer`` and ``.accelerator`` do,
     imported by path): ``import perparam``, and ``perparam.hf`` with its files that need neither, in a fresh
     interpreter leave transformers, accelerate and peft out of ``sys.modules``."""
-    out = subprocess.run([sys.executable, "-c", _NO_HF], check=True, timeout=120, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _NO_HF], check=True, timeout=120, capture_output=True,
+                         text=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 

@@ -1,6 +1,6 @@
 """Norms with running statistics compute in their buffers' dtype whatever the call's param_dtype (a precision
-island made by the rule of perparam.runtime.islands): they match one process under an fp64 param_dtype, and run
-under bf16 where F.batch_norm would fail on bf16 weights with fp32 statistics."""
+island made by the rule of perparam.runtime.islands): they match one process under an fp64 param_dtype, and
+run under bf16 where F.batch_norm would fail on bf16 weights with fp32 statistics."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from perparam import MixedPrecisionPolicy
 from tests.distributed import run_distributed
 from tests.models import local_slice
 
-SHAPES = {"BatchNorm1d": (3, 2), "BatchNorm2d": (3, 2, 1), "BatchNorm3d": (3, 2, 1, 1), "InstanceNorm1d": (3, 2),
-          "LazyBatchNorm1d": (3, 2), "SyncBatchNorm": (3, 2)}
+SHAPES = {"BatchNorm1d": (3, 2), "BatchNorm2d": (3, 2, 1), "BatchNorm3d": (3, 2, 1, 1),
+          "InstanceNorm1d": (3, 2), "LazyBatchNorm1d": (3, 2), "SyncBatchNorm": (3, 2)}
 
 
 def make_norm(kind: str) -> nn.Module:
@@ -113,5 +113,5 @@ def bf16_runs(rank: int, world: int) -> dict:
 @pytest.mark.fast
 def test_norms_with_running_statistics_run_under_bf16_param_dtype_in_fp32():
     for kind, (out_dtype, norm_dtype, linear_dtype, finite) in run_distributed(bf16_runs, 2)[0].items():
-        assert (out_dtype, norm_dtype, linear_dtype, finite) == (torch.bfloat16, torch.float32, torch.bfloat16,
-                                                                 True), kind
+        assert (out_dtype, norm_dtype, linear_dtype, finite) == (torch.bfloat16, torch.float32,
+                                                                 torch.bfloat16, True), kind

@@ -32,7 +32,8 @@ OPTIMIZERS = {
 
 def _build(world_size: int, offload, mesh_shape=None) -> TinyNet:
     mesh = init_device_mesh("cpu", mesh_shape or (world_size,),
-                            mesh_dim_names=("replicate", "shard") if mesh_shape and len(mesh_shape) == 2 else None)
+                            mesh_dim_names=("replicate", "shard") if mesh_shape and len(mesh_shape) == 2
+                            else None)
     return sharded_tiny(mesh=mesh, offload_policy=offload)
 
 
@@ -81,7 +82,8 @@ def _assert_bitwise(results) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_adamw_with_state_shard_and_gradient_on_disk_matches_device_bitwise_with_accumulation(tmp_path, world_size):
+def test_adamw_with_state_shard_and_gradient_on_disk_matches_device_bitwise_with_accumulation(
+        tmp_path, world_size):
     _assert_bitwise(run_distributed(same_with_and_without_disk, world_size, str(tmp_path), ("adamw_foreach",),
                                     None, (True,)))
 
@@ -92,7 +94,8 @@ def test_hsdp_2x2_with_state_shard_and_gradient_on_disk_matches_device_bitwise_w
 
 
 def test_stock_optimizers_with_state_on_disk_match_device_bitwise(tmp_path):
-    _assert_bitwise(run_distributed(same_with_and_without_disk, 3, str(tmp_path), ("adam_loop", "sgd_momentum")))
+    _assert_bitwise(run_distributed(same_with_and_without_disk, 3, str(tmp_path),
+                                    ("adam_loop", "sgd_momentum")))
 
 
 def checkpoint_through_the_tier(rank: int, world_size: int, root: str, save_offloaded: bool) -> list:
@@ -122,7 +125,8 @@ def checkpoint_both_ways(rank: int, world_size: int, root: str) -> list:
 def load_on_another_world_size(rank: int, world_size: int, path: str, offloaded: bool) -> dict:
     import perparam.checkpoint as ckpt
 
-    model = _build(world_size, OffloadPolicy("disk", "all", path=os.path.dirname(path)) if offloaded else None)
+    model = _build(world_size,
+                   OffloadPolicy("disk", "all", path=os.path.dirname(path)) if offloaded else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(rank, world_size, model, opt, steps=1)  # the optimizer has state (in files) to be replaced
     ckpt.load(path, model, opt)
@@ -192,7 +196,8 @@ def write_back_fails_then_recovers(rank: int, world_size: int, root: str, where:
         messages.append(message)
     ref = _build(world_size, None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    return ["".join(messages), losses, _full(model), _train(rank, world_size, ref, ref_opt, steps=4), _full(ref)]
+    return ["".join(messages), losses, _full(model), _train(rank, world_size, ref, ref_opt, steps=4),
+            _full(ref)]
 
 
 def disk_full_both_ways(rank: int, world_size: int, root: str) -> list:
@@ -231,8 +236,10 @@ def test_bad_offload_input_is_refused_at_fully_shard_naming_parameter_and_path(t
     not_a_dir.write_text("")
     path = str(not_a_dir / "offload")
     frozen = {"head.*": ParamPolicy(requires_grad=False, offload=OffloadPolicy("disk", path=str(tmp_path)))}
-    [[unwritable, no_folder, frozen]] = run_distributed(refused, 1, [OffloadPolicy("disk", path=path), "disk", frozen])
-    assert "'embed.weight'" in unwritable[0] and path in unwritable[0] and "writable directory" in unwritable[0]
+    [[unwritable, no_folder, frozen]] = run_distributed(refused, 1,
+                                                        [OffloadPolicy("disk", path=path), "disk", frozen])
+    assert ("'embed.weight'" in unwritable[0] and path in unwritable[0]
+            and "writable directory" in unwritable[0])
     assert "names no folder" in no_folder[0]
     assert "'head.weight'" in frozen[0] and "frozen" in frozen[0]
     assert all(unchanged for _, unchanged in (unwritable, no_folder, frozen))
@@ -243,12 +250,14 @@ def test_tiers_a_cuda_mesh_cannot_have_are_refused_naming_what_to_use_instead():
     from perparam.offload import tier
     from perparam.sharding.policy import MixedPrecisionPolicy, resolve
 
-    for offload in (OffloadPolicy("disk", "optimizer", path="/tmp"), OffloadPolicy("disk", "all", path="/tmp"),
-                    OffloadPolicy("cpu", "all")):
-        policy = resolve("fc.weight", nn.Parameter(torch.zeros(2, 2)), MixedPrecisionPolicy(), None, 2, offload)
+    for offload in (OffloadPolicy("disk", "optimizer", path="/tmp"),
+                    OffloadPolicy("disk", "all", path="/tmp"), OffloadPolicy("cpu", "all")):
+        policy = resolve("fc.weight", nn.Parameter(torch.zeros(2, 2)), MixedPrecisionPolicy(), None, 2,
+                         offload)
         with pytest.raises(OffloadError) as e:
             tier.check([("fc.weight", policy, 16)], "cuda", "Net")
-        assert "'fc.weight' of Net" in str(e.value) and "use OffloadPolicy('cpu', 'optimizer')" in str(e.value)
+        assert ("'fc.weight' of Net" in str(e.value)
+                and "use OffloadPolicy('cpu', 'optimizer')" in str(e.value))
 
 
 def cpu_tier_on_a_cpu_mesh(rank: int, world_size: int) -> list:
@@ -286,8 +295,8 @@ def test_a_process_removes_its_scratch_folder_when_it_exits(tmp_path):
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
             "print(m.Scratch(sys.argv[2]).dir)")
     script = Path(perparam.__file__).parent / "offload" / "scratch.py"
-    made = subprocess.run([sys.executable, "-c", code, str(script), str(tmp_path)], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    made = subprocess.run([sys.executable, "-c", code, str(script), str(tmp_path)], capture_output=True,
+                          text=True, check=True).stdout.strip()
     assert made.startswith(str(tmp_path)) and list(tmp_path.iterdir()) == []
 
 
@@ -331,7 +340,8 @@ def rss_in_training(rank: int, world_size: int, root: str, state: str | None) ->
 def test_rss_anon_falls_by_the_offloaded_bytes_within_5_percent(tmp_path):
     [(device, device_backward, _, _)] = run_distributed(rss_in_training, 1, str(tmp_path), None)
     for state in ("optimizer", "all"):
-        [(offloaded, backward, planned, planned_backward)] = run_distributed(rss_in_training, 1, str(tmp_path), state)
+        [(offloaded, backward, planned, planned_backward)] = run_distributed(rss_in_training, 1,
+                                                                             str(tmp_path), state)
         assert abs((device - offloaded) - planned) <= 0.05 * planned, (state, device - offloaded, planned)
         fell = device_backward - backward  # the gradient shards are in the tier too with "all"
         assert abs(fell - planned_backward) <= 0.05 * planned_backward, (state, fell, planned_backward)

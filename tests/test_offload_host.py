@@ -5,8 +5,8 @@ on CUDA, with torch's no-op CPU streams.
 
 What it holds: AdamW steps bitwise equal to no offload; between steps the optimizer's state entries read
 their values (a logged norm of ``optimizer.state[p][key]``, and ``optimizer.state_dict()``), never a tensor
-over freed storage (on CPU that read segfaults); one host wait per step for the copies back to the host; each parameter's state read-ahead starts as its reduced
-gradient lands, not after the whole backward."""
+over freed storage (on CPU that read segfaults); one host wait per step for the copies back to the host; each
+parameter's state read-ahead starts as its reduced gradient lands, not after the whole backward."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def _host_tier_on_cpu(rank: int, world_size: int) -> dict:
     tier.ParamOffload.grad_ready = ready
     waits = []
     real_evict = host._evict_on
-    host._evict_on = lambda device, slots, write: (waits.append(len(slots)), real_evict(device, slots, write))[1]
+    host._evict_on = lambda device, slots, write: (waits.append(len(slots)),
+                                                   real_evict(device, slots, write))[1]
     torch.manual_seed(0)
     base = TinyNet(n_blocks=2)
     models = {}
@@ -91,12 +92,13 @@ def test_host_tier_state_reads_its_values_between_steps_and_steps_bitwise_like_n
         assert r["slots"] == 2 * 15 and r["params_equal"] and r["state_dict_equal"], r  # exp_avg, exp_avg_sq
         # between steps every host-tier state tensor's device storage is freed, and yet each state entry of
         # the optimizer reads the same norm as without offload
-        assert r["evicted_between_steps"] == [r["slots"]] * 3 and r["evicted_after_state_dict_and_step"] == r["slots"]
+        assert (r["evicted_between_steps"] == [r["slots"]] * 3
+                and r["evicted_after_state_dict_and_step"] == r["slots"])
         assert r["evictions"] == [r["slots"]] * 4  # every step's copies to the host waited for once, together
         for step in r["norms"]:
             assert step["host"] == step["device"], step
-        # the read-ahead: once per trainable parameter per backward, each as its group's reduced gradients land:
-        # the blocks' (reduced first) before the root's embedding had its gradient
+        # the read-ahead: once per trainable parameter per backward, each as its group's reduced gradients
+        # land: the blocks' (reduced first) before the root's embedding had its gradient
         calls = r["ready_calls"]
         assert len(calls) == 4 * 15 and sum(embed for embed, _ in calls) == 4, calls
         first = [root_done for _, root_done in calls[:[embed for embed, _ in calls].index(True)]]

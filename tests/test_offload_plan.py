@@ -56,22 +56,24 @@ def test_a_zero_budget_offloads_shards_gradients_and_optimizer_state_and_kept_co
     assert result.moved[0] == 2 * r.optimizer + 3 * r.params + 2 * r.grads
     with torch.device("meta"):
         model = TinyNet()
-    kept_copies = plan_module(model, 2, dtype=torch.float32, optim_bytes=8, param_policy={"*": ParamPolicy(zero_stage=2)})
+    kept_copies = plan_module(model, 2, dtype=torch.float32, optim_bytes=8,
+                              param_policy={"*": ParamPolicy(zero_stage=2)})
     refused = plan_budget(kept_copies, 0)
     assert not refused.fits and "nothing fits" in refused.message and "stage-1/2" in refused.message
 
 
 def test_parse_bytes_reads_decimal_and_binary_units():
     assert parse_bytes("20e9") == parse_bytes("20GB") == 20 * 10**9
-    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("512MiB") == 2**29 and parse_bytes("1000") == 1000
+    assert (parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("512MiB") == 2**29
+            and parse_bytes("1000") == 1000)
 
 
 def test_plan_cli_prints_both_rules_and_writes_a_policy(tmp_path, capsys):
     out = tmp_path / "plan.json"
     plan = _tiny_plan()
     budget = int(plan.max_rank.total * 0.6)
-    assert main(["plan", "--preset", "gpt2-tiny", "-K", "4", "--dtype", "fp32", "--optim-bytes", "8", "--budget",
-                 str(budget), "--write-policy", str(out), "--offload-dir", str(tmp_path)]) == 0
+    assert main(["plan", "--preset", "gpt2-tiny", "-K", "4", "--dtype", "fp32", "--optim-bytes", "8",
+                 "--budget", str(budget), "--write-policy", str(out), "--offload-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "least traffic" in text and "largest parameters first" in text and out.exists()
     assert "zero_stage 2:" in text and "moves" in text
@@ -87,7 +89,8 @@ def train_with_planned_offload(rank: int, world_size: int, root: str, planned: b
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x, y in make_batches(3, 8):
-        loss = nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        loss = nn.functional.mse_loss(model(local_slice(x, rank, world_size)),
+                                      local_slice(y, rank, world_size))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -137,7 +140,8 @@ def stage_mix_measured(rank: int, world_size: int, root: str) -> list:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for x, y in make_batches(2, 8):
-            loss = nn.functional.mse_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+            loss = nn.functional.mse_loss(model(local_slice(x, rank, world_size)),
+                                          local_slice(y, rank, world_size))
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -151,19 +155,23 @@ def test_plan_picks_stage_2_where_the_budget_leaves_room_and_its_bytes_are_the_l
     with torch.device("meta"):
         model = TinyNet()
     plan = plan_module(model, 2, dtype=torch.float32, optim_bytes=8)
-    all_stage2 = plan_module(model, 2, dtype=torch.float32, optim_bytes=8, param_policy={"*": ParamPolicy(zero_stage=2)})
+    all_stage2 = plan_module(model, 2, dtype=torch.float32, optim_bytes=8,
+                             param_policy={"*": ParamPolicy(zero_stage=2)})
     budget = (plan.max_rank.total + all_stage2.max_rank.total) // 2  # room for some kept copies, not all
     result = plan_budget(plan, budget)
     assert result.fits and result.by_place["device"] == len(plan.params)  # no offload: stage 2 fits as it is
     assert 0 < result.stage2 < len(plan.params) and max(result.kept) <= budget
-    assert result.collective_bytes < 2 * plan.padded_param_bytes_per_rank  # fewer all-gather bytes than stage 3
+    # fewer all-gather bytes than stage 3
+    assert result.collective_bytes < 2 * plan.padded_param_bytes_per_rank
     assert plan_budget(plan, budget, stage2=False).stage2 == 0
     write_policy(tmp_path / "plan.json", result, "disk", str(tmp_path))
     mix = plan_module(model, 2, dtype=torch.float32, optim_bytes=8,
                       param_policy={n: ParamPolicy(zero_stage=v) for n, v in result.stages.items()})
     assert [mix.rank(r).total for r in range(2)] == result.kept  # the planner's bytes are plan_module's
-    for r, ((losses, got), (want_losses, _)) in enumerate(run_distributed(stage_mix_measured, 2, str(tmp_path))):
+    measured = run_distributed(stage_mix_measured, 2, str(tmp_path))
+    for r, ((losses, got), (want_losses, _)) in enumerate(measured):
         want = mix.rank(r)
         assert losses == want_losses
-        assert got["params"] == want.params and got["optimizer"] == want.optimizer + 4 * got["steps"], (got, want)
+        assert (got["params"] == want.params
+                and got["optimizer"] == want.optimizer + 4 * got["steps"]), (got, want)
         assert got["grads"] >= want.grads  # reduce-scatter outputs: padded, plus used flags

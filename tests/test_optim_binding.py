@@ -52,7 +52,8 @@ def _backward(model: nn.Module, rank: int, world_size: int, step: int) -> None:
 
 
 def _stages_in_order(rank: int, world_size: int) -> dict:
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # SGD.step hooked: a subclass's super() nests
+    # SGD.step hooked: a subclass's super() nests
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     model = _model()
     opt = _RaisingSGD(model.parameters(), lr=0.1)
     log, out = [], {}

@@ -31,8 +31,8 @@ def _accumulate(rank: int, world_size: int, mode: str) -> dict:
     """TinyNet's Muon + AdamW recipe, 4 steps of 2 micro-batches (global 12 each), on an HSDP 2x2 mesh when
     distributed; ``mode``: "hold" (``set_requires_all_reduce`` only on the last micro-batch), "nosync"
     (``set_requires_gradient_sync`` likewise), "unfreeze" ("hold", blocks[0].fc1.weight frozen in the first
-    micro-batch: it joins the held reduction in the second). Returns the parameters and, per step after the first,
-    whether the owner matrices' gradients were reduced to their owners."""
+    micro-batch: it joins the held reduction in the second). Returns the parameters and, per step after the
+    first, whether the owner matrices' gradients were reduced to their owners."""
     model, opts = recipe(rank, world_size, None, (2, 2) if world_size else None)
     batches, to_owner = make_batches(8, 12), []
     for step in range(4):
@@ -54,7 +54,8 @@ def _accumulate(rank: int, world_size: int, mode: str) -> dict:
 
 
 def _norm_at_second_step(rank: int, world_size: int) -> float:
-    """The gradient norm before the second step (the first one reduced to the owners), one process: torch's."""
+    """The gradient norm before the second step (the first one reduced to the owners), one process:
+    torch's."""
     model, opts = recipe(rank, world_size)
     for step, (idx, y) in enumerate(make_batches(2, 12)):
         idx, y = _share(rank, world_size, idx, y)
@@ -114,9 +115,11 @@ def test_accumulation_held_or_unsynced_trains_like_one_process_and_a_changed_gra
     norm = one_process(_norm_at_second_step)
     for r in run_distributed(_hsdp_cases, 4):  # HSDP 2x2
         for mode in MODES:
-            assert max_diff(r[mode]["params"], want[mode]) <= 1e-5, (mode, max_diff(r[mode]["params"], want[mode]))
+            assert max_diff(r[mode]["params"], want[mode]) <= 1e-5, (mode,
+                                                                     max_diff(r[mode]["params"], want[mode]))
             assert r[mode]["to_owner"] == [True] * 3  # every step after the first reduced to the owners
-        assert abs(r["norm"] - norm) <= 1e-5 * norm  # perparam.clip_grad_norm_(inf): the norm, unchanged grads
+        # perparam.clip_grad_norm_(inf): the norm, unchanged grads
+        assert abs(r["norm"] - norm) <= 1e-5 * norm
         for how in CHANGES:
             assert "perparam.clip_grad_norm_" in r[how] and "owner_grad='owner'" in r[how], (how, r[how])
             assert "'blocks.0.fc1.weight'" in r[how]  # its path in the model
@@ -125,7 +128,8 @@ def test_accumulation_held_or_unsynced_trains_like_one_process_and_a_changed_gra
 def _composed(rank: int, world_size: int) -> dict:
     previous = perparam.configure(owner_grad="owner")
     try:
-        return {case: compose(rank, world_size, case)["params"] for case in ("accumulate", "clip", "stages", "frozen")}
+        return {case: compose(rank, world_size, case)["params"]
+                for case in ("accumulate", "clip", "stages", "frozen")}
     finally:
         perparam.configure(owner_grad=previous.owner_grad)
 
@@ -163,9 +167,11 @@ def _other_routes(rank: int, world_size: int) -> dict:
             out[setting, "expert"] = full_params(model)
             for quant in ("bf16", "int8"):
                 policy = ParamPolicy(update="owner", grad_quant=quant, zero_stage=2)
-                model, opts = recipe(rank, world_size, lambda n, p, policy=policy: hidden_owner(n, p) and policy)
+                model, opts = recipe(rank, world_size,
+                                     lambda n, p, policy=policy: hidden_owner(n, p) and policy)
                 for idx, y in make_batches(3, 12):
-                    F.mse_loss(model(*_share(rank, world_size, idx, y)[:1]), _share(rank, world_size, idx, y)[1]).backward()
+                    F.mse_loss(model(*_share(rank, world_size, idx, y)[:1]),
+                               _share(rank, world_size, idx, y)[1]).backward()
                     for opt in opts:
                         opt.step()
                         opt.zero_grad()
@@ -174,7 +180,8 @@ def _other_routes(rank: int, world_size: int) -> dict:
             for block in model.blocks:
                 perparam.fully_shard(block, param_policy=hidden_owner)
             perparam.fully_shard(model, param_policy=hidden_owner)
-            hidden = [p for n, p in model.named_parameters() if n.endswith("fc1.weight") or n.endswith("fc2.weight")]
+            hidden = [p for n, p in model.named_parameters()
+                      if n.endswith("fc1.weight") or n.endswith("fc2.weight")]
             rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
             opts = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
             inv = perparam.InvariantUnits(model, units=4, seed=7)

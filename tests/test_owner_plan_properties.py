@@ -41,7 +41,8 @@ def test_the_owner_plan_is_deterministic_and_balanced_within_the_lpt_bound(shape
 
 
 def test_the_owner_plan_puts_the_largest_matrix_first_onto_the_least_loaded_rank():
-    assert owner_plan([1, 5, 3, 3], 2).owners == (0, 0, 1, 1)  # 5 -> 0, 3 -> 1, 3 -> 1 (3 < 5), 1 -> 0 (5 < 6)
+    # 5 -> 0, 3 -> 1, 3 -> 1 (3 < 5), 1 -> 0 (5 < 6)
+    assert owner_plan([1, 5, 3, 3], 2).owners == (0, 0, 1, 1)
     assert ns_cost((13, 6), ns_steps=5) == 5 * 13 * 6 * 6
     # owners kept (they hold state) and the rest filled in by LPT onto the loads they leave
     assert owner_plan([5, 3, 1], 2, fixed={1: 0, 2: 0}).owners == (1, 0, 0)
@@ -55,12 +56,13 @@ def test_the_owner_plan_puts_the_largest_matrix_first_onto_the_least_loaded_rank
 @given(st.sampled_from([((8, 4), (4, 8), (32, 2), (2, 32)), ((16, 2), (2, 16))]).flatmap(
     lambda twins: st.lists(st.sampled_from(twins), min_size=1, max_size=12)), st.integers(1, 4))
 def test_matrices_of_equal_cost_are_dealt_round_the_ranks_shape_by_shape(shape_list, k):
-    # shapes of equal cost (8 x 4, 4 x 8, 32 x 2 and 2 x 32; 16 x 2 and 2 x 16), but a tall matrix is transposed
-    # before its products: each shape's matrices are spread over the ranks within one of each other
+    # shapes of equal cost (8 x 4, 4 x 8, 32 x 2 and 2 x 32; 16 x 2 and 2 x 16), but a tall matrix is
+    # transposed before its products: each shape's matrices are spread over the ranks within one of each other
     assert len({ns_cost(s) for s in shape_list}) == 1
     plan = plan_shapes(shape_list, k)
     for shape in set(shape_list):
-        per_rank = [sum(1 for s, r in zip(shape_list, plan.owners) if s == shape and r == rank) for rank in range(k)]
+        per_rank = [sum(1 for s, r in zip(shape_list, plan.owners) if s == shape and r == rank)
+                    for rank in range(k)]
         assert max(per_rank) - min(per_rank) <= 1, (shape, per_rank)
 
 
@@ -70,7 +72,8 @@ def test_the_benchmark_gpts_tall_and_wide_twins_are_split_evenly():
     blocks = [(1536, 512), (512, 512), (2048, 512), (512, 2048)] * 6
     owners = plan_shapes(blocks, 2).owners
     for shape in set(blocks):
-        assert [sum(1 for s, r in zip(blocks, owners) if s == shape and r == rank) for rank in (0, 1)] == [3, 3]
+        assert [sum(1 for s, r in zip(blocks, owners) if s == shape and r == rank)
+                for rank in (0, 1)] == [3, 3]
     with pytest.raises(ValueError, match="kinds must have one entry per cost"):
         owner_plan([1, 2], 2, kinds=[(1,)])
 
@@ -78,7 +81,8 @@ def test_the_benchmark_gpts_tall_and_wide_twins_are_split_evenly():
 @pytest.mark.parametrize("pp, ndim, requires_grad, match", [
     (ParamPolicy(update="whole"), 2, True, "update='whole'; use 'shard'"),
     (ParamPolicy(update="owner"), 2, False, "'w' is frozen, so no optimizer steps it"),
-    (ParamPolicy(update="owner", placement=Replicate()), 2, True, "'w' has placement Replicate\\(\\) and update='owner'"),
+    (ParamPolicy(update="owner", placement=Replicate()), 2, True,
+     "'w' has placement Replicate\\(\\) and update='owner'"),
     (ParamPolicy(update="owner", offload="cpu"), 2, True, "'w' has update='owner' and offload tier 'cpu'"),
     (ParamPolicy(update="owner", placement=Replicate()), 0, True, "'w' is 0-dim"),
 ])
@@ -93,7 +97,8 @@ def test_an_owner_policy_resolves_to_owner_for_a_sharded_parameter_and_to_shard_
     assert resolve("w", big, MixedPrecisionPolicy(), ParamPolicy(update="owner"), 2).update == "owner"
     assert resolve("w", big, MixedPrecisionPolicy(), None, 2).update == "shard"
     from perparam.sharding.resolution import resolve_param
-    assert resolve_param("b", tiny, MixedPrecisionPolicy(), ParamPolicy(update="owner", placement="auto"), 4).update \
+    assert resolve_param("b", tiny, MixedPrecisionPolicy(), ParamPolicy(update="owner", placement="auto"),
+                         4).update \
         == "shard"
 
 
@@ -113,7 +118,8 @@ def test_perparam_plan_json_and_param_policy_token_give_the_owner_plan():
     assert pattern == "*.weight" and policy == ParamPolicy(update="owner")
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 16, bias=False))
     owners = plan_to_json(plan_module(model, 2, param_policy={pattern: policy}))["owners"]
-    assert owners["params"] == {"0.weight": 1, "1.weight": 0} and owners["max_over_mean"] == pytest.approx(1.6)  # 20480 of 25600
+    assert (owners["params"] == {"0.weight": 1, "1.weight": 0}
+            and owners["max_over_mean"] == pytest.approx(1.6))  # 20480 of 25600
 
 
 def test_the_balance_benchmark_plays_every_rank_of_the_runtime_plan():

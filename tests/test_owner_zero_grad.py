@@ -45,7 +45,8 @@ def _train(rank: int, world_size: int, owner_grad: str, set_to_none, stage: int 
             perparam.fully_shard(block, mesh=mesh, param_policy=_policy(stage))
         perparam.fully_shard(model, mesh=mesh, param_policy=_policy(stage))
         named = dict(model.named_parameters())
-        hidden = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
+        hidden = [p for n, p in named.items()
+                  if n.startswith("blocks") and n.endswith("weight") and p.ndim == 2]
         rest = [p for p in named.values() if all(p is not h for h in hidden)]
         if stage is not None and stage < 0:
             opts = [torch.optim.AdamW(named.values(), lr=0.01, weight_decay=0.01)]
@@ -59,10 +60,12 @@ def _train(rank: int, world_size: int, owner_grad: str, set_to_none, stage: int 
             for i in range(micro):
                 idx, y = batches[step * micro + i]
                 idx, y = idx[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-                getattr(model, "set_requires_all_reduce" if hsdp else "set_requires_gradient_sync")(i == micro - 1)
+                getattr(model,
+                        "set_requires_all_reduce" if hsdp else "set_requires_gradient_sync")(i == micro - 1)
                 (F.mse_loss(model(idx), y) / micro).backward()
             route = owner_step.routing(opts[0])
-            to_owner.append(route is not None and all(owner_grads.at_owner(e.sp) for e in route.by_id.values()))
+            to_owner.append(route is not None
+                            and all(owner_grads.at_owner(e.sp) for e in route.by_id.values()))
             for opt in opts:
                 opt.step()
             if set_to_none == "foreach":
@@ -118,7 +121,8 @@ def _matrices(rank: int, world_size: int, owner_grad: str, how: str) -> dict:
     (``zero_grad()``), "zero" (``zero_grad(set_to_none=False)``), "foreach" (``torch._foreach_zero_`` over the
     ``.grad``s, as an optimizer built with ``foreach=True`` zeroes: no version counter moves), "keep"
     (no zeroing at all: accumulated over the steps), "between" ("foreach", and at the last step also between
-backward and the step: the owner without rows learns it from its peers' witness in the gather). Returns the bits of the parameters and the owners."""
+backward and the step: the owner without rows learns it from its peers' witness in the gather). Returns the
+bits of the parameters and the owners."""
     previous = perparam.configure(owner_grad=owner_grad)
     try:
         torch.manual_seed(0)

@@ -33,7 +33,8 @@ def _train(rank: int, world_size: int) -> dict:
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for n, p in model.named_parameters()}
 
 
 def two_worlds(rank: int, world_size: int, store_path: str) -> tuple[list[int], dict]:
@@ -126,7 +127,7 @@ class _Work:
         self.freed.append((self.done.is_set(), threading.current_thread().name))
 
 
-def test_the_waiter_frees_every_work_on_its_thread_before_it_reports_done_and_ends_at_exit_once_its_works_finish(
+def test_the_waiter_frees_every_work_on_its_thread_before_reporting_done_and_ends_at_exit_once_works_finish(
         monkeypatch):
     """Freeing a c10d work releases and retakes the GIL; a daemon thread that retakes it while the
     interpreter finalizes aborts the process ("terminate called without an active exception"), so the owner

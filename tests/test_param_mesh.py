@@ -74,9 +74,10 @@ def moe_one_call(rank: int, world_size: int, folder: str) -> dict:
     # two reduce dtypes on each mesh: one reduce-scatter per (mesh, reduce dtype)
     bf16 = torch.bfloat16
     model = moe.expert_parallel_model(rank)
-    perparam.fully_shard(model, mesh=dp, param_policy={"expert.bias": ParamPolicy(mesh=edp, reduce_dtype=bf16),
-                                                       "expert.weight": ParamPolicy(mesh=edp),
-                                                       "pre.bias": ParamPolicy(reduce_dtype=bf16)})
+    perparam.fully_shard(model, mesh=dp,
+                         param_policy={"expert.bias": ParamPolicy(mesh=edp, reduce_dtype=bf16),
+                                       "expert.weight": ParamPolicy(mesh=edp),
+                                       "pre.bias": ParamPolicy(reduce_dtype=bf16)})
     x, y, route = moe.batches(2)[0]
     mine = slice(rank * moe.TOKENS, (rank + 1) * moe.TOKENS)
     with CommCounter() as comm:
@@ -104,7 +105,8 @@ def moe_ep2_edp2(rank: int, world_size: int) -> dict:
     perparam.fully_shard(model, mesh=dp, param_policy={"expert.*": ParamPolicy(mesh=ep_edp["edp"])})
     out = moe.train(model, moe.make_optimizer(model.parameters(), "sgd"), rank, expert, ranks=4)
     try:
-        perparam.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), mesh=dp, reshard_after_forward=2,
+        perparam.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), mesh=dp,
+                             reshard_after_forward=2,
                              param_policy={"1.weight": ParamPolicy(mesh=ep_edp["edp"])})
         hpz = "no error"
     except perparam.ShardingError as e:
@@ -163,7 +165,8 @@ def full_state_refusals(rank: int, dp: DeviceMesh, edp: DeviceMesh) -> dict[str,
 def bad_meshes(rank: int, dp: DeviceMesh) -> dict[str, str]:
     """Each bad ``ParamPolicy.mesh`` given to ``1.weight`` of a call on ``dp``: the ``ShardingError``
     message, or "no error"."""
-    tp = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("tp",), _init_backend=False)  # only a DTensor's mesh
+    # only a DTensor's mesh
+    tp = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("tp",), _init_backend=False)
     cases = {
         "device_type": DeviceMesh("meta", torch.tensor([rank]), _init_backend=False),
         "3d": DeviceMesh("cpu", torch.tensor([[[rank]]]), _init_backend=False),
@@ -204,15 +207,16 @@ def test_experts_on_their_own_mesh_in_one_call_match_one_process_with_the_defaul
 def test_one_call_issues_one_all_gather_per_mesh_and_one_reduce_scatter_per_mesh_and_dtype():
     # the root keeps its gathered parameters into backward: per step one all-gather of the dense
     # parameters over 2 ranks and one of the expert over 1, one reduce-scatter each
-    want = Counter({("all_gather", 2): 1, ("all_gather", 1): 1, ("reduce_scatter", 2): 1, ("reduce_scatter", 1): 1})
+    want = Counter({("all_gather", 2): 1, ("all_gather", 1): 1, ("reduce_scatter", 2): 1,
+                    ("reduce_scatter", 1): 1})
     for got in _one_call_results():
         assert all(step == want for step in got["sgd"]["counts"]), got["sgd"]["counts"]
 
 
 def test_one_reduce_scatter_per_mesh_and_reduce_dtype():
     f32, bf16 = torch.float32, torch.bfloat16
-    want = Counter({("reduce_scatter", 2, f32): 1, ("reduce_scatter", 2, bf16): 1, ("reduce_scatter", 1, f32): 1,
-                    ("reduce_scatter", 1, bf16): 1})
+    want = Counter({("reduce_scatter", 2, f32): 1, ("reduce_scatter", 2, bf16): 1,
+                    ("reduce_scatter", 1, f32): 1, ("reduce_scatter", 1, bf16): 1})
     for got in _one_call_results():
         reductions = Counter({k: n for k, n in got["dtype_counts"].items() if k[0] == "reduce_scatter"})
         assert reductions == want, got["dtype_counts"]
@@ -220,7 +224,8 @@ def test_one_reduce_scatter_per_mesh_and_reduce_dtype():
 
 
 def test_a_block_resharded_after_forward_gathers_once_per_mesh_in_forward_and_in_backward():
-    want = Counter({("all_gather", 2): 2, ("all_gather", 1): 2, ("reduce_scatter", 2): 1, ("reduce_scatter", 1): 1})
+    want = Counter({("all_gather", 2): 2, ("all_gather", 1): 2, ("reduce_scatter", 2): 1,
+                    ("reduce_scatter", 1): 1})
     for got in _one_call_results():
         assert got["nested_counts"] == want, got["nested_counts"]
 
@@ -244,18 +249,21 @@ def test_the_plan_of_a_per_parameter_mesh_equals_the_live_bytes():
     for got in _one_call_results():  # the expert whole on each rank, the dense parameters halved
         want, live = got["planned"], got["live"]
         assert live["params"] == want["params"], (live, want)
-        assert live["optimizer"] == want["optimizer"] + 4 * live["steps"], (live, want)  # + a 4-byte step each
+        # + a 4-byte step each
+        assert live["optimizer"] == want["optimizer"] + 4 * live["steps"], (live, want)
         assert live["grads"] >= want["grads"], (live, want)  # + padding and used flags
 
 
 def test_four_ranks_with_experts_sharded_over_a_two_rank_edp_mesh_match_one_process():
     want = moe.reference("sgd", ranks=4)["params"]
     # per step: one all-gather and one reduce-scatter over the 4-rank mesh and over the 2-rank edp mesh
-    counts = Counter({("all_gather", 4): 1, ("all_gather", 2): 1, ("reduce_scatter", 4): 1, ("reduce_scatter", 2): 1})
+    counts = Counter({("all_gather", 4): 1, ("all_gather", 2): 1, ("reduce_scatter", 4): 1,
+                      ("reduce_scatter", 2): 1})
     for got in run_distributed(moe_ep2_edp2, 4):
         moe.assert_matches(got["params"], want)
         assert all(step == counts for step in got["counts"]), got["counts"]
-        assert "'1.weight'" in got["hpz"] and "reshard_after_forward=2 (hpZ) is not supported" in got["hpz"], got["hpz"]
+        assert ("'1.weight'" in got["hpz"]
+                and "reshard_after_forward=2 (hpZ) is not supported" in got["hpz"]), got["hpz"]
 
 
 @pytest.mark.fast
@@ -265,7 +273,8 @@ def test_full_state_dicts_of_experts_on_per_rank_meshes_are_refused_on_every_ran
     for got in _one_call_results():
         for name in ("full", "load"):
             message = got["full_state"][name]
-            assert "'expert.bias', 'expert.weight'" in message and "perparam.checkpoint.save" in message, message
+            assert ("'expert.bias', 'expert.weight'" in message
+                    and "perparam.checkpoint.save" in message), message
         assert got["full_state"]["expert_kept"]
 
 

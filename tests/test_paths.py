@@ -16,7 +16,8 @@ from perparam.runtime.paths.gather import GatherFacts
 from perparam.runtime.paths.reduce import ReduceFacts
 from perparam.runtime.paths.reduce_packed import PackedReduceScatter
 
-G = GatherFacts(secondary=False, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True, quantized=False)
+G = GatherFacts(secondary=False, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True,
+                quantized=False)
 
 #: (facts changed from ``G``, the path taken)
 GATHER_TABLE = [
@@ -32,7 +33,8 @@ GATHER_TABLE = [
     ({"secondary": True, "hpz": True, "custom": True, "quantized": True}, "hpZ secondary"),  # before custom
 ]
 
-R = ReduceFacts(whole=False, wire=None, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True, cpu=True)
+R = ReduceFacts(whole=False, wire=None, custom=False, algorithm="zero_copy", hpz=False, zero_copy=True,
+                cpu=True)
 
 REDUCE_TABLE = [
     ({}, "zero-copy reduce-scatter"),
@@ -91,19 +93,21 @@ def test_a_row_added_from_outside_goes_before_the_named_path_and_leaves_with_its
 
 def test_the_common_tail_of_a_reduction_names_no_path():
     """What follows every path (the HSDP all-reduce, the partial hold, the division and the accumulation:
-    ``part_reduce.py``, ``partial.py``, ``reduction.py``) asks the reduction's tail (``reduction.ReduceTail``,
+    ``part.py``, ``partial.py``, ``reduction.py``) asks the reduction's tail (``reduction.ReduceTail``,
     which a path may replace) and the chooser, never which path ran: no name of the owner path's or the
     zero-copy one's, and no import of a path's own module (or of a module holding a path's mechanism)."""
     runtime = Path(perparam.__file__).parent / "runtime"
-    for name in ("part_reduce.py", "partial.py", "reduction.py"):
+    for name in ("part.py", "partial.py", "reduction.py"):
         tree = ast.parse((runtime / name).read_text())
         names = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
                  | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
                  | {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)})
-        assert not sorted(x for x in names if "owner" in x.lower()), (name, sorted(x for x in names if "owner" in x))
+        owners = sorted(x for x in names if "owner" in x.lower())
+        assert not owners, (name, owners)
         imported = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                     for a in n.names]
-        assert not [m for m in imported if m.startswith("paths.") and m.split(".")[1].startswith("reduce_")], imported
+        assert not [m for m in imported
+                    if m.startswith("paths.") and m.split(".")[1].startswith("reduce_")], imported
         assert not sorted(x for x in names if "zero_copy" in x.lower()), name
         mechanisms = ("zero_copy", "grad_quant", "hpz", "qgz")
         assert not [m for m in imported if any(w in m for w in mechanisms)], imported

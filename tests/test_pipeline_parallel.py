@@ -72,7 +72,8 @@ def train(rank: int, world_size: int, schedule: str, optimizer: str, reshard_aft
         stages.append(stage_class(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
         mine += range(s * per_stage, (s + 1) * per_stage)
     kind = SCHEDULES[schedule]
-    sched = kind(stages if schedule == "interleaved" else stages[0], n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+    sched = kind(stages if schedule == "interleaved" else stages[0], n_microbatches=MICRO_BATCHES,
+                 loss_fn=_loss)
     opt = _optimizer(optimizer, [p for s in stages for p in s.submod.parameters()])
     counts = []
     n = GLOBAL_BATCH // DP
@@ -120,7 +121,8 @@ def _runs() -> list[dict]:
 
 
 @pytest.mark.parametrize(("schedule", "reshard_after_forward", "all_gathers"), CASES)
-def test_pipeline_stages_sharded_on_dp_match_one_process_reducing_once_per_step(schedule, reshard_after_forward,
+def test_pipeline_stages_sharded_on_dp_match_one_process_reducing_once_per_step(schedule,
+                                                                                reshard_after_forward,
                                                                                  all_gathers):
     results = _runs()
     for optimizer in OPTIMIZERS:

@@ -1,5 +1,5 @@
-"""Property tests of the placement rules (``perparam.sharding.placement.rule``) through ``ShardLayout``, in one
-process: random shapes (0-dim and empty dims included), shard axes of 1-8 ranks, HSDP meshes, and
+"""Property tests of the placement rules (``perparam.sharding.placement.rule``) through ``ShardLayout``, in
+one process: random shapes (0-dim and empty dims included), shard axes of 1-8 ranks, HSDP meshes, and
 ``Shard(0)``, ``Shard(d > 0)`` and ``Replicate()``. Every rank's piece is what ``torch.chunk`` (or DTensor)
 gives, the all-gather buffer reassembles the tensor, and the reduce-scatter packing hands each rank its own
 piece. ``Shard(0)`` and ``Replicate()`` are never confused (the old ``shard_dim`` convention's risk)."""
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.fast
 
 @cache
 def fake_mesh(mesh_shape: tuple[int, ...], rank: int) -> DeviceMesh:
-    return DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).view(mesh_shape), _init_backend=False, _rank=rank)
+    return DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).view(mesh_shape), _init_backend=False,
+                      _rank=rank)
 
 
 @st.composite
@@ -108,7 +109,8 @@ def test_reduce_scatter_packing_gives_each_rank_its_own_piece(case):
 def test_shard0_and_replicate_are_told_apart():
     """The old convention carried ``shard_dim: int | None`` and branched with ``if dim:``, which reads
     ``Shard(0)`` (0) and ``Replicate()`` (None) alike; a placement object cannot be confused."""
-    shard0, rep = ShardLayout((5, 3), torch.float32, 2, Shard(0)), ShardLayout((5, 3), torch.float32, 2, Replicate())
+    shard0, rep = (ShardLayout((5, 3), torch.float32, 2, Shard(0)),
+                   ShardLayout((5, 3), torch.float32, 2, Replicate()))
     assert shard0.gathered and not rep.gathered
     assert shard0.local_shape(1) == (2, 3) and rep.local_shape(1) == (5, 3)
     # a 0-dim replicated parameter: its wire shape used to be indexed at dim 0 (IndexError)

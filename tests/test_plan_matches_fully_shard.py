@@ -16,7 +16,8 @@ from perparam.memory.policy_args import policy_mapping
 from perparam.runtime.group import group_of
 from tests.distributed import run_distributed
 
-POLICIES = ["0.*=bf16,master=fp32", "1.*=frozen", "2.weight=frozen,int8,stored", "3.weight=nf4", "3.bias=replicate"]
+POLICIES = ["0.*=bf16,master=fp32", "1.*=frozen", "2.weight=frozen,int8,stored", "3.weight=nf4",
+            "3.bias=replicate"]
 
 
 def model() -> nn.Sequential:
@@ -45,17 +46,18 @@ def measured(rank: int, world_size: int, hsdp: bool, placement: str, specs=POLIC
     got["params"] += storage_bytes(scales)
     got["steps"] = sum(1 for s in opt.state.values() if "step" in s)
     got["shard_rank"] = mesh.get_coordinate()[-1]
-    got["slot_bytes"] = group_of(m).layout.slot_bytes  # what this rank sends in the group's all-gather
+    got["slot_bytes"] = group_of(m).own.layout.slot_bytes  # what this rank sends in the group's all-gather
     return got
 
 
-@pytest.mark.parametrize("world,hsdp,placement", [(2, False, "shard0"), (3, False, "shard0"), (4, True, "shard0"),
-                                                  (3, False, "auto")])
+@pytest.mark.parametrize("world,hsdp,placement", [(2, False, "shard0"), (3, False, "shard0"),
+                                                  (4, True, "shard0"), (3, False, "auto")])
 def test_plan_with_per_parameter_policies_equals_the_measured_shards(world, hsdp, placement):
     shards = world // 2 if hsdp else world
     with torch.device("meta"):
         meta = model()
-    plan = plan_module(meta, shards, dtype=None, optim_bytes=8, param_policy=policy_mapping(POLICIES, placement))
+    plan = plan_module(meta, shards, dtype=None, optim_bytes=8,
+                       param_policy=policy_mapping(POLICIES, placement))
     for got in run_distributed(measured, world, hsdp, placement):
         want = plan.rank(got["shard_rank"])
         assert got["params"] == want.params, (got, want)
@@ -78,7 +80,8 @@ def test_plan_of_zero_stages_equals_the_measured_state(world, hsdp):
     cases = [(STAGE_POLICIES, stage) for stage in (1, 2, 3)] + [(MIXED_STAGES, None)]
     with torch.device("meta"):
         meta = model()
-    plans = [plan_module(meta, shards, dtype=None, optim_bytes=8, param_policy=policy_mapping(specs, "shard0", stage))
+    plans = [plan_module(meta, shards, dtype=None, optim_bytes=8,
+                         param_policy=policy_mapping(specs, "shard0", stage))
              for specs, stage in cases]
     for per_case in run_distributed(measured_cases, world, hsdp, cases):
         for plan, (_, stage), got in zip(plans, cases, per_case):

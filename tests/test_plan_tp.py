@@ -86,7 +86,8 @@ def test_cli_plan_tp_and_param_policy_factory(capsys):
     # --param-policy flags add patterns after the factory's
     assert main([*args, "--world", "2", "--param-policy-factory", "tests.test_plan_tp:policy",
                  "--param-policy", "lm_head.weight=frozen"]) == 0
-    assert json.loads(capsys.readouterr().out)["trainable_params"] < plan_model("gpt2-tiny", 2).trainable_params
+    assert (json.loads(capsys.readouterr().out)["trainable_params"]
+            < plan_model("gpt2-tiny", 2).trainable_params)
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -100,13 +101,15 @@ def test_plan_tp_bytes_per_tp_rank_equal_fully_shard_when_a_split_dim_does_not_d
         for d in range(dp):
             assert got[(d, t)] == plan.rank(d).params, (d, t, got, plan.rank(d))
     assert got[(0, 0)] == got[(0, 1)] > got[(0, 2)]  # torch.chunk: the first tp ranks hold the larger chunks
-    assert plan_model("gpt2-tiny", dp, dtype=None, tp=3).rank(0).params == got[(0, 0)]  # the default: the most
+    # the default: the most
+    assert plan_model("gpt2-tiny", dp, dtype=None, tp=3).rank(0).params == got[(0, 0)]
     with pytest.raises(ValueError, match="tp_rank must be in"):
         plan_model("gpt2-tiny", 2, dtype=None, tp=3, tp_rank=3)
 
 
 def test_cli_plan_tp_that_does_not_divide_a_split_dim_plans_tp_rank_0(capsys):
-    assert main(["plan", "--preset", "gpt2-tiny", "--dtype", "model", "--json", "--world", "6", "--tp", "3"]) == 0
+    assert main(["plan", "--preset", "gpt2-tiny", "--dtype", "model", "--json", "--world", "6", "--tp",
+                 "3"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["rank"]["params_bytes"] == plan_model("gpt2-tiny", 2, dtype=None, tp=3).rank(0).params
 
@@ -129,7 +132,8 @@ def measured_world() -> int:
 
 
 def _fully_shard_refusal(param_policy) -> str:
-    """The error ``fully_shard`` raises on rank 0 of a dp x tp mesh (fake process group) for ``param_policy``."""
+    """The error ``fully_shard`` raises on rank 0 of a dp x tp mesh (fake process group) for
+    ``param_policy``."""
     dist.init_process_group("fake", rank=0, world_size=DP * TP, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp_shard", "tp"))
@@ -142,7 +146,8 @@ def _fully_shard_refusal(param_policy) -> str:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["blocks.0.mlp.c_fc.weight", "blocks.1.attn.c_proj.bias"])  # split; replicated
+# split; replicated
+@pytest.mark.parametrize("name", ["blocks.0.mlp.c_fc.weight", "blocks.1.attn.c_proj.bias"])
 def test_plan_tp_refuses_an_owner_update_on_a_tensor_parallel_parameter_as_fully_shard_does(name, capsys):
     # before: the planner printed an owner plan (exit 0) for what fully_shard refuses
     runtime = _fully_shard_refusal({name: ParamPolicy(update="owner")})
@@ -155,4 +160,5 @@ def test_plan_tp_refuses_an_owner_update_on_a_tensor_parallel_parameter_as_fully
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(e.value) in err, err
     # the same matrix without tp is planned with an owner
-    assert plan_model("gpt2-tiny", DP, dtype=None, param_policy={name: ParamPolicy(update="owner")}).owner_params
+    assert plan_model("gpt2-tiny", DP, dtype=None,
+                      param_policy={name: ParamPolicy(update="owner")}).owner_params

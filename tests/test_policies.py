@@ -140,9 +140,9 @@ def test_one_all_gather_per_group_with_five_policies():
         assert out["placements"]["norm.weight"] == (Replicate(),)
         assert out["placements"]["head.weight"] == (Shard(1),)
         assert out["buffers"] == ["frozen.weight_qscale"]
-        assert out["grads"] == {"proj.weight": True, "proj.bias": True, "norm.weight": True, "norm.bias": True,
-                                "frozen.weight": False, "frozen.bias": False, "head.weight": True,
-                                "head.bias": True, "codes": False}
+        assert out["grads"] == {"proj.weight": True, "proj.bias": True, "norm.weight": True,
+                                "norm.bias": True, "frozen.weight": False, "frozen.bias": False,
+                                "head.weight": True, "head.bias": True, "codes": False}
 
 
 class Wide(nn.Module):
@@ -205,7 +205,8 @@ def qlora(rank: int, world_size: int) -> dict:
     model = QLoRANet()
     base_fp32 = {n: p.numel() * 4 for n, p in model.named_parameters() if n.endswith("base.weight")}
     perparam.fully_shard(model, param_policy={
-        "*.base.weight": ParamPolicy(requires_grad=False, quant=QuantPolicy(torch.int8, 256, store_quantized=True))})
+        "*.base.weight": ParamPolicy(requires_grad=False,
+                                     quant=QuantPolicy(torch.int8, 256, store_quantized=True))})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(3)
     target = torch.randn(64, 64, generator=g) * 0.2
@@ -224,7 +225,8 @@ def qlora(rank: int, world_size: int) -> dict:
     scales_local = {n[:-len("_qscale")]: b.to_local().numel() * 4 for n, b in model.named_buffers()
                     if n.endswith("_qscale")}
     return {"losses": losses, "with_grad": with_grad, "with_state": with_state, "base_fp32": base_fp32,
-            "base_local": base_local, "scales_local": scales_local, "state": model_state_bytes(model, opt).as_dict()}
+            "base_local": base_local, "scales_local": scales_local,
+            "state": model_state_bytes(model, opt).as_dict()}
 
 
 def test_qlora_int8_base_weights_with_trainable_adapters():
@@ -300,14 +302,15 @@ def casts_inputs(rank: int, world_size: int) -> dict:
     out = model(batch)
     seen = model.seen[0]
     pair, (frozen,) = seen["nested"]
-    return {"x": seen["x"].dtype, "left": pair.left.dtype, "right": pair.right.dtype, "pair": type(pair).__name__,
-            "a": frozen.a.dtype, "ids": frozen.ids.dtype, "frozen": type(frozen).__name__, "out": out.dtype}
+    return {"x": seen["x"].dtype, "left": pair.left.dtype, "right": pair.right.dtype,
+            "pair": type(pair).__name__, "a": frozen.a.dtype, "ids": frozen.ids.dtype,
+            "frozen": type(frozen).__name__, "out": out.dtype}
 
 
 def test_forward_inputs_cast_through_nested_containers_and_outputs_to_output_dtype():
     out = run_distributed(casts_inputs, 1)[0]
-    assert out == {"x": BF16, "left": BF16, "right": torch.int64, "pair": "Pair", "a": BF16, "ids": torch.int64,
-                   "frozen": "Frozen", "out": FP32}
+    assert out == {"x": BF16, "left": BF16, "right": torch.int64, "pair": "Pair", "a": BF16,
+                   "ids": torch.int64, "frozen": "Frozen", "out": FP32}
 
 
 def policy_error(rank: int, world_size: int, case: str) -> str:

@@ -123,5 +123,6 @@ def hooked_before_sharding(rank: int, world_size: int) -> str:
 
 def test_a_register_hook_hook_on_a_parameter_is_refused_at_fully_shard():
     (message,) = run_distributed(hooked_before_sharding, 1)
-    assert "'weight'" in message and "register_hook" in message and "register_post_accumulate_grad_hook" in message
+    assert ("'weight'" in message and "register_hook" in message
+            and "register_post_accumulate_grad_hook" in message)
     assert message.endswith("sharded: False")  # nothing changed

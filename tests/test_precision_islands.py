@@ -62,7 +62,8 @@ def island_run(rank: int, world_size: int, spec: dict) -> dict:
     model = build(spec)
     reference = copy.deepcopy(model)
     call_dtype = DTYPES.get(spec["call_dtype"])
-    perparam.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=call_dtype, reduce_dtype=torch.float32),
+    perparam.fully_shard(model,
+                         mp_policy=MixedPrecisionPolicy(param_dtype=call_dtype, reduce_dtype=torch.float32),
                          param_policy=policies(spec))
     # what the layers compute with: the all-gathered (cast, dequantized) weights
     model.unshard()
@@ -119,7 +120,8 @@ def specs(draw):
         dtype = draw(st.sampled_from(sorted(DTYPES)))
         frozen = [p for p in ("weight", "bias") if draw(st.booleans()) and draw(st.booleans())]
         storable = {"weight"} & set(frozen) if kind in ("linear", "conv1d", "embedding") else set()  # 2+ dims
-        quant = {p: draw(st.sampled_from([None, None, "int8", "fp8", "nf4", *(["nf4-stored"] if p in storable else [])]))
+        quant = {p: draw(st.sampled_from([None, None, "int8", "fp8", "nf4",
+                                          *(["nf4-stored"] if p in storable else [])]))
                  for p in ("weight", "bias")}
         layers.append((kind, {"dtype": dtype, "frozen": frozen, "quant": quant}))
     call = draw(st.sampled_from(["fp32", "bf16", "none"]))
@@ -165,16 +167,21 @@ def issue_example(rank: int, world_size: int, hsdp: bool = False) -> dict:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp else None
-    perparam.fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    mesh = init_device_mesh("cpu", (2, world_size // 2),
+                            mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp else None
+    perparam.fully_shard(model, mesh=mesh,
+                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32),
                          param_policy={"1.*": ParamPolicy(param_dtype=torch.float32)})
     seen = {}
-    model[1].register_forward_hook(lambda m, a, o: seen.update(inp=a[0].dtype, weight=m.weight.dtype, out=o.dtype),
+    model[1].register_forward_hook(lambda m, a, o: seen.update(inp=a[0].dtype, weight=m.weight.dtype,
+                                                               out=o.dtype),
                                    prepend=True)  # before the island casts the output back
     model[3].register_forward_pre_hook(lambda m, a: seen.update(after=a[0].dtype))
     out = model(torch.randn(4, 16))
     out.float().sum().backward()
-    return {**seen, "final": out.dtype, "islands": [(i.path, i.dtype, i.outer) for i in model._perparam_group.islands]}
+    return {**seen, "final": out.dtype,
+            "islands": [(i.path, i.dtype, i.outer) for i in model._perparam_group.islands]}
 
 
 @pytest.mark.parametrize("world,hsdp", [pytest.param(2, False, marks=pytest.mark.fast), (4, True)])
@@ -212,7 +219,8 @@ def conflicting(rank: int, world_size: int) -> dict:
 
 def test_a_stock_module_whose_own_parameters_ask_for_two_dtypes_is_refused_at_fully_shard():
     for got in run_distributed(conflicting, 1):
-        for fragment in ("module '1'", "'1.weight' in torch.float32", "'1.bias' in torch.bfloat16", "submodule"):
+        for fragment in ("module '1'", "'1.weight' in torch.float32", "'1.bias' in torch.bfloat16",
+                         "submodule"):
             assert fragment in got["message"], got["message"]
         # a module of the user's own class casts by itself: accepted as it is, not an island
         assert got["own"] == torch.float32 and got["islands"] == []

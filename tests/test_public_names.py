@@ -26,8 +26,8 @@ def test_error_types_are_exported_from_the_package():
 
     assert perparam.CheckpointError is CheckpointError
     for name in ("StateError", "TransformError", "ReplacedParameterError", "ReplacedAfterShardingError",
-                 "PolicyError", "ShardingError", "StoredDtypeChangeError", "CollectiveMismatchError", "CollectiveTimeoutError", "MetaParameterError",
-                 "DeepcopyError",
+                 "PolicyError", "ShardingError", "StoredDtypeChangeError", "CollectiveMismatchError",
+                 "CollectiveTimeoutError", "MetaParameterError", "DeepcopyError",
                  "UnflattenableShardError"):
         error = getattr(perparam, name)
         assert issubclass(error, Exception) and name in perparam.__all__, name
@@ -36,10 +36,12 @@ def test_error_types_are_exported_from_the_package():
 def test_the_checkpoint_family_keeps_its_public_paths():
     from perparam import checkpoint, errors, full_state
 
-    for name in ("save", "load", "async_save", "wait_pending", "latest", "survey", "PendingSave", "MANIFEST", "FORMAT",
-                 "full_state_dict", "load_full_state_dict", "CheckpointError", "CheckpointDamagedError"):
+    for name in ("save", "load", "async_save", "wait_pending", "latest", "survey", "PendingSave", "MANIFEST",
+                 "FORMAT", "full_state_dict", "load_full_state_dict", "CheckpointError",
+                 "CheckpointDamagedError"):
         assert hasattr(checkpoint, name) and name in checkpoint.__all__, name
-    assert checkpoint.CheckpointError is full_state.CheckpointError is perparam.CheckpointError is errors.CheckpointError
+    assert (checkpoint.CheckpointError is full_state.CheckpointError is perparam.CheckpointError
+            is errors.CheckpointError)
     assert issubclass(checkpoint.CheckpointDamagedError, checkpoint.CheckpointError)
     assert perparam.CheckpointDamagedError is checkpoint.CheckpointDamagedError
     assert checkpoint.full_state_dict is full_state.full_state_dict

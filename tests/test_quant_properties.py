@@ -88,13 +88,16 @@ PIECE_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, tor
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 6), st.lists(st.lists(st.tuples(st.sampled_from(PIECE_DTYPES), st.integers(0, 20)),
-                                            min_size=0, max_size=3), min_size=0, max_size=6), st.integers(0, 99))
+@given(st.integers(1, 6),
+       st.lists(st.lists(st.tuples(st.sampled_from(PIECE_DTYPES), st.integers(0, 20)),
+                         min_size=0, max_size=3), min_size=0, max_size=6),
+       st.integers(0, 99))
 def test_packing_any_mix_of_pieces_into_one_buffer_round_trips_exactly(k, spec, seed):
     pieces = tuple(tuple(WirePiece(d, n) for d, n in param) for param in spec)
     layout = GroupLayout(pieces, k)
     g = torch.Generator().manual_seed(seed)
-    data = [[[torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=g) for p in ps] for ps in pieces]
+    data = [[[torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=g) for p in ps]
+             for ps in pieces]
             for _ in range(k)]
     gathered = torch.zeros(k, layout.slot_bytes, dtype=torch.uint8)
     covered = torch.zeros(layout.slot_bytes, dtype=torch.int32)

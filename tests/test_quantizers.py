@@ -52,7 +52,8 @@ def test_every_quantizer_handles_empty_shards_and_bf16_outputs(name):
 def test_nf4_levels_bound_and_packing():
     assert len(NF4_LEVELS) == 16 and list(NF4_LEVELS) == sorted(NF4_LEVELS)
     assert (NF4_LEVELS[0], NF4_LEVELS[7], NF4_LEVELS[15]) == (-1.0, 0.0, 1.0)  # exact: -1, 0 and 1
-    assert NF4_HALF_MAX_GAP == pytest.approx((NF4_LEVELS[1] - NF4_LEVELS[0]) / 2) == pytest.approx(0.1519, abs=1e-4)
+    assert (NF4_HALF_MAX_GAP == pytest.approx((NF4_LEVELS[1] - NF4_LEVELS[0]) / 2)
+            == pytest.approx(0.1519, abs=1e-4))
     q = quant.get("nf4")
     levels = torch.tensor(NF4_LEVELS)
     codes, scales = q.pack(levels.view(1, 16) * 3.0, 64)  # every level once, in order: codes 0..15
@@ -70,7 +71,8 @@ def test_nf4_stored_bytes_are_under_0_15x_fp32():
     layout = ShardLayout((256, 256), torch.uint8, 2, Shard(0))
     pieces = wire_pieces(layout, torch.float32, quant.get("nf4"), row_blocks=True)
     assert sum(p.nbytes for p in pieces) == 128 * 128 + 128 * 4 * 4 == 0.140625 * 128 * 256 * 4
-    comm = wire_pieces(layout, torch.float32, quant.get("nf4"))  # communication only: the flat shard, blocks of 64
+    # communication only: the flat shard, blocks of 64
+    comm = wire_pieces(layout, torch.float32, quant.get("nf4"))
     assert [(p.dtype, p.numel) for p in comm] == [(torch.uint8, 128 * 128), (torch.float32, 128 * 256 // 64)]
 
 

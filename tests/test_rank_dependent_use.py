@@ -56,7 +56,8 @@ def two_experts(rank: int, world_size: int, rows1: int) -> list:
     return [_full(e0.weight.grad), _full(e1.weight.grad)]
 
 
-@pytest.mark.parametrize("rows1", [2, pytest.param(3, marks=pytest.mark.fast)])  # 3: the ranks' gradients differ in size too
+# 3: the ranks' gradients differ in size too
+@pytest.mark.parametrize("rows1", [2, pytest.param(3, marks=pytest.mark.fast)])
 def test_ranks_using_different_parameters_get_the_averaged_gradient(rows1):
     for g0, g1 in run_distributed(two_experts, 2, rows1):
         torch.testing.assert_close(g0, torch.full((2, 2), 0.5), atol=0, rtol=0)
@@ -134,8 +135,10 @@ def test_any_assignment_of_experts_to_ranks_matches_the_unsharded_average(data):
     cases = []
     for i in range(CASES_PER_LAUNCH):  # several assignments on the same ranks, each its own model
         n = data.draw(st.integers(1, 4), label=f"experts {i}")
-        rows = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n), label=f"rows {i}")  # < K: empty shards
-        uses = data.draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=world, max_size=world),
+        # < K: empty shards
+        rows = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n), label=f"rows {i}")
+        uses = data.draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=world,
+                                  max_size=world),
                          label=f"uses {i}")
         cases.append((rows, uses, data.draw(st.booleans(), label=f"per_expert {i}")))
     _check_experts(world, cases)
@@ -250,7 +253,8 @@ class InputRoutes(nn.Module):
 
     def __init__(self, frozen: bool) -> None:
         super().__init__()
-        self.pre, self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.pre, self.a, self.b, self.head = (nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4),
+                                               nn.Linear(4, 1))
         self.b.requires_grad_(not frozen)
 
     def forward(self, x, use_a: bool):
@@ -308,7 +312,8 @@ def deep_branch(rank: int, world_size: int, hsdp: bool) -> dict:
     if world_size:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+        mesh = init_device_mesh("cpu", (2, world_size // 2),
+                                mesh_dim_names=("replicate", "shard")) if hsdp else None
         for sub in (*model.layers, model.aux):
             perparam.fully_shard(sub, mesh=mesh)
         perparam.fully_shard(model, mesh=mesh)
@@ -348,7 +353,8 @@ def deep_branch_replicated(rank: int, world_size: int, mesh_shape: tuple[int, ..
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
     for sub in model.layers:
         perparam.fully_shard(sub, mesh=mesh)
-    perparam.fully_shard(model.aux, mesh=mesh, param_policy={"*": perparam.ParamPolicy(placement=Replicate())})
+    perparam.fully_shard(model.aux, mesh=mesh,
+                         param_policy={"*": perparam.ParamPolicy(placement=Replicate())})
     perparam.fully_shard(model, mesh=mesh)
     for _ in range(2):
         model.zero_grad()
@@ -410,7 +416,8 @@ def skipped_branch_in_debug_mode(rank: int, world_size: int) -> str:
 def test_debug_mode_names_the_rank_that_skipped_a_branch_instead_of_hanging():
     rank0, rank1 = run_distributed(skipped_branch_in_debug_mode, 2, timeout=60)
     assert "rank 0 waited 2 s" in rank0 and "all_gather" in rank0 and "'b'" in rank0, rank0
-    assert "ranks [1] did not reach this check" in rank0 and "rank 1: last posted reduce_scatter" in rank0, rank0
+    assert ("ranks [1] did not reach this check" in rank0
+            and "rank 1: last posted reduce_scatter" in rank0), rank0
     assert "rank 1 waited 2 s" in rank1 and "ranks [0] did not reach" in rank1, rank1
     assert "rank 0: last posted all_gather" in rank1 and "'b'" in rank1, rank1
 

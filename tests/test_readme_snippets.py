@@ -55,7 +55,8 @@ def test_the_readme_and_the_docs_have_python_blocks():
 
 
 def _fenced(lang_ok) -> list[tuple[str, int, str, str]]:
-    return [(str(page.relative_to(REPO)), page.read_text()[: m.start()].count("\n") + 1, m.group(1), m.group(2))
+    return [(str(page.relative_to(REPO)), page.read_text()[: m.start()].count("\n") + 1, m.group(1),
+             m.group(2))
             for page in pages() for m in FENCE.finditer(page.read_text()) if lang_ok(m.group(1))]
 
 
@@ -69,7 +70,8 @@ def _code(text: str) -> ast.Module | None:
 
 
 def test_every_block_of_python_code_is_fenced_python_so_that_it_runs_or_says_why_not():
-    unmarked = [f"{name}:{line} (```{lang})" for name, line, lang, text in _fenced(lambda lang: lang != "python")
+    unmarked = [f"{name}:{line} (```{lang})"
+                for name, line, lang, text in _fenced(lambda lang: lang != "python")
                 if _code(text)]
     assert not unmarked, ("Python code outside ```python blocks is never run; fence it ```python (a fragment "
                           f"starts with '# not run: <reason>'): {unmarked}")
@@ -132,14 +134,17 @@ def _has(cls, attr: str) -> bool:
 def test_fragments_call_perparam_names_that_exist_with_arguments_their_signatures_take():
     fragments = [(name, line, text) for name, line, _, text in _fenced(lambda lang: lang == "python")
                  if text.startswith("# not run:")]
-    errors = [f"{name}:{line}: {e}" for name, line, text in fragments for e in _signature_errors(ast.parse(text))]
+    errors = [f"{name}:{line}: {e}" for name, line, text in fragments
+              for e in _signature_errors(ast.parse(text))]
     assert not errors, errors
     # the check itself: the loop docs/invariant.md once had (none of these exist as written)
     broken = ast.parse("iu = perparam.InvariantUnits(model, units=8)\nfor u in iu.local_units: pass\n"
-                       "iu.split(x, y)\nwith iu.unit(step, u, 3): pass\nmodel.set_requires_all_reduce(True, 1)")
+                       "iu.split(x, y)\nwith iu.unit(step, u, 3): pass\nmodel.set_requires_all_reduce(True, "
+                       "1)")
     found = _signature_errors(broken)
     assert len(found) == 4 and "InvariantUnits.local_units does not exist" in found[0], found
-    assert all(any(w in e for e in found) for w in ("iu.split(", "iu.unit(", "set_requires_all_reduce(")), found
+    assert all(any(w in e for e in found)
+               for w in ("iu.split(", "iu.unit(", "set_requires_all_reduce(")), found
 
 
 def test_every_page_the_readme_links_exists_and_is_read_here():
@@ -176,6 +181,7 @@ def test_readme_python_block_runs(tmp_path, page, line, code):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    failed = [(r, p.returncode, o) for r, (p, o) in enumerate(zip(procs, outputs, strict=True)) if p.returncode]
+    failed = [(r, p.returncode, o)
+              for r, (p, o) in enumerate(zip(procs, outputs, strict=True)) if p.returncode]
     assert not failed, f"{page} block at line {line} failed:\n" + "\n".join(
         f"--- rank {r} (exit {c})\n{o}" for r, c, o in failed)

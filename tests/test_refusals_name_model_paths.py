@@ -87,7 +87,8 @@ def _refusals(rank, world_size):
     model(torch.randn(2, 7)).sum().backward()
     before = [p.grad.to_local().clone() for p in model.parameters()]
     for value in (-1.0, float("nan"), float("-inf"), torch.tensor(-2.0)):
-        out[f"clip {float(value)}"] = _message(lambda v=value: perparam.clip_grad_norm_(model.parameters(), v))
+        out[f"clip {float(value)}"] = _message(
+            lambda v=value: perparam.clip_grad_norm_(model.parameters(), v))
     out["unchanged"] = all(torch.equal(b, p.grad.to_local()) for b, p in zip(before, model.parameters()))
     out["inf"] = perparam.clip_grad_norm_(model.parameters(), float("inf")).item()
     out["inf_unchanged"] = all(torch.equal(b, p.grad.to_local()) for b, p in zip(before, model.parameters()))
@@ -122,12 +123,13 @@ def test_refusals_after_fully_shard_of_the_root_name_the_parameter_by_its_model_
 
 
 def test_before_the_root_is_sharded_a_parameter_is_named_inside_its_call(refusals):
-    assert "parameter 'mlp.up.weight' (Linear, shape (5, 7))" in refusals["muon_no_root"], refusals["muon_no_root"]
+    message = refusals["muon_no_root"]
+    assert "parameter 'mlp.up.weight' (Linear, shape (5, 7))" in message, message
 
 
 def test_a_negative_or_nan_max_norm_is_refused_before_any_gradient_changes(refusals):
-    for value, harm in (("-1.0", "flip the sign"), ("nan", "make every gradient NaN"), ("-inf", "flip the sign"),
-                        ("-2.0", "flip the sign")):
+    for value, harm in (("-1.0", "flip the sign"), ("nan", "make every gradient NaN"),
+                        ("-inf", "flip the sign"), ("-2.0", "flip the sign")):
         message = refusals[f"clip {value}"]
         assert message.startswith(f"ValueError: clip_grad_norm_: max_norm={value} would {harm}"), message
     assert refusals["unchanged"]

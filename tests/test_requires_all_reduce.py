@@ -73,7 +73,8 @@ def test_hsdp_accumulation_without_all_reduce_matches_one_process_with_one_all_r
             for name, got in r[opt]["params"].items():
                 torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=f"{opt} {name}")
             # per micro-batch: one reduce-scatter (sharded Linears) and one shard-axis all-reduce (the
-            # replicated LayerNorm); the replicate-axis all-reduces (2: sharded and replicated) at the last only
+            # replicated LayerNorm); the replicate-axis all-reduces (2: sharded and replicated) at the last
+            # only
             assert r[opt]["comm"] == [(1, 1), (1, 1), (1, 3)] * STEPS
             assert r[opt]["refusal"] == "requires_all_reduce must be a bool, got 0"
 
@@ -89,7 +90,8 @@ def freeze_mid_accumulation(rank: int, world_size: int, frozen: str, thawed: str
         perparam.fully_shard(model, mesh=mesh, param_policy={"1.*": ParamPolicy(placement=Replicate())})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = dict(model.named_parameters())
-    named = {"frozen": [params[n] for n in frozen.split(",") if n], "thawed": [params[n] for n in thawed.split(",") if n]}
+    named = {"frozen": [params[n] for n in frozen.split(",") if n],
+             "thawed": [params[n] for n in thawed.split(",") if n]}
     for p in named["thawed"]:
         p.requires_grad_(False)
     n = GLOBAL_MICRO_BATCH // max(world_size, 1)
@@ -114,9 +116,10 @@ def freeze_mid_accumulation(rank: int, world_size: int, frozen: str, thawed: str
 def test_a_parameter_frozen_or_unfrozen_between_micro_batches_held_without_all_reduce_matches_one_process():
     # a sharded weight, a replicated LayerNorm weight, a whole group (the last Linear: rank 1's shards are
     # empty); a weight and a replicated bias unfrozen after the first micro-batch, with another frozen then
-    for frozen, thawed in (("0.weight", ""), ("1.weight", ""), ("3.weight,3.bias", ""), ("", "0.weight,1.bias"),
-                           ("0.bias", "3.weight")):
+    for frozen, thawed in (("0.weight", ""), ("1.weight", ""), ("3.weight,3.bias", ""),
+                           ("", "0.weight,1.bias"), ("0.bias", "3.weight")):
         want = one_process(freeze_mid_accumulation, frozen, thawed)
         for r in run_distributed(freeze_mid_accumulation, 4, frozen, thawed):
             for name, got in r.items():
-                torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5, msg=f"{frozen}/{thawed}: {name}")
+                torch.testing.assert_close(got, want[name], rtol=0, atol=1e-5,
+                                           msg=f"{frozen}/{thawed}: {name}")

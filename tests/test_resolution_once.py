@@ -18,7 +18,7 @@ from tests.distributed import run_distributed
 pytestmark = pytest.mark.fast
 
 #: the functions that pick, resolve or lay out one parameter, by module, keyed by the parameter they serve
-COUNTED = [(resolution, "_pick"), (resolution, "resolve"), (resolution, "resolve_param"),
+COUNTED = [(resolution, "pick_policy"), (resolution, "resolve"), (resolution, "resolve_param"),
            (resolution, "check_zero_stage"), (resolution, "shard_layout"), (runtime_param, "shard_layout")]
 
 
@@ -38,7 +38,8 @@ def entries_per_parameter(rank: int, world_size: int) -> dict:
 
     def param_policy(name, p):
         picked[name] += 1
-        return perparam.ParamPolicy(placement="auto", quant=perparam.QuantPolicy("int8") if p.dim() == 2 else None)
+        return perparam.ParamPolicy(placement="auto",
+                                    quant=perparam.QuantPolicy("int8") if p.dim() == 2 else None)
 
     try:
         torch.manual_seed(0)
@@ -50,14 +51,15 @@ def entries_per_parameter(rank: int, world_size: int) -> dict:
     finally:
         for (module, attr), original in zip(COUNTED, originals):
             setattr(module, attr, original)
-    return {"counts": dict(counts), "picked": dict(picked), "shapes": shapes, "layouts": sorted(layouts_resolved)}
+    return {"counts": dict(counts), "picked": dict(picked), "shapes": shapes,
+            "layouts": sorted(layouts_resolved)}
 
 
 def test_each_parameter_is_picked_and_resolved_once_per_fully_shard_call():
     for out in run_distributed(entries_per_parameter, 2):
         assert out["picked"] == {name: 1 for name in out["shapes"]}
         for name in out["shapes"]:
-            for attr in ("_pick", "resolve", "resolve_param", "check_zero_stage"):
+            for attr in ("pick_policy", "resolve", "resolve_param", "check_zero_stage"):
                 assert out["counts"][attr, name] == 1, (attr, name, out["counts"])
         # laid out once, in resolution.resolve_params; ShardedParam takes that layout (distinct shapes here)
         assert sorted(k[1] for k in out["counts"] if k[0] == "shard_layout") == sorted(out["shapes"].values())

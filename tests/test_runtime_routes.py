@@ -64,7 +64,8 @@ def checkpoint_inside(rank: int, world_size: int, how: str, dtype) -> dict:
         wrap.to(dtype)
     out = wrap(x.to(dtype) if not world_size else x)
     (out.float() ** 2).mean().backward()
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): _full(p.grad).float() for n, p in wrap.named_parameters()}
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): _full(p.grad).float()
+             for n, p in wrap.named_parameters()}
     return {"grads": grads, "x": x.grad.clone()}
 
 

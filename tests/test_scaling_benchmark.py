@@ -1,5 +1,5 @@
-"""``benchmarks/scaling.py`` and ``benchmarks/harness/fits.py``: which configurations a size runs, the flags, and
-the table (pure: no process is started)."""
+"""``benchmarks/scaling.py`` and ``benchmarks/harness/fits.py``: which configurations a size runs, the flags,
+and the table (pure: no process is started)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,15 @@ def test_ddp_at_350m_is_skipped_with_the_bytes_it_needs_and_the_sharded_configs_
 
 
 def test_everything_fits_when_memory_allows_and_nothing_when_perparam_alone_does_not():
-    assert fitting(["ddp", "fsdp2", "perparam"], N350, 2, available=10**12) == (["ddp", "fsdp2", "perparam"], {})
+    assert fitting(["ddp", "fsdp2", "perparam"], N350, 2,
+                   available=10**12) == (["ddp", "fsdp2", "perparam"], {})
     names, skipped = fitting(["ddp", "fsdp2", "perparam"], N350, 2, available=GB)
     assert names == [] and set(skipped) == {"ddp", "fsdp2", "perparam"}
 
 
 @pytest.mark.parametrize("argv, flag", [(["--sizes", "27m,1b"], "--sizes"), (["-K", "1"], "--worlds"),
-                                        (["--configs", "ddp,fsdp2"], "--configs"), (["--steps", "0"], "--steps")])
+                                        (["--configs", "ddp,fsdp2"], "--configs"),
+                                        (["--steps", "0"], "--steps")])
 def test_bad_flags_name_the_flag_before_anything_starts(argv, flag, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -48,8 +50,9 @@ def test_bad_flags_name_the_flag_before_anything_starts(argv, flag, capsys):
 def test_table_row_names_a_skipped_ddp_and_why():
     ok = {"status": "ok", "step_time_s": {"median": 2.0}, "cpu_per_token_s": 1e-3,
           "training_peak_over_baseline_bytes": 3 << 20}
-    pp = {**ok, "paired_ratio_vs_fsdp2": 0.7, "cpu_ratio_vs_fsdp2": 0.8, "model_state_bytes_per_rank": [8 << 20],
-          "state_vs_model": 1.0, "comm_sent_bytes_per_rank": 6 << 20, "sent_vs_model": 0.95}
+    pp = {**ok, "paired_ratio_vs_fsdp2": 0.7, "cpu_ratio_vs_fsdp2": 0.8,
+          "model_state_bytes_per_rank": [8 << 20], "state_vs_model": 1.0,
+          "comm_sent_bytes_per_rank": 6 << 20, "sent_vs_model": 0.95}
     run = {"size": "350m", "params": N350, "world": 2, "status": "ok", "steps": 4, "warmup": 1,
            "configs": {"fsdp2": ok, "perparam": pp}, "skipped": {"ddp": "skipped: needs 25.7 GB"},
            "loadavg": {"mean": 2.5, "min": 2.0, "max": 3.0}}
@@ -76,7 +79,9 @@ def test_quick_size_runs_end_to_end_with_figures_against_the_zero3_formulas(tmp_
     assert 0.9 < pp["sent_vs_model"] < 1 and fsdp2["sent_vs_model"] <= pp["sent_vs_model"]
     assert pp["cpu_per_token_s"] > 0 and pp["paired_ratio_vs_fsdp2"] > 0 and pp["paired_ratio_vs_ddp"] is None
     assert run["loadavg"]["mean"] >= 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| quick (0.1M) | 2 | 1+0 |"))
+    row = next(line
+               for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| quick (0.1M) | 2 | 1+0 |"))
     assert row.endswith(f"| - / - / - | {run['loadavg']['mean']:.2f} ({run['loadavg']['min']:.2f}-"
                         f"{run['loadavg']['max']:.2f}) |")
 

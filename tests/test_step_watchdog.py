@@ -27,12 +27,15 @@ def _check(world: int, phase: str, victim: int) -> None:
     said = [line for rank in range(world) for line in fault.err[rank].splitlines() if "was stopped:" in line
             and not line.startswith("[rank")]
     assert len(said) == 1, said  # one line, by one survivor
-    assert re.fullmatch(rf"perparam: rank {victim} \(host \S+, pid {fault.victim_pid}\) was stopped: rank \d saw no step "
-                        rf"for [\d.]+ s, over the step watchdog's bound of {BOUND} s \(set\); killed it", said[0]), said
+    assert re.fullmatch(rf"perparam: rank {victim} \(host \S+, pid {fault.victim_pid}\) was stopped: rank \d "
+                        r"saw no step "
+                        rf"for [\d.]+ s, over the step watchdog's bound of {BOUND} s \(set\); killed it",
+                        said[0]), said
     for rank in range(world):
         if rank != victim:
             assert fault.codes[rank] == 1, fault.err[rank]
-            assert "perparam.PeerLostError" in fault.error_line(rank) and "was stopped" in fault.error_line(rank)
+            assert ("perparam.PeerLostError" in fault.error_line(rank)
+                    and "was stopped" in fault.error_line(rank))
             assert fault.detected_s[rank] is not None  # its seconds: benchmarks/peer_faults.py
 
 

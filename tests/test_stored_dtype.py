@@ -28,7 +28,8 @@ def master_weights(rank: int, world_size: int, master: bool) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         perparam.fully_shard(model, mp_policy=mp)
-        perparam.fully_shard(nn.Linear(2, 2, dtype=torch.bfloat16), mp_policy=mp)  # a second call: no second warning
+        # a second call: no second warning
+        perparam.fully_shard(nn.Linear(2, 2, dtype=torch.bfloat16), mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     with CommCounter() as comm:
@@ -36,7 +37,8 @@ def master_weights(rank: int, world_size: int, master: bool) -> dict:
     opt.step()
     state = opt.state[model[0].weight]
     return {"warnings": [str(w.message) for w in caught if "master_dtype" in str(w.message)],
-            "shard": model[0].weight.dtype, "grad": model[0].weight.grad.dtype, "exp_avg": state["exp_avg"].dtype,
+            "shard": model[0].weight.dtype, "grad": model[0].weight.grad.dtype,
+            "exp_avg": state["exp_avg"].dtype,
             "gather_dtypes": {r.dtype for r in comm.records if r.kind == "all_gather"}}
 
 
@@ -86,8 +88,8 @@ def cast_run(rank: int, world_size: int, how: str, when: str, stage: int) -> dic
 
 
 @pytest.mark.parametrize("how,when,stage,world_size", [
-    ("double", "before_forward", 3, 4), pytest.param("to", "after_step", 2, 3, marks=pytest.mark.fast), ("children", "after_step", 1, 2),
-    ("half", "after_step", 3, 2), ("double", "after_step", 3, 1)])
+    ("double", "before_forward", 3, 4), pytest.param("to", "after_step", 2, 3, marks=pytest.mark.fast),
+    ("children", "after_step", 1, 2), ("half", "after_step", 3, 2), ("double", "after_step", 3, 1)])
 def test_a_float_cast_after_fully_shard_casts_the_shards_and_trains_like_one_process_cast_alike(
         how, when, stage, world_size):
     want = one_process(cast_run, how, when, stage)
@@ -120,7 +122,8 @@ def cast_policies(rank: int, world_size: int) -> dict:
 
 def test_a_cast_keeps_a_param_dtype_the_policy_set_and_moves_one_that_followed_the_stored_dtype():
     for got in run_distributed(cast_policies, 2):
-        assert set(got["shards"].values()) == {torch.float64} and set(got["grads"].values()) == {torch.float64}
+        assert (set(got["shards"].values()) == {torch.float64}
+                and set(got["grads"].values()) == {torch.float64})
         assert got["computed"] == {0: (torch.float64, torch.float64), 1: (torch.bfloat16, torch.bfloat16)}
 
 
@@ -173,7 +176,8 @@ def test_casts_perparam_cannot_follow_are_refused_naming_the_parameter_before_an
         assert "'0.weight'" in got["offloaded"] and "'cpu'" in got["offloaded"], got["offloaded"]
         assert "accumulated without sync" in got["held"] and "Nothing was changed" in got["held"], got["held"]
         assert "float8_e4m3fn" in got["fp8"], got["fp8"]
-        assert "'0.weight'" in got["stepped"] and "AdamW holds its state 'exp_avg'" in got["stepped"], got["stepped"]
+        assert ("'0.weight'" in got["stepped"]
+                and "AdamW holds its state 'exp_avg'" in got["stepped"]), got["stepped"]
 
 
 def owner_cast(rank: int, world_size: int) -> dict:
@@ -197,7 +201,8 @@ def owner_cast(rank: int, world_size: int) -> dict:
     for state in opt.state.values():
         state.update({k: v.to(torch.float64) for k, v in state.items() if v.is_floating_point() and v.dim()})
     model.double()
-    F.mse_loss(model(torch.randn(4, 8, dtype=torch.float64)), torch.randn(4, 5, dtype=torch.float64)).backward()
+    F.mse_loss(model(torch.randn(4, 8, dtype=torch.float64)),
+               torch.randn(4, 5, dtype=torch.float64)).backward()
     opt.step()
     out["after"] = str(model[2].weight.dtype)
     return out
@@ -238,8 +243,8 @@ def ignored(rank: int, world_size: int) -> dict:
     with pytest.raises(perparam.ShardingError, match="set of parameters"):
         perparam.fully_shard(nn.Linear(2, 2), ignored_params=model.lin.bias)
     return {"plain": not isinstance(model.packed.data, DTensor), "dtype": model.packed.dtype,
-            "lin": isinstance(model.lin.weight.data, DTensor), "packed_in_sd": torch.equal(sd["packed"], model.packed),
-            "gather_bytes": comm.bytes("all_gather"),
+            "lin": isinstance(model.lin.weight.data, DTensor),
+            "packed_in_sd": torch.equal(sd["packed"], model.packed), "gather_bytes": comm.bytes("all_gather"),
             "other_sharded": all(isinstance(p, DTensor) for p in other.parameters())}
 
 

@@ -57,7 +57,8 @@ def train(rank: int, world_size: int, clip: bool, layout: str = "1d") -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(mean_over_ranks(loss))
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
     placements = {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     return {"losses": losses, "norms": norms, "params": full, "exact": exact, "placements": placements}
 
@@ -120,7 +121,8 @@ def composition_error(rank: int, world_size: int, case: str) -> str:
     ("other_mesh", ["'weight'", "not a sub-mesh", "slice both from one DeviceMesh"]),
     ("unnamed", ["'weight'", "axis names"]),
     ("on_dp", ["'weight'", "already a DTensor on the data-parallel mesh", "('dp',)", "full_tensor()"]),
-    ("on_dp_unnamed", ["'weight'", "already a DTensor on the data-parallel mesh", "the same mesh", "full_tensor()"]),
+    ("on_dp_unnamed",
+     ["'weight'", "already a DTensor on the data-parallel mesh", "the same mesh", "full_tensor()"]),
 ])
 def test_bad_tensor_parallel_compositions_fail_at_fully_shard_time(case, fragments):
     for message in run_distributed(composition_error, 4, case):

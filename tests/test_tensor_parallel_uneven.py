@@ -1,4 +1,5 @@
-"""A tensor-parallel dim that does not divide the tp axis (9 or 27 rows over tp = 2), composed with fully_shard.
+"""A tensor-parallel dim that does not divide the tp axis (9 or 27 rows over tp = 2), composed with
+fully_shard.
 
 DTensor (and FSDP2) give tp rank 0 the larger chunk (``torch.chunk``: 5 and 4 of 9 rows); each data-parallel
 group shares one tp coordinate, so each rank lays its dp shards out from its own tp-local shape and every rank
@@ -38,7 +39,8 @@ class Stack(nn.Module):
 
 def shard(model: Stack, world_size: int, variant: str) -> None:
     if variant == "hsdp":  # (dp_replicate, dp_shard, tp): the dp mesh is 2-D
-        world = init_device_mesh("cpu", (world_size // 2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        world = init_device_mesh("cpu", (world_size // 2, 1, 2),
+                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         mesh = {"tp": world["tp"], "dp_shard": world["dp_replicate", "dp_shard"]}
     else:
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -61,7 +63,8 @@ def train(rank: int, world_size: int, hidden: int, variant: str = "default") -> 
     if world_size:
         shard(model, world_size, variant)
     params = dict(model.named_parameters())
-    exact = all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, original[n]) for n, p in params.items())
+    exact = all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, original[n])
+                for n, p in params.items())
     # DTensor's own arithmetic for this rank's piece must name the rows this rank holds
     spec_ok = all(tuple(p.to_local().shape) == tuple(compute_local_shape_and_global_offset(
         p.shape, p.device_mesh, p.placements)[0]) for p in params.values() if isinstance(p, DTensor))
@@ -85,7 +88,8 @@ def train(rank: int, world_size: int, hidden: int, variant: str = "default") -> 
 
 
 def expected_rows(hidden: int, rank: int) -> int:
-    """Rows of ``up.weight`` rank ``rank`` of a (2 dp x 2 tp) mesh holds: torch.chunk over tp, then over dp."""
+    """Rows of ``up.weight`` rank ``rank`` of a (2 dp x 2 tp) mesh holds: torch.chunk over tp, then over
+    dp."""
     dp_rank, tp_rank = divmod(rank, 2)
     _, tp_rows = chunk_extent(hidden, 2, tp_rank)
     return chunk_extent(tp_rows, 2, dp_rank)[1]
@@ -169,7 +173,8 @@ class Mlp(nn.Module):
 
     def __init__(self, dim: int, dim_multiplier: int = 4) -> None:
         super().__init__()
-        self.in_proj, self.out_proj = nn.Linear(dim, dim_multiplier * dim), nn.Linear(dim_multiplier * dim, dim)
+        self.in_proj, self.out_proj = (nn.Linear(dim, dim_multiplier * dim),
+                                       nn.Linear(dim_multiplier * dim, dim))
 
     def forward(self, x):
         return F.relu(self.out_proj(F.relu(self.in_proj(x))))
@@ -191,7 +196,8 @@ def fsdp2_sharded_parameters(rank: int, world_size: int) -> list:
                 else (Shard(0), Shard(1)) if name == "out_proj.weight" else (Shard(0), Replicate()))
         checks = {"DTensor": isinstance(p, DTensor), "mesh": p.device_mesh == mesh,
                   "size": p.size() == orig[name].size(), "stride": p.stride() == orig[name].stride(),
-                  "placements": tuple(p._spec.placements) == want, "values": torch.equal(p.full_tensor(), orig[name])}
+                  "placements": tuple(p._spec.placements) == want,
+                  "values": torch.equal(p.full_tensor(), orig[name])}
         wrong += [(name, what) for what, ok in checks.items() if not ok]
     return wrong
 
@@ -208,8 +214,8 @@ def mlp_stack(mlp_dim: int) -> nn.Sequential:
 
 
 def nd_mesh_losses(rank: int, world_size: int, mlp_dim: int, reshard: bool, recompute: bool) -> dict:
-    """FSDP2's ``test_2d_mlp_with_nd_mesh``: each dp rank's loss per step, Adam, 10 steps, zero_grad alternately
-    to None; the reference (world_size 0) averages the dp ranks' gradients in one process."""
+    """FSDP2's ``test_2d_mlp_with_nd_mesh``: each dp rank's loss per step, Adam, 10 steps, zero_grad
+    alternately to None; the reference (world_size 0) averages the dp ranks' gradients in one process."""
     torch.manual_seed(42)
     model = mlp_stack(mlp_dim)
     if world_size:
@@ -239,7 +245,8 @@ def nd_mesh_losses(rank: int, world_size: int, mlp_dim: int, reshard: bool, reco
             total = total + loss
         (total / len(dps)).backward()
         opt.step()
-    return {"losses": losses, "meshes": {p.device_mesh.mesh_dim_names for p in model.parameters() if isinstance(p, DTensor)}}
+    return {"losses": losses,
+            "meshes": {p.device_mesh.mesh_dim_names for p in model.parameters() if isinstance(p, DTensor)}}
 
 
 @pytest.mark.parametrize("reshard,recompute", [(True, False), (False, True)])
@@ -251,7 +258,8 @@ def test_fsdp2_2d_mlp_with_nd_mesh_uneven_tp_losses_match_fsdp2s_reference(mlp_d
     for rank, out in enumerate(run_distributed(nd_mesh_losses, 4, mlp_dim, reshard, recompute)):
         (d, got), = out["losses"].items()
         assert out["meshes"] == {("dp", "tp")}
-        assert max(abs(a - b) for a, b in zip(got, want[d])) <= TOL * max(1.0, max(map(abs, want[d]))), (rank, got)
+        assert max(abs(a - b)
+                   for a, b in zip(got, want[d])) <= TOL * max(1.0, max(map(abs, want[d]))), (rank, got)
 
 
 def full_state_round_trip(rank: int, world_size: int) -> dict:
@@ -265,7 +273,8 @@ def full_state_round_trip(rank: int, world_size: int) -> dict:
     shard(other, world_size, "default")
     perparam.checkpoint.load_full_state_dict(other, gathered if rank == 0 else None)
     loaded = {n: p.full_tensor() for n, p in other.state_dict().items()}
-    return {"gathered": None if gathered is None else all(torch.equal(gathered[n], v) for n, v in want.items()),
+    return {"gathered": None if gathered is None
+            else all(torch.equal(gathered[n], v) for n, v in want.items()),
             "loaded": all(torch.equal(loaded[n], v) for n, v in want.items())}
 
 

@@ -108,15 +108,16 @@ def test_transformers_adafactor_on_shards_is_refused_before_its_first_step_namin
     for world_size in (2, 4):
         for name, message, _ in run_distributed(_train, world_size, "adafactor"):
             assert name == "WholeMatrixShardError"
-            assert message.startswith("Adafactor computes each parameter's update from the whole tensor"), message
+            assert message.startswith("Adafactor computes each parameter's update from the whole "
+                                      "tensor"), message
             assert "parameter '0.weight' (Linear, shape (6, 8))" in message
             assert "ParamPolicy(update='owner')" in message
     # one rank: nothing is split, but the parameters are DTensors, which transformers' step mixes with its
     # plain state tensors: the step's error named the same way
     [(name, message, depth)] = run_distributed(_train, 1, "adafactor")
     assert name == "WholeMatrixShardError" and message.startswith(
-        "Adafactor's step failed on parameter '0.weight' (Linear, shape (6, 8)), a DTensor over 1 rank(s): add_ got "
-        "mixed torch.Tensor and DTensor"), message
+        "Adafactor's step failed on parameter '0.weight' (Linear, shape (6, 8)), a DTensor over 1 rank(s): "
+        "add_ got mixed torch.Tensor and DTensor"), message
 
 
 @needs_hf
@@ -134,16 +135,16 @@ def test_transformers_adafactor_on_the_owner_path_trains_like_one_process(world_
 def test_an_unrecognised_optimizer_failing_with_dtensors_mixed_tensor_error_gets_one_error_naming_the_fix():
     """DTensor's RuntimeError (transformers' Adafactor with perparam's table emptied of it: 1 rank, and 4
     with an empty shard) and its bare AssertionError (an in-place op on a plain 0-dim state tensor given a
-    DTensor: 2 ranks) alike: the same error on every rank; elementwise optimizers from outside torch, and torch's,
-    train untouched, leaving no mode entered."""
+    DTensor: 2 ranks) alike: the same error on every rank; elementwise optimizers from outside torch, and
+    torch's, train untouched, leaving no mode entered."""
     for world_size, make in ((1, "unrecognised_adafactor"), (4, "unrecognised_adafactor"), (2, "rms")):
         for op in ("add_",):
             for name, message, _ in run_distributed(_train, world_size, make):
                 cls = "Adafactor" if "adafactor" in make else "RmsScaled"
                 assert name == "WholeMatrixShardError", message
-                assert message.startswith(f"{cls}'s step failed on parameter '0.weight' (Linear, shape (6, 8)), "
-                                          f"a DTensor over {world_size} rank(s): {op} got mixed torch.Tensor and "
-                                          "DTensor"), message
+                assert message.startswith(f"{cls}'s step failed on parameter '0.weight' (Linear, shape (6, "
+                                          f"8)), a DTensor over {world_size} rank(s): {op} got mixed "
+                                          "torch.Tensor and DTensor"), message
                 assert "param_policy={'weight': ParamPolicy(update='owner')}" in message, message
     want, _ = _train(0, 0, "sgd")
     for make in ("plain_sgd", "sgd"):
@@ -174,7 +175,8 @@ def test_the_known_optimizers_are_recognised_by_name_and_galores_projected_group
 
 def _trainer(rank: int, world: int, folder: str, optim: str, owner: bool, shard: bool = True):
     """``ShardedTrainer`` (``Trainer`` on the unsharded model when not ``shard``) on the tiny Llama with
-    ``optim``, 3 steps: the full parameters, or the refusal's message and where it came (``init``, ``train``)."""
+    ``optim``, 3 steps: the full parameters, or the refusal's message and where it came (``init``,
+    ``train``)."""
     world = world if shard else 0
     from transformers import Trainer, TrainingArguments
 
@@ -217,9 +219,10 @@ def test_sharded_trainer_with_optim_adafactor_trains_on_owner_parameters_and_is_
     assert max((got[k] - v).abs().max().item() for k, v in want.items()) < 1e-5
     for where, message in refused:
         assert where == "train", message
-        assert message.startswith("ShardedTrainer: TrainingArguments(optim='adafactor') builds Adafactor, which "
-                                  "computes each parameter's update from the whole tensor, and "
-                                  "'model.embed_tokens.weight' (shape (33, 16)) is sharded over 2 ranks"), message
+        assert message.startswith("ShardedTrainer: TrainingArguments(optim='adafactor') builds Adafactor, "
+                                  "which computes each parameter's update from the whole tensor, and "
+                                  "'model.embed_tokens.weight' (shape (33, 16)) is sharded over 2 "
+                                  "ranks"), message
         assert "ParamPolicy(update='owner')" in message and "\n" not in message
     for where, message in early:
         assert where == "init" and "steps each parameter inside backward" in message, message

@@ -98,8 +98,8 @@ def train(rank: int, world_size: int, reshard_after_forward: bool | int | None =
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_as_threads_of_one_process_train_like_one_process_in_debug_mode(world_size):
-    """2 and 3 thread ranks (on 3, Linear(6, 2) and Embedding(5, 6) leave empty shards), debug mode on: every rank's
-    collectives carry the same descriptor (the groups' creation index is counted per rank) and the
+    """2 and 3 thread ranks (on 3, Linear(6, 2) and Embedding(5, 6) leave empty shards), debug mode on: every
+    rank's collectives carry the same descriptor (the groups' creation index is counted per rank) and the
     result matches one process."""
     want = one_process(train)
     perparam.set_debug(True)
@@ -181,15 +181,17 @@ def load_then_accumulate(rank: int, world_size: int, path: str = "", models: dic
         models[rank] = model  # published before the collectives below
         perparam.checkpoint.load(path, model, opt)
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        if rank == 1:  # rank 0's next forward has marked its kept copies refreshed (it waits for rank 1 there)
-            first = perparam.runtime.group.group_of(models[0]).kept[0]
+        # rank 0's next forward has marked its kept copies refreshed (it waits for rank 1 there)
+        if rank == 1:
+            first = perparam.runtime.group.group_of(models[0]).own.kept[0]
             before = first.kept_key
             deadline = time.monotonic() + 30
             while first.kept_key == before and time.monotonic() < deadline:
                 time.sleep(0.001)
         model.load_state_dict(full)
     micro_batch(2)
-    micro_batch(3)  # a stale generation on one rank only would refresh there: a larger all-gather than its peer's
+    # a stale generation on one rank only would refresh there: a larger all-gather than its peer's
+    micro_batch(3)
     opt.step()
     return {n: (p.full_tensor() if world_size else p).detach().clone() for n, p in model.named_parameters()}
 

@@ -64,7 +64,8 @@ def merge_and_train(rank: int, world: int, sharded: bool, own_group: bool, unsha
         opt.step()
         opt.zero_grad()
     full = {n: (p.full_tensor() if sharded else p).detach().clone() for n, p in model.named_parameters()}
-    return {"params": full, "class": type(model[0]).__name__, "sharded_module": isinstance(model[0], ShardedModule)}
+    return {"params": full, "class": type(model[0]).__name__,
+            "sharded_module": isinstance(model[0], ShardedModule)}
 
 
 @pytest.mark.parametrize("world,own_group,unshard", [(3, False, False), (3, True, True), (2, False, True)],
@@ -106,8 +107,8 @@ def _apply(name: str, model: nn.Module) -> None:
         raise AssertionError(name)
 
 
-REFUSED = ["weight_norm", "spectral_norm", "parametrizations.weight_norm", "register_parametrization", "prune",
-           "tie", "prepare_qat", "assign", "new_submodule", "to_empty"]
+REFUSED = ["weight_norm", "spectral_norm", "parametrizations.weight_norm", "register_parametrization",
+           "prune", "tie", "prepare_qat", "assign", "new_submodule", "to_empty"]
 
 
 def refuse_all(rank: int, world: int) -> dict:
@@ -200,7 +201,7 @@ def lbfgs_default_then_auto(rank: int, world: int) -> list[dict]:
 
 
 @pytest.mark.fast
-def test_lbfgs_on_an_unevenly_sharded_parameter_is_refused_at_its_first_step_and_trains_like_one_process_when_even():
+def test_lbfgs_on_uneven_shards_is_refused_at_its_first_step_and_trains_like_one_process_when_even():
     """2 ranks: ``0.weight`` (3 rows) cannot be flattened; ``placement="auto"`` shards it on its 4 columns
     (and replicates the tiny biases), and LBFGS then matches one process."""
     ref = one_process(lbfgs_steps, None)

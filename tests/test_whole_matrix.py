@@ -25,7 +25,8 @@ def _matrices(rank: int, world_size: int, policy=OWNER) -> nn.Module:
     """Linear(8, 6), Linear(6, 5), Linear(5, 3) without bias (3 ranks: rows 2/2/2, 2/2/1, 1/1/1; 4 ranks:
     2/2/2/0, 2/2/1/0, 1/1/1/0): uneven and empty shards."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False), nn.Linear(5, 3, bias=False))
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False),
+                          nn.Linear(5, 3, bias=False))
     if world_size:
         for layer in model:
             perparam.fully_shard(layer, param_policy=policy)
@@ -60,8 +61,8 @@ def _bitwise(rank: int, world_size: int, bucket_bytes: int | None = None, muon: 
 
 
 def _muon_beside_stock(rank: int, world_size: int, opt_cls=torch.optim.Muon, policy: ParamPolicy = OWNER):
-    """``_matrices`` sharded under ``policy`` with ``opt_cls`` (lr 0.02) on it, its full parameters' copies with the stock Muon,
-    and the batches' generator: what ``_step_beside_stock`` steps."""
+    """``_matrices`` sharded under ``policy`` with ``opt_cls`` (lr 0.02) on it, its full parameters' copies
+    with the stock Muon, and the batches' generator: what ``_step_beside_stock`` steps."""
     model = _matrices(rank, world_size, policy)
     ref = [p.detach().full_tensor().clone() for p in model.parameters()]
     return (model, opt_cls(model.parameters(), lr=0.02), ref, torch.optim.Muon(ref, lr=0.02),
@@ -189,7 +190,8 @@ def test_the_owner_exchange_is_one_all_to_all_each_way_per_bucket_with_3_k_minus
 
 
 def _flag_bytes(world_size: int) -> int:
-    """The scatter's flags of one fp32 bucket, summed over the ranks: one element from each rank to each other."""
+    """The scatter's flags of one fp32 bucket, summed over the ranks: one element from each rank to each
+    other."""
     return world_size * (world_size - 1) * 4
 
 
@@ -208,7 +210,8 @@ def _owner_rows_bytes(world_size: int) -> list[int]:
 
     shapes = [(13, 6), (6, 13), (13, 6), (6, 13)]
     owners = plan_shapes(shapes, world_size).owners
-    return [ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o) for s, o in zip(shapes, owners)]
+    return [ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o)
+            for s, o in zip(shapes, owners)]
 
 
 def _refused(rank: int, world_size: int, name: str) -> str:
@@ -233,8 +236,10 @@ class _Mine(torch.optim.SGD):
 def test_a_whole_matrix_optimizer_on_shards_without_the_owner_policy_is_refused_at_its_first_step():
     for name in ("Muon", "Adafactor", "_Mine"):
         for message in run_distributed(_refused, 2, name):
-            assert message.startswith(f"{name} computes each parameter's update from the whole tensor"), message
-            assert "parameter '0.weight' (Linear, shape (6, 8))" in message and "ParamPolicy(update='owner')" in message
+            assert message.startswith(f"{name} computes each parameter's update from the whole "
+                                      "tensor"), message
+            assert ("parameter '0.weight' (Linear, shape (6, 8))" in message
+                    and "ParamPolicy(update='owner')" in message)
     # elementwise optimizers, and any optimizer on one rank, are untouched
     assert run_distributed(_refused, 2, "AdamW") == ["stepped"] * 2
     assert run_distributed(_refused, 1, "Muon") == ["stepped"]
@@ -385,8 +390,8 @@ def _experts(rank: int, world_size: int) -> list:
     with CommCounter() as comm:
         opt.step()
     ref_opt.step()
-    return [max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)), params[2].grad is None,
-            comm.count("all_to_all"), sum(1 for s in opt.state.values() if s)]
+    return [max((p.full_tensor() - r).abs().max().item() for p, r in zip(params, ref)),
+            params[2].grad is None, comm.count("all_to_all"), sum(1 for s in opt.state.values() if s)]
 
 
 def test_ranks_using_different_experts_take_the_same_owner_exchange_and_the_stock_step():
@@ -413,7 +418,8 @@ def _expert_mesh(rank: int, world_size: int) -> list:
     ref_opt = torch.optim.Muon(ref, lr=0.02)
     diffs = []
     for step in range(2):
-        model(torch.randn(2, 6, generator=torch.Generator().manual_seed(rank + 10 * step))).pow(2).sum().backward()
+        model(torch.randn(2, 6,
+                          generator=torch.Generator().manual_seed(rank + 10 * step))).pow(2).sum().backward()
         for r, p in zip(ref, params):
             r.grad = p.grad.full_tensor()
         with CommCounter() as comm:
@@ -488,7 +494,8 @@ def _held_bytes(shapes, world_size: int) -> int:
     from perparam.sharding.owners import plan_shapes
 
     owners = plan_shapes(shapes, world_size).owners
-    return sum(ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o) for s, o in zip(shapes, owners))
+    return sum(ShardLayout(s, torch.float32, world_size, Shard(0)).local_bytes(o)
+               for s, o in zip(shapes, owners))
 
 
 def _stage1(rank: int, world_size: int) -> list:
@@ -573,7 +580,8 @@ def _to_owner(rank: int, world_size: int) -> list:
                 opt.step()
             ref_opt.step()
             opt.zero_grad()
-            out.append((max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref)),
+            out.append((max((p.full_tensor() - r).abs().max().item()
+                            for p, r in zip(model.parameters(), ref)),
                         comm.bytes("all_to_all"), sum(wired), backward.by_kind()))
         return out
     finally:
@@ -616,7 +624,8 @@ def _dcp_full(rank: int, world_size: int) -> dict:
 
     def build():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False), nn.Linear(5, 3, bias=False))
+        model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 5, bias=False),
+                              nn.Linear(5, 3, bias=False))
         if world_size:
             perparam.fully_shard(model, param_policy=policy)
         params = list(model.parameters())
@@ -643,13 +652,15 @@ def _dcp_full(rank: int, world_size: int) -> dict:
         and all(torch.equal(v.full_tensor() if isinstance(v, DTensor) else v,
                             b.state[q][key].full_tensor() if isinstance(v, DTensor) else b.state[q][key])
                 for key, v in a.state.get(p, {}).items() if isinstance(v, torch.Tensor))
-        for a, b in zip(opts, fresh_opts) for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]))
+        for a, b in zip(opts, fresh_opts)
+        for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]))
     again = get_optimizer_state_dict(fresh, fresh_opts, options=full)
     def groups(d):  # DCP's round trip turns tuples (betas, ns_coefficients) into lists, for any optimizer
         return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in d["param_groups"]]
 
     same_dict = groups(saved) == groups(again) and all(
-        torch.equal(saved["state"][n][key], again["state"][n][key]) for n in saved["state"] for key in saved["state"][n]
+        torch.equal(saved["state"][n][key], again["state"][n][key]) for n in saved["state"]
+        for key in saved["state"][n]
         if isinstance(saved["state"][n][key], torch.Tensor))
     fresh.load_state_dict(model.state_dict())
     step(model, opts, batches[2])
@@ -669,7 +680,8 @@ def test_full_optimizer_state_dicts_of_owner_parameters_round_trip_through_dcp_a
             for key, v in state.items():
                 got = r["saved"]["state"][n][key]
                 assert type(got) is type(v) and (got - v).abs().max().item() <= 1e-5, (n, key)
-        assert all(torch.equal(r["params"][n], r["resumed"][n]) for n in r["params"])  # the loaded state steps
+        # the loaded state steps
+        assert all(torch.equal(r["params"][n], r["resumed"][n]) for n in r["params"])
 
 
 class _RaisingOnRank0(torch.optim.Muon):
@@ -688,7 +700,8 @@ def _raising_owner(rank: int, world_size: int) -> dict:
     out = {}
     for step, raise_now in enumerate((False, True, False)):
         opt.defaults["raise_now"] = raise_now
-        model(torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).sum().backward()
+        model(torch.randn(2, 8,
+                          generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).sum().backward()
         before = [p.to_local().clone() for p in model.parameters()]
         with CommCounter() as comm:
             try:
@@ -706,9 +719,9 @@ def test_an_exception_in_the_owners_step_is_raised_on_every_rank_instead_of_hang
     r0, r1 = run_distributed(_raising_owner, 2, timeout=20)
     assert r0["owners"] == [0, 1, 1]  # LPT: 8x6 alone on rank 0, 6x5 and 5x3 on rank 1
     for r in (r0, r1):
-        assert r["message"].startswith("_RaisingOnRank0's step on whole tensors raised on rank 0 of its shard axis, "
-                                       "the owner of parameters '0.weight' (Linear, shape (6, 8)): "
-                                       "FloatingPointError: NaN in the update. Every rank"), r["message"]
+        assert r["message"].startswith("_RaisingOnRank0's step on whole tensors raised on rank 0 of its "
+                                       "shard axis, the owner of parameters '0.weight' (Linear, shape (6, "
+                                       "8)): FloatingPointError: NaN in the update. Every rank"), r["message"]
         assert r["changed0"] == r["changed2"] == [True] * 3  # before and after: every matrix stepped
         assert r["changed1"] == [False, True, True]  # the raising owner's matrix as before, rank 1's stepped
         # the same exchange whatever the owners computed: 2 all-to-alls, one flag element more per peer
@@ -754,7 +767,8 @@ def _state_dict_on_rank_0_only(rank: int, world_size: int, call: str) -> dict:
 
 
 @pytest.mark.parametrize("call", ["state_dict", "load_state_dict"])
-def test_optimizer_state_dict_on_one_rank_with_owner_parameters_raises_naming_the_fix_instead_of_hanging(call):
+def test_optimizer_state_dict_on_one_rank_with_owner_parameters_raises_naming_the_fix_instead_of_hanging(
+        call):
     r0, r1 = run_distributed(_state_dict_on_rank_0_only, 2, call, timeout=60)
     assert r0["error"] == "CollectiveTimeoutError", r0
     assert f"call optimizer.{call}() on every rank" in r0["message"] and "[1]" in r0["message"], r0
@@ -770,9 +784,11 @@ def test_an_owner_raising_in_one_bucket_leaves_the_other_buckets_stepped_on_ever
     r0, r1 = run_distributed(_raising_owner_two_buckets, 2, timeout=20)
     assert r0["owners"] == [0, 1, 1]
     for r in (r0, r1):
-        assert r["message"].startswith("_RaisingOnRank0's step on whole tensors raised on rank 0"), r["message"]
+        assert r["message"].startswith("_RaisingOnRank0's step on whole tensors raised on rank 0"), (
+            r["message"])
         assert r["changed0"] == r["changed2"] == [True] * 3
-        assert r["changed1"] == [False, True, True]  # the second bucket's scatter landed, the first's rows not
+        # the second bucket's scatter landed, the first's rows not
+        assert r["changed1"] == [False, True, True]
         assert r["wire0"] == r["wire1"] == r["wire2"] and r["wire1"][0] == 4  # two all-to-alls per bucket
     assert r0["cause"] == "FloatingPointError('NaN in the update')" and r1["cause"] == "None"
 
@@ -818,8 +834,8 @@ def test_the_scatters_land_after_the_last_buckets_step_from_buffers_reused_acros
     for r in run_distributed(_staged, world_size):
         assert r["diffs"] == [0.0, 0.0, 0.0]  # still the stock step, bit for bit
         for step in " ".join(r["events"]).split("step begins")[1:]:
-            # each bucket's scatter in flight while the next bucket steps: no rank waits for a bucket's slowest
-            # owner, only once for all of them after its last step
+            # each bucket's scatter in flight while the next bucket steps: no rank waits for a bucket's
+            # slowest owner, only once for all of them after its last step
             assert step.split().count("scatter") == 2 and "step" not in step.split("scatter waited")[1]
         # every send and receive buffer of steps 2 and 3 is one the first step touched
         assert r["allocations"][0] > 0 and r["allocations"] == [r["allocations"][0]] * 3
@@ -834,7 +850,8 @@ class _CallsParentStep(torch.optim.Muon):
 
 def _subclass_step(rank: int, world_size: int) -> list:
     """Two steps of ``_CallsParentStep`` against the stock Muon (whose construction hooks ``Muon.step`` as
-    well, so the subclass's ``super().step()`` runs perparam's hooks a second time, inside the step proper)."""
+    well, so the subclass's ``super().step()`` runs perparam's hooks a second time, inside the step
+    proper)."""
     model, opt, ref, ref_opt, g = _muon_beside_stock(rank, world_size, _CallsParentStep)
     out = []
     for _ in range(2):

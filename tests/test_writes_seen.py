@@ -1,4 +1,5 @@
-"""Every write to a sharded parameter is seen by the next forward, or refused (``perparam/runtime/writes.py``).
+"""Every write to a sharded parameter is seen by the next forward, or refused
+(``perparam/runtime/writes.py``).
 
 The table (``tests/write_cases.py``): every way a user or a library writes parameter values (in-place DTensor
 ops, ``torch._foreach_*``, ``.data =``, ``.data.mul_``, ``copy_``, ``torch.nn.init``, ``reset_parameters``,
@@ -57,8 +58,8 @@ def test_writes_are_seen_at_other_world_sizes_with_empty_shards(world_size):
     """Kept copies (stage 2, evaluation; on 4 ranks hpZ's rows kept after a forward) under the writes no
     version counter sees, on 1 rank and on 3-4 ranks (``Linear(5, 2)``'s 2 rows leave ranks 2-3 empty; over
     4 ranks ``Linear(3, 5)``'s rank 3 too)."""
-    methods = ("foreach_mul_", "ema_foreach_lerp_", "data_full", "data_mul_", "reset_parameters", "adam_fused",
-               "to_local")
+    methods = ("foreach_mul_", "ema_foreach_lerp_", "data_full", "data_mul_", "reset_parameters",
+               "adam_fused", "to_local")
     modes = ("stage2", "eval_kept", HPZ) if world_size == 4 else ("stage2", "eval_kept")
     _check([(method, mode) for method in methods for mode in modes], world_size)
 
@@ -73,7 +74,8 @@ def _issued(method: str, mode: str, world_size: int, rank: int):
 
 @pytest.mark.fast
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([c for c in TABLE if c not in REFUSED and c[0] != "set_model_state_dict"]), st.integers(2, 4))
+@given(st.sampled_from([c for c in TABLE if c not in REFUSED and c[0] != "set_model_state_dict"]),
+       st.integers(2, 4))
 def test_what_a_write_makes_stale_is_the_same_on_every_rank(case, world_size):
     """Each rank (one process per rank through torch's fake process group) issues the same collectives
     from the write to the end of the next forward, whatever its shard holds (ranks 2-3 hold none of

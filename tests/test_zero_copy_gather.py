@@ -55,7 +55,8 @@ def _train(rank: int, world_size: int, algorithm: str) -> dict:
                 "params": [p.to_local().clone() for p in model.parameters()],
                 "grads": [p.grad.to_local().clone() for p in model.parameters()]}
     finally:
-        perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather,
+                           gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
 
 def _switching(rank: int, world_size: int) -> dict:
@@ -91,7 +92,8 @@ def _switching(rank: int, world_size: int) -> dict:
         return {"raw": raw_per_run, "custom_calls": custom.calls,
                 "same": all(torch.equal(outputs[0], out) for out in outputs)}
     finally:
-        perparam.configure(gloo_all_gather=previous.gloo_all_gather, gloo_reduce_scatter=previous.gloo_reduce_scatter)
+        perparam.configure(gloo_all_gather=previous.gloo_all_gather,
+                           gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
 
 def both_paths(rank: int, world_size: int) -> dict:
@@ -128,5 +130,6 @@ def test_the_all_gather_path_follows_configure_a_custom_all_gather_and_to_empty_
         zc, rows, again, custom, loaded = res["switching"]["raw"]
         assert zc["send"] > 0 and rows["send"] == rows["recv"] == 0, rank
         assert again == zc and loaded == zc, rank
-        assert res["switching"]["custom_calls"] == 1 and custom["send"] < zc["send"] and custom["recv"] > 0, rank
+        assert (res["switching"]["custom_calls"] == 1 and custom["send"] < zc["send"]
+                and custom["recv"] > 0), rank
         assert res["switching"]["same"], rank  # every run computed the same outputs

@@ -152,7 +152,7 @@ def _changing(rank: int, world_size: int) -> dict:
         ref_opt.step()
         diff = max((p.full_tensor() - r).abs().max().item()
                    for p, r in zip(model.parameters(), reference.parameters()))
-        return {"diff": diff, "plans": len(group_of(model)._reduce_plans)}
+        return {"diff": diff, "plans": len(group_of(model).own._reduce_plans)}
     finally:
         perparam.configure(gloo_reduce_scatter=previous.gloo_reduce_scatter)
 
@@ -171,7 +171,8 @@ def test_zero_copy_reduce_scatter_is_bitwise_the_packed_one_on_empty_uneven_mixe
         packed, direct = res["all_to_all"], res["zero_copy"]
         # the gradients of the first backward, then the parameters and gradients after 2 AdamW steps
         for key in ("first", "params", "grads"):
-            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(packed[key], direct[key])), (rank, key)
+            assert all(a.dtype == b.dtype and torch.equal(a, b)
+                       for a, b in zip(packed[key], direct[key])), (rank, key)
         assert any(t.dtype == torch.bfloat16 for t in direct["grads"])
         if world == 3 and rank == 2:  # Linear(4, 2): no rows here
             assert direct["grads"][0].numel() == 0

@@ -56,7 +56,8 @@ def sharded(rank: int, world: int, auto: bool):
     if auto:
         perparam.fully_shard(model, param_policy=ParamPolicy(placement="auto"))
     else:
-        perparam.fully_shard(model, param_policy=EXPLICIT, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
+        perparam.fully_shard(model, param_policy=EXPLICIT,
+                             mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
     placements = {n: p.placements for n, p in model.named_parameters()}
     comm: list = []
     _train(model, rank, world, comm)
@@ -86,7 +87,8 @@ def test_0_dim_parameter_without_a_replicating_placement_is_refused_and_told_wha
     import pytest
 
     for policy in (None, ParamPolicy(placement=Shard(0)), {"scale": ParamPolicy(param_dtype=torch.float32)}):
-        with pytest.raises(perparam.ShardingError, match=r"'scale' is 0-dim.*ParamPolicy\(placement=Replicate\(\)\)"):
+        with pytest.raises(perparam.ShardingError,
+                           match=r"'scale' is 0-dim.*ParamPolicy\(placement=Replicate\(\)\)"):
             perparam.fully_shard(Scaled(), param_policy=policy, mesh=_one_rank_mesh())
 
 

@@ -27,7 +27,8 @@ def _model() -> nn.Sequential:
 
 
 #: stages 1 and 2 in one group with stage 3 (2.weight)
-_POLICY = {"0.weight": ParamPolicy(zero_stage=1), "0.bias": ParamPolicy(zero_stage=2), "2.bias": ParamPolicy(zero_stage=1)}
+_POLICY = {"0.weight": ParamPolicy(zero_stage=1), "0.bias": ParamPolicy(zero_stage=2),
+           "2.bias": ParamPolicy(zero_stage=1)}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -59,8 +60,9 @@ def _steps(model, opt, rank: int, world_size: int, steps: int, seed: int, dtype=
 
 
 def train(rank: int, world_size: int, path: str | None = None) -> dict:
-    """AdamW: two steps, (``path``: a checkpoint, one more, the checkpoint loaded back,) ``model.to(torch.float64)``,
-    two steps in float64 (``world_size == 0``: one process, the whole batch, the same schedule)."""
+    """AdamW: two steps, (``path``: a checkpoint, one more, the checkpoint loaded back,)
+    ``model.to(torch.float64)``, two steps in float64 (``world_size == 0``: one process, the whole batch, the
+    same schedule)."""
     model = _model()
     if world_size:
         perparam.fully_shard(model, param_policy=lambda name, p: _POLICY.get(name))
@@ -75,7 +77,8 @@ def train(rank: int, world_size: int, path: str | None = None) -> dict:
         _steps(model, opt, rank, world_size, 1, seed=2)
         checkpoint.load(path, model, opt)
         out["loaded"] = {n: _full(p) for n, p in model.named_parameters()}
-    for state in opt.state.values():  # the optimizer's state cast with the model (perparam's refusal names it)
+    # the optimizer's state cast with the model (perparam's refusal names it)
+    for state in opt.state.values():
         state.update({k: v.to(torch.float64) for k, v in state.items() if v.is_floating_point() and v.dim()})
     model.to(torch.float64)
     _steps(model, opt, rank, world_size, 2, seed=3, dtype=torch.float64)

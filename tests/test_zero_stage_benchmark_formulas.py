@@ -1,5 +1,6 @@
-"""``benchmarks/harness/zero_formulas.py``: the formulas the ZeRO-stage benchmark sets its figures against are Table
-7-2's rows and the ZeRO paper's traffic, adjusted only where the configuration runs differently (pure)."""
+"""``benchmarks/harness/zero_formulas.py``: the formulas the ZeRO-stage benchmark sets its figures against are
+Table 7-2's rows and the ZeRO paper's traffic, adjusted only where the configuration runs differently
+(pure)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer=8)
 def test_all_stage_configs_state_is_table_7_2_and_ddp_traffic_is_2_r_g(k):
     for name, stage in (("ddp", "DDP"), ("perparam_stage1", "ZeRO-1"), ("perparam_stage2", "ZeRO-2"),
                         ("perparam", "ZeRO-3"), ("fsdp2", "ZeRO-3")):
-        assert formulas(name, MODEL, k)["state"] == pytest.approx(float(stage_memory(stage, N, k, FP32_ADAMW).total))
+        assert (formulas(name, MODEL, k)["state"]
+                == pytest.approx(float(stage_memory(stage, N, k, FP32_ADAMW).total)))
     ddp = float(2 * Fraction(k - 1, k) * 4 * N)
     f1, f2 = formulas("perparam_stage1", MODEL, k), formulas("perparam_stage2", MODEL, k)
-    assert formulas("ddp", MODEL, k)["sent_as_run"] == pytest.approx(ddp) == f2["sent_as_run"] == f1["sent_paper"]
+    assert (formulas("ddp", MODEL, k)["sent_as_run"] == pytest.approx(ddp) == f2["sent_as_run"]
+            == f1["sent_paper"])
     assert f1["sent_as_run"] == pytest.approx(1.5 * ddp)  # all-reduced gradient plus the refresh all-gather
 
 

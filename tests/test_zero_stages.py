@@ -22,8 +22,8 @@ STEPS, GLOBAL_BATCH, TOL = 3, 12, 1e-5
 #: the mix: each stage, on Shard(0) and Shard(1), stage-1/2 parameters next to stage-3 ones in one group
 _MIX = {"embed.weight": ParamPolicy(zero_stage=1), "head.weight": ParamPolicy(zero_stage=2),
         "head.bias": ParamPolicy(zero_stage=1), "norm.weight": ParamPolicy(zero_stage=1),
-        "fc1.weight": ParamPolicy(zero_stage=2, placement=Shard(1)), "fc2.weight": ParamPolicy(zero_stage=1,
-                                                                                               placement=Shard(1)),
+        "fc1.weight": ParamPolicy(zero_stage=2, placement=Shard(1)),
+        "fc2.weight": ParamPolicy(zero_stage=1, placement=Shard(1)),
         "fc2.bias": ParamPolicy(zero_stage=2), "up.weight": ParamPolicy(zero_stage=1),
         "down.weight": ParamPolicy(zero_stage=2)}
 
@@ -72,7 +72,7 @@ def train(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None, stage,
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss = F.mse_loss(model(x), y)
         if world_size and raf is not None:  # hpZ: the secondary shard each block kept for its backward
-            out.setdefault("hpz_kept", []).append([group_of(b).hpz.kept_bytes() for b in model.blocks])
+            out.setdefault("hpz_kept", []).append([group_of(b).own.hpz.kept_bytes() for b in model.blocks])
         loss.backward()
         out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
@@ -111,8 +111,8 @@ def train_cases(rank: int, world_size: int, mesh_shape: tuple[int, ...], cases: 
 def _check_cases(reference: dict, world_size: int, mesh_shape: tuple[int, ...], cases: list) -> None:
     for rank, per_case in enumerate(run_distributed(train_cases, world_size, mesh_shape, cases)):
         for (stage, opt, *options), got in zip(cases, per_case):
-            _assert_matches(got, reference[opt], f"stage {stage} {options} mesh {mesh_shape} {opt} rank {rank}",
-                            rank, world_size)
+            _assert_matches(got, reference[opt],
+                            f"stage {stage} {options} mesh {mesh_shape} {opt} rank {rank}", rank, world_size)
 
 
 BOTH = ("adamw", "sgd")
@@ -287,12 +287,13 @@ def test_mixed_stages_keep_every_route_of_stage_3(world_size=3):
             assert abs(a - b) <= TOL, (got["norms"], want["norms"])
         for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
             for n in w:
-                torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0, msg=f"rank {rank}: grad {n} step {step}")
+                torch.testing.assert_close(g[n], w[n], atol=TOL, rtol=0,
+                                           msg=f"rank {rank}: grad {n} step {step}")
         for n, p in want["params"].items():
             torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
 
 
-# -- bad input ------------------------------------------------------------------------------------------------
+# -- bad input -----------------------------------------------------------------------------------------------
 
 _BAD = {
     "unknown_stage": (ParamPolicy(zero_stage=4), ["'1.weight'", "zero_stage=4", "use 1", "2 ", "3 "]),
@@ -336,7 +337,8 @@ def held(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
     pol = {"0.*": ParamPolicy(zero_stage=1),
-           "1.weight": ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16, quant=perparam.QuantPolicy("int8")),
+           "1.weight": ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16,
+                                   quant=perparam.QuantPolicy("int8")),
            "1.bias": ParamPolicy(zero_stage=2, param_dtype=torch.bfloat16, requires_grad=False)}
     perparam.fully_shard(model, mesh=_mesh((world_size,)), param_policy=pol)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -351,8 +353,8 @@ def held(rank: int, world_size: int) -> dict:
     w = model[0].weight
     base = w.grad.to_local()._base
     out["grad_whole"] = base is not None and tuple(base.shape) == (6, 4)
-    out["grad_is_view"] = base is not None and w.grad.to_local().data_ptr() == base[group.params[0].layout.extent(
-        rank)[0]:].data_ptr()
+    out["grad_is_view"] = base is not None and w.grad.to_local().data_ptr() == base[
+        group.params[0].layout.extent(rank)[0]:].data_ptr()
     with torch.no_grad():  # refreshes the kept copies after the last step
         model(torch.zeros(1, 4))
     kept = group.params[2]  # 1.weight: the kept copy equals the dequantized shards (int8: within its bound)
@@ -374,7 +376,8 @@ def held(rank: int, world_size: int) -> dict:
     after_optimizer = whole_and_full()
     model.zero_grad(set_to_none=False)
     after_module = whole_and_full()
-    out["zeroed"] = [torch.equal(a, b) for again in (after_optimizer, after_module) for a, b in zip(fresh, again)]
+    out["zeroed"] = [torch.equal(a, b) for again in (after_optimizer, after_module)
+                     for a, b in zip(fresh, again)]
     out["whole_is_full"] = torch.equal(fresh[0], fresh[1])
     return out
 
@@ -388,11 +391,12 @@ def test_stage_1_keeps_a_whole_gradient_zeroed_whole_by_zero_grad_and_frozen_sta
         assert got["ag"][1] == got["ag"][2] == got["ag"][0] - 2 * 2 * 2
         assert got["kept_dtype"] == "torch.bfloat16"
         assert got["kept_error"] < 0.05
-        # after zero_grad(set_to_none=False) the whole gradient holds the new backward's sum, no earlier step's
+        # after zero_grad(set_to_none=False) the whole gradient holds the new backward's sum, no earlier
+        # step's
         assert got["zeroed"] == [True] * 4 and got["whole_is_full"], got["zeroed"]
 
 
-# -- tensor parallelism ----------------------------------------------------------------------------------------
+# -- tensor parallelism --------------------------------------------------------------------------------------
 
 def train_tp(rank: int, world_size: int, stage) -> dict:
     """MLPNet, ``up`` colwise and ``down`` rowwise on tp=2, then dp=2 with ``stage``; 3 AdamW steps."""
@@ -437,7 +441,7 @@ def _assert_tp_matches(got: dict, want: dict, rank: int) -> None:
         torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"rank {rank}: param {n}")
 
 
-# -- checkpoints across mixes and world sizes -------------------------------------------------------------------
+# -- checkpoints across mixes and world sizes ----------------------------------------------------------------
 
 def _state(model, opt) -> dict:
     out = {f"param {n}": _full(p) for n, p in model.named_parameters()}
@@ -500,7 +504,9 @@ def frozen_but_stepped(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
     if world_size:
-        perparam.fully_shard(model, param_policy={"0.*": ParamPolicy(zero_stage=1), "2.*": ParamPolicy(zero_stage=2)})
+        perparam.fully_shard(model,
+                             param_policy={"0.*": ParamPolicy(zero_stage=1),
+                                           "2.*": ParamPolicy(zero_stage=2)})
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     rows = slice(rank * 2, rank * 2 + 2) if world_size else slice(None)

@@ -15,8 +15,9 @@ from torch.distributed.tensor import DTensor
 MODES = ("stage3", "stage1", "stage2", "kept_after_forward", "kept_after_backward", "eval_kept", "offload")
 HPZ = "hpz"
 METHODS = ("mul_", "foreach_mul_", "ema_foreach_lerp_", "data_full", "data_dtensor", "data_mul_", "copy_",
-           "init_normal_", "init_trunc_normal_", "reset_parameters", "load_state_dict", "set_model_state_dict",
-           "sgd_foreach", "adam_fused", "adamw_for_loop", "averaged_model", "to_local", "to_local_marked")
+           "init_normal_", "init_trunc_normal_", "reset_parameters", "load_state_dict",
+           "set_model_state_dict", "sgd_foreach", "adam_fused", "adamw_for_loop", "averaged_model",
+           "to_local", "to_local_marked")
 #: the cells a write is refused in (a write into ``to_local()`` under a stage-1/2 kept copy, which no count
 #: shared by every rank sees: the fp32 shard is a view of the copy's own rows, so this rank's rows change, but
 #: the peers' copies would not; refused whatever it wrote), by ranks whose shard of ``model[0].weight`` has
@@ -35,8 +36,8 @@ def _value(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     chunks, rank = t.chunk(like.device_mesh.size(), dim=0), dist.get_rank()
     piece = chunks[rank] if rank < len(chunks) else t[:0]
-    return DTensor.from_local(piece.clone(), like.device_mesh, like.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())
+    return DTensor.from_local(piece.clone(), like.device_mesh, like.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,10 @@ def _write(model: nn.Module, method: str, sharded: bool) -> None:
     w = model[0].weight
     target = torch.linspace(-1, 1, w.numel()).view(w.shape)
     if method in ("sgd_foreach", "adam_fused", "adamw_for_loop"):
-        opt = {"sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.5, foreach=True),
-               "adam_fused": lambda p: torch.optim.Adam(p, lr=0.5, fused=True),
-               "adamw_for_loop": lambda p: torch.optim.AdamW(p, lr=0.5, foreach=False)}[method](model.parameters())
+        make = {"sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.5, foreach=True),
+                "adam_fused": lambda p: torch.optim.Adam(p, lr=0.5, fused=True),
+                "adamw_for_loop": lambda p: torch.optim.AdamW(p, lr=0.5, foreach=False)}[method]
+        opt = make(model.parameters())
         opt.step()
         return
     if method == "load_state_dict":

@@ -45,8 +45,10 @@ def policies() -> dict:
 
     from perparam.sharding.policy import as_mp_policy, as_offload
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    return {"mp": repr(as_mp_policy(mp, "mp_policy")), "offload": repr(as_offload(OffloadPolicy(), "offload")),
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    return {"mp": repr(as_mp_policy(mp, "mp_policy")),
+            "offload": repr(as_offload(OffloadPolicy(), "offload")),
             "cpu_offload": repr(as_offload(CPUOffloadPolicy(pin_memory=False), "offload"))}
 
 
@@ -153,7 +155,8 @@ def run(out: dict, args=None) -> None:
             out["fsdp2_plugin"] = {"skipped": "accelerate's FSDP2 plugin is active on GPU backends only"}
         errors = [name for name in ("loop", "fsdp2_plugin") if "error" in out[name]]
         if errors:
-            raise RuntimeError(f"gpu_accelerate: {errors} failed (their tracebacks are in the section's output)")
+            raise RuntimeError(f"gpu_accelerate: {errors} failed (their tracebacks are in the section's "
+                               "output)")
     finally:
         if own:
             import gc

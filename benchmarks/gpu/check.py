@@ -15,7 +15,8 @@ steps):
     Memory against the planner: rank ``--sim-rank`` of a fake ``--sim-world``-rank mesh (torch's fake process
     group: collectives move no data, allocations are real), bf16 compute, ``--sim-steps`` AdamW steps:
     model-state bytes measured (``perparam.memory.measure``) vs predicted (``perparam.memory.plan``), the two
-    largest adjacent groups unsharded, on CUDA the peak allocated bytes of the last step and its transient part.
+    largest adjacent groups unsharded, on CUDA the peak allocated bytes of the last step and its transient
+    part.
 ``parity`` (20 s)
     perparam vs torch FSDP2, fp32, the same weights and batch, 3 AdamW steps, world of one: the largest
     parameter and loss differences (``within_1e-5``).
@@ -24,8 +25,8 @@ steps):
     ratios, the CUDA streams of one step (torch.profiler).
 ``host_syncs`` (15 s)
     One step of perparam and of FSDP2, forward + backward, ``clip_grad_norm_`` (the norm unread) and the
-    optimizer step apart: the host reads and host-data uploads by site (``benchmarks/harness/host_syncs.py``) and
-    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings.
+    optimizer step apart: the host reads and host-data uploads by site (``benchmarks/harness/host_syncs.py``)
+    and ``torch.cuda.set_sync_debug_mode("warn")``'s warnings.
 ``two_ranks`` (60 s)
     Two processes on gloo with the tensors on GPU 0 (NCCL refuses two ranks on one GPU): the toy model against
     one process (``within_1e-5``), collective counts, the order of first use of the process groups on each
@@ -37,8 +38,8 @@ steps):
 
 Then the sections of ``benchmarks/gpu/accelerate.py`` when that file exists (its ``SECTIONS``, a list of
 ``(name, section)``, or its ``run(out, args)`` as ``accelerate``, 40 s), and any given to ``main(extra=)``.
-Every section's dict gets ``ok``, ``seconds``, ``budget_s`` and ``over_budget`` (``BUDGET_S``) and, on failure,
-``error`` and ``traceback``; the top level ``wall_s``, ``budget_s`` (the sum, 276 s for all) and
+Every section's dict gets ``ok``, ``seconds``, ``budget_s`` and ``over_budget`` (``BUDGET_S``) and, on
+failure, ``error`` and ``traceback``; the top level ``wall_s``, ``budget_s`` (the sum, 276 s for all) and
 ``over_total_budget`` (past 5 minutes). With ``--device cpu`` every section runs on a gloo world of one on
 CPU (what ``tests/test_gpu_check.py`` runs: the plumbing, not the figures).
 """
@@ -66,8 +67,8 @@ Section = Callable[[dict, argparse.Namespace], None]
 
 #: each section's time budget on an H200 (seconds; the docstring's figures): written with its result as
 #: ``budget_s``, and ``over_budget`` when it took longer; the whole check's ``budget_s`` is their sum
-BUDGET_S = {"environment": 1, "simulated": 20, "parity": 20, "step_time": 60, "host_syncs": 15, "two_ranks": 60,
-            "cpu_tier": 60, "accelerate": 40}
+BUDGET_S = {"environment": 1, "simulated": 20, "parity": 20, "step_time": 60, "host_syncs": 15,
+            "two_ranks": 60, "cpu_tier": 60, "accelerate": 40}
 TOTAL_BUDGET_S = 300  # five minutes, NCCL start-up and the interpreter included
 
 SECTIONS: list[tuple[str, Section]] = [
@@ -86,8 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--sim-world", type=int, default=8, help="ranks of the simulated mesh (default 8)")
-    ap.add_argument("--sim-rank", type=int, default=0, help="the simulated rank measured (default 0: the most bytes)")
-    ap.add_argument("--sim-steps", type=int, default=2, help="training steps on the simulated mesh (default 2)")
+    ap.add_argument("--sim-rank", type=int, default=0,
+                    help="the simulated rank measured (default 0: the most bytes)")
+    ap.add_argument("--sim-steps", type=int, default=2,
+                    help="training steps on the simulated mesh (default 2)")
     ap.add_argument("--steps", type=int, default=20, help="timed NCCL steps per configuration (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed NCCL steps first (default 3)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
@@ -215,7 +218,8 @@ def _render(result: dict) -> None:
     if "model_state_bytes_measured" in sim:
         meas, pred = sim["model_state_bytes_measured"], sim["model_state_bytes_predicted"]
         for key in ("params", "grads", "optimizer", "total"):
-            table.add_row(f"simulated rank {sim['rank']}/{sim['world']} model state {key}: measured / planned MiB",
+            table.add_row(f"simulated rank {sim['rank']}/{sim['world']} model state {key}: measured / "
+                          "planned MiB",
                           f"{meas[key] / mib:.2f} / {pred[key] / mib:.2f}")
         if "peak_allocated_bytes" in sim:
             table.add_row("peak allocated in a step / transient MiB",

@@ -25,20 +25,21 @@ from benchmarks.harness.model import GPT, GPTConfig, make_batches
 PROBED_APIS = (
     "torch.distributed.tensor._dtensor_spec.DTensorSpec", "torch.distributed.tensor._dtensor_spec.TensorMeta",
     "torch.distributed.tensor.placement_types._StridedShard",
-    "torch.distributed._composable.contract.REGISTRY_KEY", "torch.distributed._composable.contract.RegistryItem",
-    "torch._C._current_graph_task_id", "torch._C._functorch.peek_interpreter_stack",
-    "torch.distributed.distributed_c10d._world", "torch.distributed.distributed_c10d._get_default_store",
-    "torch.nn.utils.get_total_norm", "torch.nn.utils.clip_grads_with_norm_", "torch.utils.swap_tensors",
-    "torch._chunk_cat", "torch.split_with_sizes_copy", "torch._foreach_copy_",
+    "torch.distributed._composable.contract.REGISTRY_KEY",
+    "torch.distributed._composable.contract.RegistryItem", "torch._C._current_graph_task_id",
+    "torch._C._functorch.peek_interpreter_stack", "torch.distributed.distributed_c10d._world",
+    "torch.distributed.distributed_c10d._get_default_store", "torch.nn.utils.get_total_norm",
+    "torch.nn.utils.clip_grads_with_norm_", "torch.utils.swap_tensors", "torch._chunk_cat",
+    "torch.split_with_sizes_copy", "torch._foreach_copy_",
     "torch.optim.optimizer.register_optimizer_step_pre_hook",
     "torch.optim.optimizer.register_optimizer_step_post_hook",
     "torch.nn.modules.module.register_module_parameter_registration_hook",
-    "torch.nn.modules.module.register_module_module_registration_hook",
-    "torch.compiler.is_compiling", "torch.get_device_module", "torch.utils.weak.WeakIdKeyDictionary",
-    "torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.MixedPrecisionPolicy",
+    "torch.nn.modules.module.register_module_module_registration_hook", "torch.compiler.is_compiling",
+    "torch.get_device_module", "torch.utils.weak.WeakIdKeyDictionary", "torch.distributed.fsdp.fully_shard",
+    "torch.distributed.fsdp.MixedPrecisionPolicy",
     "torch.distributed.checkpoint.state_dict.set_model_state_dict",
-    "torch.distributed.checkpoint.state_dict.StateDictOptions",
-    "torch.distributed.pipelining.PipelineStage", "torch.distributed.device_mesh.init_device_mesh",
+    "torch.distributed.checkpoint.state_dict.StateDictOptions", "torch.distributed.pipelining.PipelineStage",
+    "torch.distributed.device_mesh.init_device_mesh",
     "torch.testing._internal.distributed.fake_pg.FakeStore", "torch.cuda.set_sync_debug_mode",
     "torch.optim.Optimizer.register_state_dict_pre_hook", "torch.distributed.get_backend_config",
 )
@@ -112,7 +113,8 @@ def _resolve(dotted: str) -> bool:
 
 
 def environment(out: dict, args) -> None:
-    """torch, CUDA, NCCL, the c10d names chosen, which ``PROBED_APIS`` this torch lacks, and ``NOT_CHECKED``."""
+    """torch, CUDA, NCCL, the c10d names chosen, which ``PROBED_APIS`` this torch lacks, and
+    ``NOT_CHECKED``."""
     from perparam.comm import c10d
 
     out["torch"] = torch.__version__
@@ -139,8 +141,8 @@ def shard_perparam(model: GPT, mesh, mp_policy=None, **kwargs) -> list:
 
     groups = []
     for modules, raf in wrap_units(model):
-        perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf,
-                             mp_policy=mp_policy, **kwargs)
+        perparam.fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                             reshard_after_forward=raf, mp_policy=mp_policy, **kwargs)
         groups.append(group_of(modules[0]))
     return groups
 
@@ -169,9 +171,11 @@ def _fsdp2_model(cfg: GPTConfig, mesh, device: str, bf16: bool) -> GPT:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for modules, raf in wrap_units(model):
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf,
+                    mp_policy=mp)
     model.to_empty(device=device)
-    set_model_state_dict(model, _full(cfg), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, _full(cfg),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
 
@@ -212,7 +216,8 @@ def parity(out: dict, args, steps: int = 3) -> None:
         out["within_1e-5"] = out["max_param_diff"] <= 1e-5 and out["max_loss_diff"] <= 1e-5
 
 
-def interleaved_steps(runs: dict, warmup: int, steps: int, device: str, after_step=None, after_warmup=None) -> None:
+def interleaved_steps(runs: dict, warmup: int, steps: int, device: str, after_step=None,
+                      after_warmup=None) -> None:
     """``warmup + steps`` rounds of each run's ``step()``, the order reversed every other round (pairing);
     appends the seconds of each step after the warm-up to ``run["times"]`` (synchronised on CUDA)."""
     for r in range(warmup + steps):
@@ -262,8 +267,10 @@ def step_time(out: dict, args) -> None:
         interleaved_steps(runs, args.warmup, args.steps, args.device)
         for name, run in runs.items():
             out[name] = {"step_time_s": statistics.median(run["times"]), "final_loss": float(run["step"]())}
-        out["ratio_perparam_vs_fsdp2"] = out["perparam_bf16"]["step_time_s"] / out["fsdp2_bf16"]["step_time_s"]
-        out["ratio_perparam_vs_ddp"] = out["perparam_bf16"]["step_time_s"] / out["ddp_autocast_bf16"]["step_time_s"]
+        out["ratio_perparam_vs_fsdp2"] = (out["perparam_bf16"]["step_time_s"]
+                                          / out["fsdp2_bf16"]["step_time_s"])
+        out["ratio_perparam_vs_ddp"] = (out["perparam_bf16"]["step_time_s"]
+                                        / out["ddp_autocast_bf16"]["step_time_s"])
         if args.device == "cuda":
             for name, run in runs.items():
                 out[name]["streams"] = _streams_of_one_step(run["step"])
@@ -271,9 +278,9 @@ def step_time(out: dict, args) -> None:
 
 def host_syncs(out: dict, args) -> None:
     """Host syncs of one step (after a warm-up step), forward + backward, ``clip_grad_norm_`` (perparam's;
-    torch's for FSDP2; the norm not read) and the optimizer step apart, for perparam and FSDP2 (bf16): the calls that read device values or upload host data
-    (``benchmarks/harness/host_syncs.py``, by site) and, on CUDA, the warnings of
-    ``torch.cuda.set_sync_debug_mode("warn")``."""
+    torch's for FSDP2; the norm not read) and the optimizer step apart, for perparam and FSDP2 (bf16): the
+    calls that read device values or upload host data (``benchmarks/harness/host_syncs.py``, by site) and, on
+    CUDA, the warnings of ``torch.cuda.set_sync_debug_mode("warn")``."""
     from benchmarks.harness.host_syncs import HostSyncCounter
     from perparam import clip_grad_norm_ as perparam_clip
 
@@ -289,7 +296,8 @@ def host_syncs(out: dict, args) -> None:
             _sync(args.device)
             row = out[name] = {}
             for phase, run in (("forward_backward", lambda m=model: m(x, y).backward()),
-                               ("clip_grad_norm", lambda m=model, c=clip: c(m.parameters(), 1.0)),  # norm unread
+                               # norm unread
+                               ("clip_grad_norm", lambda m=model, c=clip: c(m.parameters(), 1.0)),
                                ("optimizer_step", lambda o=opt: (o.step(), o.zero_grad(set_to_none=True)))):
                 with warnings.catch_warnings(record=True) as caught, HostSyncCounter() as counted:
                     warnings.simplefilter("always")
@@ -335,8 +343,10 @@ def cpu_tier(out: dict, args) -> None:
         out["offloaded_bytes"] = perparam.offload.offloaded_bytes().get("cpu", 0)
         out["allocated_fall_bytes"] = (out["device"]["allocated_bytes_between_steps"]
                                        - out["cpu_optimizer"]["allocated_bytes_between_steps"])
-        params = {name: {n: p.full_tensor() for n, p in run["model"].named_parameters()} for name, run in runs.items()}
-        out["params_bitwise_equal"] = all(torch.equal(params["device"][n], t) for n, t in params["cpu_optimizer"].items())
+        params = {name: {n: p.full_tensor() for n, p in run["model"].named_parameters()}
+                  for name, run in runs.items()}
+        out["params_bitwise_equal"] = all(torch.equal(params["device"][n], t)
+                                          for n, t in params["cpu_optimizer"].items())
         out["copy_wait_s_per_step"] = io["wait_s"] / args.steps
         out["copy_back_s_per_step"] = io["evict_s"] / args.steps
         # the offloaded state read between steps must read its values, not freed device memory: first as a

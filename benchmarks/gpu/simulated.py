@@ -20,7 +20,8 @@ def _bf16_policy():
     return perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: int = 2, batch: int = 2) -> dict:
+def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: int = 2,
+                     batch: int = 2) -> dict:
     """Rank ``rank`` of a fake ``world``-rank mesh: model-state bytes measured vs predicted, and (CUDA)
     the peak allocated bytes of the last step. Bytes. Leaves no process group behind."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -55,11 +56,12 @@ def simulated_memory(cfg: GPTConfig, world: int, rank: int, device: str, steps: 
             model(x, y).backward()
             opt.step()
         measured = model_state_bytes(model, opt)
-        unsharded = [g.num_shards * g.layout.slot_bytes for g in groups if g is not None and g.params]
+        unsharded = [g.own.num_shards * g.own.layout.slot_bytes for g in groups if g is not None and g.params]
         out = {"world": world, "rank": rank, "device": device,
                "model_state_bytes_measured": measured.as_dict(),
                "model_state_bytes_predicted": {"params": int(predicted.params), "grads": int(predicted.grads),
-                                               "optimizer": int(predicted.optimizer), "total": int(predicted.total)},
+                                               "optimizer": int(predicted.optimizer),
+                                               "total": int(predicted.total)},
                # AdamW keeps one scalar step counter per parameter tensor (not in the layout's figure)
                "adamw_step_counter_bytes": sum(s["step"].numel() * s["step"].element_size()
                                                for s in opt.state.values() if torch.is_tensor(s.get("step"))),

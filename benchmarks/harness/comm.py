@@ -53,7 +53,8 @@ class DistCounter:
         return wrapper
 
     def _wrap(self, name: str, fn):
-        kind = ("all_gather" if name in self._OUTPUT_BYTES else "all_to_all" if name == "all_to_all_single" else
+        kind = ("all_gather" if name in self._OUTPUT_BYTES else "all_to_all" if name == "all_to_all_single"
+                else
                 "reduce_scatter" if name in self._INPUT_BYTES else name)
 
         def wrapper(*args, **kwargs):

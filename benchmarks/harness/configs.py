@@ -29,7 +29,8 @@ DESCRIPTIONS = {
     "perparam": "perparam.fully_shard, wrapped as fsdp2",
     "perparam_bf16": "perparam, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
     "perparam_int8": "perparam, int8-quantized all-gather of the Linear weights",
-    "perparam_int8_grad": "perparam, int8-quantized gradient reduce-scatter of the Linear weights (ZeRO++ qgZ)",
+    "perparam_int8_grad": "perparam, int8-quantized gradient reduce-scatter of the Linear weights (ZeRO++ "
+                          "qgZ)",
     "perparam_int8_both": "perparam, int8 all-gather and int8 gradient reduce-scatter of the Linear weights",
 }
 #: ``benchmarks/zero_stages.py``'s configurations beyond ``ddp``, ``fsdp2`` and ``perparam`` (all stage 3)
@@ -38,7 +39,8 @@ DESCRIPTIONS.update({
     "fsdp2_keep": "torch fully_shard, reshard_after_forward=False on every call (FSDP2's nearest to ZeRO-2)",
     "perparam_stage1": "perparam, ParamPolicy(zero_stage=1) on every parameter",
     "perparam_stage2": "perparam, ParamPolicy(zero_stage=2) on every parameter",
-    "perparam_mix": "perparam, embeddings and norms stage 1, attention (qkv, proj) stage 2, MLP and head stage 3",
+    "perparam_mix": "perparam, embeddings and norms stage 1, attention (qkv, proj) stage 2, MLP and head "
+                    "stage 3",
 })
 SHARDED = ("fsdp2", "fsdp2_bf16", "perparam", "perparam_bf16", "perparam_int8", "perparam_int8_grad",
            "perparam_int8_both", *ZERO_CONFIGS)
@@ -79,9 +81,11 @@ def _perparam_kwargs(name: str, modules: list[nn.Module]) -> dict:
                  for p in m.parameters(recurse=False)}
         return {"param_policy": lambda _name, p: perparam.ParamPolicy(zero_stage=stage.get(id(p), 3))}
     if name == "perparam_bf16":
-        return {"mp_policy": perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        return {"mp_policy": perparam.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                           reduce_dtype=torch.float32)}
     if name.startswith("perparam_int8"):  # every nn.Linear weight this call manages
-        quant = perparam.ParamPolicy(quant=None if name == "perparam_int8_grad" else perparam.QuantPolicy(torch.int8),
+        quant = perparam.ParamPolicy(quant=None if name == "perparam_int8_grad"
+                                     else perparam.QuantPolicy(torch.int8),
                                      grad_quant=None if name == "perparam_int8" else "int8")
         linear = {id(m.weight) for module in modules for m in module.modules() if isinstance(m, nn.Linear)}
         return {"param_policy": lambda _name, p: quant if id(p) in linear else None}
@@ -140,7 +144,8 @@ def _fsdp2(name: str, model: GPT, mesh) -> None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for modules, raf in wrap_units(model):
         raf = raf and name != "fsdp2_keep"
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf, **kwargs)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=raf,
+                    **kwargs)
 
 
 def full_state(name: str, model: nn.Module) -> dict[str, torch.Tensor] | None:

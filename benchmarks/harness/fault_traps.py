@@ -15,8 +15,8 @@ step hook):
 - ``step``: before the optimizer step;
 - ``commit``: in the snapshot commit of step ``STEP``, while the first tensor is copied into the own slot
   (its header zeroed: the slot is torn), on the copier's thread (the training thread goes on into the next
-  step and waits for the copy at its optimizer step); in a job without snapshots (``--max-restarts 0``: the disk
-  recovery's run) where the commit would be, after the optimizer step;
+  step and waits for the copy at its optimizer step); in a job without snapshots (``--max-restarts 0``:
+  the disk recovery's run) where the commit would be, after the optimizer step;
 - ``save``: in the write of the ``--save`` checkpoint of step ``STEP`` (``async_save``'s background thread:
   the main thread goes on with the next step and waits for this rank in its first collective).
 """

@@ -56,7 +56,8 @@ def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, wa
     import torch.distributed as dist
 
     # the store is hosted here, as torchrun's agent hosts it (port 0: the kernel picks a free one, no race)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
     ckpt = tempfile.mkdtemp(prefix="perparam-fault-")
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
@@ -77,7 +78,8 @@ def run_fault(world: int, phase: str, sig: int, victim: int = 1, at: int = 2, wa
     exited: list = [None] * world  # seconds from the signal to each process's exit
     while time.monotonic() < deadline:
         if sent is None and any(line.startswith(f"in-{phase} ") for line in outs[victim]):
-            if sig != signal.SIGSTOP:  # (a stop is sent at once: the watchdog's bound runs from the last step)
+            # (a stop is sent at once: the watchdog's bound runs from the last step)
+            if sig != signal.SIGSTOP:
                 time.sleep(0.3)  # the survivors reach their wait
             procs[victim].send_signal(sig)
             sent = time.monotonic()

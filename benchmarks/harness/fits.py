@@ -61,15 +61,17 @@ def fitting(names: list[str], num_params: int, world: int, available: int,
     fit is skipped like the others (the caller then has nothing to compare)."""
     chosen: list[str] = []
     skipped: dict[str, str] = {}
-    others = sorted((n for n in names if n not in keep), key=lambda n: state_bytes_per_rank(n, num_params, world))
+    others = sorted((n for n in names if n not in keep),
+                    key=lambda n: state_bytes_per_rank(n, num_params, world))
     for name in [n for n in names if n in keep] + others:
         need = job_bytes(chosen + [name], num_params, world)
         if need <= available:
             chosen.append(name)
             continue
         alone = state_bytes_per_rank(name, num_params, world) * world / GB
-        skipped[name] = (f"skipped: needs {need / GB:.1f} GB with {', '.join(chosen) or 'nothing else'} on {world} ranks "
-                         f"({alone:.1f} GB of model state itself), {available / GB:.1f} GB available")
+        skipped[name] = (f"skipped: needs {need / GB:.1f} GB with {', '.join(chosen) or 'nothing else'} on "
+                         f"{world} ranks ({alone:.1f} GB of model state itself), {available / GB:.1f} GB "
+                         "available")
     return [n for n in names if n in chosen], skipped
 
 

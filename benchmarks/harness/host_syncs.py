@@ -7,8 +7,8 @@ block on CUDA, which the test suite can see without a GPU:
 * ``aten._local_scalar_dense``: ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``if t:``;
 * ``aten.nonzero`` and friends whose output size depends on the values (``torch.nonzero``, masked indexing);
 * ``Tensor.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")`` of a tensor on another device;
-* ``torch.tensor(data, device=...)`` / ``torch.as_tensor(data, device=...)`` with an explicit device: host data
-  uploaded (pageable memory: a synchronous copy on CUDA).
+* ``torch.tensor(data, device=...)`` / ``torch.as_tensor(data, device=...)`` with an explicit device: host
+  data uploaded (pageable memory: a synchronous copy on CUDA).
 
 ``HostSyncCounter`` is a context manager; ``counts`` maps ``kind`` to a count and ``sites`` maps
 ``"file:line kind"`` (the innermost frame in ``perparam/``, else the innermost outside torch) to a count.

@@ -122,14 +122,16 @@ def ab_parser(doc: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--algorithms", default="all_to_all,zero_copy")
-    ap.add_argument("--config", default="perparam", help="a benchmarks.harness.configs configuration (default perparam)")
+    ap.add_argument("--config", default="perparam",
+                    help="a benchmarks.harness.configs configuration (default perparam)")
     ap.add_argument("--quick", action="store_true", help="the toy model")
     return ap
 
 
 def spawn_ranks(target, world: int, *args) -> list:
     """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes (``port``: a free TCP
-    port for ``init_gloo``, ``benchmarks.harness.ports.free_port``); return what each put on ``queue``, sorted (rank first)."""
+    port for ``init_gloo``, ``benchmarks.harness.ports.free_port``); return what each put on ``queue``, sorted
+    (rank first)."""
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")

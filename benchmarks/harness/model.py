@@ -105,7 +105,8 @@ def count_params(cfg: GPTConfig) -> int:
         return num_params(GPT(cfg))
 
 
-def make_batches(cfg: GPTConfig, n: int, global_batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(cfg: GPTConfig, n: int, global_batch: int,
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` random ``(idx, targets)`` global batches (targets are idx shifted by one token)."""
     g = torch.Generator().manual_seed(seed)
     batches = []

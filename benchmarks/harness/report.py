@@ -53,7 +53,8 @@ def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: in
     cpu = [statistics.mean(r["cpu"][i] for r in recs) for i in range(n)]
     out["cpu_time_s"] = statistics.median(cpu)
     out["cpu_times_s"] = cpu
-    out["page_faults_per_step"] = statistics.median(statistics.mean(r["faults"][i] for r in recs) for i in range(n))
+    out["page_faults_per_step"] = statistics.median(statistics.mean(r["faults"][i] for r in recs)
+                                                    for i in range(n))
     out["final_loss"] = statistics.mean(r["losses"][-1] for r in recs)
     out["model_state_bytes"] = rec0["model_state_bytes"]
     out["model_state_bytes_per_rank"] = [r["model_state_bytes"]["total"] for r in recs]
@@ -75,7 +76,8 @@ def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: in
     out["comm_bytes_per_step"] = {**comm, "total": sum(comm.values())}
     # bytes sent by each rank: (K-1)/K of the recorded bytes for an all-gather or reduce-scatter (ring or
     # all-to-all), 2 (K-1)/K for a ring all-reduce (a reduce-scatter then an all-gather)
-    out["comm_sent_bytes_per_rank"] = sum(v * (2 if k == "all_reduce" else 1) for k, v in comm.items()) * (world - 1) / world
+    out["comm_sent_bytes_per_rank"] = sum(v * (2 if k == "all_reduce" else 1)
+                                          for k, v in comm.items()) * (world - 1) / world
     out["collectives_per_step"] = calls
     out["comm_source"] = source
     out["comm_constant_over_steps"] = all(c == last for c in rec0["comm"])
@@ -95,7 +97,8 @@ def summarise(name: str, per_rank: list[dict], rss: list[dict] | None, world: in
     ok = [r for r in rss_returning or [] if r.get("status") == "ok"]
     if ok:  # the same memory run under a returning allocator (step_time.py --mmap-threshold)
         out["training_peak_rss_bytes_returning"] = [r["training_peak"] for r in ok]
-        out["training_peak_over_baseline_bytes_returning"] = max(r["training_peak"] - r["baseline"] for r in ok)
+        out["training_peak_over_baseline_bytes_returning"] = max(r["training_peak"] - r["baseline"]
+                                                                 for r in ok)
     return out
 
 
@@ -111,18 +114,24 @@ def add_ratios(configs: dict, param_bytes: int, world: int) -> None:
             tag = base_name
             c[f"ratio_vs_{tag}"] = c["step_time_s"]["median"] / base["step_time_s"]["median"] if ok else None
             # the same ratio within each round (both steps ran seconds apart), then the median
-            c[f"paired_ratio_vs_{tag}"] = (statistics.median(a / b for a, b in zip(c["step_times_s"], base["step_times_s"]))
-                                          if ok else None)
-            c[f"cpu_ratio_vs_{tag}"] = (statistics.median(a / b for a, b in zip(c["cpu_times_s"], base["cpu_times_s"]))
-                                       if ok else None)
+            c[f"paired_ratio_vs_{tag}"] = (
+                statistics.median(a / b for a, b in zip(c["step_times_s"], base["step_times_s"]))
+                if ok else None)
+            c[f"cpu_ratio_vs_{tag}"] = (
+                statistics.median(a / b for a, b in zip(c["cpu_times_s"], base["cpu_times_s"]))
+                if ok else None)
             if base_name in ("ddp", "fsdp2"):
-                c[f"memory_ratio_vs_{tag}"] = (c["model_state_bytes"]["total"] / base["model_state_bytes"]["total"]
+                c[f"memory_ratio_vs_{tag}"] = (c["model_state_bytes"]["total"]
+                                               / base["model_state_bytes"]["total"]
                                                if ok else None)
-                both = ok and "training_peak_over_baseline_bytes" in c and "training_peak_over_baseline_bytes" in base
+                both = (ok and "training_peak_over_baseline_bytes" in c
+                        and "training_peak_over_baseline_bytes" in base)
                 c[f"training_peak_ratio_vs_{tag}"] = (c["training_peak_over_baseline_bytes"]
-                                                      / base["training_peak_over_baseline_bytes"] if both else None)
+                                                      / base["training_peak_over_baseline_bytes"] if both
+                                                      else None)
                 key = "training_peak_over_baseline_bytes_returning"
-                c[f"training_peak_ratio_vs_{tag}_returning"] = (c[key] / base[key] if ok and key in c and key in base
+                c[f"training_peak_ratio_vs_{tag}_returning"] = (c[key] / base[key]
+                                                                if ok and key in c and key in base
                                                                 else None)
         zero3 = 3 * (world - 1) / world * param_bytes
         c["comm_model_bytes_per_rank"] = {"zero3": zero3, "ddp": 2 * (world - 1) / world * param_bytes}
@@ -152,8 +161,8 @@ def machine_info() -> dict:
 
 def bf16_speed() -> dict:
     """``bf16_matmul_slowdown``: how many times longer a one-thread ``[128, 128]`` bf16 matmul takes than the
-    fp32 one (``perparam.finetune.throughput``, as ``perparam finetune`` measures it); ``bf16_emulated``: above
-    its threshold (no AVX-512 BF16/AMX: torch emulates bf16, issue 24 measured 20x)."""
+    fp32 one (``perparam.finetune.throughput``, as ``perparam finetune`` measures it); ``bf16_emulated``:
+    above its threshold (no AVX-512 BF16/AMX: torch emulates bf16, issue 24 measured 20x)."""
     from perparam.finetune.throughput import BF16_EMULATED_ABOVE, time_matmul
 
     threads = torch.get_num_threads()
@@ -167,11 +176,13 @@ def bf16_speed() -> dict:
 
 
 def bf16_note(machine: dict) -> str | None:
-    """The line under the table when the bf16 rows ran emulated (``machine``: ``meta["machine"]``), else None."""
+    """The line under the table when the bf16 rows ran emulated (``machine``: ``meta["machine"]``), else
+    None."""
     if not machine.get("bf16_emulated"):
         return None
-    return (f"bf16 rows (marked *) ran emulated: a bf16 matmul took {machine['bf16_matmul_slowdown']:.1f}x the fp32 "
-            "time on this CPU (no native bf16: AVX-512 BF16/AMX); they say nothing of bf16 on hardware that has it")
+    return (f"bf16 rows (marked *) ran emulated: a bf16 matmul took {machine['bf16_matmul_slowdown']:.1f}x "
+            "the fp32 time on this CPU (no native bf16: AVX-512 BF16/AMX); they say nothing of bf16 on "
+            "hardware that has it")
 
 
 def row_name(name: str, machine: dict) -> str:
@@ -190,9 +201,11 @@ def render(result: dict) -> None:
     mib = 1 << 20
     meta = result["meta"]
     console = Console() if sys.stdout.isatty() else Console(width=190)
-    oversub = " (oversubscribed: more ranks than cores)" if meta["world_size"] > meta["machine"]["nproc"] else ""
-    table = Table(title=f"{meta['world_size']} ranks x 1 thread (gloo){oversub}, {meta['model_params'] / 1e6:.1f}M "
-                        f"params, batch {meta['batch_per_rank']}x{meta['model']['seq']} per rank, median of "
+    oversub = (" (oversubscribed: more ranks than cores)" if meta["world_size"] > meta["machine"]["nproc"]
+               else "")
+    table = Table(title=f"{meta['world_size']} ranks x 1 thread (gloo){oversub}, "
+                        f"{meta['model_params'] / 1e6:.1f}M params, batch "
+                        f"{meta['batch_per_rank']}x{meta['model']['seq']} per rank, median of "
                         f"{meta['steps']} interleaved steps")
     cols = ("config", "step ms (p10-p90)", "fwd/bwd/opt ms", "vs bound", "vs DDP", "paired vs FSDP2",
             "paired vs FSDP2 bf16", "CPU ms", "faults", "state MiB", "train peak MiB (+base)",
@@ -205,15 +218,17 @@ def render(result: dict) -> None:
             table.add_row(shown, c["status"], *[""] * (len(cols) - 2))
             continue
         st, ph = c["step_time_s"], c["phase_time_s"]
-        peak = (f"{max(c['training_peak_rss_bytes']) / mib:.0f} (+{c['training_peak_over_baseline_bytes'] / mib:.0f})"
+        peak = (f"{max(c['training_peak_rss_bytes']) / mib:.0f} "
+                f"(+{c['training_peak_over_baseline_bytes'] / mib:.0f})"
                 if "training_peak_rss_bytes" in c else "-")
         table.add_row(
             shown, f"{st['median'] * 1e3:.0f} ({st['p10'] * 1e3:.0f}-{st['p90'] * 1e3:.0f})",
             "/".join(f"{ph[p] * 1e3:.0f}" for p in ("forward", "backward", "optimizer")),
             _ratio(c["ratio_vs_bound"]), _ratio(c["ratio_vs_ddp"]), _ratio(c["paired_ratio_vs_fsdp2"]),
-            _ratio(c["paired_ratio_vs_fsdp2_bf16"]), f"{c['cpu_time_s'] * 1e3:.0f}", f"{c['page_faults_per_step']:.0f}",
-            f"{c['model_state_bytes']['total'] / mib:.1f}", peak, f"{c['comm_sent_bytes_per_rank'] / mib:.1f}",
-            _ratio(c["comm_sent_vs_zero3_model"]), f"{c['final_loss']:.4f}")
+            _ratio(c["paired_ratio_vs_fsdp2_bf16"]), f"{c['cpu_time_s'] * 1e3:.0f}",
+            f"{c['page_faults_per_step']:.0f}", f"{c['model_state_bytes']['total'] / mib:.1f}", peak,
+            f"{c['comm_sent_bytes_per_rank'] / mib:.1f}", _ratio(c["comm_sent_vs_zero3_model"]),
+            f"{c['final_loss']:.4f}")
     console.print(table)
     if bf16_note(meta["machine"]):
         console.print(bf16_note(meta["machine"]))
@@ -223,7 +238,8 @@ def render(result: dict) -> None:
     _render_profiles(console, result)
     for name, c in result["configs"].items():
         if c["status"] != "ok":
-            console.print(f"[yellow]{name}: {c['status']}[/]: {str(c.get('reason', '')).strip().splitlines()[-1]}")
+            console.print(f"[yellow]{name}: {c['status']}[/]: "
+                          f"{str(c.get('reason', '')).strip().splitlines()[-1]}")
 
 
 def _render_profiles(console, result: dict) -> None:

@@ -44,9 +44,11 @@ class Runner:
 
     @property
     def module(self) -> nn.Module:
-        return self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+        return self.model.module if isinstance(self.model,
+                                               nn.parallel.DistributedDataParallel) else self.model
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool, sampler: memory.RssSampler | None = None) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool,
+             sampler: memory.RssSampler | None = None) -> None:
         mark = sampler.mark if sampler is not None else (lambda phase: None)
         comm = perparam.CommCounter()
         dist.barrier()
@@ -146,8 +148,8 @@ def timing_job(rank: int, world: int, opts: dict) -> dict:
         if runner.error is not None:
             rec.update(status="error", reason=runner.error)
             continue
-        rec.update(times=runner.times, cpu=runner.cpu, faults=runner.faults, losses=runner.losses, comm=runner.comm,
-                   model_state_bytes=model_state_bytes(runner.module, runner.opt).as_dict(),
+        rec.update(times=runner.times, cpu=runner.cpu, faults=runner.faults, losses=runner.losses,
+                   comm=runner.comm, model_state_bytes=model_state_bytes(runner.module, runner.opt).as_dict(),
                    param_bytes_unsharded=sum(p.numel() * 4 for p in runner.module.parameters())
                    if runner.name in ("ddp", "bound") else None)
     return out
@@ -178,7 +180,8 @@ def rss_job(rank: int, world: int, opts: dict) -> dict:
     for r in range(steps - 1):
         runner.step(*local_batch(batches[r % len(batches)], rank, world), record=False)
     with memory.RssSampler() as sampler:
-        runner.step(*local_batch(batches[(steps - 1) % len(batches)], rank, world), record=False, sampler=sampler)
+        runner.step(*local_batch(batches[(steps - 1) % len(batches)], rank, world), record=False,
+                    sampler=sampler)
     training_peak = memory.vm_status()["VmHWM"]
     return {"status": "ok", "baseline": baseline, "built": built, "build_peak": build_peak,
             "training_peak": training_peak, "profile": sampler.summary(), **_perparam_buffers(runner.model)}
@@ -189,11 +192,13 @@ def _perparam_buffers(model: nn.Module) -> dict:
     all-gather fills; with prefetching at most two groups beyond those kept are unsharded at once)."""
     from perparam.runtime.group import group_of
 
-    groups = list({id(g): g for g in (group_of(m) for m in model.modules()) if g is not None and g.gathered}.values())
+    groups = list({id(g): g
+                   for g in (group_of(m) for m in model.modules())
+                   if g is not None and g.own.gathered}.values())
     if not groups:
         return {}
     return {"pool_idle_bytes": groups[0].ctx.pool.idle_bytes(),
-            "group_unsharded_bytes": [g.num_shards * g.layout.slot_bytes for g in groups]}
+            "group_unsharded_bytes": [g.own.num_shards * g.own.layout.slot_bytes for g in groups]}
 
 
 JOBS = {"timing": timing_job, "rss": rss_job}

@@ -29,8 +29,9 @@ _COLLECTIVE = ("c10d", "alltoall", "all_to_all", "allgather", "all_gather", "red
 _COPIES = ("copy_", "split_with_sizes_copy", "_chunk_cat", "'cat'", ".cat>", "clone", "narrow_copy", "zero_",
            "fill_", "contiguous")
 _ALLOC = ("empty", "zeros", "resize_", "new_empty", "new_zeros")
-_PYTHON = (("/perparam/", "python: perparam"), ("/fsdp/", "python: FSDP2"), ("/distributed/tensor/", "python: DTensor"),
-           ("/nn/parallel/", "python: DDP"), ("/optim/", "python: torch.optim"))
+_PYTHON = (("/perparam/", "python: perparam"), ("/fsdp/", "python: FSDP2"),
+           ("/distributed/tensor/", "python: DTensor"), ("/nn/parallel/", "python: DDP"),
+           ("/optim/", "python: torch.optim"))
 
 
 def category(filename: str, funcname: str) -> str:
@@ -52,7 +53,8 @@ def category(filename: str, funcname: str) -> str:
 
 
 def _short(funcname: str) -> str:
-    """``<built-in method torch._C._nn.linear>`` -> ``linear``, ``<method 'copy_' of '...' objects>`` -> ``copy_``."""
+    """``<built-in method torch._C._nn.linear>`` -> ``linear``, ``<method 'copy_' of '...' objects>`` ->
+    ``copy_``."""
     if funcname.startswith("<method '"):
         return funcname.split("'")[1]
     return funcname.strip("<>").rsplit(" ", 1)[-1].rsplit(".", 1)[-1]
@@ -62,7 +64,8 @@ def categorize(profile, steps: int) -> dict[str, dict]:
     """Per category of one phase's ``cProfile.Profile``: ``ms`` (CPU ms per step) and ``top`` (its three
     largest functions, ms per step)."""
     per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for (filename, _line, funcname), (_cc, _nc, tottime, _ct, _callers) in pstats.Stats(profile).stats.items():
+    stats = pstats.Stats(profile).stats
+    for (filename, _line, funcname), (_cc, _nc, tottime, _ct, _callers) in stats.items():
         label = _short(funcname) if filename == "~" else f"{filename.rsplit('/', 1)[-1]}:{funcname}"
         per[category(filename, funcname)][label] += tottime * 1e3 / steps
     return {c: {"ms": sum(ops.values()), "top": sorted(ops.items(), key=lambda kv: -kv[1])[:3]}
@@ -78,5 +81,6 @@ def render(phases: dict[str, dict], process_ms: dict[str, float]) -> str:
         for name, c in cats.items():
             top = ", ".join(f"{op} {ms:.0f}" for op, ms in c["top"])
             lines.append(f"    {name:<22}{c['ms']:>7.0f}  ({top})")
-        lines.append(f"    {'other threads':<22}{process_ms[phase] - sum(c['ms'] for c in cats.values()):>7.0f}")
+        other = process_ms[phase] - sum(c["ms"] for c in cats.values())
+        lines.append(f"    {'other threads':<22}{other:>7.0f}")
     return "\n".join(lines)

@@ -9,7 +9,8 @@ global shapes and dtypes, optimizer hyper-parameters, ``extra``) and renames the
 (``os.rename`` is atomic on one filesystem). A save killed half-way leaves the previous checkpoint as it
 was (replacing an existing ``path`` takes two renames; killed between them, the previous checkpoint stays
 as ``.<name>.old-*`` and ``load`` says so), and the next save removes the leftovers. Plain (non-DTensor)
-tensors and ``extra`` are saved once, from rank 0: ``save`` refuses values that differ between ranks. ``keep`` checkpoints are kept in ``path``'s parent.
+tensors and ``extra`` are saved once, from rank 0: ``save`` refuses values that differ between ranks. ``keep``
+checkpoints are kept in ``path``'s parent.
 
 ``async_save(...)`` is ``save`` that returns once the state is copied to CPU memory: the write, the manifest
 and the rename run in a background thread on a gloo process group of its own (``background.py``), with
@@ -22,8 +23,9 @@ unpickler that admits DCP's own metadata classes and torch dtypes only, so loadi
 code (tensor payloads are read by DCP with ``weights_only=True``).
 
 Optimizer state is saved per parameter name (of each optimizer, when ``save`` is given a sequence of them),
-tensors through DCP (sharded like their parameter) and the rest in the manifest; a parameter that never got a gradient has no state and is fine, a parameter frozen
-since the save gets its state back if it is still in the optimizer.
+tensors through DCP (sharded like their parameter) and the rest in the manifest; a parameter that never got a
+gradient has no state and is fine, a parameter frozen since the save gets its state back if it is still in the
+optimizer.
 
 ``full_state_dict(model)`` gathers the model on rank 0 one tensor at a time (rank 0 holds its shards plus
 one unsharded tensor at a time, plus the CPU dict it returns); ``load_full_state_dict(model, sd)`` takes a
@@ -48,6 +50,6 @@ from .files import FORMAT, MANIFEST, latest, survey, target_problem
 from .load import load, load_from
 from .save import async_save, capture, save, wait_pending
 
-__all__ = ["FORMAT", "MANIFEST", "CheckpointDamagedError", "CheckpointError", "PendingSave", "async_save", "capture",
-           "full_state_dict", "latest", "load", "load_from", "load_full_state_dict", "save", "survey",
-           "target_problem", "wait_pending"]
+__all__ = ["FORMAT", "MANIFEST", "CheckpointDamagedError", "CheckpointError", "PendingSave", "async_save",
+           "capture", "full_state_dict", "latest", "load", "load_from", "load_full_state_dict", "save",
+           "survey", "target_problem", "wait_pending"]

@@ -1,5 +1,5 @@
-"""The machinery of ``perparam.checkpoint.async_save``: the snapshot, the writer thread, its process group, and
-the saves still in flight (waited for before the next save, by ``distributed_session`` and at exit).
+"""The machinery of ``perparam.checkpoint.async_save``: the snapshot, the writer thread, its process group,
+and the saves still in flight (waited for before the next save, by ``distributed_session`` and at exit).
 
 Why a process group of its own: the background write issues DCP's collectives (plan gather, the write
 barrier, the commit) while the training thread issues its all-gathers and reduce-scatters; on one shared
@@ -74,7 +74,8 @@ class PendingSave:
 
 
 def cause(e: BaseException) -> str:
-    """One line per failing rank: DCP's ``CheckpointException`` carries each rank's exception in ``failures``."""
+    """One line per failing rank: DCP's ``CheckpointException`` carries each rank's exception in
+    ``failures``."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         return "; ".join(f"rank {rank}: {type(pair[0]).__name__}: {str(pair[0])[:200]}"

@@ -41,16 +41,18 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if module.startswith("torch.distributed.checkpoint.") or (module, name) in {
-                ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
-                ("torch.serialization", "_get_layout"),  # rebuilds a layout from its name
+                ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+                # rebuilds a layout from its name
+                ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),
                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
                 ("pathlib", "PureWindowsPath")}:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                         torch.memory_format)):
             return getattr(torch, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata: refusing "
-                              "to unpickle it (the checkpoint was not written by torch.distributed.checkpoint)")
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata: "
+                              "refusing to unpickle it (the checkpoint was not written by "
+                              "torch.distributed.checkpoint)")
 
 
 class SafeReader(FileSystemReader):
@@ -63,7 +65,8 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None, files: dict | None = None) -> None:
+def commit(path: Path, tmp: Path, token: str, manifest: dict, keep: int | None,
+           files: dict | None = None) -> None:
     """Rank 0, once every rank's files are in ``tmp``: the manifest (with ``files``, every data file's size
     and checksum, and DCP's metadata file's), the atomic rename(s), ``keep``."""
     manifest["saved_ns"] = time.time_ns()
@@ -131,7 +134,8 @@ def foreign_entries(folder: Path) -> list[str]:
 def is_checkpoint(folder: Path) -> bool:
     """``folder`` is a perparam checkpoint, complete or damaged: a manifest and nothing but a checkpoint's
     files (so replacing it or pruning it with ``keep`` loses nothing else)."""
-    return folder.is_dir() and not folder.is_symlink() and (folder / MANIFEST).is_file() and not foreign_entries(folder)
+    return (folder.is_dir() and not folder.is_symlink() and (folder / MANIFEST).is_file()
+            and not foreign_entries(folder))
 
 
 def target_problem(raw, keep) -> str | None:
@@ -154,16 +158,17 @@ def target_problem(raw, keep) -> str | None:
         listed = foreign_entries(path)
         if listed:
             shown = ", ".join(listed[:4]) + (f" and {len(listed) - 4} more" if len(listed) > 4 else "")
-            return (f"{path} is a folder that is not a perparam checkpoint (it holds {shown}): a save replaces "
-                    "only a perparam checkpoint or an empty folder; pass another path")
+            return (f"{path} is a folder that is not a perparam checkpoint (it holds {shown}): a save "
+                    "replaces only a perparam checkpoint or an empty folder; pass another path")
         if not (path / MANIFEST).is_file() and any(path.iterdir()):
-            return (f"{path} holds checkpoint files but no {MANIFEST} (an unfinished or damaged checkpoint of "
-                    "another tool?): pass another path, or remove it yourself")
+            return (f"{path} holds checkpoint files but no {MANIFEST} (an unfinished or damaged checkpoint "
+                    "of another tool?): pass another path, or remove it yourself")
     return None
 
 
 def leftovers(path: Path, kind: str) -> list[Path]:
-    """What a killed save of ``path`` left beside it: ``.<name>.<kind>-<token>`` folders (``tmp``, ``old``)."""
+    """What a killed save of ``path`` left beside it: ``.<name>.<kind>-<token>`` folders (``tmp``,
+    ``old``)."""
     pattern = re.compile(re.escape(f".{path.name}.{kind}-") + TOKEN)
     return [p for p in path.parent.glob(f".{path.name}.{kind}-*") if pattern.fullmatch(p.name) and p.is_dir()]
 
@@ -176,7 +181,8 @@ def survey(folder: str | os.PathLike) -> list[tuple[Path, str | None]]:
     save time, or the folder's time where the manifest cannot be read."""
     found = []
     folder = Path(folder)
-    itself = (folder / MANIFEST).exists() or (folder / METADATA).exists()  # a checkpoint, not a folder of them
+    # a checkpoint, not a folder of them
+    itself = (folder / MANIFEST).exists() or (folder / METADATA).exists()
     for d in [folder] if itself else sorted(folder.iterdir()) if folder.is_dir() else []:
         if not itself and (d.name.startswith(".") or not d.is_dir() or not (
                 (d / MANIFEST).exists() or (d / METADATA).exists())):
@@ -214,18 +220,21 @@ def read_manifest(path: Path) -> dict:
     if not path.is_dir():
         moved = sorted(path.parent.glob(f".{path.name}.old-*"))
         if moved and (moved[-1] / MANIFEST).is_file():
-            raise CheckpointError(f"no checkpoint at {path}: a save was killed while replacing it; the previous "
-                                  f"checkpoint is intact at {moved[-1]} (load it, or rename it back to {path.name})")
+            raise CheckpointError(f"no checkpoint at {path}: a save was killed while replacing it; the "
+                                  f"previous checkpoint is intact at {moved[-1]} (load it, or rename it back "
+                                  f"to {path.name})")
         raise CheckpointError(f"no checkpoint at {path}: the folder does not exist")
     if not (path / MANIFEST).is_file():
         newest = latest(path)
         hint = (f"; it holds checkpoints, the newest is {newest} (perparam.checkpoint.latest)" if newest else
-                ": a save that was interrupted before it finished, or a folder not written by perparam.checkpoint")
+                ": a save that was interrupted before it finished, or a folder not written by "
+                "perparam.checkpoint")
         raise CheckpointError(f"{path} is not a complete perparam checkpoint (no {MANIFEST}){hint}")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointDamagedError(path, MANIFEST, f"cannot be read (truncated or overwritten: {e})") from None
+        raise CheckpointDamagedError(path, MANIFEST,
+                                     f"cannot be read (truncated or overwritten: {e})") from None
     if not isinstance(manifest, dict):
         raise CheckpointDamagedError(path, MANIFEST, "is not a manifest (overwritten)")
     if manifest.get("format") != FORMAT:

@@ -1,8 +1,8 @@
 """A perparam checkpoint's checksums: every file's size and SHA-256 in the manifest, taken by the rank that
 wrote it (``DigestingWriter``: DCP's file writer that hashes what it has just written, in the write phase,
 so the ranks hash in parallel), the manifest's own checksum, and the check at load (``damage``: which file
-is missing, truncated, grown or changed in place), raised as ``perparam.errors.CheckpointDamagedError``; and the naming
-of a full disk (``disk_full``).
+is missing, truncated, grown or changed in place), raised as ``perparam.errors.CheckpointDamagedError``; and
+the naming of a full disk (``disk_full``).
 
 Why SHA-256: strong (any flipped bit, truncation or overwrite is found, and two checkpoints' files never
 pass for each other), in the standard library, and the fastest strong hash there on CPUs with SHA
@@ -58,7 +58,8 @@ class DigestingWriter(FileSystemWriter):
 
 
 def seal(manifest: dict) -> dict:
-    """``manifest`` with its own checksum (over its canonical JSON without that key) under ``MANIFEST_SUM``."""
+    """``manifest`` with its own checksum (over its canonical JSON without that key) under
+    ``MANIFEST_SUM``."""
     body = {k: v for k, v in manifest.items() if k != MANIFEST_SUM}
     return {**body, MANIFEST_SUM: hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
 
@@ -72,7 +73,8 @@ def manifest_damage(manifest: dict) -> str | None:
     return None
 
 
-def damage(folder: Path, files: dict[str, dict], names: list[str], hashes: bool = True) -> list[tuple[str, str]]:
+def damage(folder: Path, files: dict[str, dict], names: list[str],
+           hashes: bool = True) -> list[tuple[str, str]]:
     """``[(file, what is wrong)]`` for ``names`` of the manifest's ``files`` in ``folder``; sizes only
     without ``hashes``."""
     out = []
@@ -84,13 +86,16 @@ def damage(folder: Path, files: dict[str, dict], names: list[str], hashes: bool 
             out.append((name, "is missing"))
             continue
         if size < want["bytes"]:
-            out.append((name, f"is truncated: {size} of the {want['bytes']} bytes the save wrote (cut short, or "
+            out.append((name,
+                        f"is truncated: {size} of the {want['bytes']} bytes the save wrote (cut short, or "
                               "overwritten by a smaller file)"))
         elif size > want["bytes"]:
-            out.append((name, f"was overwritten: {size} bytes, the save wrote {want['bytes']} (replaced by a larger "
-                              "file or appended to)"))
+            out.append((name,
+                        f"was overwritten: {size} bytes, the save wrote {want['bytes']} (replaced by a "
+                              "larger file or appended to)"))
         elif hashes and file_digest(path)[HASH] != want[HASH]:
-            out.append((name, f"was changed in place: the same {size} bytes with another {HASH} than the save "
+            out.append((name,
+                        f"was changed in place: the same {size} bytes with another {HASH} than the save "
                               "recorded (a flipped bit, or overwritten with data of the same size)"))
     return out
 

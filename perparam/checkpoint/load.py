@@ -29,7 +29,8 @@ def _differences(saved: dict, current: dict[str, torch.Tensor], what: str) -> li
     for k in [k for k in saved if k in current]:  # in state-dict order
         s, c = saved[k], info(current[k])
         if s["shape"] != c["shape"] or s["dtype"] != c["dtype"]:
-            out.append(f"{what} '{k}' was saved as {s['dtype']}{s['shape']} and is {c['dtype']}{c['shape']} now")
+            out.append(f"{what} '{k}' was saved as {s['dtype']}{s['shape']} and is {c['dtype']}{c['shape']} "
+                       "now")
     return out
 
 
@@ -58,9 +59,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return extra
 
 
-def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *, source: str = "the checkpoint") -> dict:
-    """``load`` from a manifest (``save.capture``'s) and any DCP ``StorageReader`` holding the tensors it names,
-    saved on any world size or mesh; ``source`` names it in errors. Every rank calls it (a collective).
+def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *,
+              source: str = "the checkpoint") -> dict:
+    """``load`` from a manifest (``save.capture``'s) and any DCP ``StorageReader`` holding the tensors it
+    names, saved on any world size or mesh; ``source`` names it in errors. Every rank calls it (a collective).
     Returns the manifest's ``extra``. Raises ``CheckpointError`` before changing anything on a mismatch."""
     current = model_state(model)
     problems = _differences(manifest["model"], current, "model")
@@ -88,8 +90,8 @@ def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *, sourc
     except BaseException as e:  # noqa: B036 (DCP's CheckpointException is a BaseException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"reading {source} failed ({type(e).__name__}: {str(e)[:300]}); the files are damaged "
-                              "or incomplete: load an earlier checkpoint. Nothing was loaded") from e
+        raise CheckpointError(f"reading {source} failed ({type(e).__name__}: {str(e)[:300]}); the files are "
+                              "damaged or incomplete: load an earlier checkpoint. Nothing was loaded") from e
     # every tensor read: now change the model and the optimizer
     with torch.no_grad():
         for k, v in current.items():
@@ -101,8 +103,9 @@ def load_from(manifest: dict, reader, model: nn.Module, optimizer=None, *, sourc
 
 
 def _verify(path: Path, files: dict[str, dict]) -> None:
-    """Check ``files`` (name -> size and checksum) in ``path``: rank r hashes every K-th name from the r-th, the
-    ranks share what they found, and every rank raises the same ``CheckpointDamagedError``. A collective."""
+    """Check ``files`` (name -> size and checksum) in ``path``: rank r hashes every K-th name from the r-th,
+    the ranks share what they found, and every rank raises the same ``CheckpointDamagedError``. A
+    collective."""
     names = sorted(files)
     world = dist.get_world_size() if dist.is_initialized() else 1
     found = [damage(path, files, names[rank()::world])]

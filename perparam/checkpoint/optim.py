@@ -17,7 +17,8 @@ from ..runtime.optim.binding import bind
 
 
 def info(t: torch.Tensor) -> dict:
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dtensor": isinstance(t, DTensor)}
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "dtensor": isinstance(t, DTensor)}
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -32,10 +33,11 @@ def optimizer_params(model: nn.Module, optimizer) -> list[list[tuple[str, torch.
         named = []
         for p in group["params"]:
             if id(p) not in names:
-                raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter "
-                                      "of the model (a parameter the model no longer has, e.g. an adapter merged "
-                                      "away by remove_parametrizations, or a tensor that never was one): build the "
-                                      "optimizer from the model's parameters as they are now")
+                raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
+                                      "parameter of the model (a parameter the model no longer has, e.g. an "
+                                      "adapter merged away by remove_parametrizations, or a tensor that "
+                                      "never was one): build the optimizer from the model's parameters as "
+                                      "they are now")
             named.append((names[id(p)], p))
         groups.append(named)
     return groups
@@ -45,7 +47,8 @@ def as_json(value, what: str):
     try:
         json.dumps(value)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{what} must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from None
+        raise CheckpointError(f"{what} must be JSON-serialisable (numbers, strings, lists, dicts): "
+                              f"{e}") from None
     return value
 
 
@@ -90,7 +93,8 @@ def optimizer_targets(model: nn.Module, optimizer, saved: dict | None, prefix: s
     restore: list[tuple[torch.Tensor, dict]] = []
     if saved is None:
         problems.append("the checkpoint has no optimizer state for this optimizer (or a different number of "
-                        "optimizers); load(path, model) without an optimizer, or pass the optimizers it was saved with")
+                        "optimizers); load(path, model) without an optimizer, or pass the optimizers it was "
+                        "saved with")
     elif saved["class"] != type(optimizer).__name__:
         problems.append(f"the optimizer was a {saved['class']} and is a {type(optimizer).__name__} now")
     elif [g["params"] for g in saved["param_groups"]] != [[n for n, _ in g] for g in named_groups]:
@@ -104,7 +108,8 @@ def optimizer_targets(model: nn.Module, optimizer, saved: dict | None, prefix: s
                     if "value" in info:
                         state[key] = info["value"]
                     elif info["shape"] == list(p.shape) and isinstance(p, DTensor):  # sharded like p
-                        state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros_like(p, dtype=dtype_of(info["dtype"]))
+                        state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros_like(
+                            p, dtype=dtype_of(info["dtype"]))
                     else:
                         state[key] = targets[f"{prefix}{name}.{key}"] = torch.zeros(
                             info["shape"], dtype=dtype_of(info["dtype"]), device=local(p).device)

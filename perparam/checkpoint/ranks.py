@@ -19,7 +19,8 @@ from ..full_state import per_rank_keys
 def single_process_quiet():
     """DCP warns that it assumes one process when no process group exists: that is the intent here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore",
+                                message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 

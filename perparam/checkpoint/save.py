@@ -1,7 +1,8 @@
 """``perparam.checkpoint.save`` and ``async_save``: where a save may write (agreed by every rank before
 anything is written), the state and manifest it writes, the write into a temporary folder with every file's
 checksum, and the commit (manifest, atomic rename, ``keep``) or, on a failure, the partial folder removed and
-the cause (a full disk named) raised on every rank. The format and its guarantees: ``perparam/checkpoint/__init__.py``."""
+the cause (a full disk named) raised on every rank. The format and its guarantees:
+``perparam/checkpoint/__init__.py``."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def _agreed_target(raw, keep) -> Path:
         dist.all_gather_object(everyone, mine)
     problem = next(((r, why) for r, (_, why) in enumerate(everyone) if why), None)
     if problem is None and len({p for p, _ in everyone}) > 1:
-        problem = (0, f"the ranks were given different paths ({', '.join(sorted({p for p, _ in everyone}))}): "
-                      "every rank passes the same checkpoint folder")
+        problem = (0, "the ranks were given different paths "
+                      f"({', '.join(sorted({p for p, _ in everyone}))}): every rank passes the same "
+                      "checkpoint folder")
     if problem is not None:
         where = f" (found on rank {problem[0]})" if len(everyone) > 1 else ""
         raise CheckpointError(f"perparam.checkpoint.save: {problem[1]}{where}. Nothing was written")
@@ -81,7 +83,8 @@ def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: 
     try:
         with single_process_quiet():
             dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    except BaseException as e:  # noqa: B036 (DCP's CheckpointException): raised on every rank, all writes over
+    # DCP's CheckpointException: raised on every rank, all writes over
+    except BaseException as e:  # noqa: B036
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         failed = e
@@ -99,7 +102,8 @@ def _write_and_commit(state: dict, path: Path, tmp: Path, token: str, manifest: 
         except Exception as e:  # every rank must hear of it, not wait in the broadcast below
             failed = e
         if failed is not None:
-            note = f"{disk_full(failed, path.parent) or background.cause(failed)}; the partial folder {tmp.name} was removed"
+            note = (f"{disk_full(failed, path.parent) or background.cause(failed)}; the partial folder "
+                    f"{tmp.name} was removed")
             shutil.rmtree(tmp, ignore_errors=True)
     if not no_dist and dist.get_world_size(group) > 1:
         box = [note]
@@ -131,9 +135,9 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     collectives from a writer thread do not work there; use ``save``.
     """
     if dist.is_initialized() and dist.get_backend() == "threaded":
-        raise CheckpointError("async_save cannot run with ranks as threads of one process (the 'threaded' process "
-                              "group): its background writer needs a process group of its own per process; use "
-                              "perparam.checkpoint.save (blocking) there")
+        raise CheckpointError("async_save cannot run with ranks as threads of one process (the 'threaded' "
+                              "process group): its background writer needs a process group of its own per "
+                              "process; use perparam.checkpoint.save (blocking) there")
     background.wait_pending()
     register()  # this rank's host and pid: a PeerLostError names a peer that dies during the save
     path = _agreed_target(path, keep)
@@ -153,15 +157,17 @@ def wait_pending() -> None:
     background.wait_pending()
 
 
-def capture(model: nn.Module, optimizer=None, extra: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def capture(model: nn.Module, optimizer=None,
+            extra: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """What ``save`` writes, without writing it: the state dict (``model.<name>`` and the optimizers' tensors,
-    this rank's DTensors as they are, no copy) and the manifest (JSON: names, shapes, dtypes, optimizer options
-    and non-tensor state, ``extra``). Every rank calls it (owner state of whole-matrix optimizers is moved: a
-    collective there, none otherwise). ``load_from(manifest, reader, ...)`` takes them back from any
+    this rank's DTensors as they are, no copy) and the manifest (JSON: names, shapes, dtypes, optimizer
+    options and non-tensor state, ``extra``). Every rank calls it (owner state of whole-matrix optimizers is
+    moved: a collective there, none otherwise). ``load_from(manifest, reader, ...)`` takes them back from any
     ``torch.distributed.checkpoint`` storage reader (``perparam.elastic``'s in-memory snapshots use it)."""
     extra = as_json(extra or {}, "extra")
     state = {f"model.{k}": v for k, v in model_state(model).items()}
-    manifest: dict = {"format": FORMAT, "extra": extra, "world_size": dist.get_world_size() if dist.is_initialized()
+    manifest: dict = {"format": FORMAT, "extra": extra,
+                      "world_size": dist.get_world_size() if dist.is_initialized()
                       else 1, "model": {k.removeprefix("model."): info(v) for k, v in state.items()}}
     for prefix, opt in listed(optimizer):
         entry = optimizer_entry(model, opt, state, prefix)
@@ -194,21 +200,24 @@ def _prepare(path: Path, model: nn.Module, optimizer, extra: dict | None) -> tup
 
 
 def _check_same_on_every_rank(state: dict, extra: dict) -> None:
-    """DCP saves a plain (non-DTensor) tensor once, from rank 0, as replicated; ``extra`` is written by rank 0.
-    A value that differs between ranks would come back as rank 0's everywhere: refuse before writing."""
+    """DCP saves a plain (non-DTensor) tensor once, from rank 0, as replicated; ``extra`` is written by rank
+    0. A value that differs between ranks would come back as rank 0's everywhere: refuse before writing."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = {k: zlib.crc32(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) if v.numel() else 0
+    mine = {k: zlib.crc32(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            if v.numel() else 0
             for k, v in state.items() if not isinstance(v, DTensor)}
     mine["<extra>"] = json.dumps(extra, sort_keys=True)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     # from `everyone` only (the same list on every rank), so every rank decides alike: a key some rank lacks
     # differs too, on the ranks that have it and on those that do not
-    differ = sorted(k for k in set().union(*everyone) if any(o.get(k) != everyone[0].get(k) for o in everyone))
+    differ = sorted(k for k in set().union(*everyone)
+                    if any(o.get(k) != everyone[0].get(k) for o in everyone))
     if differ:
         what = ", ".join(k.removeprefix("model.") for k in differ[:5])
-        raise CheckpointError(f"save: {what} differ between ranks, but a plain tensor (not a DTensor) and extra are "
-                              "saved once, from rank 0, and would load as rank 0's value everywhere: make "
-                              "rank-dependent state a DTensor, keep it out of the state dict, or save it yourself "
-                              "(e.g. extra={'per_rank': {rank: ...}} gathered to every rank first). Nothing was written")
+        raise CheckpointError(f"save: {what} differ between ranks, but a plain tensor (not a DTensor) and "
+                              "extra are saved once, from rank 0, and would load as rank 0's value "
+                              "everywhere: make rank-dependent state a DTensor, keep it out of the state "
+                              "dict, or save it yourself (e.g. extra={'per_rank': {rank: ...}} gathered to "
+                              "every rank first). Nothing was written")

@@ -10,8 +10,8 @@ So only buffers of at least
 pooled.
 
 **Bound.** A pool keeps at most ``max_idle_bytes`` bytes of idle buffers; a buffer given back beyond that
-is dropped (freed). Each root's ``IterationContext`` (``perparam.runtime.context``) owns one pool and sets the bound
-to ``IN_FLIGHT_GROUPS`` times the largest group's ``ParamGroup.pool_bytes()`` (its all-gather and
+is dropped (freed). Each root's ``IterationContext`` (``perparam.runtime.context``) owns one pool and sets the
+bound to ``IN_FLIGHT_GROUPS`` times the largest group's ``ParamGroup.pool_bytes()`` (its all-gather and
 reduce-scatter buffers together): with one group prefetched, a step never has more than two groups'
 buffers in use at once, so that much idle memory lets every pooled buffer of a step be reused and nothing
 more is kept. Two models in one process never hand each other buffers.
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-#: groups whose buffers are in use at once: the current one and the one prefetched (``perparam.configure(prefetch=...)``)
+#: groups whose buffers are in use at once: the current one and the one prefetched
+#: (``perparam.configure(prefetch=...)``)
 IN_FLIGHT_GROUPS = 2
 #: smaller buffers are left to glibc's heap (see the module docstring)
 MIN_POOLED_BYTES = 32 << 20
@@ -54,7 +55,8 @@ class BufferPool:
         if device.type == "cpu" and nbytes:
             key = (nbytes, device)
             if not self._idle.get(key) and self.smallest_fit:
-                key = min(((n, d) for (n, d), idle in self._idle.items() if idle and d == device and n >= nbytes),
+                key = min(((n, d)
+                           for (n, d), idle in self._idle.items() if idle and d == device and n >= nbytes),
                           default=key)
             idle = self._idle.get(key)
             if idle:

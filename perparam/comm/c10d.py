@@ -28,8 +28,8 @@ def choose(prefer_old: bool = False) -> dict[str, str]:
         names = (old,) if prefer_old else (new, old)
         name = next((n for n in names if hasattr(dist, n)), None)
         if name is None:
-            raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.{new} nor .{old}: perparam "
-                               "supports the torch versions pyproject.toml names")
+            raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.{new} nor .{old}: "
+                               "perparam supports the torch versions pyproject.toml names")
         chosen[kind] = name
     NAMES.clear()
     NAMES.update(chosen)
@@ -40,7 +40,8 @@ NAMES: dict[str, str] = {}
 choose()
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                    async_op: bool = False):
     """All-gather ``input`` (``[n]``) of every rank of ``group`` into ``output`` (``[K * n]``, rank order)."""
     return getattr(dist, NAMES["all_gather"])(output, input, group=group, async_op=async_op)
 

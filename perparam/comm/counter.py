@@ -61,7 +61,9 @@ class CommCounter:
         self.records.clear()
 
 
-def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype) -> None:
+def record_collective(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype) -> None:
+    """One logical collective of ``kind`` moving ``nbytes`` bytes of ``dtype`` over ``group``, recorded by
+    every ``CommCounter`` open now (none open: nothing is done)."""
     if not _counters:
         return
     rec = CollectiveRecord(kind, nbytes, group.size(), group.group_name, dtype)
@@ -70,9 +72,11 @@ def _record(kind: str, nbytes: int, group: dist.ProcessGroup, dtype: torch.dtype
             c.records.append(rec)
 
 
-
-def _take(pool, nbytes: int, device: torch.device) -> torch.Tensor:
-    return pool.take(nbytes, device) if pool is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+def take_buffer(pool, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 ``[nbytes]`` buffer on ``device``: from ``pool`` (a ``BufferPool``), or a new one without
+    it."""
+    return pool.take(nbytes, device) if pool is not None else torch.empty(nbytes, dtype=torch.uint8,
+                                                                          device=device)
 
 
 class GatheredRows:

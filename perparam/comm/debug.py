@@ -11,12 +11,12 @@ nothing hangs and nothing is silently reduced with the wrong partner.
 When the ranks diverge across process groups (one rank checks an all-gather while a peer, which skipped a
 branch, checks a reduction on the reduction group, or issues nothing), no check can pair up. So a rank whose
 check has waited for more than 10 ms posts the collective it checks in the default process group's store
-(one small write; a run whose ranks agree rarely waits that long), and a check that has not finished within the debug timeout (``set_debug(True,
-timeout_s=...)``, ``PERPARAM_DEBUG_TIMEOUT`` in seconds; 60 s by default, below c10d's own timeouts)
-raises ``CollectiveMismatchError`` on each rank waiting in one: it names the process group and its
-ranks, the ranks that did not reach the check and the collective each of them last posted (or that
-it posted none). The check's own all-gather is left unfinished: the process groups are unusable after the
-error (as after a c10d timeout); fix the model and start again.
+(one small write; a run whose ranks agree rarely waits that long), and a check that has not finished within
+the debug timeout (``set_debug(True, timeout_s=...)``, ``PERPARAM_DEBUG_TIMEOUT`` in seconds; 60 s by default,
+below c10d's own timeouts) raises ``CollectiveMismatchError`` on each rank waiting in one: it names the
+process group and its ranks, the ranks that did not reach the check and the collective each of them last
+posted (or that it posted none). The check's own all-gather is left unfinished: the process groups are
+unusable after the error (as after a c10d timeout); fix the model and start again.
 
 Cost: one small synchronous all-gather per collective, which also serialises the prefetching; measured
 in the closing note of the issue that added it. Use it to find a mismatch, not in production.
@@ -152,11 +152,14 @@ def _wait(work, group: dist.ProcessGroup, described: str) -> None:
         other = _posted(store, rank) if store is not None else None
         if other != here:
             behind.append(rank)
-            lines.append(f"  rank {rank}: last posted {other}" if other else f"  rank {rank}: posted no collective")
-    detail = "\n".join(lines) if lines else "  (every peer posted this same collective: one is slow or stopped)"
+            lines.append(f"  rank {rank}: last posted {other}" if other
+                         else f"  rank {rank}: posted no collective")
+    detail = ("\n".join(lines) if lines
+              else "  (every peer posted this same collective: one is slow or stopped)")
     raise CollectiveMismatchError(
         f"perparam debug: rank {me} waited {_timeout_s:g} s for its peers to check {described} on process "
-        f"group {_group_name(group)}; ranks {behind} did not reach this check (a rank called other sharded modules "
-        "than its peers, skipped a branch or a backward, or stopped):\n" + detail + "\nMake every rank call the same "
-        "sharded modules in the same order and run every backward; the process groups are unusable after this "
-        "error (set_debug(True, timeout_s=...) waits longer)")
+        f"group {_group_name(group)}; ranks {behind} did not reach this check (a rank called other sharded "
+        "modules than its peers, skipped a branch or a backward, or stopped):\n" + detail
+        + "\nMake every rank call the same "
+        "sharded modules in the same order and run every backward; the process groups are unusable after "
+        "this error (set_debug(True, timeout_s=...) waits longer)")

@@ -64,7 +64,8 @@ PeerLostError.__module__ = "perparam"  # its public name, as tracebacks print it
 
 
 def note_checkpoint(path) -> None:
-    """``path`` is a complete checkpoint (saved or loaded by every rank): named by the next ``PeerLostError``."""
+    """``path`` is a complete checkpoint (saved or loaded by every rank): named by the next
+    ``PeerLostError``."""
     _state["checkpoint"] = str(path)
 
 
@@ -190,8 +191,8 @@ def find_lost(wait_s: float = 2.0) -> tuple[list[tuple[int, str]], str | None]:
                 s = s or store()
                 now = beats(s, remote) if s is not None else {}
                 if before is not None:
-                    lost = [(r, f"host {_ROSTER.get(r, ('?', '?'))[0]}, pid {_ROSTER.get(r, ('?', '?'))[1]}: no "
-                             f"heartbeat for {2 * BEAT_S:.1f} s") for r in now if now[r] == before.get(r)]
+                    lost = [(r, f"host {_ROSTER.get(r, ('?', '?'))[0]}, pid {_ROSTER.get(r, ('?', '?'))[1]}: "
+                             f"no heartbeat for {2 * BEAT_S:.1f} s") for r in now if now[r] == before.get(r)]
                 before = now if before is None else before
             except (RuntimeError, dist.DistError) as e:
                 problem = f"the store did not answer ({str(e).splitlines()[0][:80]})"

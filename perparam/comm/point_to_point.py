@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import debug, sequence
-from .counter import GatheredRows, _record, _take
+from .counter import GatheredRows, record_collective, take_buffer
 
 _lock = threading.Lock()  # the waiters' registry
 
@@ -71,11 +71,11 @@ def all_gather_in_place(regions: list[list[torch.Tensor]], group: dist.ProcessGr
     ``GatheredRows`` with no segments (nothing to copy out) and no buffers."""
     k, me = group.size(), group.rank()
     if debug.debug_enabled():
-        debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes, group,
-                    what)
+        debug.check("all_gather", torch.empty((), dtype=torch.uint8).expand(slot_bytes), k * slot_bytes,
+                    group, what)
     elif k > 1:
         sequence.expect("all_gather", slot_bytes, k * slot_bytes, group, what)
-    _record("all_gather", k * slot_bytes, group, torch.uint8)
+    record_collective("all_gather", k * slot_bytes, group, torch.uint8)
     works = _post_rotation(group, len(regions), lambda tag, dst: regions[tag][me],
                            lambda tag, src: regions[tag][src])
     result = GatheredRows(_PointToPoint(works), None, [])
@@ -244,7 +244,7 @@ def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tens
     if debug.debug_enabled():
         debug.check("reduce_scatter", torch.empty((), dtype=dtype, device=device).expand(k * output.numel()),
                     output.numel() * output.element_size(), group, what)
-    _record("reduce_scatter", k * output.numel() * output.element_size(), group, dtype)
+    record_collective("reduce_scatter", k * output.numel() * output.element_size(), group, dtype)
     n = output.numel()
     own = [p[me] for p in pieces]
     # the gaps of ``output`` (padding) between the pieces are zeros, as a sum of zero padding would be
@@ -255,9 +255,10 @@ def reduce_scatter_in_place(pieces: list[list[torch.Tensor]], output: torch.Tens
         into = [output.narrow(0, off, piece.numel()) for off, piece in zip(offsets, own)]
         zero = [output.narrow(0, a, m) for a, m in gaps]
     else:
-        raw = _take(pool, k * n * output.element_size(), device)
+        raw = take_buffer(pool, k * n * output.element_size(), device)
         rows = raw.view(dtype).view(k, n)
-        slots = [[rows[r].narrow(0, off, piece.numel()) for r in range(k)] for off, piece in zip(offsets, own)]
+        slots = [[rows[r].narrow(0, off, piece.numel()) for r in range(k)]
+                 for off, piece in zip(offsets, own)]
         into = [s[me] for s in slots]
         zero = [rows[r].narrow(0, a, m) for r in range(k) for a, m in gaps]
         pairs = [(d, s) for d, s in zip(into, own) if s.numel()]

@@ -56,7 +56,8 @@ def reduce_group(pg: ProcessGroup | None) -> ProcessGroup | None:
     dup = ref() if ref is not None else None
     if dup is None or not _alive(dup):
         dup = dist.new_group(ranks=dist.get_process_group_ranks(pg), use_local_synchronization=True,
-                             group_desc=f"perparam_reduce_{pg.group_desc}" if hasattr(pg, "group_desc") else None)
+                             group_desc=f"perparam_reduce_{pg.group_desc}" if hasattr(pg, "group_desc")
+                             else None)
         _REDUCE_GROUPS[pg] = weakref.ref(dup)
     return dup
 
@@ -124,11 +125,11 @@ def serialised_streams_warning(device_type: str, env) -> str | None:
     connections (CUDA's default, 8) the two communicators' kernels are on different queues."""
     if device_type == "cpu" or str(env.get("CUDA_DEVICE_MAX_CONNECTIONS", "")).strip() != "1":
         return None
-    return ("perparam: CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the CUDA streams, and perparam runs all-gathers "
-            "and gradient reductions on two NCCL communicators whose interleaving may differ between ranks (a "
-            "rank's backward reaches a group's reduction when its own autograd does): their kernels can then "
-            "wait on each other across ranks and hang. Unset CUDA_DEVICE_MAX_CONNECTIONS (or set it above 1) "
-            "for perparam's ranks")
+    return ("perparam: CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the CUDA streams, and perparam runs "
+            "all-gathers and gradient reductions on two NCCL communicators whose interleaving may differ "
+            "between ranks (a rank's backward reaches a group's reduction when its own autograd does): their "
+            "kernels can then wait on each other across ranks and hang. Unset CUDA_DEVICE_MAX_CONNECTIONS "
+            "(or set it above 1) for perparam's ranks")
 
 
 def warmed_up() -> list[str]:

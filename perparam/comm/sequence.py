@@ -153,13 +153,14 @@ def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
         arrived = _arrive(group, _KEY.format(group.group_name, seen.checks), described)
     except _Late as late:
         raise CollectiveMismatchError(
-            f"perparam: rank {me} was about to issue {described} on process group {group.group_name!r} (ranks "
-            f"{dist.get_process_group_ranks(group)}), the first time in this order, and ranks {late.missing} did "
-            f"not reach the same point within "
-            f"{late.timeout.total_seconds():.0f} s: the ranks made different numbers of sharded calls (a rank-dependent "
-            "loop or branch, an extra forward on some ranks, different numbers of batches). Every rank must call "
-            "the same sharded modules in the same order; perparam.set_debug(True) names each rank's collective, "
-            "and docs/evaluation.md shows how to evaluate different numbers of batches per rank") from late.error
+            f"perparam: rank {me} was about to issue {described} on process group {group.group_name!r} "
+            f"(ranks {dist.get_process_group_ranks(group)}), the first time in this order, and ranks "
+            f"{late.missing} did not reach the same point within "
+            f"{late.timeout.total_seconds():.0f} s: the ranks made different numbers of sharded calls (a "
+            "rank-dependent loop or branch, an extra forward on some ranks, different numbers of batches). "
+            "Every rank must call the same sharded modules in the same order; perparam.set_debug(True) names "
+            "each rank's collective, and docs/evaluation.md shows how to evaluate different numbers of "
+            "batches per rank") from late.error
     if arrived is None:
         return
     store, ranks, keys = arrived
@@ -168,8 +169,8 @@ def _agree(seen: _Seen, group: dist.ProcessGroup, described: str) -> None:
     if any(p != described for p in posts):
         lines = "\n".join(f"  rank {r}: {p}" for r, p in zip(ranks, posts))
         raise CollectiveMismatchError(
-            f"perparam: the ranks of process group {group.group_name!r} were about to issue different collectives "
-            "(they made different numbers of sharded calls, or called other sharded modules; "
+            f"perparam: the ranks of process group {group.group_name!r} were about to issue different "
+            "collectives (they made different numbers of sharded calls, or called other sharded modules; "
             "perparam.set_debug(True) checks every collective):\n" + lines)
 
 
@@ -180,10 +181,10 @@ _entered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def enter_together(group: dist.ProcessGroup, what: str, fix: str) -> None:
-    """Before the collectives of ``what`` (a call users make by hand, e.g. ``"optimizer.state_dict()"``), which
-    every rank of ``group`` must make: each rank posts its arrival in the default store and waits for its
-    peers' for the group's timeout. A peer that does not arrive (the call made on one rank: ``if rank == 0:
-    torch.save(opt.state_dict(), ...)``) raises ``CollectiveTimeoutError`` naming the missing ranks and
+    """Before the collectives of ``what`` (a call users make by hand, e.g. ``"optimizer.state_dict()"``),
+    which every rank of ``group`` must make: each rank posts its arrival in the default store and waits for
+    its peers' for the group's timeout. A peer that does not arrive (the call made on one rank: ``if rank ==
+    0: torch.save(opt.state_dict(), ...)``) raises ``CollectiveTimeoutError`` naming the missing ranks and
     ``fix``, before any collective is issued, so the group stays usable (its own collective would have
     timed out with gloo's "Application timeout caused pair closure", the group broken after it). The refused
     call is withdrawn (its post deleted, the count kept), so a later call on every rank agrees. NCCL: the
@@ -204,9 +205,10 @@ def enter_together(group: dist.ProcessGroup, what: str, fix: str) -> None:
         except (RuntimeError, NotImplementedError):
             pass
         raise CollectiveTimeoutError(
-            f"perparam: rank {me} called {what}, and ranks {late.missing} of process group {group.group_name!r} "
-            f"(ranks {dist.get_process_group_ranks(group)}) did not call it within its timeout of "
-            f"{late.timeout.total_seconds():.0f} s: {what} is a collective here; {fix}") from late.error
+            f"perparam: rank {me} called {what}, and ranks {late.missing} of process group "
+            f"{group.group_name!r} (ranks {dist.get_process_group_ranks(group)}) did not call it within its "
+            f"timeout of {late.timeout.total_seconds():.0f} s: {what} is a collective here; "
+            f"{fix}") from late.error
     if arrived is None:
         return
     counts[what] = count
@@ -230,7 +232,7 @@ def explain_wait(error: BaseException, where: str) -> CollectiveTimeoutError | N
         f"perparam: {where} waited for a collective that a peer rank did not issue ({first}). The ranks made "
         "different numbers of sharded calls (evaluation with different numbers of batches per rank, a "
         "rank-dependent loop, an early exit on some rank), or a peer failed first (read its error). Every "
-        "forward of a sharded module all-gathers, so every rank must run it: to evaluate different numbers of "
-        "batches per rank keep the parameters gathered (docs/evaluation.md: set_reshard_after_forward(False) "
-        "and unshard() on every sharded module before the first batch); perparam.set_debug(True) names each "
-        "rank's collective")
+        "forward of a sharded module all-gathers, so every rank must run it: to evaluate different numbers "
+        "of batches per rank keep the parameters gathered (docs/evaluation.md: "
+        "set_reshard_after_forward(False) and unshard() on every sharded module before the first batch); "
+        "perparam.set_debug(True) names each rank's collective")

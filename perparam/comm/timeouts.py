@@ -1,6 +1,6 @@
-"""``CollectiveTimeoutError``: a collective (or the store's agreement before one) that a peer rank did not join
-in time, or left; on its own so that ``sequence.py`` (which raises it) and ``peers.py`` (``PeerLostError``
-derives from it) import it without importing each other."""
+"""``CollectiveTimeoutError``: a collective (or the store's agreement before one) that a peer rank did not
+join in time, or left; on its own so that ``sequence.py`` (which raises it) and ``peers.py``
+(``PeerLostError`` derives from it) import it without importing each other."""
 
 
 class CollectiveTimeoutError(RuntimeError):

@@ -65,8 +65,9 @@ def _chunk(key: str, t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     local = t.to_local()
     if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
         raise SnapshotError(f"'{key}' is a DTensor whose local shard is not one block of the global tensor "
-                            f"(placements {t.placements}: tensor parallelism's strided shards): in-memory snapshots "
-                            "cannot hold it; train without tensor parallelism, or save with perparam.checkpoint")
+                            f"(placements {t.placements}: tensor parallelism's strided shards): in-memory "
+                            "snapshots cannot hold it; train without tensor parallelism, or save with "
+                            "perparam.checkpoint")
     return tuple(chunks[0].offsets), tuple(t.shape)
 
 
@@ -81,15 +82,16 @@ class Layout:
 
     def entries(self, state: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
         """The entries (offsets from the first tensor) and the tensors' total bytes."""
-        signature = tuple((k, tuple(local_of(v).shape), v.dtype, type(v) is DTensor) for k, v in state.items())
+        signature = tuple((k, tuple(local_of(v).shape), v.dtype, type(v) is DTensor)
+                          for k, v in state.items())
         if signature != self._signature:
             entries, at = [], 0
             for key, value in state.items():
                 offsets, global_shape = _chunk(key, value)
                 local = local_of(value)
                 nbytes = local.numel() * local.element_size()
-                entries.append(Entry(key, str(value.dtype).removeprefix("torch."), tuple(local.shape), offsets,
-                                     global_shape, at, nbytes))
+                entries.append(Entry(key, str(value.dtype).removeprefix("torch."), tuple(local.shape),
+                                     offsets, global_shape, at, nbytes))
                 at = align(at + nbytes)
             self._signature, self._entries, self._tensor_bytes = signature, entries, at
         return self._entries, self._tensor_bytes

@@ -33,7 +33,8 @@ def _tensor(payload: torch.Tensor, base: int, entry: Entry) -> torch.Tensor:
 
 
 class SnapshotReader(StorageReader):
-    """DCP storage over ``snapshots``: ``[(description, payload)]``, one per rank of the run that took them."""
+    """DCP storage over ``snapshots``: ``[(description, payload)]``, one per rank of the run that took
+    them."""
 
     def __init__(self, snapshots: list[tuple[Description, torch.Tensor]]) -> None:
         super().__init__()

@@ -46,8 +46,8 @@ REPLICA_MODES = ("auto", "always", "off")
 
 
 def replica_wanted(mode: str, world: int) -> bool:
-    """Whether this job keeps replicas (``mode``: ``"auto"``, ``"always"`` or ``"off"``; the same on every rank).
-    ``"auto"`` on a job without ``LOCAL_WORLD_SIZE`` gathers the host names: a collective."""
+    """Whether this job keeps replicas (``mode``: ``"auto"``, ``"always"`` or ``"off"``; the same on every
+    rank). ``"auto"`` on a job without ``LOCAL_WORLD_SIZE`` gathers the host names: a collective."""
     if mode != "auto" or world < 2:
         return mode == "always" and world > 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -77,8 +77,9 @@ class ReplicaLink:
         del works
         theirs = Header.unpack(bytes(inbox.numpy()))
         if theirs is None or theirs.origin != self.source:
-            raise SnapshotError(f"the snapshot header received from rank {self.source} is damaged: its replica cannot "
-                                "be kept (a rank running another perparam version, or a corrupted transfer)")
+            raise SnapshotError(f"the snapshot header received from rank {self.source} is damaged: its "
+                                "replica cannot be kept (a rank running another perparam version, or a "
+                                "corrupted transfer)")
         return theirs
 
     def send(self, sizes: Header, slot: SlotFile, final) -> None:
@@ -89,7 +90,8 @@ class ReplicaLink:
         theirs = self._exchange(sizes)
         held = self.store.held(theirs.origin, theirs.generation % 2)
         held.begin(theirs.payload_bytes)
-        receive = dist.irecv(held.payload(theirs.payload_bytes), self.source, group=self.group, tag=PAYLOAD_TAG)
+        receive = dist.irecv(held.payload(theirs.payload_bytes), self.source, group=self.group,
+                             tag=PAYLOAD_TAG)
         self._pending = (None, receive, held, theirs, final)
         self._outgoing = (slot, sizes)
 
@@ -115,6 +117,7 @@ class ReplicaLink:
         del send, receive
         theirs = self._exchange(final_header)
         if (theirs.generation, theirs.payload_bytes) != (sizes.generation, sizes.payload_bytes):
-            raise SnapshotError(f"the final snapshot header from rank {self.source} (step {theirs.generation}) does not "
-                                f"match the transfer it announced (step {sizes.generation}): its replica is not kept")
+            raise SnapshotError(f"the final snapshot header from rank {self.source} (step "
+                                f"{theirs.generation}) does not match the transfer it announced (step "
+                                f"{sizes.generation}): its replica is not kept")
         held.finish(theirs)

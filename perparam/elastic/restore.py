@@ -45,7 +45,8 @@ def _gather(value) -> list:
 
 
 def _choose(seen, refused: set) -> tuple[int, int, dict[int, list[tuple[int, Copy]]]] | None:
-    """``(generation, world size, origin -> [(rank that sees it, copy)])`` of the newest complete generation."""
+    """``(generation, world size, origin -> [(rank that sees it, copy)])`` of the newest complete
+    generation."""
     by_gen: dict[tuple[int, int], dict[int, list[tuple[int, Copy]]]] = {}
     for rank, copies in enumerate(seen):
         for c in copies:

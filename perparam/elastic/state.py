@@ -78,8 +78,8 @@ def _refuse_what_cannot_compose(model: torch.nn.Module, state: dict) -> None:
     per_rank = sorted(per_rank_keys(state, model))  # a collective
     if per_rank:
         raise SnapshotError(f"'{per_rank[0]}' is a different tensor on each rank (experts on their own "
-                            "ParamPolicy(mesh=...) mesh): in-memory snapshots cannot reshard it; shard the experts on "
-                            "the data-parallel mesh, or save with perparam.checkpoint")
+                            "ParamPolicy(mesh=...) mesh): in-memory snapshots cannot reshard it; shard the "
+                            "experts on the data-parallel mesh, or save with perparam.checkpoint")
     _refuse_narrow_meshes(state)
 
 
@@ -109,21 +109,21 @@ class State:
     ``model``: the sharded model; ``optimizers``: one optimizer or a sequence of them; ``scheduler``: an LR
     scheduler (``state_dict``/``load_state_dict``) or None; ``every``: keep every ``every``-th commit (steps
     recomputed after a failure: up to ``every - 1`` plus the one running); ``job``/``root``: where the slots
-    live (``store.py``); ``replica``: ``"auto"`` (default: a replica on the next node's rank when the job spans
-    more than one node, none on one node, where it would die with the own slot), ``"always"`` or ``"off"``
-    (``replica.py``); ``user_state``: small picklable values, read and set as attributes
+    live (``store.py``); ``replica``: ``"auto"`` (default: a replica on the next node's rank when the job
+    spans more than one node, none on one node, where it would die with the own slot), ``"always"`` or
+    ``"off"`` (``replica.py``); ``user_state``: small picklable values, read and set as attributes
     (``state.epoch = 3``), saved with each commit and put back by ``restore``. Raises ``SnapshotError`` for
     what cannot compose (the disk offload tier, experts on their own mesh, tensor parallelism's strided
     shards), on every rank, before anything is written.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizers, scheduler=None, *, every: int = 1, job: str | None = None,
-                 root=None, replica: str = "auto", **user_state) -> None:
+    def __init__(self, model: torch.nn.Module, optimizers, scheduler=None, *, every: int = 1,
+                 job: str | None = None, root=None, replica: str = "auto", **user_state) -> None:
         if every < 1:
             raise SnapshotError(f"State(every={every}): commit every 1 or more steps")
         if replica not in REPLICA_MODES:
-            raise SnapshotError(f"State(replica={replica!r}): pass 'auto' (a replica on the next node when the job "
-                                "spans nodes), 'always' or 'off'")
+            raise SnapshotError(f"State(replica={replica!r}): pass 'auto' (a replica on the next node when "
+                                "the job spans nodes), 'always' or 'off'")
         object.__setattr__(self, "_user", dict(user_state))
         self.model, self.optimizers, self.scheduler, self.every = model, optimizers, scheduler, every
         self.step = 0
@@ -135,7 +135,8 @@ class State:
         self._layout = Layout()
         self._layout.entries(tensors)  # tensor parallelism's strided shards refused here
         self.store = Store(self.folder, self.rank)
-        self.replica = replica_wanted(replica, self.world)  # a collective under "auto" without LOCAL_WORLD_SIZE
+        # a collective under "auto" without LOCAL_WORLD_SIZE
+        self.replica = replica_wanted(replica, self.world)
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self.link = ReplicaLink(self.store, self.rank, self.world, self.group) if self.replica else None
         self.copier = None  # made at the first snapshot, for the devices its tensors are on
@@ -173,7 +174,8 @@ class State:
         tensors, manifest = checkpoint.capture(self.model, self.optimizers, {"step": self.step})
         entries, tensor_bytes = self._layout.entries(tensors)
         extra = pickle.dumps({"step": self.step, "user": self._user, "rng": _rng_state(),
-                              "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None})
+                              "scheduler": self.scheduler.state_dict() if self.scheduler is not None
+                              else None})
         raw = Description(self.rank, self.world, manifest, extra, entries).dumps()
         base = align(len(raw))
         payload_bytes = base + tensor_bytes
@@ -184,8 +186,10 @@ class State:
         if self.copier is None:
             self.copier = copier_for(sources)
         self.finish()  # the previous commit's header and transfer: its slot is the one reused two commits on
-        if self.group is not None:  # and every rank's: a rank killed before its header leaves the others the slot
-            dist.barrier(group=self.group)  # before it, which no rank may overwrite while its own is unfinished
+        # and every rank's: a rank killed before its header leaves the others the slot
+        if self.group is not None:
+            # before it, which no rank may overwrite while its own is unfinished
+            dist.barrier(group=self.group)
         slot = self.store.own(self.step % 2)
         slot.begin(payload_bytes)
         slot.map[PAYLOAD_AT:PAYLOAD_AT + len(raw)] = raw

@@ -15,8 +15,8 @@ this rank's last ``step()``. Past the bound it asks which peer is at fault:
   The ranks with the fewest steps done are the ones stuck (a rank that finished the step waits for them
   in the next); they leave (exit 1), which ends the others' waits as a dead peer's would.
 
-One line (stderr, by the first survivor to claim it in the store) says which rank, on which host and pid, was stopped and
-why; the same text is posted in the store, and each survivor's ``PeerLostError`` carries it.
+One line (stderr, by the first survivor to claim it in the store) says which rank, on which host and pid, was
+stopped and why; the same text is posted in the store, and each survivor's ``PeerLostError`` carries it.
 
 The bound: ``timeout`` seconds when given; else ``max(factor x median step time, floor)`` over the last
 ``window`` steps, and ``first_timeout`` until ``warmup`` steps are measured (the first steps compile,
@@ -56,8 +56,8 @@ class StepWatchdog:
     def __init__(self, timeout: float | None = None, *, factor: float = 8.0, floor: float = 10.0,
                  window: int = 20, warmup: int = 2, first_timeout: float = 300.0, on_expire=None) -> None:
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"StepWatchdog(timeout={timeout}): the bound must be a positive number of seconds "
-                             "(None: derived from the measured step time)")
+            raise ValueError(f"StepWatchdog(timeout={timeout}): the bound must be a positive number of "
+                             "seconds (None: derived from the measured step time)")
         self.timeout, self.factor, self.floor = timeout, factor, floor
         self.window, self.warmup, self.first_timeout = window, warmup, first_timeout
         self.on_expire = on_expire
@@ -155,8 +155,8 @@ class StepWatchdog:
         if dead and not lost:  # a dead peer this rank's wait did not notice: nothing to kill; leave
             names = ", ".join(f"rank {r} (host {table.get(r, ('?',))[0]}, pid {table.get(r, ('?', '?'))[1]})"
                               for r in dead)
-            line = (f"perparam: {names} {'is' if len(dead) == 1 else 'are'} gone and rank {self.rank} still waits: "
-                    f"{why}; it leaves so that the group ends or restarts")
+            line = (f"perparam: {names} {'is' if len(dead) == 1 else 'are'} gone and rank {self.rank} still "
+                    f"waits: {why}; it leaves so that the group ends or restarts")
             self.expired = line
             if self.on_expire is not None:
                 return self.on_expire(line)
@@ -165,7 +165,8 @@ class StepWatchdog:
         if lost:
             names = ", ".join(f"rank {r} (host {table.get(r, ('?',))[0]}, pid {table.get(r, ('?', '?'))[1]})"
                               for r, _ in lost)
-            line = (f"perparam: {names} {'was' if len(lost) == 1 else 'were'} stopped: rank {self.rank} saw {why}; "
+            line = (f"perparam: {names} {'was' if len(lost) == 1 else 'were'} stopped: rank {self.rank} saw "
+                    f"{why}; "
                     + ("killed it" if all(table.get(r, ("",))[0] == host for r, _ in lost) else
                        "it is on another host: the ranks leave so that the group restarts"))
             self.expired = line
@@ -188,9 +189,10 @@ class StepWatchdog:
             return
         steps = self._steps_done()
         fewest = min(steps.values()) if steps else self.steps
-        line = (f"perparam: rank {self.rank} (host {host}, pid {os.getpid()}) is stuck in step {self.steps + 1}: "
-                f"{why}; every peer runs (a blocked collective: ranks that issued different collectives, or a "
-                "hang in the training loop); it leaves so that the group ends or restarts")
+        line = (f"perparam: rank {self.rank} (host {host}, pid {os.getpid()}) is stuck in step "
+                f"{self.steps + 1}: {why}; every peer runs (a blocked collective: ranks that issued "
+                "different collectives, or a hang in the training loop); it leaves so that the group ends or "
+                "restarts")
         if self.steps > fewest:  # a peer is further behind: it is the one stuck, and leaves itself
             return
         self.expired = line

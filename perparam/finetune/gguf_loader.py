@@ -107,8 +107,8 @@ def open_gguf(path: str | os.PathLike[str], passed_by_user: bool = False):
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise FinetuneInputError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes 'GGUF'): "
-                                 "pass --gguf a LLaMA-architecture .gguf file")
+        raise FinetuneInputError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes "
+                                 "'GGUF'): pass --gguf a LLaMA-architecture .gguf file")
     hint = f"GGUF file {str(path)!r} is truncated or corrupt"
     fix = ("pass --gguf a complete LLaMA-architecture GGUF file" if passed_by_user
            else f"delete it and {FETCH_HINT}")

@@ -37,8 +37,8 @@ MODE_MODULE = "perparam.invariant"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--invariant-units", type=int, default=None, metavar="U",
-                        help="cut each global batch into U units (a power of two that --nproc divides) so that "
-                        "any --nproc gives the same losses, checkpoints and export bit for bit "
+                        help="cut each global batch into U units (a power of two that --nproc divides) so "
+                        "that any --nproc gives the same losses, checkpoints and export bit for bit "
                         "(docs/finetune.md, docs/invariant.md)")
 
 
@@ -49,42 +49,48 @@ def check(cfg: JobConfig, world: int) -> None:
     if u is None:
         return
     if u < 1 or u & (u - 1):
-        raise FinetuneInputError(f"--invariant-units {u} must be a power of two (1, 2, 4, 8, ...): the units are "
-                                 "summed in one fixed binary tree")
+        raise FinetuneInputError(f"--invariant-units {u} must be a power of two (1, 2, 4, 8, ...): the units "
+                                 "are summed in one fixed binary tree")
     if u % world:
-        raise FinetuneInputError(f"--invariant-units {u} is not divisible by --nproc {world}: each rank takes U / "
-                                 f"nproc whole units; pass an --nproc that divides {u} (a power of two up to {u})")
+        raise FinetuneInputError(f"--invariant-units {u} is not divisible by --nproc {world}: each rank "
+                                 f"takes U / nproc whole units; pass an --nproc that divides {u} (a power of "
+                                 f"two up to {u})")
     if cfg.batch_size % u:
-        raise FinetuneInputError(f"--batch-size {cfg.batch_size} cannot be cut into --invariant-units {u} equal "
-                                 f"units: pass a multiple of {u}")
+        raise FinetuneInputError(f"--batch-size {cfg.batch_size} cannot be cut into --invariant-units {u} "
+                                 f"equal units: pass a multiple of {u}")
     if cfg.tp > 1:
-        raise FinetuneInputError(f"--invariant-units with --tp {cfg.tp}: tensor parallelism sums each layer's "
-                                 "matmul across ranks, in an order that depends on the rank count; pass --tp 1")
+        raise FinetuneInputError(f"--invariant-units with --tp {cfg.tp}: tensor parallelism sums each "
+                                 "layer's matmul across ranks, in an order that depends on the rank count; "
+                                 "pass --tp 1")
     if cfg.grad_quant:
         raise FinetuneInputError(f"--invariant-units with --grad-quant {cfg.grad_quant}: quantized gradient "
-                                 "reduction scales blocks of each rank's shard, which moves with the rank count; "
-                                 "drop --grad-quant")
+                                 "reduction scales blocks of each rank's shard, which moves with the rank "
+                                 "count; drop --grad-quant")
     if cfg.grad_accum & (cfg.grad_accum - 1):
-        raise FinetuneInputError(f"--invariant-units with --grad-accum {cfg.grad_accum}: a step's U x grad-accum "
-                                 "units are summed in one binary tree; pass a power of two (1, 2, 4, ...)")
+        raise FinetuneInputError(f"--invariant-units with --grad-accum {cfg.grad_accum}: a step's U x "
+                                 "grad-accum units are summed in one binary tree; pass a power of two (1, 2, "
+                                 "4, ...)")
     if cfg.quant != "none":
-        raise FinetuneInputError(f"--invariant-units with --quant {cfg.quant}: a quantized all-gather's blocks run "
-                                 "over each rank's flattened shard, so the gathered weights move with the rank "
-                                 "count; drop --quant (--qlora's NF4-stored base gathers exactly and is accepted)")
+        raise FinetuneInputError(f"--invariant-units with --quant {cfg.quant}: a quantized all-gather's "
+                                 "blocks run over each rank's flattened shard, so the gathered weights move "
+                                 "with the rank count; drop --quant (--qlora's NF4-stored base gathers "
+                                 "exactly and is accepted)")
     if importlib.util.find_spec(MODE_MODULE) is None:
-        raise FinetuneInputError(f"--invariant-units {u}: this perparam has no K-invariant mode ({MODE_MODULE}, "
-                                 "docs/invariant.md) to run the units with; drop --invariant-units")
+        raise FinetuneInputError(f"--invariant-units {u}: this perparam has no K-invariant mode "
+                                 f"({MODE_MODULE}, docs/invariant.md) to run the units with; drop "
+                                 "--invariant-units")
 
 
 def check_device(cfg: JobConfig, world: int, cuda: bool) -> None:
-    """One-line :class:`FinetuneInputError` for ``--invariant-units`` on CUDA with more than one rank: the same
-    bits at every ``--nproc`` are measured on CPU hosts (gloo) only; on CUDA they would also need
+    """One-line :class:`FinetuneInputError` for ``--invariant-units`` on CUDA with more than one rank: the
+    same bits at every ``--nproc`` are measured on CPU hosts (gloo) only; on CUDA they would also need
     ``torch.use_deterministic_algorithms`` (atomic-add backward kernels) and have never run (the library's
     sums travel on the mesh's device, so the collectives themselves are not the obstacle)."""
     if cfg.invariant_units is not None and cuda and world > 1:
-        raise FinetuneInputError(f"--invariant-units on CUDA with --nproc {world}: the same bits at every --nproc "
-                                 "are measured on CPU hosts only (CUDA kernels need deterministic algorithms, "
-                                 "not yet run); run on CPU (CUDA_VISIBLE_DEVICES=) or with --nproc 1")
+        raise FinetuneInputError(f"--invariant-units on CUDA with --nproc {world}: the same bits at every "
+                                 "--nproc are measured on CPU hosts only (CUDA kernels need deterministic "
+                                 "algorithms, not yet run); run on CPU (CUDA_VISIBLE_DEVICES=) or with "
+                                 "--nproc 1")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:

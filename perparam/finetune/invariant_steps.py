@@ -38,8 +38,9 @@ def build(model: torch.nn.Module, units: int, grad_accum: int, seed: int):
         raise FinetuneInputError(f"--invariant-units {units}: {exc}") from None
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, scheduler, iu, inputs: torch.Tensor, targets: torch.Tensor,
-                   step: int, device: torch.device, max_grad_norm: float | None = None) -> StepResult:
+def optimizer_step(model: torch.nn.Module, optimizer, scheduler, iu, inputs: torch.Tensor,
+                   targets: torch.Tensor, step: int, device: torch.device,
+                   max_grad_norm: float | None = None) -> StepResult:
     """One K-invariant optimizer step on the global rows ``inputs``/``targets`` ``[B N, seq]`` (every rank
     passes the same); ``iu`` from :func:`build`. ``StepResult.loss`` is the step's mean loss over all
     ranks (the same bits on every rank and at every K), ``grad_norm`` the invariant norm before clipping."""
@@ -92,5 +93,6 @@ def heldout_loss(model: torch.nn.Module, rows: torch.Tensor, device: torch.devic
     if dist.get_world_size(group) != dp_size:
         raise ValueError(f"dp_size {dp_size} but the reduction group has {dist.get_world_size(group)} ranks: "
                          "pass the data-parallel process group")
-    dist.all_reduce(sums, group=group)  # each piece's entry: one rank's sum plus zeros (exact); the count: integers
+    # each piece's entry: one rank's sum plus zeros (exact); the count: integers
+    dist.all_reduce(sums, group=group)
     return (sum(sums[i] for i in range(pieces)) / sums[pieces]).item()  # in piece order

@@ -2,9 +2,9 @@
 splits its trainer: ``setup`` (process group, meshes, model, ``fully_shard``, optimizer, resume),
 ``training_loop`` (the steps, checkpoints) and ``report`` (held-out loss, bytes, the summary), over the
 building blocks of :mod:`~perparam.finetune.train`, :mod:`~perparam.finetune.evaluation`,
-:mod:`~perparam.finetune.steps` and the others (none of which calls back here). ``JobConfig`` (:mod:`~perparam.finetune.config`) is
-the typed configuration, built once from the command line (:meth:`JobConfig.from_args`); the phases and every
-helper they call read it, never ``argparse`` attributes.
+:mod:`~perparam.finetune.steps` and the others (none of which calls back here). ``JobConfig``
+(:mod:`~perparam.finetune.config`) is the typed configuration, built once from the command line
+(:meth:`JobConfig.from_args`); the phases and every helper they call read it, never ``argparse`` attributes.
 
 Run by the launcher in :mod:`perparam.finetune.cli` (or by ``torchrun``) with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set.
@@ -111,7 +111,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     if rank == 0:
         print(f"model {name}: {params_total:,} parameters, {llama_cfg.n_layers} layers sharded over {world} "
               f"ranks ({device.type}; {layout}; compute {cfg.param_dtype}, all-gather of the layers' "
-              f"Linear weights {'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}"
+              "Linear weights "
+              f"{'nf4' if cfg.qlora else cfg.quant if cfg.quant != 'none' else cfg.param_dtype}"
               f"{'' if not cfg.grad_quant else f', gradient reduce-scatter {cfg.grad_quant}'}); text "
               f"{data.source}: {data.train.shape[0]} training rows and {data.heldout.shape[0]} held-out "
               f"rows of {data.seq_len} tokens", flush=True)
@@ -126,8 +127,8 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     first_step = resume_from(cfg, model, optimizer, rank, scheduler)
     snaps = snapshots.JobSnapshots(cfg, model, optimizers_saved(optimizer)) if snapshots.enabled() else None
     restored = snaps.restore(cfg, model, optimizer, scheduler, rank, first_step) if snaps is not None else 0
-    run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro, float("nan"),
-              restored or first_step, scheduler, llama_cfg, offload, iu, snaps, clock)
+    run = Run(rank, world, device, meshes, model, optimizer, name, params_total, eval_rows, micro,
+              float("nan"), restored or first_step, scheduler, llama_cfg, offload, iu, snaps, clock)
     # "before" is the model this run starts from: the pretrained one, or the resumed checkpoint's (as the
     # samples "before" are); after a restart, the one the job started from (kept in the snapshot)
     from_snapshot = restored and snaps.fell_back is None  # not the --save checkpoint fallen back to
@@ -147,7 +148,8 @@ class LoopResult:
     train_s: float
     lrs: list[float] = field(default_factory=list)  # the learning rate of each step run
     grad_norms: list[float] = field(default_factory=list)  # before clipping, per step (--max-grad-norm only)
-    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss): 0 and every --eval-every
+    # (step, held-out loss): 0 and every --eval-every
+    evals: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_s: float = 0.0  # training tokens per second of the optimizer steps (not evaluations, saves)
     throughput: dict = field(default_factory=dict)  # flops_per_token, matmul_peak_flops, mfu (throughput.py)
 
@@ -166,7 +168,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
     evals = [(run.first_step, run.loss_before)]  # the held-out loss of the model this run starts from
     if run.snapshots is not None and run.snapshots.state.restored_at_step:  # a restart: what ran before it
         kept = run.snapshots.state
-        losses, lrs, norms, evals = list(kept.losses), list(kept.lrs), list(kept.norms), [tuple(e) for e in kept.evals]
+        losses, lrs, norms, evals = (list(kept.losses), list(kept.lrs), list(kept.norms),
+                                     [tuple(e) for e in kept.evals])
     tokens_per_step = cfg.batch_size * cfg.grad_accum * data.seq_len
     # a stopped or hung rank is named and killed within --step-timeout (a dead one's path: the agent's)
     watchdog = StepWatchdog(cfg.step_timeout)
@@ -182,7 +185,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                                                         cfg.max_grad_norm)
                 losses.append(float(result.loss))  # the units' tree mean: already the same on every rank
             else:  # [B / dp, seq] each: this rank's slices; the ranks of one tp group read the same rows
-                batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank, run.meshes.dp_size)
+                batches = steps.micro_batches(stream, step, cfg.grad_accum, run.meshes.dp_rank,
+                                              run.meshes.dp_size)
                 result = steps.optimizer_step(run.model, run.optimizer, run.scheduler, batches, run.device,
                                               cfg.grad_accum, cfg.max_grad_norm)
                 losses.append(mean_over_ranks(result.loss))
@@ -190,8 +194,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
             watchdog.step()
             run.clock.first_step()
             if not math.isfinite(losses[-1]):  # the same mean on every rank: all stop here
-                raise FinetuneInputError(f"the training loss became {losses[-1]} at step {step + 1}/{cfg.steps}: "
-                                         f"pass a smaller --lr (this run: {cfg.lr})")
+                raise FinetuneInputError(f"the training loss became {losses[-1]} at step "
+                                         f"{step + 1}/{cfg.steps}: pass a smaller --lr (this run: {cfg.lr})")
             lrs.append(result.lr)
             if result.grad_norm is not None:
                 norms.append(result.grad_norm)
@@ -208,7 +212,8 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
                 if run.rank == 0:
                     print(f"held-out loss at step {step + 1}: {evals[-1][1]:.4f}", flush=True)
             issued = len(comm.records)
-            if run.snapshots is not None:  # in memory, every --snapshot-every steps: what a restart continues from
+            # in memory, every --snapshot-every steps: what a restart continues from
+            if run.snapshots is not None:
                 run.snapshots.commit(losses, lrs, norms, evals, run.loss_before, run.scheduler, run.clock)
             with watchdog.paused():
                 save_if_due(cfg, run.model, run.optimizer, step + 1, run.rank, run.scheduler)
@@ -216,18 +221,21 @@ def training_loop(cfg: JobConfig, run: Run, data: PreparedData) -> LoopResult:
         finish_saves(cfg, run.rank)  # the last checkpoint, written while the loop went on
     progress.close()
     steps_run = cfg.steps - run.first_step
-    kinds = ("all_gather", "reduce_scatter", "all_reduce", *(("all_to_all",) if cfg.optimizer == "muon" else ()))
+    kinds = ("all_gather", "reduce_scatter", "all_reduce",
+             *(("all_to_all",) if cfg.optimizer == "muon" else ()))
     comm_per_step = {kind: comm.bytes(kind) // steps_run if steps_run else 0 for kind in kinds}  # all_to_all:
     # the owner path's exchange of the matrices Muon steps (gradient and parameter rows in, updated rows out)
     tokens_per_s = tokens_per_step * steps_run / step_s if steps_run else 0.0
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)  # global sizes (DTensor)
     flops = throughput.flops_per_token(run.model_cfg, data.seq_len, run.params_total, trainable)
-    rates = {"flops_per_token": flops, "matmul_peak_flops": peak, "mfu": throughput.mfu(tokens_per_s, flops, peak)}
+    rates = {"flops_per_token": flops, "matmul_peak_flops": peak,
+             "mfu": throughput.mfu(tokens_per_s, flops, peak)}
     if run.rank == 0 and steps_run:
         print(f"throughput: {tokens_per_s:,.0f} tokens/s, model FLOPs utilisation {100 * rates['mfu']:.1f}% "
               f"({rates['flops_per_token'] / 1e6:.0f} MFLOP/token against a measured matmul peak of "
               f"{peak / 1e9:.1f} GFLOP/s over {run.world} ranks)", flush=True)
-    return LoopResult(losses, comm_per_step, time.perf_counter() - start, lrs, norms, evals, tokens_per_s, rates)
+    return LoopResult(losses, comm_per_step, time.perf_counter() - start, lrs, norms, evals, tokens_per_s,
+                      rates)
 
 
 def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launched: float,
@@ -266,14 +274,16 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
         "lrs": loop.lrs, "grad_norms": loop.grad_norms,
         "heldout_losses": [[s, x] for s, x in loop.evals] + [[cfg.steps, loss_after]],
         "first_step": run.first_step, "checkpoint": cfg.save,
-        "export": exported,  # {"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}; None without --export
+        # {"dtype", "gather_s", "files": {path: {"bytes", "seconds"}}}; None without --export
+        "export": exported,
         # bytes per rank and step of perparam's collectives (CommCounter's convention: an all-gather
         # counts its gathered output, a reduce-scatter its input); rank 0's, the same on every rank
         "comm_bytes_per_step": loop.comm_per_step,
         "all_gather_bytes_per_unshard": per_unshard,
         # the largest rank's live bytes (rank 0: torch.chunk puts any remainder rows first); grads
         # include the reduce-scatter padding, optimizer AdamW's step counters
-        "model_state_bytes_per_rank": {k: max(r[k] for r in per_rank) for k in ("params", "grads", "optimizer")},
+        "model_state_bytes_per_rank": {k: max(r[k] for r in per_rank)
+                                       for k in ("params", "grads", "optimizer")},
         "model_state_bytes_by_rank": per_rank,
         "model_state_bytes_unsharded": unsharded,
         "model_state_bytes_zero3_formula": zero3,
@@ -296,8 +306,9 @@ def report(cfg: JobConfig, run: Run, data: PreparedData, loop: LoopResult, launc
             lora_memory.print_mode_table(by_mode)
         for r, entry in enumerate(summary.get("offload", {}).get("by_rank", [])):
             tiers = sorted(set(entry["planned_bytes"]) | set(entry["measured_bytes"]))
-            print(f"offload rank {r}: " + ", ".join(f"{t} planned {entry['planned_bytes'].get(t, 0):,} bytes, measured "
-                                                    f"{entry['measured_bytes'].get(t, 0):,}" for t in tiers), flush=True)
+            print(f"offload rank {r}: "
+                  + ", ".join(f"{t} planned {entry['planned_bytes'].get(t, 0):,} bytes, measured "
+                              f"{entry['measured_bytes'].get(t, 0):,}" for t in tiers), flush=True)
         print("perparam collectives per step and rank: "
               + ", ".join(f"{k} {v / 1024 ** 2:.2f} MiB" for k, v in loop.comm_per_step.items()), flush=True)
     summary.update(extra or {})
@@ -351,7 +362,8 @@ def run_job(cfg: JobConfig, data: PreparedData) -> dict:
             from perparam.finetune.export import export_model
 
             merged = {} if cfg.lora is None else {"state_fn": lora.merged_state_dict}  # adapters merged in
-            exported = export_model(run.model, run.model.cfg, cfg.export, cfg.export_dtype, cfg.gguf_path, **merged)
+            exported = export_model(run.model, run.model.cfg, cfg.export, cfg.export_dtype, cfg.gguf_path,
+                                    **merged)
         summary = report(cfg, run, data, loop, launched, exported, samples.after())
         if run.snapshots is not None:  # the job is done: its snapshots leave this node's memory
             run.snapshots.close()

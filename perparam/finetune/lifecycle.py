@@ -14,15 +14,16 @@
   once, and the launcher's line names the rank, how it ended and the last checkpoint (``perparam
   finetune: error: rank 1 was killed by signal 9 (its output is above); the other ranks were stopped;
   last checkpoint: step 4 in DIR``). A stopped or hung worker is named and killed by the step watchdog
-  (``--step-timeout``, :class:`perparam.elastic.StepWatchdog`), and the run ends as for a dead one. Under ``torchrun`` across nodes this holds also when the surviving
-  node's agent, having lost the rendezvous store with the node that hosted it, stops its workers with
-  SIGTERM: the worker tells that from a user's signal by probing the stores and the roster of ranks.
+  (``--step-timeout``, :class:`perparam.elastic.StepWatchdog`), and the run ends as for a dead one. Under
+  ``torchrun`` across nodes this holds also when the surviving node's agent, having lost the rendezvous store
+  with the node that hosted it, stops its workers with SIGTERM: the worker tells that from a user's signal by
+  probing the stores and the roster of ranks.
 - A temporary folder left by a launcher that no longer runs (SIGKILL before the workers started, a power
   cut) is named ``perparam-finetune-<pid>-*`` and removed by the next launcher's start.
 
 Workers tell the launcher how far they got through :envvar:`PERPARAM_PROGRESS_FILE` (rank 0 writes
-``step total`` after each step, and a second line ``step DIR`` once a checkpoint is complete). Under plain ``torchrun`` there is no such file and rank 0 prints the
-interruption line itself.
+``step total`` after each step, and a second line ``step DIR`` once a checkpoint is complete). Under plain
+``torchrun`` there is no such file and rank 0 prints the interruption line itself.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def exit_code(signum: int) -> int:
 def saved_text(checkpoint: tuple[int, str] | None) -> str:
     """``"last checkpoint: step 30 in DIR"`` (``checkpoint``: ``(step, folder)`` of the last complete
     ``--save``), or ``"nothing saved"``: the end of every line that says why the job stopped."""
-    return "nothing saved" if checkpoint is None else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}"
+    return ("nothing saved" if checkpoint is None
+            else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}")
 
 
 def interrupted_line(step: int | None, total: int | None, checkpoint: tuple[int, str] | None = None) -> str:
@@ -111,7 +113,8 @@ def read_progress(path: str) -> tuple[int | None, int | None, tuple[int, str] | 
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the launcher before its workers ran (a BaseException, as KeyboardInterrupt)."""
+    """SIGINT or SIGTERM reached the launcher before its workers ran (a BaseException, as
+    KeyboardInterrupt)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

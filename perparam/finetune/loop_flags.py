@@ -24,13 +24,15 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate", action="append", default=None, metavar="PROMPT",
                         help="sample a continuation of PROMPT before and after fine-tuning (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens sampled per prompt (default 40)")
+    parser.add_argument("--max-new-tokens", type=int, default=40,
+                        help="tokens sampled per prompt (default 40)")
     parser.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature; 0 = greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=50,
                         help="sample among the K most likely tokens; 0 = all (default 50)")
     parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling (default 0)")
-    parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches of --batch-size "
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches of --batch-size "
                         "sequences per optimizer step: a step sees N x --batch-size sequences (default 1)")
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to "
                         "this (perparam.clip_grad_norm_) and log it per step (default: no clipping)")

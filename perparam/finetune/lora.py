@@ -1,4 +1,5 @@
-"""LoRA and QLoRA for ``perparam finetune`` (``--lora RANK``, ``--lora-alpha``, ``--lora-targets``, ``--qlora``).
+"""LoRA and QLoRA for ``perparam finetune`` (``--lora RANK``, ``--lora-alpha``, ``--lora-targets``,
+``--qlora``).
 
 LoRA (Hu et al., 2021) freezes a Linear weight ``W`` ``[out, in]`` and learns a low-rank update: the layer
 computes ``y = x W^T + (alpha / r) (x A^T) B^T`` with ``A`` ``[r, in]`` (kaiming-uniform, ``a = sqrt(5)``, as
@@ -64,8 +65,8 @@ def parse_targets(spec: str | None) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
     unknown = [n for n in names if n not in TARGETS]
     if unknown or not names:
-        raise FinetuneInputError(f"--lora-targets {spec!r}: unknown {unknown or 'empty list'}; pass a comma list "
-                                 f"of {', '.join(TARGETS)} (or 'all')")
+        raise FinetuneInputError(f"--lora-targets {spec!r}: unknown {unknown or 'empty list'}; pass a comma "
+                                 f"list of {', '.join(TARGETS)} (or 'all')")
     return names
 
 
@@ -83,11 +84,12 @@ def lora_config(rank: int | None, alpha: float | None = None, targets: str | Non
     if rank <= 0:
         raise FinetuneInputError(f"--lora {rank} must be a positive rank (e.g. --lora 8)")
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-        raise FinetuneInputError(f"--lora-alpha {alpha} must be a positive finite number (default 2 x --lora)")
+        raise FinetuneInputError(f"--lora-alpha {alpha} must be a positive finite number (default 2 x "
+                                 "--lora)")
     if tp > 1:
         raise FinetuneInputError(f"--lora with --tp {tp}: tensor parallelism of LoRA layers is not "
-                                 "supported; pass --tp 1 (the adapters are small: shard them over data-parallel "
-                                 "ranks)")
+                                 "supported; pass --tp 1 (the adapters are small: shard them over "
+                                 "data-parallel ranks)")
     if qlora and quant != "none":
         raise FinetuneInputError(f"--qlora with --quant {quant}: --qlora already stores and gathers the base "
                                  "weights in NF4; drop --quant")
@@ -126,8 +128,8 @@ def check_resume(extra: dict, cfg: LoraConfig | None, resume: str) -> None:
         return (f"--lora {c['rank']} --lora-alpha {c['alpha']:g} --lora-targets {','.join(c['targets'])}"
                 + (" --qlora" if c["qlora"] else ""))
 
-    raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with {flags(saved)}, this run has "
-                             f"{flags(now)}: pass the checkpoint's LoRA flags")
+    raise FinetuneInputError(f"--resume {resume}: the checkpoint was trained with {flags(saved)}, this run "
+                             f"has {flags(now)}: pass the checkpoint's LoRA flags")
 
 
 class LoRALinear(nn.Module):
@@ -231,7 +233,7 @@ def describe(model: nn.Module, cfg: LoraConfig, params_total: int, compute: str 
     before sharding) and the frozen base's storage; ``compute``: the compute dtype the job settled on."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     base = f"NF4 (4-bit codes + an fp32 absmax per 64), {compute} compute" if cfg.qlora else "as loaded"
-    return (f"{'QLoRA' if cfg.qlora else 'LoRA'}: rank {cfg.rank}, alpha {cfg.alpha:g} (scale {cfg.scaling:g}) on "
-            f"{','.join(cfg.targets)}: {trainable:,} trainable parameters (fp32 adapters, "
-            f"{100 * trainable / params_total:.2f}% of {params_total:,}); embedding, norms and projection weights "
-            f"frozen, stored {base}")
+    return (f"{'QLoRA' if cfg.qlora else 'LoRA'}: rank {cfg.rank}, alpha {cfg.alpha:g} (scale "
+            f"{cfg.scaling:g}) on {','.join(cfg.targets)}: {trainable:,} trainable parameters (fp32 "
+            f"adapters, {100 * trainable / params_total:.2f}% of {params_total:,}); embedding, norms and "
+            f"projection weights frozen, stored {base}")

@@ -54,7 +54,8 @@ def planned_row(llama_cfg, shard_ranks: int, lora: LoraConfig, mode: str, zero_s
         apply_lora(model, mode_cfg)
     policy = layer_policy(mode_cfg) if mode == "qlora" else None
     compute = torch.bfloat16 if policy else param_dtype
-    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else None
+    mp = MixedPrecisionPolicy(param_dtype=compute,
+                              reduce_dtype=torch.float32) if compute != torch.float32 else None
     plan = plan_module(model, shard_ranks, dtype=None, optim_bytes=ADAMW_STATE_BYTES, model_name=mode,
                        param_policy=_stage_policy(policy, zero_stage), mp_policy=mp)
     rank0 = plan.rank(0)
@@ -76,7 +77,8 @@ def planned_bytes(llama_cfg, shard_ranks: int, lora: LoraConfig, zero_stage: int
 
 def planned_by_stage(llama_cfg, shard_ranks: int, lora: LoraConfig, mode: str,
                      param_dtype: torch.dtype = torch.float32) -> dict[str, dict | None]:
-    """``{"1", "2", "3": planned_row(...)}`` of ``mode`` at each stage; ``None`` where the stage is refused."""
+    """``{"1", "2", "3": planned_row(...)}`` of ``mode`` at each stage; ``None`` where the stage is
+    refused."""
     out = {}
     for stage in (1, 2, 3):
         try:
@@ -97,7 +99,8 @@ def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 
 def mode_comparison(model: nn.Module, optimizer: torch.optim.Optimizer, shard_ranks: int,
-                    lora: LoraConfig | None, zero_stage: int = 3, param_dtype: torch.dtype = torch.float32) -> dict:
+                    lora: LoraConfig | None, zero_stage: int = 3,
+                    param_dtype: torch.dtype = torch.float32) -> dict:
     """The summary's ``model_state_bytes_by_mode``: planned rows for the three modes at the stage that ran
     (``lora``'s rank, or rank 8 when this run is full fine-tuning), the mode that ran at stages 1, 2 and 3
     (``planned_rank0_by_stage``), this rank's measured row, the mode and stage that ran."""
@@ -117,12 +120,14 @@ def print_mode_table(comparison: dict) -> None:
     from rich.table import Table
 
     mib = 1024 ** 2
-    table = Table(title=f"Model state per rank by fine-tuning mode and ZeRO stage (MiB), K = {comparison['shard_ranks']} shard "
-                  f"ranks, LoRA rank {comparison['lora_rank']} on {','.join(comparison['lora_targets'])}",
-                  caption="planned: perparam.memory.plan on a meta copy (rank 0, fp32 master shards, fp32 grads, "
-                  "AdamW 2 x fp32 per trainable element, QLoRA base NF4 codes + scales; stages 1/2 add the kept whole copy in "
-                  "param_dtype, stage 1 the whole gradient; QLoRA refuses stages 1/2); measured: this run's live "
-                  "storage on rank 0, with grad padding and AdamW step counters")
+    table = Table(title="Model state per rank by fine-tuning mode and ZeRO stage (MiB), K = "
+                  f"{comparison['shard_ranks']} shard ranks, LoRA rank {comparison['lora_rank']} on "
+                  f"{','.join(comparison['lora_targets'])}",
+                  caption="planned: perparam.memory.plan on a meta copy (rank 0, fp32 master shards, fp32 "
+                  "grads, AdamW 2 x fp32 per trainable element, QLoRA base NF4 codes + scales; stages 1/2 "
+                  "add the kept whole copy in param_dtype, stage 1 the whole gradient; QLoRA refuses stages "
+                  "1/2); measured: this run's live storage on rank 0, with grad padding and AdamW step "
+                  "counters")
     for column in ("mode", "trainable", *KEYS, "total"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     names = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA (NF4 base)"}
@@ -132,11 +137,12 @@ def print_mode_table(comparison: dict) -> None:
         if row is None:
             table.add_row(label, "", *(["refused"] * (len(KEYS) + 1)), **style)
             return
-        table.add_row(label, f"{row['trainable']:,}" if trainable else "", *(f"{row[k] / mib:.2f}" for k in KEYS),
-                      f"{row['total'] / mib:.2f}", **style)
+        table.add_row(label, f"{row['trainable']:,}" if trainable else "",
+                      *(f"{row[k] / mib:.2f}" for k in KEYS), f"{row['total'] / mib:.2f}", **style)
 
     for mode, row in comparison["planned_rank0"].items():
-        add(f"{names[mode]}, stage {row.get('zero_stage', 3)} (planned)", row, style="bold" if mode == ran else None)
+        add(f"{names[mode]}, stage {row.get('zero_stage', 3)} (planned)", row,
+            style="bold" if mode == ran else None)
     by_stage = comparison.get("planned_rank0_by_stage")
     if by_stage:
         table.add_section()

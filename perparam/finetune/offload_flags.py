@@ -33,14 +33,14 @@ TIERS = ("device", "cpu", "cpu:all", "cpu:optimizer", "disk", "disk:all", "disk:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="append", default=None, metavar="PATTERN=TIER",
-                        help="keep matching parameters' optimizer state (TIER disk) or everything (disk:all) in "
-                             "files under --offload-dir; repeatable, first match wins (docs/offload.md)")
+                        help="keep matching parameters' optimizer state (TIER disk) or everything (disk:all) "
+                             "in files under --offload-dir; repeatable, first match wins (docs/offload.md)")
     parser.add_argument("--memory-budget", default=None, metavar="BYTES",
-                        help="plan which parameters' state goes to disk so each rank's model state fits BYTES "
-                             "(e.g. 2e9, 1.5GiB) with the least traffic, then apply it")
+                        help="plan which parameters' state goes to disk so each rank's model state fits "
+                             "BYTES (e.g. 2e9, 1.5GiB) with the least traffic, then apply it")
     parser.add_argument("--offload-dir", default=None, metavar="DIR",
-                        help="folder of the disk tier, an existing writable one (default: the system's temporary "
-                             "folder)")
+                        help="folder of the disk tier, an existing writable one (default: the system's "
+                             "temporary folder)")
 
 
 def parse(specs: list[str] | None) -> list[tuple[str, str, str]]:
@@ -49,8 +49,8 @@ def parse(specs: list[str] | None) -> list[tuple[str, str, str]]:
     for spec in specs or ():
         pattern, sep, tier = spec.partition("=")
         if not sep or not pattern or tier not in TIERS:
-            raise FinetuneInputError(f"--offload {spec!r}: expected PATTERN=TIER with TIER one of {', '.join(TIERS)}, "
-                                     "e.g. --offload 'layers.*=disk'")
+            raise FinetuneInputError(f"--offload {spec!r}: expected PATTERN=TIER with TIER one of "
+                                     f"{', '.join(TIERS)}, e.g. --offload 'layers.*=disk'")
         name, _, state = tier.partition(":")
         out.append((pattern, name, state or "optimizer"))
     return out
@@ -64,17 +64,17 @@ def check(cfg: JobConfig) -> None:
     if folder is not None:  # a typo must not become a new folder on another disk: refused, never created
         if not os.path.isdir(folder):
             what = "is not a folder" if os.path.exists(folder) else "does not exist"
-            raise FinetuneInputError(f"--offload-dir {folder!r} {what}; create it first (mkdir -p {folder}) or drop "
-                                     "the flag for the system's temporary folder")
+            raise FinetuneInputError(f"--offload-dir {folder!r} {what}; create it first (mkdir -p {folder}) "
+                                     "or drop the flag for the system's temporary folder")
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise FinetuneInputError(f"--offload-dir {folder!r} is not writable by this user; pass a folder you can "
-                                     "write to")
+            raise FinetuneInputError(f"--offload-dir {folder!r} is not writable by this user; pass a folder "
+                                     "you can write to")
     if (cfg.offload or cfg.memory_budget is not None) and cfg.tp > 1:
-        raise FinetuneInputError("--offload and --memory-budget plan per data-parallel shard and do not support "
-                                 "--tp above 1 yet; drop one of them")
+        raise FinetuneInputError("--offload and --memory-budget plan per data-parallel shard and do not "
+                                 "support --tp above 1 yet; drop one of them")
     if cfg.memory_budget is not None and cfg.offload:
-        raise FinetuneInputError("--memory-budget plans every parameter's tier itself: drop --offload, or drop "
-                                 "--memory-budget and place them by pattern")
+        raise FinetuneInputError("--memory-budget plans every parameter's tier itself: drop --offload, or "
+                                 "drop --memory-budget and place them by pattern")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:
@@ -112,7 +112,8 @@ class OffloadChoice:
         if self.budget is None:
             places = {}
             for name, _ in model.named_parameters():
-                hit = next(((tier, state) for pattern, tier, state in self.rules if fnmatch.fnmatchcase(name, pattern)),
+                hit = next(((tier, state)
+                            for pattern, tier, state in self.rules if fnmatch.fnmatchcase(name, pattern)),
                            None)
                 if hit is not None and hit[0] != "device":
                     places[name] = hit
@@ -122,7 +123,9 @@ class OffloadChoice:
                     tier, state = places[pp.name]
                     numel = pp.layout.local_numel(self.shard_rank) if pp.requires_grad else 0
                     shard = pp.stored_bytes(self.shard_rank) if state == "all" else 0
-                    grad = shard if tier == "disk" and pp.requires_grad and not pp.resolution.policy.whole_grad else 0
+                    grad = (shard
+                            if tier == "disk" and pp.requires_grad and not pp.resolution.policy.whole_grad
+                            else 0)
                     nbytes = numel * 8 + shard + grad  # AdamW state; "all": the shard and its gradient too
                     self.planned[tier] = self.planned.get(tier, 0) + nbytes
             return places
@@ -133,9 +136,9 @@ class OffloadChoice:
         self.planned = {"disk": result.offloaded[self.shard_rank]}
         self.plan_line = (f"--memory-budget {self.budget / 1e9:.4f} GB: model state per rank "
                           f"{plan.max_rank.total / 1e9:.4f} GB -> {result.max_kept / 1e9:.4f} GB kept; "
-                          f"{result.by_place['optimizer']} parameters' AdamW state and {result.by_place['all']} "
-                          f"whole parameters (shard, gradient, AdamW state) on disk, "
-                          f"{result.max_moved / 1e9:.4f} GB moved per step")
+                          f"{result.by_place['optimizer']} parameters' AdamW state and "
+                          f"{result.by_place['all']} whole parameters (shard, gradient, AdamW state) on "
+                          f"disk, {result.max_moved / 1e9:.4f} GB moved per step")
         return {n: ("disk", place) for n, place in result.places.items() if place != "device"}
 
     def policy(self, model, base):
@@ -150,7 +153,8 @@ class OffloadChoice:
         if getattr(self, "_model_id", None) != id(model):  # planned once per model, shared by its calls
             params = dict(model.named_parameters())
             self._model_id = id(model)
-            self._by_id = {id(params[n]): OffloadPolicy(tier, state, path=self.folder if tier == "disk" else None)
+            self._by_id = {id(params[n]): OffloadPolicy(tier, state,
+                                                        path=self.folder if tier == "disk" else None)
                            for n, (tier, state) in self._places(model).items()}
         by_id = self._by_id
 

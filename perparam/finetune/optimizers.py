@@ -42,16 +42,16 @@ def check_config(cfg: JobConfig) -> None:
     if cfg.optimizer != "muon":
         return
     if cfg.lora is not None:
-        raise FinetuneInputError("--optimizer muon with --lora/--qlora: the adapters are low-rank factors (A is "
-                                 "rank x in, B is out x rank, B starts at zero), which the Muon recipe does not "
-                                 "orthogonalize; drop --optimizer muon (AdamW trains the adapters)")
+        raise FinetuneInputError("--optimizer muon with --lora/--qlora: the adapters are low-rank factors (A "
+                                 "is rank x in, B is out x rank, B starts at zero), which the Muon recipe "
+                                 "does not orthogonalize; drop --optimizer muon (AdamW trains the adapters)")
     if cfg.offload or cfg.memory_budget is not None:
         flag = "--offload" if cfg.offload else "--memory-budget"
-        raise FinetuneInputError(f"--optimizer muon with {flag}: Muon's momentum of a matrix is whole on its owner "
-                                 "rank, and the offload tiers move per-shard state; drop one of them")
+        raise FinetuneInputError(f"--optimizer muon with {flag}: Muon's momentum of a matrix is whole on its "
+                                 "owner rank, and the offload tiers move per-shard state; drop one of them")
     if cfg.tp > 1:
-        raise FinetuneInputError(f"--optimizer muon with --tp {cfg.tp}: a tensor-parallel matrix cannot have an "
-                                 "owner rank that steps it whole; pass --tp 1 (or drop --optimizer muon)")
+        raise FinetuneInputError(f"--optimizer muon with --tp {cfg.tp}: a tensor-parallel matrix cannot have "
+                                 "an owner rank that steps it whole; pass --tp 1 (or drop --optimizer muon)")
 
 
 def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:

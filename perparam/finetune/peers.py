@@ -142,6 +142,7 @@ def lost_peer_line(rank: int | str, gone: str | None, cause: str | None,
     detail = gone or "no peer is known to be gone"
     if cause:
         detail += f"; during a collective: {cause}"
-    saved = "nothing saved" if checkpoint is None else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}"
+    saved = ("nothing saved" if checkpoint is None
+             else f"last checkpoint: step {checkpoint[0]} in {checkpoint[1]}")
     return f"perparam finetune: rank {rank} stopped: {what} ({detail}); {saved}"
 

@@ -73,5 +73,5 @@ def check_schedule(lr: float, steps: int, warmup_steps: int, min_lr: float | Non
         if not (math.isfinite(min_lr) and min_lr >= 0):
             raise FinetuneInputError(f"--min-lr {min_lr} must be a finite number >= 0")
         if min_lr > lr:
-            raise FinetuneInputError(f"--min-lr {min_lr} is above --lr {lr}: the cosine decays from --lr down "
-                                     f"to --min-lr; pass a --min-lr of at most {lr}")
+            raise FinetuneInputError(f"--min-lr {min_lr} is above --lr {lr}: the cosine decays from --lr "
+                                     f"down to --min-lr; pass a --min-lr of at most {lr}")

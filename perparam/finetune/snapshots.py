@@ -5,8 +5,8 @@ new workers continue from the in-memory snapshot of the last completed step (``p
   ``max_restarts``); under plain ``torchrun --max-restarts N`` the same, read from the agent's
   ``TORCHELASTIC_MAX_RESTARTS``. Snapshots are taken whenever restarts are allowed.
 - ``--snapshot-every N``: commit every N steps (default 1: no completed step is recomputed).
-- ``--snapshot-replica auto|always|off``: where a replica of each rank's snapshot is kept (``State(replica=...)``;
-  ``auto``: on the next node's rank when the job spans nodes, none on one node).
+- ``--snapshot-replica auto|always|off``: where a replica of each rank's snapshot is kept
+  (``State(replica=...)``; ``auto``: on the next node's rank when the job spans nodes, none on one node).
 
 When no complete snapshot is left (a shard and its replica both lost: two nodes that held each other's
 replicas, a corrupted own copy and a corrupted replica), the workers fall back to the newest complete
@@ -45,14 +45,16 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restart the workers up to N "
-                        "times when one dies; they continue from in-memory snapshots of the last step (default 0)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart the workers up to N "
+                        "times when one dies; they continue from in-memory snapshots of the last step "
+                        "(default 0)")
     parser.add_argument("--snapshot-every", type=int, default=1, metavar="N",
                         help="with --max-restarts: snapshot every N steps (default 1)")
     parser.add_argument("--snapshot-replica", choices=("auto", "always", "off"), default="auto",
-                        help="with --max-restarts: keep a replica of each rank's snapshot on another rank: 'auto' "
-                        "(default) when the job spans nodes (on one node it would die with the own copy), "
-                        "'always', or 'off'")
+                        help="with --max-restarts: keep a replica of each rank's snapshot on another rank: "
+                        "'auto' (default) when the job spans nodes (on one node it would die with the own "
+                        "copy), 'always', or 'off'")
 
 
 def check(cfg: JobConfig) -> None:
@@ -62,11 +64,12 @@ def check(cfg: JobConfig) -> None:
     if cfg.snapshot_every < 1:
         raise FinetuneInputError(f"--snapshot-every {cfg.snapshot_every} must be 1 or more")
     if cfg.max_restarts and cfg.tp > 1:
-        raise FinetuneInputError(f"--max-restarts with --tp {cfg.tp}: in-memory snapshots do not hold tensor-parallel "
-                                 "shards; run without --tp, or use --save/--resume")
+        raise FinetuneInputError(f"--max-restarts with --tp {cfg.tp}: in-memory snapshots do not hold "
+                                 "tensor-parallel shards; run without --tp, or use --save/--resume")
     if cfg.max_restarts and any("disk" in spec for spec in cfg.offload or ()):
-        raise FinetuneInputError("--max-restarts with --offload ...=disk: in-memory snapshots would bring the disk "
-                                 "tier back into memory every step; offload to 'cpu', or use --save/--resume")
+        raise FinetuneInputError("--max-restarts with --offload ...=disk: in-memory snapshots would bring "
+                                 "the disk tier back into memory every step; offload to 'cpu', or use "
+                                 "--save/--resume")
 
 
 def worker_argv(cfg: JobConfig) -> list[str]:
@@ -89,9 +92,9 @@ class JobSnapshots:
         from perparam.elastic import State
 
         self.fell_back: list | None = None  # [step, --save DIR] of a fallback to the disk checkpoint
-        self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica, losses=[],
-                           lrs=[], norms=[], evals=[], loss_before=None, schedule=None, restored_at_step=[],
-                           restart_times=[])
+        self.state = State(model, optimizers, every=cfg.snapshot_every, replica=cfg.snapshot_replica,
+                           losses=[], lrs=[], norms=[], evals=[], loss_before=None, schedule=None,
+                           restored_at_step=[], restart_times=[])
         self.pending: dict | None = None  # this restart's record, until its first step is committed
         lifecycle.note_stops_in(self.state.folder)  # when this group stops: for the next restart's record
 
@@ -118,7 +121,8 @@ class JobSnapshots:
                             "detected": restart_times.detected(self.state.folder, restarts() - 1),
                             "restore_s": restore_s}
             if rank == 0:
-                print(f"restart {restarts()}: continuing from the in-memory snapshot of step {step}", flush=True)
+                print(f"restart {restarts()}: continuing from the in-memory snapshot of step {step}",
+                      flush=True)
         return step
 
     def _fall_back(self, cfg: JobConfig, model, optimizer, scheduler, rank: int, reason: str) -> int:

@@ -41,7 +41,8 @@ def micro_batches(stream: BatchStream, step: int, grad_accum: int, dp_rank: int,
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, batches,
-                   device: torch.device, grad_accum: int = 1, max_grad_norm: float | None = None) -> StepResult:
+                   device: torch.device, grad_accum: int = 1,
+                   max_grad_norm: float | None = None) -> StepResult:
     """Zero the gradients, forward/backward each micro-batch of ``batches`` (``grad_accum`` of them), clip
     to ``max_grad_norm`` (``perparam.clip_grad_norm_``, across meshes), step the optimizer, then the
     ``scheduler`` (``None``: no schedule)."""

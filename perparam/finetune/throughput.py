@@ -42,7 +42,8 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, params_total: int | None = N
     return 6 * n - 2 * frozen + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, budget_s: float = 0.25) -> float:
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32,
+                        budget_s: float = 0.25) -> float:
     """FLOP/s of the fastest of repeated ``[n, n] @ [n, n]`` products on ``device`` in ``dtype`` (``n`` 1024
     on CPU, 4096 on CUDA), timed for about ``budget_s`` seconds after one warm-up product."""
     n = 4096 if device.type == "cuda" else 1024
@@ -67,7 +68,8 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
 
 
 #: a bf16 matmul slower than the same fp32 one is emulated (issue 24: torch on an AVX2 CPU without AVX-512
-#: BF16/AMX converted it, 20x slower than fp32); native bf16 (AVX-512 BF16, AMX, tensor cores) is faster than fp32
+#: BF16/AMX converted it, 20x slower than fp32); native bf16 (AVX-512 BF16, AMX, tensor cores) is faster than
+#: fp32
 BF16_EMULATED_ABOVE = 1.0
 BF16_PROBE_N = 128  # [128, 128] @ [128, 128]: 4.2 MFLOP, about 1 ms per product where bf16 is emulated
 
@@ -109,7 +111,8 @@ def compute_dtype(param_dtype: str, by_default: bool, slowdown: float) -> tuple[
         return param_dtype, None
     emulated = f"this machine emulates bf16 matmuls ({slowdown:.1f}x slower than fp32)"
     if by_default:
-        return "fp32", f"compute in fp32, not --qlora's default bf16: {emulated}; --param-dtype bf16 forces it"
+        return ("fp32",
+                f"compute in fp32, not --qlora's default bf16: {emulated}; --param-dtype bf16 forces it")
     return "bf16", f"compute in bf16 as asked (--param-dtype bf16), although {emulated}"
 
 

@@ -43,7 +43,8 @@ QUANT_DTYPES = {"none": None, **{name: name for name in _quant.names()}}  # the 
 #: ``fully_shard`` call): ``attn.{q,k,v,o}_proj.weight`` and ``mlp.{gate,up,down}_proj.weight``. Used only
 #: on the layers' calls (the root's call holds the embedding and final norm, which it would not match).
 LAYER_LINEAR_WEIGHTS = "*_proj.weight"
-#: ``--grad-quant``'s kinds: the gradient reduce-scatter's wire format (``ParamPolicy.grad_quant``, ZeRO++ qgZ)
+#: ``--grad-quant``'s kinds: the gradient reduce-scatter's wire format (``ParamPolicy.grad_quant``, ZeRO++
+#: qgZ)
 GRAD_QUANT_KINDS = ("none", "int8", "bf16")
 
 
@@ -86,12 +87,14 @@ def tp_plan() -> dict:
     """``parallelize_module``'s plan for one :class:`~perparam.finetune.model.DecoderLayer`."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {**{name: ColwiseParallel() for name in TP_COLWISE}, **{name: RowwiseParallel() for name in TP_ROWWISE}}
+    return {**{name: ColwiseParallel() for name in TP_COLWISE},
+            **{name: RowwiseParallel() for name in TP_ROWWISE}}
 
 
 def with_grad_quant(layer, layer_policy: dict | None, pattern: str, kind: str) -> dict:
     """``layer_policy`` (patterns relative to a decoder layer, first match wins) with ``grad_quant=kind``
-    added to the policy of each parameter of ``layer`` that ``pattern`` matches (:func:`with_policy_fields`)."""
+    added to the policy of each parameter of ``layer`` that ``pattern`` matches
+    (:func:`with_policy_fields`)."""
     return with_policy_fields(layer, layer_policy, pattern, grad_quant=kind)
 
 
@@ -121,7 +124,8 @@ def with_policy_fields(layer, layer_policy: dict | None, pattern: str, **fields)
 
 def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
                 quant: str | torch.dtype | None = None, layer_policy: dict | None = None,
-                zero_stage: int = 3, offload=None, grad_quant: str | None = None, owner: str | None = None) -> Llama:
+                zero_stage: int = 3, offload=None, grad_quant: str | None = None,
+                owner: str | None = None) -> Llama:
     """Tensor-parallelise each decoder layer (when the tp axis has more than one rank), then
     ``fully_shard`` each layer and the root over the data-parallel mesh; in place, returns ``model``.
 
@@ -130,18 +134,20 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     ``layer_policy``: more ``param_policy`` entries for the layers' calls (QLoRA's NF4 base weights,
     :func:`perparam.finetune.lora.layer_policy`). ``zero_stage``: ``ParamPolicy.zero_stage`` of every
     parameter (``--zero-stage``).
-    ``offload``: an :class:`~perparam.finetune.offload_flags.OffloadChoice` (``--offload``, ``--memory-budget``).
-    ``grad_quant``: ``--grad-quant`` (:func:`parse_grad_quant`): the layers' parameters it names reduce-scatter
-    their gradients as int8 blocks or bf16 (``ParamPolicy.grad_quant``, ``docs/grad-quant.md``).
-    ``owner``: a pattern inside a decoder layer whose parameters get ``ParamPolicy(update="owner")``
-    (``--optimizer muon``: the projection matrices Muon steps whole, ``docs/whole-matrix-optimizers.md``).
+    ``offload``: an :class:`~perparam.finetune.offload_flags.OffloadChoice` (``--offload``,
+    ``--memory-budget``). ``grad_quant``: ``--grad-quant`` (:func:`parse_grad_quant`): the layers' parameters
+    it names reduce-scatter their gradients as int8 blocks or bf16 (``ParamPolicy.grad_quant``,
+    ``docs/grad-quant.md``). ``owner``: a pattern inside a decoder layer whose parameters get
+    ``ParamPolicy(update="owner")`` (``--optimizer muon``: the projection matrices Muon steps whole,
+    ``docs/whole-matrix-optimizers.md``).
     """
     from perparam import MixedPrecisionPolicy, ParamPolicy, QuantPolicy, fully_shard
 
     mp = None
     if param_dtype != torch.float32:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None else {}),
+    layer_policy = {**({LAYER_LINEAR_WEIGHTS: ParamPolicy(quant=QuantPolicy(quant))} if quant is not None
+                       else {}),
                     **(layer_policy or {})} or None
     wire = parse_grad_quant(grad_quant)
     if wire is not None:  # merged into what each parameter it names gets from the other patterns
@@ -152,7 +158,8 @@ def shard_model(model: Llama, meshes, param_dtype: torch.dtype = torch.float32,
     if zero_stage != 3:  # every parameter: the patterns' policies, then a catch-all, all with the stage
         import dataclasses
 
-        layer_policy = {**{k: dataclasses.replace(v, zero_stage=zero_stage) for k, v in (layer_policy or {}).items()},
+        layer_policy = {**{k: dataclasses.replace(v, zero_stage=zero_stage)
+                           for k, v in (layer_policy or {}).items()},
                         "*": ParamPolicy(zero_stage=zero_stage)}
         root_policy = {"*": ParamPolicy(zero_stage=zero_stage)}
     if offload is not None and offload.active:  # planned on the unsharded model, before any call
@@ -218,9 +225,10 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
 
     ``tiny``: the seeded random init on every rank, then sharded. GGUF: only rank 0 reads the file. Its
     :class:`LlamaConfig` is broadcast, every rank builds the model on the meta device and shards it, then
-    rank 0 dequantises the weights and ``perparam.checkpoint.load_full_state_dict`` broadcasts them one tensor at a
-    time, each rank keeping its shard (the model has no buffers to recompute: the rotary angles are made
-    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``; ``offload``: see
+    rank 0 dequantises the weights and ``perparam.checkpoint.load_full_state_dict`` broadcasts them one tensor
+    at a time, each rank keeping its shard (the model has no buffers to recompute: the rotary angles are made
+    in every forward). ``param_dtype``/``quant`` default to ``cfg.param_dtype``/``cfg.quant``; ``offload``:
+    see
     :func:`shard_model`.
     """
     from perparam.checkpoint import load_full_state_dict
@@ -239,8 +247,9 @@ def build_sharded_model(cfg: JobConfig, device: torch.device, meshes, param_dtyp
         box = [read_config(reader, cfg.gguf_path)]
     dist.broadcast_object_list(box, src=0)
     model_cfg = box[0]
-    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant, zero_stage=cfg.zero_stage,
-                        offload=offload, grad_quant=cfg.grad_quant, owner=owner_pattern(cfg))
+    model = shard_model(Llama(model_cfg, device="meta"), meshes, param_dtype, quant,
+                        zero_stage=cfg.zero_stage, offload=offload, grad_quant=cfg.grad_quant,
+                        owner=owner_pattern(cfg))
     load_full_state_dict(model, load_state_dict(reader, model_cfg) if reader is not None else None)
     return model, model_cfg, Path(cfg.gguf_path).name
 
@@ -265,9 +274,9 @@ class Progress:
                 )
 
                 self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                    TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("lr {task.fields[lr]}"),
-                                    TextColumn("{task.fields[norm]}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-                                    TimeElapsedColumn(),
+                                    TextColumn("loss {task.fields[loss]:.4f}"),
+                                    TextColumn("lr {task.fields[lr]}"), TextColumn("{task.fields[norm]}"),
+                                    TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
                                     TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
                 self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0, lr="-",
                                           norm="")
@@ -299,7 +308,8 @@ def zero3_label(dp_replicate: int, dp_shard: int, tp: int) -> str:
     """What ``K`` is in the memory table's ZeRO-3 row ``(P+G+O)/K``."""
     label = f"K = {dp_shard} shard ranks"
     if tp > 1:
-        label = f"K = {dp_shard} shard x {tp} tp ranks for the tensor-parallel weights, {dp_shard} for the rest"
+        label = (f"K = {dp_shard} shard x {tp} tp ranks for the tensor-parallel weights, {dp_shard} for the "
+                 "rest")
     if dp_replicate > 1:
         label += f"; each of the {dp_replicate} replicas holds a copy"
     return label
@@ -330,13 +340,14 @@ def print_memory_table(per_rank: list[dict[str, int]], unsharded: dict[str, int]
     mib = 1024 ** 2
     keys = ("params", "grads", "optimizer")
     table = Table(title=f"Model state per rank (MiB), {len(per_rank)} ranks, {params_total:,} parameters",
-                  caption=f"ranks: measured live storage, with the reduce-scatter padding (grads) and AdamW's "
-                  f"step counters (optimizer); ZeRO-3: {label}")
+                  caption="ranks: measured live storage, with the reduce-scatter padding (grads) and "
+                  f"AdamW's step counters (optimizer); ZeRO-3: {label}")
     table.add_column("rank")
     for key in (*keys, "total"):
         table.add_column(key, justify="right")
     for r, row in enumerate(per_rank):
-        table.add_row(str(r), *(f"{row[k] / mib:.2f}" for k in keys), f"{sum(row[k] for k in keys) / mib:.2f}")
+        table.add_row(str(r), *(f"{row[k] / mib:.2f}" for k in keys),
+                      f"{sum(row[k] for k in keys) / mib:.2f}")
     table.add_row("unsharded (1 rank)", *(f"{unsharded[k] / mib:.2f}" for k in keys),
                   f"{sum(unsharded.values()) / mib:.2f}", style="dim")
     table.add_row("ZeRO-3 (P+G+O)/K", *(f"{zero3[k] / mib:.2f}" for k in keys),

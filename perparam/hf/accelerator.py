@@ -76,7 +76,8 @@ def _inner(obj):
 
 
 def _one_or_all(opts: list):
-    """What ``checkpoint.save``/``load`` take: ``None``, the one optimizer (the layout of earlier saves), or all."""
+    """What ``checkpoint.save``/``load`` take: ``None``, the one optimizer (the layout of earlier saves), or
+    all."""
     return None if not opts else opts[0] if len(opts) == 1 else opts
 
 
@@ -91,14 +92,14 @@ class ShardedAccelerator(Accelerator):
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if self.num_processes != ranks:
             raise ShardingError(
-                f"ShardedAccelerator: accelerate sees {self.num_processes} process(es) but the process group has "
-                f"{ranks} ranks, so every rank would read the same batches (prepared data loaders not split) and "
-                "save as the main process; launch with torchrun or accelerate launch (or set RANK, LOCAL_RANK and "
-                "WORLD_SIZE before the first Accelerator)")
+                f"ShardedAccelerator: accelerate sees {self.num_processes} process(es) but the process group "
+                f"has {ranks} ranks, so every rank would read the same batches (prepared data loaders not "
+                "split) and save as the main process; launch with torchrun or accelerate launch (or set "
+                "RANK, LOCAL_RANK and WORLD_SIZE before the first Accelerator)")
         self.sharded_models: list[nn.Module] = []  # in prepare's order
         self.prepared_optimizers: list = []  # every optimizer prepared (matched to a model by its parameters)
-        # accelerate's documented hooks: its own model files skip the sharded models (their safetensors save and
-        # load cannot take DTensors); the perparam checkpoints below hold them
+        # accelerate's documented hooks: its own model files skip the sharded models (their safetensors save
+        # and load cannot take DTensors); the perparam checkpoints below hold them
         self.register_save_state_pre_hook(self._drop_sharded)
         self.register_load_state_pre_hook(lambda models, input_dir: self._drop_sharded(models))
 
@@ -157,9 +158,9 @@ class ShardedAccelerator(Accelerator):
             models = [i for i, own in enumerate(owned) if held & own]
             if len(models) > 1:
                 raise checkpoint.CheckpointError(
-                    f"ShardedAccelerator: one optimizer holds parameters of sharded models {models} (in prepare's "
-                    "order); each sharded model is checkpointed with its optimizers' shards, so give each sharded "
-                    "model its own optimizer (one over its parameters)")
+                    f"ShardedAccelerator: one optimizer holds parameters of sharded models {models} (in "
+                    "prepare's order); each sharded model is checkpointed with its optimizers' shards, so "
+                    "give each sharded model its own optimizer (one over its parameters)")
             if models:
                 pairs[models[0]][1].append(_inner(o))
         return pairs
@@ -180,13 +181,14 @@ class ShardedAccelerator(Accelerator):
         their optimizers: rank 0's optimizer file holds rank 0's shards only). ``input_dir`` is required
         when a sharded model was prepared. Raises ``CheckpointError`` when a checkpoint is missing."""
         if input_dir is None and self.sharded_models:
-            raise checkpoint.CheckpointError("ShardedAccelerator.load_state needs input_dir (the folder save_state "
-                                             "returned) for a sharded model")
+            raise checkpoint.CheckpointError("ShardedAccelerator.load_state needs input_dir (the folder "
+                                             "save_state returned) for a sharded model")
         super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         for i, (model, opts) in enumerate(self._pairs()):
             path = os.path.join(input_dir, STATE_DIR.format(i))
             if not os.path.isdir(path):
-                raise checkpoint.CheckpointError(f"ShardedAccelerator.load_state({input_dir!r}): no {STATE_DIR.format(i)}"
-                                                 "/ folder (the sharded model and every rank's optimizer shards); "
-                                                 "load a folder ShardedAccelerator.save_state wrote")
+                raise checkpoint.CheckpointError(f"ShardedAccelerator.load_state({input_dir!r}): no "
+                                                 f"{STATE_DIR.format(i)}/ folder (the sharded model and "
+                                                 "every rank's optimizer shards); load a folder "
+                                                 "ShardedAccelerator.save_state wrote")
             checkpoint.load(path, model, _one_or_all(opts))

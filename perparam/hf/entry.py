@@ -29,20 +29,23 @@ def sharded_roots(model: nn.Module) -> list[ShardedModule]:
 
 def check_sharded(model: nn.Module | None, where: str) -> None:
     """Raise ``ShardingError`` unless every trainable parameter of ``model`` is managed by a ``fully_shard``
-    call (the piece would otherwise train some of it unsharded and unreduced), naming the first that is not."""
+    call (the piece would otherwise train some of it unsharded and unreduced), naming the first that is
+    not."""
     if not isinstance(model, nn.Module):
-        raise ShardingError(f"{where} takes a model sharded by perparam.fully_shard (model_init is not supported: "
-                            f"build and shard the model, then pass it), got {type(model).__name__}")
+        raise ShardingError(f"{where} takes a model sharded by perparam.fully_shard (model_init is not "
+                            "supported: build and shard the model, then pass it), got "
+                            f"{type(model).__name__}")
     if not sharded_roots(model):
-        raise ShardingError(f"{where}: {type(model).__name__} is not sharded by perparam; call fully_shard on each "
-                            "decoder layer, then on the model (docs/huggingface.md), or use transformers' Trainer "
-                            "for an unsharded model")
+        raise ShardingError(f"{where}: {type(model).__name__} is not sharded by perparam; call fully_shard "
+                            "on each decoder layer, then on the model (docs/huggingface.md), or use "
+                            "transformers' Trainer for an unsharded model")
     managed = {id(sp.sharded) for m in model.modules() if (g := group_of(m)) is not None for sp in g.params}
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in managed:
-            raise ShardingError(f"{where}: trainable parameter '{name}' is not managed by any fully_shard call, so "
-                                "it would train without being sharded or reduced across ranks; call fully_shard on "
-                                "the model after adding it (adapters: before sharding), or freeze it")
+            raise ShardingError(f"{where}: trainable parameter '{name}' is not managed by any fully_shard "
+                                "call, so it would train without being sharded or reduced across ranks; call "
+                                "fully_shard on the model after adding it (adapters: before sharding), or "
+                                "freeze it")
 
 
 @contextlib.contextmanager

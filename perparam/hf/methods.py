@@ -39,7 +39,8 @@ def guard(module: nn.Module) -> None:
     cls = type(module)
     if callable(getattr(cls, "save_pretrained", None)):
         module.__dict__["save_pretrained"] = functools.partial(_save_pretrained, module)
-    for name in TREE_CHANGES:  # partials of module-level functions: a deep copy rebinds them, pickle takes them
+    # partials of module-level functions: a deep copy rebinds them, pickle takes them
+    for name in TREE_CHANGES:
         if callable(getattr(cls, name, None)):
             module.__dict__[name] = functools.partial(_refuse_tree_change, module, name)
 
@@ -47,11 +48,12 @@ def guard(module: nn.Module) -> None:
 def _save_pretrained(self: nn.Module, *args, **kwargs):
     if kwargs.get("state_dict") is None:
         raise CheckpointError(
-            f"{class_name(self)}.save_pretrained(...) on a model sharded by fully_shard would write each rank's "
-            "shards of the parameters (safetensors cannot save a DTensor). Gather the full weights and pass them "
-            "(every rank calls full_state_dict, rank 0 saves): state = perparam.full_state.full_state_dict(model); "
-            "if rank == 0: model.save_pretrained(path, state_dict=state). For stored-quantized (NF4) weights "
-            "use perparam.full_state.dequantized_full_state_dict(model) instead (docs/huggingface.md)")
+            f"{class_name(self)}.save_pretrained(...) on a model sharded by fully_shard would write each "
+            "rank's shards of the parameters (safetensors cannot save a DTensor). Gather the full weights "
+            "and pass them (every rank calls full_state_dict, rank 0 saves): state = "
+            "perparam.full_state.full_state_dict(model); if rank == 0: model.save_pretrained(path, "
+            "state_dict=state). For stored-quantized (NF4) weights use "
+            "perparam.full_state.dequantized_full_state_dict(model) instead (docs/huggingface.md)")
     return type(self).save_pretrained(self, *args, **kwargs)
 
 
@@ -59,5 +61,5 @@ def _refuse_tree_change(self: nn.Module, name: str, *args, **kwargs):
     raise ShardedTreeChangeError(
         f"perparam: {class_name(self)}.{name}(...) {TREE_CHANGES[name]} of a model sharded by fully_shard; "
         "the new parameters would be built from sharded ones and be neither sharded nor reduced. Call "
-        f"{name} before fully_shard (build the model again, {name}, then fully_shard), or change an unsharded "
-        "copy loaded from perparam.full_state.full_state_dict(model)")
+        f"{name} before fully_shard (build the model again, {name}, then fully_shard), or change an "
+        "unsharded copy loaded from perparam.full_state.full_state_dict(model)")

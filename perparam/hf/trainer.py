@@ -67,9 +67,10 @@ class ShardedTrainer(Trainer):
 
     Raises ``ShardingError`` at construction for a model that is not sharded, has a trainable parameter
     no ``fully_shard`` call manages, or a process group that ``TrainingArguments`` does not see (launched
-    without torchrun's variables: every rank would read the same batches and write as rank 0). On every rank it gathers ``save_model``'s full state dict (rank 0
-    writes it: ``from_pretrained`` loads it) and writes each checkpoint's optimizer shards with
-    ``perparam.checkpoint.save``, so ``resume_from_checkpoint`` restores every rank's optimizer state.
+    without torchrun's variables: every rank would read the same batches and write as rank 0). On every rank
+    it gathers ``save_model``'s full state dict (rank 0 writes it: ``from_pretrained`` loads it) and writes
+    each checkpoint's optimizer shards with ``perparam.checkpoint.save``, so ``resume_from_checkpoint``
+    restores every rank's optimizer state.
     """
 
     def __init__(self, model: nn.Module | None = None, *args, **kwargs):
@@ -78,31 +79,32 @@ class ShardedTrainer(Trainer):
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if self.args.world_size != ranks:
             raise ShardingError(
-                f"ShardedTrainer: TrainingArguments sees {self.args.world_size} process(es) but the process group "
-                f"has {ranks} ranks, so every rank would read the same batches (no distributed sampler) and save "
-                "as rank 0; launch with torchrun (or set RANK, LOCAL_RANK and WORLD_SIZE before building "
-                "TrainingArguments)")
+                f"ShardedTrainer: TrainingArguments sees {self.args.world_size} process(es) but the process "
+                f"group has {ranks} ranks, so every rank would read the same batches (no distributed "
+                "sampler) and save as rank 0; launch with torchrun (or set RANK, LOCAL_RANK and WORLD_SIZE "
+                "before building TrainingArguments)")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
         if self.args.save_on_each_node and ranks > local:
             raise ShardingError(
-                f"ShardedTrainer: save_on_each_node=True on {ranks // max(local, 1)} nodes: save_model gathers the full "
-                "state dict on rank 0 only, so the other nodes' writing ranks would have nothing to write; set "
-                "save_on_each_node=False (rank 0 writes; a shared output_dir reaches every node)")
+                f"ShardedTrainer: save_on_each_node=True on {ranks // max(local, 1)} nodes: save_model "
+                "gathers the full state dict on rank 0 only, so the other nodes' writing ranks would have "
+                "nothing to write; set save_on_each_node=False (rank 0 writes; a shared output_dir reaches "
+                "every node)")
         optim = _optim_name(self.args)
         if optim in IN_BACKWARD:
             raise ShardingError(
-                f"ShardedTrainer: TrainingArguments(optim={optim!r}) steps each parameter inside backward from a "
-                "per-parameter hook, before perparam has reduced its gradient across ranks (the update would use one "
-                "rank's gradient); choose an optimizer stepped after backward: optim='adamw_torch', 'adafactor', or "
-                f"{optim.replace('_layerwise', '')!r} for GaLore/APOLLO")
+                f"ShardedTrainer: TrainingArguments(optim={optim!r}) steps each parameter inside backward "
+                "from a per-parameter hook, before perparam has reduced its gradient across ranks (the "
+                "update would use one rank's gradient); choose an optimizer stepped after backward: "
+                f"optim='adamw_torch', 'adafactor', or {optim.replace('_layerwise', '')!r} for GaLore/APOLLO")
         # transformers' own switch for a model that owns its placement and gradient reduction: accelerate
         # prepares autocast only (no DDP wrap, no second sharding), every rank joins save_model's gathers
         self.is_distributed_loading_by_transformers = True
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """The stock optimizer, refused before training starts (one line) when it steps whole tensors
-        (``perparam.runtime.owner_step.is_whole_matrix``: Adafactor, GaLore's projected groups, ...) and holds a
-        parameter sharded without ``ParamPolicy(update="owner")``: its first step would fail or be wrong."""
+        (``perparam.runtime.owner_step.is_whole_matrix``: Adafactor, GaLore's projected groups, ...) and holds
+        a parameter sharded without ``ParamPolicy(update="owner")``: its first step would fail or be wrong."""
         optimizer = super().create_optimizer(model)
         held = [sp for m in self.model.modules() if (g := group_of(m)) is not None for sp in g.params]
         sp = owner_step.unrouted(_optimizer(optimizer), held)
@@ -110,11 +112,12 @@ class ShardedTrainer(Trainer):
             name = next((n for n, p in self.model.named_parameters() if p is sp.sharded), sp.fqn)
             raise ShardingError(
                 f"ShardedTrainer: TrainingArguments(optim={_optim_name(self.args)!r}) builds "
-                f"{type(_optimizer(optimizer)).__name__}, which computes each parameter's update from the whole "
-                f"tensor, and '{name}' (shape {tuple(sp.global_shape)}) is sharded over {sp.layout.num_shards} ranks "
-                "without an owner; shard the model with fully_shard(..., param_policy=lambda name, p: "
-                "ParamPolicy(update='owner') if p.requires_grad else None) on each module (one rank steps each "
-                "whole parameter, docs/whole-matrix-optimizers.md), or choose optim='adamw_torch'")
+                f"{type(_optimizer(optimizer)).__name__}, which computes each parameter's update from the "
+                f"whole tensor, and '{name}' (shape {tuple(sp.global_shape)}) is sharded over "
+                f"{sp.layout.num_shards} ranks without an owner; shard the model with fully_shard(..., "
+                "param_policy=lambda name, p: ParamPolicy(update='owner') if p.requires_grad else None) on "
+                "each module (one rank steps each whole parameter, docs/whole-matrix-optimizers.md), or "
+                "choose optim='adamw_torch'")
         return optimizer
 
     def _defer_fsdp_gradient_reduction(self):
@@ -143,8 +146,10 @@ class ShardedTrainer(Trainer):
         state = os.path.join(checkpoint_dir, STATE_DIR)
         if not os.path.isdir(state):
             raise checkpoint.CheckpointError(
-                f"resume_from_checkpoint={checkpoint_dir!r} has no {STATE_DIR}/ folder (the model and every rank's "
-                "optimizer shards ShardedTrainer writes); it was saved with save_only_model=True or by another "
-                "trainer. Resume from a checkpoint ShardedTrainer saved, or start training without resuming")
+                f"resume_from_checkpoint={checkpoint_dir!r} has no {STATE_DIR}/ folder (the model and every "
+                "rank's optimizer shards ShardedTrainer writes); it was saved with save_only_model=True or "
+                "by another trainer. Resume from a checkpoint ShardedTrainer saved, or start training "
+                "without resuming")
         checkpoint.load(state, self.model, _optimizer(self.optimizer))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint_dir, SCHEDULER_NAME), weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint_dir, SCHEDULER_NAME),
+                                                     weights_only=True))

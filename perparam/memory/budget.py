@@ -68,7 +68,8 @@ class _Param:
         if place == "device":
             inside = self.s[r] if self.in_kept and (self.base or stage == 2) else 0
             return self.s[r] + self.g[r] + self.o[r] + extra - inside
-        return self.s[r] + self.g[r] + extra if place == "optimizer" else (0 if self.trainable else self.g[r]) + extra
+        return (self.s[r] + self.g[r] + extra if place == "optimizer"
+                else (0 if self.trainable else self.g[r]) + extra)
 
     def moved(self, place: str, r: int) -> int:
         if place == "device":
@@ -139,8 +140,8 @@ class BudgetPlan:
 
     def as_json(self, tier: str, offload_dir: str | None) -> dict:
         """The plan as ``perparam plan --write-policy`` writes it (``load_policy`` reads it back)."""
-        return {"format": FORMAT, "rule": self.rule, "budget_bytes": self.budget, "world_size": self.world_size,
-                "tier": tier, "offload_dir": offload_dir, "fits": self.fits,
+        return {"format": FORMAT, "rule": self.rule, "budget_bytes": self.budget,
+                "world_size": self.world_size, "tier": tier, "offload_dir": offload_dir, "fits": self.fits,
                 "kept_bytes_per_rank": self.kept, "moved_bytes_per_step_per_rank": self.moved,
                 "collective_bytes_per_step_per_rank": self.collective_bytes,
                 "places": {n: p for n, p in self.places.items() if p != "device"},
@@ -157,9 +158,9 @@ def _finish(rule: str, plan: ModelPlan, params: list[_Param], places: dict[str, 
     fits = max(kept) <= budget
     floor = max(sum(p.kept("all", r) for p in params) for r in range(k))
     message = "" if fits else (
-        f"nothing fits: with every parameter's shard, gradient and optimizer state offloaded a rank still keeps "
-        f"{floor} bytes (frozen parameters' gradients and the unsharded copies of stage-1/2 policies); raise the "
-        f"budget above that or shard over more ranks")
+        "nothing fits: with every parameter's shard, gradient and optimizer state offloaded a rank still "
+        f"keeps {floor} bytes (frozen parameters' gradients and the unsharded copies of stage-1/2 policies); "
+        f"raise the budget above that or shard over more ranks")
     by_place = {place: sum(1 for v in places.values() if v == place) for place in PLACES}
     collective = 2 * plan.padded_param_bytes_per_rank - sum(p.w for p in params if stages[p.name] == 2)
     return BudgetPlan(rule, budget, k, places, kept, moved, [t - c for t, c in zip(total, kept)],
@@ -192,7 +193,8 @@ def plan_budget(plan: ModelPlan, budget: int, stage2: bool = True) -> BudgetPlan
     k = plan.world_size
     places = {p.name: "device" for p in params}
     need = [sum(p.kept("device", r) for p in params) - budget for r in range(k)]
-    # kind 1 (2 bytes moved per byte freed): optimizer state, frozen shards; kind 2 (3 per byte): trainable shards
+    # kind 1 (2 bytes moved per byte freed): optimizer state, frozen shards; kind 2 (3 per byte): trainable
+    # shards
     kind1 = [(p.name, p.o, 2 * max(p.o)) for p in params if p.trainable and max(p.o) > 0]
     kind1 += [(p.name, p.s, 2 * max(p.s)) for p in params if not p.trainable and max(p.s) > 0]
     for name in _cover(kind1, need):
@@ -267,9 +269,10 @@ def param_policy(model, places: dict[str, str], tier: str = "disk", offload_dir:
     stages = {n: v for n, v in (stages or {}).items() if v != 3}
     missing = sorted((set(places) | set(stages)) - set(by_name))
     if missing:
-        raise ValueError(f"the offload plan names parameters this model does not have: {missing[:3]}; plan it "
-                         "for this model")
-    by_id = {id(by_name[n]): {"offload": OffloadPolicy(tier, place, path=offload_dir if tier == "disk" else None)}
+        raise ValueError(f"the offload plan names parameters this model does not have: {missing[:3]}; plan "
+                         "it for this model")
+    by_id = {id(by_name[n]): {"offload": OffloadPolicy(tier, place,
+                                                       path=offload_dir if tier == "disk" else None)}
              for n, place in places.items() if place != "device"}
     for n, stage in stages.items():
         by_id.setdefault(id(by_name[n]), {})["zero_stage"] = stage
@@ -293,7 +296,7 @@ def load_policy(path: str | Path, model, offload_dir: str | None = None, base=No
     ``offload_dir`` overrides the file's. Raises ``ValueError`` for a file of another format."""
     data = json.loads(Path(path).read_text())
     if data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an offload plan ({FORMAT}); write one with perparam plan --budget BYTES "
-                         "--write-policy FILE")
+        raise ValueError(f"{path} is not an offload plan ({FORMAT}); write one with perparam plan --budget "
+                         "BYTES --write-policy FILE")
     return param_policy(model, data["places"], data["tier"], offload_dir or data.get("offload_dir"), base,
                         data.get("zero_stages"))

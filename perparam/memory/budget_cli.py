@@ -14,17 +14,19 @@ from perparam.memory.plan import ModelPlan
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=_budget_arg, default=None, metavar="BYTES",
-                        help="device bytes of model state per rank (e.g. 20e9, 20GB, 16GiB): plan which parameters' "
-                             "optimizer state / shard and gradient to offload with the least traffic, then which "
-                             "take ZeRO stage 2 in the room left (fewer all-gathers; docs/offload.md)")
+                        help="device bytes of model state per rank (e.g. 20e9, 20GB, 16GiB): plan which "
+                             "parameters' optimizer state / shard and gradient to offload with the least "
+                             "traffic, then which take ZeRO stage 2 in the room left (fewer all-gathers; "
+                             "docs/offload.md)")
     parser.add_argument("--tier", choices=["disk", "cpu"], default="disk",
                         help="with --budget: where offloaded state goes (default disk)")
     parser.add_argument("--offload-dir", default=None, metavar="DIR",
-                        help="with --budget and --tier disk: the folder written into the policy (default: the "
-                             "system's temporary folder)")
+                        help="with --budget and --tier disk: the folder written into the policy (default: "
+                             "the system's temporary folder)")
     parser.add_argument("--write-policy", default=None, metavar="FILE.json",
                         help="with --budget: write the plan; perparam.memory.budget.load_policy(FILE, model) "
-                             "gives fully_shard's param_policy, perparam finetune --memory-budget plans the same")
+                             "gives fully_shard's param_policy, perparam finetune --memory-budget plans the "
+                             "same")
 
 
 def _budget_arg(text: str) -> int:
@@ -57,22 +59,24 @@ def check(args: argparse.Namespace) -> str | None:
 
 
 def _line(b: BudgetPlan) -> str:
-    return (f"{b.rule:>26}: keeps {b.max_kept / 1e9:9.4f} GB per rank, moves {b.max_moved / 1e9:9.4f} GB per step, "
-            f"sends {b.collective_bytes / 1e9:9.4f} GB in all-gathers (device {b.by_place['device']}, optimizer "
-            f"state {b.by_place['optimizer']}, all {b.by_place['all']} parameters; zero_stage 2: {b.stage2})")
+    return (f"{b.rule:>26}: keeps {b.max_kept / 1e9:9.4f} GB per rank, moves {b.max_moved / 1e9:9.4f} GB per "
+            f"step, sends {b.collective_bytes / 1e9:9.4f} GB in all-gathers (device {b.by_place['device']}, "
+            f"optimizer state {b.by_place['optimizer']}, all {b.by_place['all']} parameters; zero_stage 2: "
+            f"{b.stage2})")
 
 
 def run(args: argparse.Namespace, plan: ModelPlan, console) -> int:
     ours, baseline = plan_budget(plan, args.budget), largest_first(plan, args.budget)
-    console.print(f"\noffload plan for a budget of {args.budget / 1e9:.4f} GB per rank (K = {plan.world_size}; "
-                  f"without offload the largest rank keeps {plan.max_rank.total / 1e9:.4f} GB; tier {args.tier}):")
+    console.print(f"\noffload plan for a budget of {args.budget / 1e9:.4f} GB per rank (K = "
+                  f"{plan.world_size}; without offload the largest rank keeps "
+                  f"{plan.max_rank.total / 1e9:.4f} GB; tier {args.tier}):")
     console.print(_line(ours))
     console.print(_line(baseline))
     console.print(f"{'collectives':>26}: all-gathers sent per rank per step; offload changes no collective, "
                   "zero_stage 2 saves a parameter's backward all-gather for its unsharded copy in memory")
     if baseline.max_moved and ours.fits:
-        console.print(f"{'':>26}  least traffic moves {ours.max_moved / baseline.max_moved:.3f} x the bytes of "
-                      "largest parameters first")
+        console.print(f"{'':>26}  least traffic moves {ours.max_moved / baseline.max_moved:.3f} x the bytes "
+                      "of largest parameters first")
     rows = [(name, place, ours.stages.get(name, 3)) for name, place in ours.places.items()
             if place != "device" or ours.stages.get(name, 3) != 3]
     if args.params_table and rows:

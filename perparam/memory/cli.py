@@ -37,10 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-bytes", type=_bytes_arg, default=2,
                         help="bytes per parameter of the gradients (default 2: fp16)")
     parser.add_argument("--optim-bytes", type=_bytes_arg, default=12,
-                        help="bytes per parameter of the optimizer state (default 12: fp32 master + Adam m, v)")
+                        help="bytes per parameter of the optimizer state (default 12: fp32 master + Adam m, "
+                             "v)")
     parser.add_argument("--budget", type=_budget_arg, default=None, metavar="BYTES",
-                        help="bytes of model state per rank (8GB, 8e9, 7.5GiB): which stages fit, and the one "
-                             "that fits with the fewest bytes sent per step")
+                        help="bytes of model state per rank (8GB, 8e9, 7.5GiB): which stages fit, and the "
+                             "one that fits with the fewest bytes sent per step")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 

@@ -41,7 +41,8 @@ def resolve_factory(spec: str) -> tuple[Callable[[], nn.Module], str, int | None
         preset = PRESETS[spec]
         return preset.factory, preset.description, preset.nominal_params
     if ":" not in spec:
-        raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) nor package.module:factory")
+        raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) nor "
+                         "package.module:factory")
     return import_object(spec, "--model"), spec, None
 
 

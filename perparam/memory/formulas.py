@@ -225,7 +225,8 @@ def stage_memory(
     stage: str, num_params: int, world_size: int, bytes_per_param: BytesPerParam | None = None,
     trainable_params: int | None = None,
 ) -> StageMemory:
-    """Model-state bytes per rank of ``stage`` (one of ``STAGES``) for ``num_params`` over ``world_size`` ranks.
+    """Model-state bytes per rank of ``stage`` (one of ``STAGES``) for ``num_params`` over ``world_size``
+    ranks.
 
     With P, G, O the unsharded bytes of parameters, gradients and optimizer state (``model_state``) and
     K = ``world_size`` (ZeRO paper, Section 5 / Figure 1):

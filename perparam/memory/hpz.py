@@ -33,8 +33,8 @@ def hpz_model(param_bytes: int, world_size: int, secondary_size: int) -> HpzMode
 
     Raises ``ValueError`` unless k' divides K and P >= 0."""
     if world_size < 1 or secondary_size < 1 or world_size % secondary_size or param_bytes < 0:
-        raise ValueError(f"hpz_model: secondary size {secondary_size} must divide the world size {world_size} "
-                         f"and the bytes ({param_bytes}) be >= 0")
+        raise ValueError(f"hpz_model: secondary size {secondary_size} must divide the world size "
+                         f"{world_size} and the bytes ({param_bytes}) be >= 0")
     p = Fraction(param_bytes)
     return HpzModel(param_bytes, world_size, secondary_size,
                     forward_sent=p * Fraction(world_size - 1, world_size),

@@ -140,7 +140,8 @@ class ModelPlan:
     unsharded: RankBytes
     nominal_params: int | None = None
     #: ranks of the tensor-parallel axis; ``per_rank[r]`` is what tp rank ``tp_rank`` of dp shard rank ``r``
-    #: holds (a split dim that does not divide by T is split as ``torch.chunk`` does: tp rank 0 holds the most)
+    #: holds (a split dim that does not divide by T is split as ``torch.chunk`` does: tp rank 0 holds the
+    #: most)
     tp: int = 1
     tp_rank: int = 0
 
@@ -168,8 +169,8 @@ class ModelPlan:
     @property
     def padded_param_bytes_per_rank(self) -> int:
         """Bytes each rank sends in the all-gathers of every parameter, padding included (equal on all ranks;
-        the wire pieces of ``perparam.sharding.layout.wire_pieces``: ``param_dtype``, or quantized codes and scales;
-        replicated parameters send nothing)."""
+        the wire pieces of ``perparam.sharding.layout.wire_pieces``: ``param_dtype``, or quantized codes and
+        scales; replicated parameters send nothing)."""
         return sum(p.wire_bytes for p in self.params)
 
     @property
@@ -219,7 +220,8 @@ class ModelPlan:
         )
 
     def nominal_formula(self, stage: str = "ZeRO-3") -> StageMemory | None:
-        """The formula for ``nominal_params`` (e.g. the tables' 1.5e9 for GPT-2 XL) at the same bytes/param."""
+        """The formula for ``nominal_params`` (e.g. the tables' 1.5e9 for GPT-2 XL) at the same
+        bytes/param."""
         if self.nominal_params is None:
             return None
         bpp = self.bytes_per_param
@@ -259,15 +261,17 @@ def plan_module(
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     if tp > 1 and tp_plan is None:
-        raise ValueError("--tp needs a tensor-parallel plan: the presets carry one; for --model pass --tp-plan "
-                         "PKG.MODULE:FACTORY (a factory returning parallelize_module's plan)")
+        raise ValueError("--tp needs a tensor-parallel plan: the presets carry one; for --model pass "
+                         "--tp-plan PKG.MODULE:FACTORY (a factory returning parallelize_module's plan)")
     aliases = aliases_of(module)
     on_tp = tp_placements(module, tp_plan) if tp > 1 else {}
     on_tp = {n: on_tp[a] for n, names in aliases.items() for a in names if a in on_tp}  # by first name
-    named = [(n, nn.Parameter(torch.empty(tp_local_shape(tuple(p.shape), on_tp[n], tp, tp_rank) if n in on_tp else p.shape,
-                                          dtype=dtype or p.dtype, device="meta"), requires_grad=p.requires_grad))
+    named = [(n, nn.Parameter(torch.empty(tp_local_shape(tuple(p.shape), on_tp[n], tp, tp_rank)
+                                          if n in on_tp else p.shape, dtype=dtype or p.dtype, device="meta"),
+                              requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
-    compute_dtypes = buffer_dtypes([("", module)], lambda m: False)  # norms compute in their statistics' dtype
+    # norms compute in their statistics' dtype
+    compute_dtypes = buffer_dtypes([("", module)], lambda m: False)
     resolved = resolve_params(named, mp_policy, param_policy, world_size, model_name, aliases=aliases,
                               tensor_parallel=set(on_tp), compute_dtypes=compute_dtypes)
     plans = [ParamPlan(r.name, r, r.name in on_tp) for r in resolved]
@@ -289,10 +293,12 @@ def plan_module(
                 states[r] += (count * layout.numel if policy.whole_grad else numel) * g  # stage 1: whole
                 train_numel[r] += numel
     per_rank = tuple(
-        RankBytes(r, params[r], _whole(states[r]), _whole(train_numel[r] * optim_bytes)) for r in range(world_size)
+        RankBytes(r, params[r], _whole(states[r]), _whole(train_numel[r] * optim_bytes))
+        for r in range(world_size)
     )
     unsharded_grads = sum(
-        p.layout.numel * (p.layout.itemsize if grad_bytes is None else grad_bytes) for p in plans if p.requires_grad
+        p.layout.numel * (p.layout.itemsize if grad_bytes is None else grad_bytes)
+        for p in plans if p.requires_grad
     )
     trainable = sum(p.layout.numel for p in plans if p.requires_grad)
     unsharded = RankBytes(
@@ -305,9 +311,9 @@ def plan_module(
 
 
 def plan_model(
-    spec: str, world_size: int, *, dtype: torch.dtype | None = torch.float16, grad_bytes: Number | None = None,
-    optim_bytes: Number = 12, nominal_params: int | None = None, param_policy=None, tp: int = 1,
-    tp_plan: Mapping[str, object] | str | None = None, tp_rank: int = 0,
+    spec: str, world_size: int, *, dtype: torch.dtype | None = torch.float16,
+    grad_bytes: Number | None = None, optim_bytes: Number = 12, nominal_params: int | None = None,
+    param_policy=None, tp: int = 1, tp_plan: Mapping[str, object] | str | None = None, tp_rank: int = 0,
 ) -> ModelPlan:
     """``plan_module`` of a preset (``"gpt2-xl"``) or ``package.module:factory`` built on the meta device.
 
@@ -316,14 +322,15 @@ def plan_model(
     factory, _, preset_nominal = resolve_factory(spec)
     module = build_on_meta(factory)
     if isinstance(tp_plan, str):
-        tp_plan = call_factory(tp_plan, "--tp-plan", Mapping, "a dict of module patterns to ColwiseParallel() "
+        tp_plan = call_factory(tp_plan, "--tp-plan", Mapping,
+                               "a dict of module patterns to ColwiseParallel() "
                                "or RowwiseParallel()")
     if tp_plan is None and spec in PRESETS and PRESETS[spec].tp_plan is not None:
         tp_plan = PRESETS[spec].tp_plan()
     return plan_module(
         module, world_size, dtype=dtype, grad_bytes=grad_bytes, optim_bytes=optim_bytes, model_name=spec,
-        nominal_params=preset_nominal if nominal_params is None else nominal_params, param_policy=param_policy,
-        tp=tp, tp_plan=tp_plan, tp_rank=tp_rank,
+        nominal_params=preset_nominal if nominal_params is None else nominal_params,
+        param_policy=param_policy, tp=tp, tp_plan=tp_plan, tp_rank=tp_rank,
     )
 
 
@@ -365,12 +372,14 @@ def plan_to_json(plan: ModelPlan, rank: int = 0, params_table: bool = False) -> 
     }
     stages = sorted({p.resolution.policy.zero_stage for p in plan.params if p.layout.gathered})
     out["zero_stages"] = stages  # of the sharded parameters (ParamPolicy.zero_stage)
-    if len(stages) == 1:  # Table 7-2's row of that stage; stages 1/2 also hold the shard the optimizer updates
+    # Table 7-2's row of that stage; stages 1/2 also hold the shard the optimizer updates
+    if len(stages) == 1:
         out["zero_stage_formula"] = plan.formula(f"ZeRO-{stages[0]}").as_dict()
     if nominal is not None:
         out["nominal_params"] = plan.nominal_params
         out["zero3_formula_nominal"] = nominal.as_dict()
-        out["max_rank_vs_nominal"] = float(Fraction(max_rank.total) / nominal.total - 1) if nominal.total else 0.0
+        out["max_rank_vs_nominal"] = float(Fraction(max_rank.total) / nominal.total
+                                           - 1) if nominal.total else 0.0
     mean = Fraction(plan.sum_over_ranks().total) / plan.world_size
     out["imbalance"] = {"max_rank": plan.max_rank.rank, "max_rank_bytes": as_json_number(plan.max_rank.total),
                         "mean_bytes": as_json_number(_whole(mean)),

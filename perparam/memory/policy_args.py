@@ -38,7 +38,8 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
     """``"PATTERN=TOKENS"`` -> ``(pattern, ParamPolicy)``. Raises ``ValueError`` naming the bad token."""
     pattern, sep, tokens = spec.partition("=")
     if not sep or not pattern or not tokens:
-        raise ValueError(f"--param-policy {spec!r}: expected PATTERN=TOKEN[,TOKEN...], e.g. '*.mlp.*=bf16,int8'")
+        raise ValueError(f"--param-policy {spec!r}: expected PATTERN=TOKEN[,TOKEN...], e.g. "
+                         "'*.mlp.*=bf16,int8'")
     fields: dict = {}
     quantizer, stored = None, False
     for token in tokens.split(","):
@@ -67,11 +68,12 @@ def parse_param_policy(spec: str) -> tuple[str, ParamPolicy]:
         elif token.startswith("stage") and token[5:].isdigit():
             fields["zero_stage"] = int(token[5:])  # 1, 2, 3: checked where fully_shard checks it
         else:
-            raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, reduce=DTYPE, "
-                             f"master=DTYPE, frozen, owner, {'/'.join(QUANTIZERS)}, stored, replicate, shardD, auto, stageN, "
-                             "grad=int8/bf16")
+            raise ValueError(f"--param-policy {spec!r}: unknown token {token!r}; use fp32/bf16/fp16, "
+                             f"reduce=DTYPE, master=DTYPE, frozen, owner, {'/'.join(QUANTIZERS)}, stored, "
+                             "replicate, shardD, auto, stageN, grad=int8/bf16")
     if stored and quantizer is None:
-        raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token ({', '.join(QUANTIZERS)})")
+        raise ValueError(f"--param-policy {spec!r}: 'stored' needs a quantizer token "
+                         f"({', '.join(QUANTIZERS)})")
     if quantizer is not None:
         fields["quant"] = QuantPolicy(quantizer, store_quantized=stored)
     return pattern, ParamPolicy(**fields)
@@ -111,15 +113,17 @@ def policy_from_args(specs: list[str], placement: str = "shard0", factory: str |
 
     policy = import_object(factory, "--param-policy-factory", "package.module:function")()
     if isinstance(policy, Mapping):
-        bad = next((k for k, v in policy.items() if not isinstance(k, str) or not isinstance(v, ParamPolicy)), None)
+        bad = next((k for k, v in policy.items()
+                    if not isinstance(k, str) or not isinstance(v, ParamPolicy)), None)
         if bad is not None:
-            raise TypeError(f"--param-policy-factory {factory}: the dict must map glob patterns (str) to ParamPolicy; "
-                            f"entry {bad!r} does not")
+            raise TypeError(f"--param-policy-factory {factory}: the dict must map glob patterns (str) to "
+                            f"ParamPolicy; entry {bad!r} does not")
         return {**policy, **{k: v for k, v in (flags or {}).items() if k not in policy}}
     if not (isinstance(policy, ParamPolicy) or callable(policy)):
-        raise TypeError(f"--param-policy-factory {factory} returned {type(policy).__name__}; it must return a dict of "
-                        "patterns to ParamPolicy, a ParamPolicy or a callable (name, param) -> ParamPolicy | None")
+        raise TypeError(f"--param-policy-factory {factory} returned {type(policy).__name__}; it must return "
+                        "a dict of patterns to ParamPolicy, a ParamPolicy or a callable (name, param) -> "
+                        "ParamPolicy | None")
     if flags:
-        raise ValueError(f"--param-policy-factory {factory} returned a {type(policy).__name__}, which cannot be "
-                         "combined with --param-policy or --placement auto; return a dict instead")
+        raise ValueError(f"--param-policy-factory {factory} returned a {type(policy).__name__}, which cannot "
+                         "be combined with --param-policy or --placement auto; return a dict instead")
     return policy

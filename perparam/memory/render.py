@@ -49,7 +49,8 @@ def _table(title: str) -> Table:
 
 
 def show(con: Console, table: Table, note: str = "") -> None:
-    """Print ``table``, then ``note`` unwrapped (a caption would wrap to the table's width), then a blank line.
+    """Print ``table``, then ``note`` unwrapped (a caption would wrap to the table's width), then a blank
+    line.
 
     Numbers are never cut: right-aligned (number) columns do not wrap, text columns wrap; a table whose
     numbers alone are wider than the terminal is printed at its own width (the terminal wraps the lines).
@@ -115,11 +116,12 @@ def stages_table(rows: list[StageMemory]) -> tuple[Table, str]:
 
 def communication_table(rows: list[StageCommunication]) -> tuple[Table, str]:
     k = rows[0].world_size
-    t = _table(f"Communication per rank per training step as perparam runs each stage, K = {k} (ring collectives, "
-               "bytes sent)")
-    note = ("DDP: 2(K-1)/K*G; ZeRO-1 (perparam's stage 1 all-reduces G): (K-1)/K*(2G + P); ZeRO-2: (K-1)/K*(G + P);"
-            "\nZeRO-3: (K-1)/K*(G + 2P); ZeRO-1 (paper): (K-1)/K*(G + P), the ZeRO paper's (Sec. 7), not run by "
-            "perparam.\nWith P = G: 2(K-1)/K*G for DDP, ZeRO-2 and the paper's ZeRO-1, 3(K-1)/K*G for ZeRO-1 and ZeRO-3.")
+    t = _table(f"Communication per rank per training step as perparam runs each stage, K = {k} (ring "
+               "collectives, bytes sent)")
+    note = ("DDP: 2(K-1)/K*G; ZeRO-1 (perparam's stage 1 all-reduces G): (K-1)/K*(2G + P); ZeRO-2: "
+            "(K-1)/K*(G + P);\nZeRO-3: (K-1)/K*(G + 2P); ZeRO-1 (paper): (K-1)/K*(G + P), the ZeRO paper's "
+            "(Sec. 7), not run by perparam.\nWith P = G: 2(K-1)/K*G for DDP, ZeRO-2 and the paper's ZeRO-1, "
+            "3(K-1)/K*G for ZeRO-1 and ZeRO-3.")
     t.add_column("stage")
     t.add_column("collectives")
     t.add_column("bytes", justify="right")
@@ -141,16 +143,21 @@ def budget_table(fits: list[StageFit], chosen: StageFit | None, min_world: int |
         t.add_column(col, justify="right")
     for f in fits:
         t.add_row(f.stage, format_gb(f.bytes_per_rank), "yes" if f.fits else "no",
-                  format_gb(f.budget - f.bytes_per_rank), format_gb(f.sent_per_step), format_fixed(f.traffic_vs_ddp, 2))
-    note = ("Sent per step as perparam runs each stage (docs/zero-stages.md): DDP 2(K-1)/K*G; stage 1 all-reduces "
-            "G and all-gathers P, 2(K-1)/K*G + (K-1)/K*P;\nstage 2 (K-1)/K*(G + P); stage 3 (K-1)/K*(G + 2P). "
-            "Stages 1 and 2 also hold the shard the optimizer updates (P/K) unless it is the fp32 master in O.\n")
+                  format_gb(f.budget - f.bytes_per_rank), format_gb(f.sent_per_step),
+                  format_fixed(f.traffic_vs_ddp, 2))
+    note = ("Sent per step as perparam runs each stage (docs/zero-stages.md): DDP 2(K-1)/K*G; stage 1 "
+            "all-reduces G and all-gathers P, 2(K-1)/K*G + (K-1)/K*P;\nstage 2 (K-1)/K*(G + P); stage 3 "
+            "(K-1)/K*(G + 2P). Stages 1 and 2 also hold the shard the optimizer updates (P/K) unless it is "
+            "the fp32 master in O.\n")
     if chosen is not None:
-        how = "placement=Replicate()" if chosen.stage == "DDP" else f"ParamPolicy(zero_stage={chosen.stage[-1]})"
-        note += (f"Fits with the fewest bytes sent: {chosen.stage} ({how}: {format_gb(chosen.bytes_per_rank)} GB per "
-                 f"rank, {format_fixed(chosen.traffic_vs_ddp, 2)}x DDP's traffic).")
+        how = ("placement=Replicate()" if chosen.stage == "DDP"
+               else f"ParamPolicy(zero_stage={chosen.stage[-1]})")
+        note += (f"Fits with the fewest bytes sent: {chosen.stage} ({how}: "
+                 f"{format_gb(chosen.bytes_per_rank)} GB per rank, {format_fixed(chosen.traffic_vs_ddp, 2)}x "
+                 "DDP's traffic).")
     else:
-        note += ("No stage fits: ZeRO-3 fits this budget from K = " + f"{min_world:,} ranks on, or raise the budget."
+        note += ("No stage fits: ZeRO-3 fits this budget from K = "
+                 + f"{min_world:,} ranks on, or raise the budget."
                  if min_world is not None else "No stage fits a budget of 0 bytes.")
     return t, note
 
@@ -168,16 +175,19 @@ def _pct(x: Number, ref: Number) -> str:
     return ("+" if diff >= 0 else "") + format_fixed(diff, 3) + "%"
 
 
-def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0, params_table: bool = False) -> None:
+def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0,
+               params_table: bool = False) -> None:
     """Summary, per-rank bytes next to the ZeRO-3 formula, and optionally the per-parameter table."""
     from perparam.memory.plan import placement_str
 
     dtypes = sorted({str(p.layout.dtype).removeprefix("torch.") for p in plan.params})
     itemsizes = sorted({p.layout.itemsize for p in plan.params})
-    grad = f"{'/'.join(map(str, itemsizes))} (as params)" if plan.grad_bytes is None else _num(plan.grad_bytes)
+    grad = (f"{'/'.join(map(str, itemsizes))} (as params)" if plan.grad_bytes is None
+            else _num(plan.grad_bytes))
     placements = sorted({placement_str(p.placements) for p in plan.params})
     tp = f" x tp = {plan.tp} (tp rank {plan.tp_rank}; tp rank 0 holds the most)" if plan.tp > 1 else ""
-    summary = _table(f"Plan: {plan.model_name} on a shard axis of K = {plan.world_size} ranks{tp} (no processes)")
+    summary = _table(f"Plan: {plan.model_name} on a shard axis of K = {plan.world_size} ranks{tp} (no "
+                     "processes)")
     summary.show_header = False
     summary.add_column("")
     summary.add_column("")
@@ -187,9 +197,11 @@ def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0, p
     summary.add_row("placements", ", ".join(placements))
     summary.add_row("bytes per element", f"params {'/'.join(map(str, itemsizes))} ({', '.join(dtypes)}), "
                     f"grads {grad}, optimizer {_num(plan.optim_bytes)}")
-    summary.add_row("all-gather slot", f"{plan.padded_param_bytes_per_rank:,} bytes per rank, padding included")
+    summary.add_row("all-gather slot",
+                    f"{plan.padded_param_bytes_per_rank:,} bytes per rank, padding included")
     sent, plain = plan.reduce_scatter_bytes_per_rank, plan.reduce_scatter_bytes_unquantized
-    ratio = f" ({format_fixed(Fraction(sent, plain), 3)} x the reduce dtype's: grad_quant)" if sent != plain else ""
+    ratio = (f" ({format_fixed(Fraction(sent, plain), 3)} x the reduce dtype's: grad_quant)" if sent != plain
+             else "")
     summary.add_row("reduce-scatter", f"{sent:,} bytes sent per rank per step, flags included{ratio}")
     show(con, summary)
 
@@ -235,8 +247,9 @@ def print_plan(con: Console, plan: ModelPlan, description: str, rank: int = 0, p
     if params_table:
         pt = _table(f"Parameters of {plan.model_name}, local shards on rank {rank} of {plan.world_size}")
         pt.add_column("name", overflow="fold")
-        for col, just in (("global shape", "right"), ("placement", "left"), (f"local shape (rank {rank})", "right"),
-                          ("dtype", "left"), ("local bytes", "right")):
+        for col, just in (("global shape", "right"), ("placement", "left"),
+                          (f"local shape (rank {rank})", "right"), ("dtype", "left"),
+                          ("local bytes", "right")):
             pt.add_column(col, justify=just)
         for p in plan.params:
             pt.add_row(p.name, str(tuple(p.layout.global_shape)), placement_str(p.placements),

@@ -91,7 +91,8 @@ def choose(fits: list[StageFit]) -> StageFit | None:
     return min(ok, key=lambda t: t[:3])[3] if ok else None
 
 
-def min_world_for_zero3(num_params: int, budget: int, bytes_per_param: BytesPerParam | None = None) -> int | None:
+def min_world_for_zero3(num_params: int, budget: int,
+                        bytes_per_param: BytesPerParam | None = None) -> int | None:
     """The smallest K at which ZeRO-3's ``(P + G + O)/K`` fits ``budget`` bytes per rank; ``None`` for a
     budget of 0 with a non-empty model."""
     total = model_state(num_params, bytes_per_param).total

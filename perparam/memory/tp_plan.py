@@ -1,5 +1,5 @@
-"""``perparam plan --tp T``: which parameters tensor parallelism splits, and the tp-local shapes the data-parallel
-shard axis then splits, computed without processes.
+"""``perparam plan --tp T``: which parameters tensor parallelism splits, and the tp-local shapes the
+data-parallel shard axis then splits, computed without processes.
 
 A tensor-parallel plan is what torch's ``parallelize_module`` takes: module-name patterns (one fnmatch pattern
 per dotted atom, e.g. ``"blocks.*.attn.c_attn"``) mapped to ``ColwiseParallel()`` or ``RowwiseParallel()``.
@@ -41,7 +41,8 @@ _ROWWISE = {nn.Linear: {"weight": Shard(1), "bias": Replicate()}, nn.Embedding: 
 
 
 def gpt2_tp_plan() -> dict:
-    """The Megatron-LM tensor-parallel plan of ``perparam.memory.presets.GPT2`` (module patterns -> styles)."""
+    """The Megatron-LM tensor-parallel plan of ``perparam.memory.presets.GPT2`` (module patterns ->
+    styles)."""
     return {"blocks.*.attn.c_attn": ColwiseParallel(), "blocks.*.attn.c_proj": RowwiseParallel(),
             "blocks.*.mlp.c_fc": ColwiseParallel(), "blocks.*.mlp.c_proj": RowwiseParallel()}
 
@@ -60,8 +61,8 @@ def tp_placements(module: nn.Module, tp_plan: Mapping[str, object]) -> dict[str,
     named = dict(module.named_modules())
     for pattern, style in tp_plan.items():
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            raise ValueError(f"tensor-parallel plan: '{pattern}' has style {type(style).__name__}; perparam plan "
-                             "knows ColwiseParallel and RowwiseParallel")
+            raise ValueError(f"tensor-parallel plan: '{pattern}' has style {type(style).__name__}; perparam "
+                             "plan knows ColwiseParallel and RowwiseParallel")
         table = _COLWISE if isinstance(style, ColwiseParallel) else _ROWWISE
         hits = [path for path in named if path and _matches(path, pattern)]
         if not hits:
@@ -78,9 +79,11 @@ def tp_placements(module: nn.Module, tp_plan: Mapping[str, object]) -> dict[str,
     return out
 
 
-def tp_local_shape(shape: tuple[int, ...], placement: Placement, tp: int, tp_rank: int = 0) -> tuple[int, ...]:
-    """The shape tp rank ``tp_rank`` of ``tp`` holds of a parameter of ``shape`` placed ``placement``: DTensor's
-    ``torch.chunk`` split (the first tp ranks hold the larger chunks, so tp rank 0 holds the most)."""
+def tp_local_shape(shape: tuple[int, ...], placement: Placement, tp: int,
+                   tp_rank: int = 0) -> tuple[int, ...]:
+    """The shape tp rank ``tp_rank`` of ``tp`` holds of a parameter of ``shape`` placed ``placement``:
+    DTensor's ``torch.chunk`` split (the first tp ranks hold the larger chunks, so tp rank 0 holds the
+    most)."""
     if not isinstance(placement, Shard):
         return shape
     d = placement.dim

@@ -3,11 +3,11 @@ between steps.
 
 ``HostSlot(label, tensor, pin)`` keeps a host copy of one device tensor (pinned when ``pin``: the copies
 can then run asynchronously). ``evict_all`` (``evict`` for one) copies device -> host on a side stream, waits
-once for all of them (the device storage is freed right after) and resizes the device storage to 0 bytes; ``fetch`` gives the storage back and copies host
--> device on a side stream, so the copy overlaps the rest of backward; ``wait`` makes the current stream
-wait for that copy (a stream wait, as FSDP2's waits on its copy events: the host does not block). The
-optimizer step runs on the device, as without offload: a parameter group never mixes host and device
-tensors, so no optimizer falls back to a slow path.
+once for all of them (the device storage is freed right after) and resizes the device storage to 0 bytes;
+``fetch`` gives the storage back and copies host -> device on a side stream, so the copy overlaps the rest of
+backward; ``wait`` makes the current stream wait for that copy (a stream wait, as FSDP2's waits on its copy
+events: the host does not block). The optimizer step runs on the device, as without offload: a parameter group
+never mixes host and device tensors, so no optimizer falls back to a slow path.
 
 Between steps the optimizer's state entry is the host copy (``park``; a DTensor keeps its spec around the
 host tensor, as torch's CPU state dicts do), never the device tensor over freed storage: a logged norm of
@@ -79,13 +79,14 @@ class HostSlot:
             self._event = None
 
     def park(self, state: dict, key: str) -> None:
-        """After ``evict``: ``state[key]`` (the optimizer's entry for this slot's tensor) becomes the host copy
-        (a DTensor of the same spec around it, for a DTensor entry) until ``unpark``."""
+        """After ``evict``: ``state[key]`` (the optimizer's entry for this slot's tensor) becomes the host
+        copy (a DTensor of the same spec around it, for a DTensor entry) until ``unpark``."""
         value = state.get(key)
         local = value._local_tensor if isinstance(value, DTensor) else value
         if self.resident or local is not self.tensor:
             return
-        host = DTensor(self.host, value._spec, requires_grad=False) if isinstance(value, DTensor) else self.host
+        host = DTensor(self.host, value._spec,
+                       requires_grad=False) if isinstance(value, DTensor) else self.host
         state[key] = host
         self._parked = (value, host)
 

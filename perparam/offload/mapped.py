@@ -5,8 +5,8 @@ state tensor) into a new file of exactly its bytes (reserved up front with ``pos
 that fills up later cannot fail a write-back) and points ``tensor`` at a shared mapping of that file
 (``tensor.set_``: the same tensor object, so optimizers, DTensors and state dicts keep their references).
 
-Between uses the slot is *evicted*: dirty pages are written to the file (``sync_file_range``), unmapped from the
-process (``MADV_DONTNEED``) and dropped from the page cache (``POSIX_FADV_DONTNEED``), so neither the
+Between uses the slot is *evicted*: dirty pages are written to the file (``sync_file_range``), unmapped from
+the process (``MADV_DONTNEED``) and dropped from the page cache (``POSIX_FADV_DONTNEED``), so neither the
 process's anonymous memory nor its file pages hold the bytes. Before use it is *fetched* on the
 background I/O thread (``MADV_POPULATE_WRITE``: read from disk and mapped writable). Any access at any
 other time is still correct: the kernel reads the missing pages from the file (slower, never wrong).
@@ -14,8 +14,8 @@ other time is still correct: the kernel reads the missing pages from the file (s
 Two I/O threads per process ("lanes") run fetches and evictions, each in submission order; every job of
 a slot runs on its lane, so a fetch after an eviction of the same slot sees the written bytes. Lane 0
 carries the stored shards (read ahead of all-gathers), lane 1 optimizer state and gradients (written back
-in bulk after the step and during backward), so a shard's read never queues behind those write-backs. ``STATS`` counts bytes and seconds (fetch time on the thread,
-time the training thread waited for fetches).
+in bulk after the step and during backward), so a shard's read never queues behind those write-backs.
+``STATS`` counts bytes and seconds (fetch time on the thread, time the training thread waited for fetches).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class Stats:
                 setattr(self, key, getattr(self, key) + value)
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("bytes_fetched", "bytes_written", "fetch_s", "evict_s", "wait_s")}
+        return {k: getattr(self, k)
+                for k in ("bytes_fetched", "bytes_written", "fetch_s", "evict_s", "wait_s")}
 
 
 STATS = Stats()
@@ -72,8 +73,9 @@ def executor(lane: int = SHARD_LANE) -> ThreadPoolExecutor:
     child)."""
     global _EXECUTORS
     if _EXECUTORS is None or _EXECUTORS[0] != os.getpid():
-        _EXECUTORS = (os.getpid(), [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"perparam-offload-{i}")
-                                    for i in (SHARD_LANE, STATE_LANE)])
+        _EXECUTORS = (os.getpid(),
+                      [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"perparam-offload-{i}")
+                       for i in (SHARD_LANE, STATE_LANE)])
     return _EXECUTORS[1][lane]
 
 
@@ -157,8 +159,8 @@ class Slot:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` still is this slot's mapping (``load_state_dict`` or ``to_empty`` may have
         given it new storage)."""
-        return tensor is self.tensor and tensor.data_ptr() == self.ptr and tensor.numel() * tensor.element_size() \
-            == self.nbytes
+        return (tensor is self.tensor and tensor.data_ptr() == self.ptr
+                and tensor.numel() * tensor.element_size() == self.nbytes)
 
     # -- on the I/O thread -------------------------------------------------------------------------------
     def _fetch(self) -> None:

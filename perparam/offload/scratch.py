@@ -76,7 +76,8 @@ class Scratch:
             self.dir = self.root / (PREFIX + starting.name[len(_STARTING):])
             os.rename(starting, self.dir)
         except OSError as e:
-            raise ScratchError(e.errno, f"cannot use {self.root} for the disk tier: {e.strerror or e}") from None
+            raise ScratchError(e.errno,
+                               f"cannot use {self.root} for the disk tier: {e.strerror or e}") from None
         self._pid = os.getpid()
         self._count = 0
         atexit.register(self.remove)

@@ -15,8 +15,8 @@ parameter's ``ParamOffload`` and installs:
   shards are fetched (and the next group's, in the last forward's order), after its forward evicted; and
   the group's ``ParamGroup.offload_hook``, called by every all-gather of the group (forward, backward,
   prefetch) before it packs the shards: it starts their reads and those of the next
-  ``RuntimeConfig.gather_read_ahead`` groups in the all-gathers' direction (backward: reverse forward order), so the
-  backward all-gathers find their shards read in behind the runtime's prefetch;
+  ``RuntimeConfig.gather_read_ahead`` groups in the all-gathers' direction (backward: reverse forward order),
+  so the backward all-gathers find their shards read in behind the runtime's prefetch;
 * for ``state="all"`` on disk, the gradient shard of a trainable stage-2/3 parameter: a file reserved at
   ``fully_shard`` (``GradSlot``). The reduction (``ShardedParam.accumulate_sharded_grad``) makes a new
   ``.grad`` in it (``grad_new``) or reads it back before adding to it (``grad_in``), then has it written
@@ -75,7 +75,8 @@ class ParamOffload:
         self.scratch = scratch
         self.state_slots: dict[str, Slot] = {}
         self.shard_slot: Slot | None = None
-        self.grad_slot: GradSlot | None = None  # state="all" on disk, trainable, sharded gradient: see grad_out
+        # state="all" on disk, trainable, sharded gradient: see grad_out
+        self.grad_slot: GradSlot | None = None
 
     @property
     def shards(self) -> bool:
@@ -85,11 +86,13 @@ class ParamOffload:
         """The slots holding a tensor now: optimizer state, stored shard, the ``.grad`` while it lives."""
         out = list(self.state_slots.values())
         out += [self.shard_slot] if self.shard_slot is not None else []
-        return out + [self.grad_slot] if self.grad_slot is not None and self.grad_slot.tensor is not None else out
+        return (out + [self.grad_slot] if self.grad_slot is not None and self.grad_slot.tensor is not None
+                else out)
 
     def files(self) -> list[Slot]:
         """Every slot with a file, the gradient's reserved one included."""
-        return list(self.state_slots.values()) + [s for s in (self.shard_slot, self.grad_slot) if s is not None]
+        return list(self.state_slots.values()) + [s for s in (self.shard_slot, self.grad_slot)
+                                                  if s is not None]
 
     def grad_ready(self) -> None:
         """Called by the reduction once this parameter's reduced gradient is in its sharded ``.grad``: the
@@ -133,7 +136,8 @@ class ParamOffload:
         if not self.shards:
             return None
         local = self.sp.local_shard()
-        if local.is_meta or local.numel() == 0 or (self.shard_slot is not None and self.shard_slot.holds(local)):
+        if local.is_meta or local.numel() == 0 or (self.shard_slot is not None
+                                                   and self.shard_slot.holds(local)):
             return None
         return local
 
@@ -174,19 +178,21 @@ def check(entries: list[tuple[str, object, int]], device_type: str, owner: str) 
         if not tier.offloaded:
             continue
         if device_type != "cpu" and tier.tier == "disk":
-            raise OffloadError(f"parameter '{name}' of {owner}: the disk tier is implemented for CPU meshes only "
-                               f"(this mesh is on {device_type}); use OffloadPolicy('cpu', 'optimizer') instead "
-                               "(its optimizer state in pinned host memory, copied in for the step) or 'device'")
+            raise OffloadError(f"parameter '{name}' of {owner}: the disk tier is implemented for CPU meshes "
+                               f"only (this mesh is on {device_type}); use OffloadPolicy('cpu', 'optimizer') "
+                               "instead (its optimizer state in pinned host memory, copied in for the step) "
+                               "or 'device'")
         if device_type != "cpu" and tier.tier == "cpu" and tier.state == "all":
-            raise OffloadError(f"parameter '{name}' of {owner}: the cpu tier of the stored shard on a {device_type} "
-                               "mesh (host optimizer step) is not implemented yet; use OffloadPolicy('cpu', "
-                               "'optimizer') (optimizer state in pinned host memory) or 'device' for it")
+            raise OffloadError(f"parameter '{name}' of {owner}: the cpu tier of the stored shard on a "
+                               f"{device_type} mesh (host optimizer step) is not implemented yet; use "
+                               "OffloadPolicy('cpu', 'optimizer') (optimizer state in pinned host memory) or "
+                               "'device' for it")
         if tier.tier == "disk" and tier.path not in scratches:
             try:
                 scratches[tier.path] = scratch_for(tier.path)
             except ScratchError as e:
-                raise OffloadError(f"parameter '{name}' of {owner}: {e.strerror}; name a writable directory in "
-                                   "OffloadPolicy('disk', path=...)") from None
+                raise OffloadError(f"parameter '{name}' of {owner}: {e.strerror}; name a writable directory "
+                                   "in OffloadPolicy('disk', path=...)") from None
     _check_space(entries, scratches, owner)
     return scratches
 
@@ -201,7 +207,8 @@ def _check_space(entries, scratches: dict[str, Scratch], owner: str) -> None:
         free = shutil.disk_usage(scratches[path].dir).free
         if nbytes > free:
             raise OffloadError(f"{owner}: the disk tier needs {nbytes} bytes for stored shards and their "
-                               f"gradients in {path} but {free} are free; free space or name another directory")
+                               f"gradients in {path} but {free} are free; free space or name another "
+                               "directory")
 
 
 def has_grad_file(policy) -> bool:
@@ -232,7 +239,8 @@ def attach(params: list, modules: list, owner: str, scratches: dict[str, Scratch
             po.adopt({})
             local = sp.local_shard()
             if has_grad_file(sp.policy) and not local.is_meta and local.numel() > 0:
-                po.grad_slot = GradSlot(scratches[sp.policy.offload.path], f"{po.label} gradient shard", local)
+                po.grad_slot = GradSlot(scratches[sp.policy.offload.path], f"{po.label} gradient shard",
+                                        local)
             for slot in po.slots():
                 slot.evict(write=True)
             group.append(po)
@@ -304,7 +312,8 @@ def _after_forward(group: _Group) -> None:
 
 def _install() -> None:
     if not _hooks:
-        _hooks.append(register_optimizer_step_pre_hook(torch.compiler.disable(_pre_step)))  # eager when compiled
+        # eager when compiled
+        _hooks.append(register_optimizer_step_pre_hook(torch.compiler.disable(_pre_step)))
         _hooks.append(register_optimizer_step_post_hook(torch.compiler.disable(_post_step)))
 
 

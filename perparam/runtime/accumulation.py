@@ -27,11 +27,11 @@ def reduce_accumulated(groups: list[ParamGroup]) -> int:
     due = []
     for g in groups:
         if g.state is not TrainingState.IDLE or g.ctx.callback_queued:
-            raise StateError(f"perparam: {g._what} is in {g.state.value}; reduce accumulated gradients after the "
-                             "last backward of the step has finished")
+            raise StateError(f"perparam: {g.own._what} is in {g.state.value}; reduce accumulated gradients "
+                             "after the last backward of the step has finished")
         if g.unsynced and not g.requires_gradient_sync:
-            raise StateError(f"perparam: {g._what} holds gradients accumulated without sync and gradient sync is "
-                             "still off; call set_requires_gradient_sync(True) first")
+            raise StateError(f"perparam: {g.own._what} holds gradients accumulated without sync and gradient "
+                             "sync is still off; call set_requires_gradient_sync(True) first")
         if g.unsynced:
             due.append(g)
     contexts = {}

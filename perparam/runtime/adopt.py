@@ -33,7 +33,8 @@ from .optim.binding import install_global_hook
 from .optim.registry import REGISTRY, Replacement
 from .optim.retarget import FLATTENING_OPTIMIZERS, ReplacedParameterError, UnflattenableShardError
 
-__all__ = ["FLATTENING_OPTIMIZERS", "ReplacedParameterError", "UnflattenableShardError", "record", "state_dtypes"]
+__all__ = ["FLATTENING_OPTIMIZERS", "ReplacedParameterError", "UnflattenableShardError", "record",
+           "state_dtypes"]
 
 #: attributes nn.Parameter / DTensor keep in ``__dict__`` themselves: never copied
 _INTERNAL = frozenset({"_is_param", "_local_tensor", "_spec"})

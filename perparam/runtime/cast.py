@@ -92,7 +92,8 @@ def tensors_anywhere(obj: Any, _seen: set | None = None) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     seen = set() if _seen is None else _seen
-    if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type, torch.nn.Module)):
+    if id(obj) in seen or obj is None or isinstance(obj,
+                                                    (str, bytes, int, float, bool, type, torch.nn.Module)):
         return []
     seen.add(id(obj))
     if isinstance(obj, dict):

@@ -67,12 +67,14 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         for name in ("prefetch", "local_optimizer_step"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"perparam.configure: {name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(f"perparam.configure: {name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
         ahead = self.gather_read_ahead
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"perparam.configure: gather_read_ahead must be an int >= 0, got {ahead!r}")
         for name, allowed in (("gloo_all_gather", GLOO_ALL_GATHER_ALGORITHMS),
-                              ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS), ("owner_grad", OWNER_GRADS)):
+                              ("gloo_reduce_scatter", GLOO_REDUCE_SCATTER_ALGORITHMS),
+                              ("owner_grad", OWNER_GRADS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"perparam.configure: {name} must be one of {allowed}, got {value!r}")
@@ -96,7 +98,8 @@ def configure(**changes) -> RuntimeConfig:
     fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
     unknown = sorted(set(changes) - fields)
     if unknown:
-        raise TypeError(f"perparam.configure: unknown setting(s) {unknown}; the settings are {sorted(fields)}")
+        raise TypeError(f"perparam.configure: unknown setting(s) {unknown}; the settings are "
+                        f"{sorted(fields)}")
     previous = _current
     _current = dataclasses.replace(_current, **changes)
     return previous

@@ -51,7 +51,9 @@ class IterationContext:
         self.reduce_cursor = 0
         self.forward_seen: set[ParamGroup] = set()
         self.forward_next: dict[ParamGroup, ParamGroup] = {}  # the last forward's successor of each group
-        self.last_forward: dict[ParamGroup, list[ParamGroup]] = {}  # root -> its last forward order (the group, not id(): a key reused by another group would hand it this order)
+        # root -> its last forward order (the group, not id(): a key reused by another group would hand it
+        # this order)
+        self.last_forward: dict[ParamGroup, list[ParamGroup]] = {}
         #: this backward's expected order (root, then reverse forward order) and how far its all-gathers
         #: have been issued (``hooks._backward_gathers``)
         self.backward_expected: list[ParamGroup] = []

@@ -4,9 +4,9 @@ its mesh parts (``perparam.runtime.part.MeshPart``: the call's mesh first, then 
 the mix of dtypes, quantizations and placements; one reduce-scatter per (mesh, reduce dtype, wire format).
 
 The group owns the collectives; ``hooks.py`` decides when they run. Its ``TrainingState`` is in
-``perparam.runtime.state``; its iteration context (``perparam.runtime.context``, which hands the group its buffer pool) is
-above it. Beside that state: the padded unsharded storage is *alive* or *freed*; the module has the
-*sharded* DTensors or the *unsharded* tensors registered.
+``perparam.runtime.state``; its iteration context (``perparam.runtime.context``, which hands the group its
+buffer pool) is above it. Beside that state: the padded unsharded storage is *alive* or *freed*; the module
+has the *sharded* DTensors or the *unsharded* tensors registered.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..comm.buffers import BufferPool
 from ..comm.process_groups import next_group_index
 from .meshes import split_by_mesh
 from .param import ShardedParam
-from .part import MeshPart, OwnPartViews
+from .part import MeshPart
 from .reduction import PendingReduce
 from .state import ALLOWED, StateError, TrainingState
 
@@ -27,7 +27,7 @@ from .state import ALLOWED, StateError, TrainingState
 GROUP_ATTR = "_perparam_group"
 
 
-class ParamGroup(OwnPartViews):
+class ParamGroup:
     """The parameters of one ``fully_shard`` call over a 1D mesh (shard) or 2D mesh (replicate, shard).
 
     ``modules``: the module(s) given to the call; ``params``: every managed parameter of the call in
@@ -62,10 +62,13 @@ class ParamGroup(OwnPartViews):
         self.requires_gradient_sync = True
         # HSDP: False holds the reduce-scattered gradients until a reduction that all-reduces (partial.py)
         self.requires_all_reduce = True
-        self.invariant = False  # perparam.InvariantUnits: reduce in the units' tree order (paths/reduce_invariant)
-        #: ``gate(group)`` before a backward reaches the group (perparam.InvariantUnits: refuses outside a unit)
+        # perparam.InvariantUnits: reduce in the units' tree order (paths/reduce_invariant)
+        self.invariant = False
+        #: ``gate(group)`` before a backward reaches the group (perparam.InvariantUnits: refuses outside a
+        #: unit)
         self.grad_gate = None
-        self.all_gather_comm = None  # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
+        # custom collectives: ShardedModule.set_custom_all_gather / _reduce_scatter
+        self.all_gather_comm = None
         self.reduce_scatter_comm = None
         #: ``hook(read_ahead)`` from ``perparam.offload.tier.attach``: reads disk-tier shards in before an
         #: all-gather of any mesh packs them (``RuntimeConfig.gather_read_ahead`` groups ahead too)
@@ -74,7 +77,8 @@ class ParamGroup(OwnPartViews):
         self.name = ", ".join(type(m).__name__ for m in modules)
         # per-iteration bookkeeping, driven by hooks.py (see perparam.runtime.state for the states)
         self.state = TrainingState.IDLE
-        self.ctx = None  # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
+        # its IterationContext (perparam.runtime.context): its own, then its root's from its first forward
+        self.ctx = None
         self.pool = BufferPool(0)  # the context's pool, handed over by IterationContext.take
         self.forward_depth = 0
         self.saved_hooks: list = []  # perparam.runtime.saved: the saved-tensor hooks of a forward running
@@ -89,15 +93,21 @@ class ParamGroup(OwnPartViews):
         self.reduced = False  # this backward's reduction of the group has been issued
         self.index = next_group_index()  # creation order: the same on every rank that builds the same model
         self.path: str | None = None  # the module path below the root, set at the root's first forward
-        own, others = split_by_mesh(params, mesh)
-        self.parts = [MeshPart(self, mesh, own, self.index),
+        mine, others = split_by_mesh(params, mesh)
+        self.parts = [MeshPart(self, mesh, mine, self.index),
                       *(MeshPart(self, other, members, next_group_index()) for other, members in others)]
+        #: the part of the call's own mesh (``parts[0]``), which the face, the benchmarks and the tests read
+        #: as the call's (``own.num_shards``, ``own.gathered``, ``own.layout``, ``own.hpz``, its name in
+        #: collectives and errors ``own._what``)
+        self.own = self.parts[0]
 
     def transition(self, new: TrainingState) -> None:
-        """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not allow."""
+        """Move to state ``new``; raises ``StateError`` for a transition ``perparam.runtime.state`` does not
+        allow."""
         if new is not self.state and new not in ALLOWED[self.state]:
-            raise StateError(f"perparam: group [{self.name}] cannot go from {self.state.value} to {new.value}; "
-                             "call module.reset() after an interrupted step, or report this as a bug")
+            raise StateError(f"perparam: group [{self.name}] cannot go from {self.state.value} to "
+                             f"{new.value}; call module.reset() after an interrupted step, or report this as "
+                             "a bug")
         self.state = new
 
     def force_state(self, new: TrainingState) -> None:
@@ -271,8 +281,8 @@ class ParamGroup(OwnPartViews):
         """Move a reduction on: once its reduce-scatter has finished, issue the all-reduce over the
         replicate axis (HSDP, asynchronously); once that has finished, run the all-reduce hook (if any),
         divide by ``MeshPart.divisor`` and accumulate each parameter's piece into its sharded ``.grad``
-        (when some rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet must not
-        stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
+        (when some rank had a gradient). ``block=False`` never waits (a reduction a peer has not issued yet
+        must not stall this rank's backward) and leaves reductions with an all-reduce hook to a blocking call;
         returns whether the reduction is complete. Callers advance reductions in the order they were
         issued, so the all-reduces are issued in the same order on every rank. A reduction is advanced by
         the part of the mesh it runs on (``item.part``)."""

@@ -1,6 +1,7 @@
 """When the collectives run: forward pre/post hooks, pre-backward hooks, post-backward and the final callback.
 
-Timeline of one training step for a group G (K ranks); the states are ``perparam.runtime.state.TrainingState``:
+Timeline of one training step for a group G (K ranks); the states are
+``perparam.runtime.state.TrainingState``:
 
 * pre-forward (IDLE -> FORWARD): all-gather G (one collective), register the unsharded tensors; when grad
   is enabled, pass G's inputs that require grad through an identity function whose backward marks the
@@ -48,7 +49,7 @@ from torch.autograd import Variable
 from . import config, prefetch, readers, saved
 from .cast import cast_floating, replace_tensors, tensors_anywhere, tensors_in
 from .context import IterationContext
-from .entry_checks import TransformError, _check_materialized, _check_transforms  # noqa: F401 (re-exported)
+from .entry_checks import TransformError, check_materialized, check_transforms  # noqa: F401 (re-exported)
 from .group import ParamGroup, group_of
 from .optim.registry import REGISTRY as OPTIMIZERS
 from .state import TrainingState
@@ -127,7 +128,7 @@ def _prefetch(nxt: ParamGroup | None, done: set | None = None) -> None:
 
 @untraced
 def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
-    _check_transforms(group)
+    check_transforms(group)
     if _recomputing():  # the iteration's state, order and prefetching stay as the real forward left them
         group.forward_depth += 1
         group.unshard()
@@ -142,7 +143,7 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
                 ctx = group.ctx
             if ctx.dirty():
                 ctx.reset("the previous iteration did not finish (an exception in forward or backward?)")
-            _check_materialized(ctx)
+            check_materialized(ctx)
             ctx.active_root = group
             _start_iteration(ctx, group)
         if group.forward_depth == 0:
@@ -167,9 +168,11 @@ def pre_forward(group: ParamGroup, module: nn.Module, args, kwargs):
     mp = group.mp_policy
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
-    frees = group.reshard_after_forward and not (group is group.ctx.active_root and group.auto_reshard_after_forward)
+    frees = group.reshard_after_forward and not (group is group.ctx.active_root
+                                                 and group.auto_reshard_after_forward)
     if frees and group.forward_depth == 1 and not _recomputing() and torch.is_grad_enabled():  # storage freed
-        saved.push(group, _saved_unpacked)  # after forward: its backward must gather; last, post_forward pops it
+        # after forward: its backward must gather; last, post_forward pops it
+        saved.push(group, _saved_unpacked)
     return args, kwargs
 
 
@@ -248,7 +251,8 @@ def _register_pre_backward(group: ParamGroup, output) -> None:
     """Hooks on the output tensors that need grad, wherever the output holds them (plain objects too;
     a leaf only where ``tensors_in`` finds it). The floor under them: ``saved.push``."""
     found = {id(t): t for t in tensors_in(output)}
-    hooked = [t for t in tensors_anywhere(output) if t.requires_grad and (t.grad_fn is not None or id(t) in found)]
+    hooked = [t for t in tensors_anywhere(output)
+              if t.requires_grad and (t.grad_fn is not None or id(t) in found)]
     for t in {id(t): t for t in hooked}.values():
         t.register_hook(lambda grad, g=group: _pre_backward(g))
 

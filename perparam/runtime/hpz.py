@@ -81,7 +81,8 @@ class Secondary:
         lo, hi = self.member * self.rows_per_member, (self.member + 1) * self.rows_per_member
         slot = segments[0][1].shape[1]
         if self.kept is None:
-            self.kept = pool.take(self.rows_per_member * slot, segments[0][1].device).view(self.rows_per_member, slot)
+            self.kept = pool.take(self.rows_per_member * slot,
+                                  segments[0][1].device).view(self.rows_per_member, slot)
         for first, rows in segments:
             a, b = max(lo, first), min(hi, first + rows.shape[0])
             if a < b:

@@ -21,10 +21,10 @@ call's policies. Gradients flow through the casts (``Tensor.to`` is differentiab
 A stock norm with running statistics (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm`` with
 ``track_running_stats=True``, a ``LazyBatchNorm`` once initialised) computes its parameters with its
 floating-point buffers, and its kernels want one dtype: its parameters compute in the buffers' dtype
-(``perparam.sharding.resolution.buffer_dtypes``, passed to ``resolve_params``), so under ``param_dtype=torch.bfloat16`` the
-norm becomes an fp32 island by the rule above (FSDP1 kept ``_BatchNorm`` modules in fp32 by wrapping them
-apart; FSDP2's ``fully_shard`` casts them to ``param_dtype`` and ``F.batch_norm`` then fails with
-"Expected running_mean to have type BFloat16").
+(``perparam.sharding.resolution.buffer_dtypes``, passed to ``resolve_params``), so under
+``param_dtype=torch.bfloat16`` the norm becomes an fp32 island by the rule above (FSDP1 kept ``_BatchNorm``
+modules in fp32 by wrapping them apart; FSDP2's ``fully_shard`` casts them to ``param_dtype`` and
+``F.batch_norm`` then fails with "Expected running_mean to have type BFloat16").
 
 A stock torch module whose own direct parameters ask for two different compute dtypes cannot compute
 (its ops need one dtype); it is refused at ``fully_shard`` time (``IslandError``), naming the module and
@@ -82,9 +82,9 @@ def find_islands(roots: list[tuple[str, nn.Module]], params, call_dtype: torch.d
             if not type(module).__module__.startswith("torch."):
                 del owned[module_id]  # the user's own forward handles its dtypes: no island
                 continue
-            raise IslandError(f"module '{path}' has parameters that compute in different dtypes: '{n1}' in {d1} and "
-                              f"'{n2}' in {d2}. A module computes in one dtype; give both the same param_dtype, or "
-                              "move one into a submodule of its own")
+            raise IslandError(f"module '{path}' has parameters that compute in different dtypes: '{n1}' in "
+                              f"{d1} and '{n2}' in {d2}. A module computes in one dtype; give both the same "
+                              "param_dtype, or move one into a submodule of its own")
     compute = {d for dtypes in owned.values() for d in dtypes}
     if call_dtype is None and len(compute) <= 1:
         return []
@@ -120,9 +120,10 @@ def _check_called(path: str, module: nn.Module, dtype: torch.dtype, parent: nn.M
     ``out_proj.weight``): such a child cannot be an island."""
     if parent is None or isinstance(parent, _CONTAINERS) or not type(parent).__module__.startswith("torch."):
         return
-    raise IslandError(f"module '{path}' would compute in {dtype}, but its parent {type(parent).__name__} is a stock "
-                      "torch module that may use its parameters without calling it, so its inputs could not be cast; "
-                      f"give the parent and '{path}' the same param_dtype (e.g. a pattern on the parent's name + '.*')")
+    raise IslandError(f"module '{path}' would compute in {dtype}, but its parent {type(parent).__name__} is "
+                      "a stock torch module that may use its parameters without calling it, so its inputs "
+                      f"could not be cast; give the parent and '{path}' the same param_dtype (e.g. a pattern "
+                      "on the parent's name + '.*')")
 
 
 def install(island: Island) -> None:

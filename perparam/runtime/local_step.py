@@ -65,7 +65,8 @@ def _local(optimizer, owners, step) -> dict[int, DTensor | None] | None:
             return None
         grad, kind = grads[id(sp)]
         if kind is GradKind.OTHER:  # perparam's own gradient has what is checked below
-            if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh:
+            if (not isinstance(grad, DTensor) or grad.placements != p.placements
+                    or grad.device_mesh != p.device_mesh):
                 return None
             local = grad._local_tensor
             if local.shape != shard.shape or local.dtype != shard.dtype or local.is_sparse:
@@ -106,7 +107,8 @@ def _wrap(value, p: DTensor, local: torch.Tensor):
         return value
     spec = p._spec
     if value.dtype != p.dtype:
-        spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), value.dtype))
+        spec = DTensorSpec(p.device_mesh, p.placements,
+                           tensor_meta=TensorMeta(p.shape, p.stride(), value.dtype))
     return DTensor(value, spec, requires_grad=False)
 
 

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .param import ShardedParam
 
 
-def split_by_mesh(params: list[ShardedParam], mesh: DeviceMesh) -> tuple[list[ShardedParam],
-                                                                        list[tuple[DeviceMesh, list[ShardedParam]]]]:
+def split_by_mesh(params: list[ShardedParam], mesh: DeviceMesh
+                  ) -> tuple[list[ShardedParam], list[tuple[DeviceMesh, list[ShardedParam]]]]:
     """``params`` (registration order) as (those on ``mesh``, [(other mesh, its parameters)] in order of
     first appearance). A parameter's mesh is its data-parallel mesh (``ShardedParam.dp_mesh``); meshes
     that compare equal are one."""

@@ -46,7 +46,8 @@ class _Catch(TorchFunctionMode):
             return func(*args, **kwargs)
         except (RuntimeError, AssertionError) as error:
             optimizer = self.optimizer()
-            if isinstance(error, owner_step.WholeMatrixShardError) or optimizer is None or not _mixed(error, args,
+            if isinstance(error, owner_step.WholeMatrixShardError) or optimizer is None or not _mixed(error,
+                                                                                                      args,
                                                                                                      kwargs):
                 raise
             sp = self._param(optimizer, args, kwargs)

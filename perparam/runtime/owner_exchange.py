@@ -10,7 +10,7 @@ reduced gradient *unless the owner holds the whole reduced gradient already*:
   unscale, a user's edit through ``.grad``) leave the whole gradients of the other ranks stale, and version
   counters do not see every in-place change (a ``torch._foreach_*`` op on a DTensor bumps none), so the
   ranks compare the bits: each rank's rows carry a digest taken when the reduction wrote them
-  (``ParamGradients.accumulate_whole_grad``), and one all-reduce of a flag per such parameter per bucket
+  (``ShardedParam.accumulate_whole_grad``), and one all-reduce of a flag per such parameter per bucket
   (``[n]`` int32, the same on every rank) says whether all K ranks' rows are unchanged; where they are
   not, the rows travel as for any parameter;
 - a parameter reduced straight to its owner (``paths.reduce_owner``, ``perparam.configure(owner_grad=
@@ -28,8 +28,8 @@ Bytes on the wire per ``m x n`` matrix, summed over the ranks: ``(K-1)/K m n`` e
 in and ``(K-1)/K m n`` updated rows out, plus ``(K-1)/K m n`` gradient rows in where they travel:
 ``2 (K-1)/K m n`` or ``3 (K-1)/K m n``. A gradient held on its owner (reduced to it) adds one element
 from each other rank, its witness that it saw the ``.grad`` zeroed in place (``owner_grads.witness``: an
-owner holding no rows of the matrix cannot see it itself): ``K-1`` elements per such matrix. Every rank issues the same collectives with the same sizes
-whatever it owns (empty pieces where it has none).
+owner holding no rows of the matrix cannot see it itself): ``K-1`` elements per such matrix. Every rank issues
+the same collectives with the same sizes whatever it owns (empty pieces where it has none).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor
 from ..comm.buffers import BufferPool
 from ..comm.collectives import all_gather_objects, all_reduce_sum, exchange_uneven
 from . import owner_grads
+from .dtensors import rows_digest
 from .owner_grads import OwnerStepError
-from .param_grads import rows_digest
 
 __all__ = ["OwnerStepError", "Posted", "assemble", "gather", "land", "local_grad", "raised_texts", "remember",
            "scatter", "travels"]
@@ -52,15 +52,15 @@ def local_grad(sp) -> torch.Tensor:
     p = sp.sharded
     grad = p.grad
     if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.dtype != p.dtype:
-        raise OwnerStepError(f"parameter '{sp.path}' has update='owner' but its .grad is not a DTensor of its "
-                             f"placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad to perparam's "
-                             "reduction, or assign a DTensor like the parameter")
+        raise OwnerStepError(f"parameter '{sp.path}' has update='owner' but its .grad is not a DTensor of "
+                             f"its placements and dtype {p.dtype} (got {type(grad).__name__}); leave .grad "
+                             "to perparam's reduction, or assign a DTensor like the parameter")
     return grad._local_tensor
 
 
 def _rows_intact(sp, device) -> torch.Tensor:
     """Stage 1: ``.grad`` still views the whole gradient the reduction wrote, and this rank's rows of it have
-    the bits they had then (``ParamGradients._whole_digest``): a 0-dim bool on ``device``, read nothing back."""
+    the bits they had then (``ShardedParam._whole_digest``): a 0-dim bool on ``device``, read nothing back."""
     whole = sp._whole_grad()
     if whole is None or sp._whole_digest is None:
         return torch.zeros((), dtype=torch.bool, device=device)
@@ -76,9 +76,9 @@ def travels(bucket, entries, held: tuple[bool, ...]) -> tuple[bool, ...]:
     for e, move in zip(entries, out):
         if not move and owner_grads.reduced_to(e.sp) != e.owner:  # the same on every rank: raised alike
             raise OwnerStepError(f"parameter '{e.sp.path}': its gradient was reduced to rank "
-                                 f"{owner_grads.reduced_to(e.sp)} under an earlier optimizer's plan, and this "
-                                 f"optimizer's owner of it is rank {e.owner}; step the optimizer the owners were "
-                                 "planned for, or zero_grad() and run backward again")
+                                 f"{owner_grads.reduced_to(e.sp)} under an earlier optimizer's plan, and "
+                                 f"this optimizer's owner of it is rank {e.owner}; step the optimizer the "
+                                 "owners were planned for, or zero_grad() and run backward again")
     whole = [i for i, e in enumerate(entries) if out[i] and e.sp.policy.whole_grad]
     if whole:
         device = entries[0].sp.sharded._local_tensor.device
@@ -126,7 +126,8 @@ def _take(pool: BufferPool | None, numel: int, dtype: torch.dtype, device: torch
     return pool.take(numel * dtype.itemsize, device).view(dtype)
 
 
-def gather(bucket, entries, moves: tuple[bool, ...], held: tuple[bool, ...], pool: BufferPool | None = None) -> Posted:
+def gather(bucket, entries, moves: tuple[bool, ...], held: tuple[bool, ...],
+           pool: BufferPool | None = None) -> Posted:
     """Post the all-to-all bringing parameter rows (and, where ``moves``, gradient rows) to the owners, with
     the witness of each gradient reduced to its owner (``held``); each rank's rows are copied straight into
     the send buffer (from ``pool`` when given, as the receive buffer)."""
@@ -159,8 +160,8 @@ def gather(bucket, entries, moves: tuple[bool, ...], held: tuple[bool, ...], poo
     recv = _take(pool, sum(recv_splits), dtype, device) if k > 1 else None
     logical = (sum((2 if move else 1) * e.sp.sharded.numel() for e, move in zip(entries, moves))
                + k * sum(held)) * dtype.itemsize
-    work, recv = exchange_uneven(send, send_splits, recv_splits, pg, logical, f"owner gather of {len(entries)} params",
-                                 recv=recv)
+    work, recv = exchange_uneven(send, send_splits, recv_splits, pg, logical,
+                                 f"owner gather of {len(entries)} params", recv=recv)
     return Posted(work, send, recv, pool)
 
 
@@ -220,7 +221,8 @@ def scatter(bucket, entries, wholes: dict, raised: bool, pool: BufferPool | None
     dtype = entries[0].sp.sharded.dtype
     device = entries[0].sp.sharded._local_tensor.device
     mine = [e for e in entries if e.owner == me]
-    send_splits = [1 + (0 if dest == me else sum(e.sp.layout.local_numel(dest) for e in mine)) for dest in range(k)]
+    send_splits = [1 + (0 if dest == me else sum(e.sp.layout.local_numel(dest) for e in mine))
+                   for dest in range(k)]
     recv_splits = [1] * k
     for e in entries:
         if e.owner != me:
@@ -235,7 +237,8 @@ def scatter(bucket, entries, wholes: dict, raised: bool, pool: BufferPool | None
             n = piece.numel()
             send[offset:offset + n].view(piece.shape).copy_(piece)
             offset += n
-    if not raised:  # this rank's own rows of what it stepped: straight into its shards, not through the exchange
+    # this rank's own rows of what it stepped: straight into its shards, not through the exchange
+    if not raised:
         for e in mine:
             local = e.sp.sharded._local_tensor
             local.copy_(e.sp.layout.local_piece(wholes[id(e.sp.sharded)][1], me).reshape(local.shape))
@@ -258,7 +261,8 @@ def land(scattered: list) -> list[list[int]]:
         me, offset, at = bucket.group.rank(), 0, []
         for owner in range(bucket.group.size()):
             at.append(offset)
-            offset += 1 + (0 if owner == me else sum(e.sp.layout.local_numel(me) for e in entries if e.owner == owner))
+            offset += 1 + (0 if owner == me
+                           else sum(e.sp.layout.local_numel(me) for e in entries if e.owner == owner))
         starts.append(at)
     heads = [recv[at] for recv, ats in zip(recvs, starts) for at in ats]
     values = iter(torch.stack(heads).tolist() if heads else [])

@@ -29,7 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..sharding.errors import ShardingError
-from .param_grads import _dtensor, _spec, rows_digest
+from .dtensors import dtensor_spec, local_dtensor, rows_digest
 
 
 class OwnerStepError(ShardingError, RuntimeError):
@@ -40,8 +40,9 @@ class OwnerStepError(ShardingError, RuntimeError):
 class HeldGrad:
     """What a sharded ``.grad`` of an owner parameter stands for: ``whole``, the whole gradient on the owner
     (``None`` elsewhere); ``digest``, of this rank's rows when perparam wrote them (``None``: rows filled with
-    NaN by perparam, which are never all zero unless empty); ``owner``, the rank it was reduced to; ``version``,
-    the ``.grad`` DTensor's version counter then (an in-place op through it bumps it; a foreach op does not)."""
+    NaN by perparam, which are never all zero unless empty); ``owner``, the rank it was reduced to;
+    ``version``, the ``.grad`` DTensor's version counter then (an in-place op through it bumps it; a foreach
+    op does not)."""
 
     __slots__ = ("whole", "digest", "owner", "version", "intact")
 
@@ -146,10 +147,10 @@ def check_untouched(sp) -> None:
         return
     raise OwnerStepError(f"parameter '{sp.path}': its .grad was changed after backward (torch.nn.utils."
                          "clip_grad_norm_, a GradScaler unscale, p.grad.mul_, a hook?), but under "
-                         "perparam.configure(owner_grad='owner') .grad holds only the owner's rows of the whole "
-                         "gradient (NaN on the other ranks) and the step reads the whole; clip with "
-                         "perparam.clip_grad_norm_ (it scales the whole), or keep configure(owner_grad='rows') "
-                         "to read or scale .grad before the step")
+                         "perparam.configure(owner_grad='owner') .grad holds only the owner's rows of the "
+                         "whole gradient (NaN on the other ranks) and the step reads the whole; clip with "
+                         "perparam.clip_grad_norm_ (it scales the whole), or keep "
+                         "configure(owner_grad='rows') to read or scale .grad before the step")
 
 
 def remember(sp, whole_grad: torch.Tensor | None) -> None:
@@ -232,10 +233,10 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
     entry = records.held.get(grad) if grad is not None else None
     prior = records.prior.pop(grad, None) if grad is not None and entry is None else None
     if grad is not None and entry is None and prior is None:
-        raise OwnerStepError(f"parameter '{sp.path}' has its gradient reduced to its owner (configure(owner_grad="
-                             "'owner')) but its .grad holds a gradient of another kind (assigned, or "
-                             "reduce-scattered and never stepped by the optimizer that planned its owner); call "
-                             "zero_grad() after each step")
+        raise OwnerStepError(f"parameter '{sp.path}' has its gradient reduced to its owner "
+                             "(configure(owner_grad='owner')) but its .grad holds a gradient of another kind "
+                             "(assigned, or reduce-scattered and never stepped by the optimizer that planned "
+                             "its owner); call zero_grad() after each step")
     if reduced is not None:
         reduced = lay.from_wire(reduced.view(lay.rule.wire_shape(lay.global_shape)))
     if entry is not None:
@@ -247,7 +248,7 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
         entry.version = grad._version
         return
     if sp._grad_spec is None:
-        sp._grad_spec = _spec(sp.mesh, sp.placements, sp.global_shape, p.dtype)
+        sp._grad_spec = dtensor_spec(sp.mesh, sp.placements, sp.global_shape, p.dtype)
     if reduced is not None and prior is not None and prior.whole is not None:
         held = prior.whole  # the whole the step assembled (its own storage): accumulated onto, or replaced
         _add(held, reduced, zeroed)
@@ -258,7 +259,8 @@ def accumulate(sp, reduced: torch.Tensor | None, zeroed: torch.Tensor | None = N
         rows = lay.local_piece(held, sp.shard_rank)
     else:
         held = None
-        rows = torch.full(lay.local_shape(sp.shard_rank), float("nan"), dtype=p.dtype, device=p._local_tensor.device)
-    p.grad = _dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
+        rows = torch.full(lay.local_shape(sp.shard_rank), float("nan"), dtype=p.dtype,
+                          device=p._local_tensor.device)
+    p.grad = local_dtensor(rows, sp.mesh, sp.placements, sp.global_shape, sp._grad_spec)
     digest = rows_digest(rows) if held is not None else None
     records.held[p.grad] = HeldGrad(held, digest, sp.owner_rank, p.grad._version)

@@ -62,8 +62,8 @@ def _rows_to_owner(pg, e, local: torch.Tensor) -> torch.Tensor | None:
     send_splits = [local.numel() if r == e.owner else 0 for r in range(k)]
     recv_splits = [lay.local_numel(r) if e.owner == me else 0 for r in range(k)]
     work, recv = exchange_uneven(local.reshape(-1), send_splits, recv_splits, pg,
-                                 e.sp.sharded.numel() * local.element_size(), f"owner state rows of {e.sp.fqn}",
-                                 async_op=False)
+                                 e.sp.sharded.numel() * local.element_size(),
+                                 f"owner state rows of {e.sp.fqn}", async_op=False)
     if e.owner != me:
         return None
     whole = torch.empty(e.sp.sharded.shape, dtype=local.dtype, device=local.device)
@@ -108,7 +108,8 @@ def sharded_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
                 device = p._local_tensor.device
                 if kind == "rows":
                     local = _rows_from_owner(pg, e, held.get(key), dtype, device)
-                    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), dtype))
+                    spec = DTensorSpec(p.device_mesh, p.placements,
+                                       tensor_meta=TensorMeta(p.shape, p.stride(), dtype))
                     state[key] = DTensor(local, spec, requires_grad=False)
                 else:
                     state[key] = _whole_from_owner(pg, e, held.get(key), shape, dtype, device)
@@ -145,8 +146,10 @@ def install(optimizer: torch.optim.Optimizer) -> None:
     turns a loaded checkpoint-form state back onto the owners (``own_state``)."""
     # their exchanges are collectives: a peer gone meanwhile raises PeerLostError
     optimizer.register_state_dict_post_hook(lost_peers("optimizer.state_dict()")(_state_dict_post))
-    optimizer.register_load_state_dict_pre_hook(lost_peers("optimizer.load_state_dict()")(_load_state_dict_pre))
-    optimizer.register_load_state_dict_post_hook(lost_peers("optimizer.load_state_dict()")(_load_state_dict_post))
+    optimizer.register_load_state_dict_pre_hook(
+        lost_peers("optimizer.load_state_dict()")(_load_state_dict_pre))
+    optimizer.register_load_state_dict_post_hook(
+        lost_peers("optimizer.load_state_dict()")(_load_state_dict_post))
 
 
 def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -155,9 +158,11 @@ def _state_dict_post(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict
     route = routing(optimizer)
     if route is None:
         return state_dict
-    _enter_together(route, "optimizer.state_dict()", "call optimizer.state_dict() on every rank (then save it "
+    _enter_together(route, "optimizer.state_dict()",
+                    "call optimizer.state_dict() on every rank (then save it "
                     "on one: sd = opt.state_dict(); if rank == 0: torch.save(sd, path)), as DCP's "
-                    "get_optimizer_state_dict does; its owner parameters' state is gathered from their owners")
+                    "get_optimizer_state_dict does; its owner parameters' state is gathered from their "
+                    "owners")
     index: dict[int, int] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -180,7 +185,8 @@ def _load_state_dict_pre(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     form that the next step would trip over)."""
     route = routing(optimizer)
     if route is not None:
-        _enter_together(route, "optimizer.load_state_dict()", "call optimizer.load_state_dict() on every rank "
+        _enter_together(route, "optimizer.load_state_dict()",
+                        "call optimizer.load_state_dict() on every rank "
                         "with the same state dict; its owner parameters' state is sent to their owners")
 
 

@@ -26,13 +26,13 @@ owner policy:
    ``benchmarks/README.md``). The bucket's whole tensors are dropped once its rows are in
    the send buffer. After the last bucket's step every scatter is waited for, every owner's flag read at
    once, and the rows copied into the shards in place (``owner_exchange.land``). The exchanges' send
-   and receive buffers come from a ``BufferPool`` of its own kept with the plan (``perparam.comm.buffers``, smallest fit): touched
-   once, reused by every later step (a fresh buffer page-faults in each time; its cost per step:
-   ``muon_step`` in ``benchmarks/README.md``). The step proper then
+   and receive buffers come from a ``BufferPool`` of its own kept with the plan (``perparam.comm.buffers``,
+   smallest fit): touched once, reused by every later step (a fresh buffer page-faults in each time; its cost
+   per step: ``muon_step`` in ``benchmarks/README.md``). The step proper then
    runs with the routed parameters left out of ``param_groups`` (put back by the post-hook). The state of
    an owner parameter stays whole, keyed by the sharded parameter, on the owner only (about 1/K of the
-   matrices' momentum per rank; an empty entry elsewhere, ``owner_state``); the step is counted on the parameters as any step
-   (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
+   matrices' momentum per rank; an empty entry elsewhere, ``owner_state``); the step is counted on the
+   parameters as any step (``ShardedParam.optimizer_steps``), so stage-1/2 kept copies are refreshed.
 
 A step that raises on an owner is raised on every rank of the axis (``OwnerStepRaised``, the owner's
 exception its cause) after the exchange, the raising owner's rows not copied: the flags of all buckets are
@@ -40,9 +40,9 @@ read back once per step (``owner_exchange.land``).
 
 Bytes on the wire per ``m x n`` matrix: ``(K-1)/K m n`` elements of parameter rows in, ``(K-1)/K m n``
 out, and ``(K-1)/K m n`` of gradient rows in where they travel: ``3 (K-1)/K m n`` after a reduce-scatter,
-``2 (K-1)/K m n`` when the owner holds the whole gradient (``owner_exchange``). Every rank issues the same all-to-alls, in the same order,
-whatever it owns (a rank with empty shards sends empty pieces); a parameter without a gradient (no rank used
-it: ``None`` on every rank alike) is left out of the exchange on every rank.
+``2 (K-1)/K m n`` when the owner holds the whole gradient (``owner_exchange``). Every rank issues the same
+all-to-alls, in the same order, whatever it owns (a rank with empty shards sends empty pieces); a parameter
+without a gradient (no rank used it: ``None`` on every rank alike) is left out of the exchange on every rank.
 
 Memory: every bucket's scatter buffers (this rank's owned rows out, its own rows in: about ``2/K`` of the
 matrices' bytes at the end of the step) are alive until the last bucket's step is done, and the pool keeps
@@ -63,8 +63,9 @@ from .optim import registry
 from .optim.step import GradKind
 from .owner_exchange import OwnerStepError
 
-__all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check", "is_whole_matrix",
-           "mixed_step_error", "owner_fix", "plan", "routing", "step_in", "step_out", "unrouted"]
+__all__ = ["BUCKET_BYTES", "OwnerStepError", "OwnerStepRaised", "WholeMatrixShardError", "check",
+           "is_whole_matrix", "mixed_step_error", "owner_fix", "plan", "routing", "step_in", "step_out",
+           "unrouted"]
 
 #: at most this many bytes of whole gradient plus whole parameter per exchange (a larger parameter alone)
 BUCKET_BYTES = 64 * 2**20
@@ -111,7 +112,8 @@ def unrouted(optimizer: torch.optim.Optimizer, held):
         return None
     by_id = {id(sp.sharded): sp for sp in held}
     for group in optimizer.param_groups:
-        if getattr(type(optimizer), DECLARATION, None) is None and not whole_matrix.steps_whole(optimizer, group):
+        if (getattr(type(optimizer), DECLARATION, None) is None
+            and not whole_matrix.steps_whole(optimizer, group)):
             continue
         for sp in (by_id[id(p)] for p in group["params"] if id(p) in by_id):
             if sp.policy.update != "owner" and sp.layout.gathered and sp.layout.num_shards > 1:
@@ -135,20 +137,23 @@ def check(optimizer: torch.optim.Optimizer, held) -> None:
         return
     raise WholeMatrixShardError(
         f"{type(optimizer).__name__} computes each parameter's update from the whole tensor, and parameter "
-        f"'{sp.path}' ({registration.class_name(sp.slots[0][0])}, shape {tuple(sp.global_shape)}) is sharded over "
-        f"{sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. {owner_fix(sp)}. A "
-        f"custom optimizer declares itself elementwise with the class attribute {DECLARATION} = False")
+        f"'{sp.path}' ({registration.class_name(sp.slots[0][0])}, shape {tuple(sp.global_shape)}) is sharded "
+        f"over {sp.layout.num_shards} ranks: stepped on its shards the update is silently wrong. "
+        f"{owner_fix(sp)}. A custom optimizer declares itself elementwise with the class attribute "
+        f"{DECLARATION} = False")
 
 
-def mixed_step_error(optimizer: torch.optim.Optimizer, sp, func, error: BaseException) -> WholeMatrixShardError:
+def mixed_step_error(optimizer: torch.optim.Optimizer, sp, func,
+                     error: BaseException) -> WholeMatrixShardError:
     """The error for ``optimizer``'s step raising DTensor's "got mixed torch.Tensor and DTensor" with
     ``sp`` (the parameter it was stepping, or the first sharded one it holds) sharded."""
     return WholeMatrixShardError(
         f"{type(optimizer).__name__}'s step failed on parameter '{sp.path}' ("
-        f"{registration.class_name(sp.slots[0][0])}, shape {tuple(sp.global_shape)}), a DTensor over {sp.layout.num_shards} rank(s): {getattr(func, '__name__', func)} "
-        "got mixed torch.Tensor and DTensor (the step combines plain tensors with the parameter's shards, as an "
-        f"optimizer that reads whole tensors does). {owner_fix(sp)}. A custom optimizer declares itself whole-matrix "
-        f"with the class attribute {DECLARATION} = True (refused before its first step)")
+        f"{registration.class_name(sp.slots[0][0])}, shape {tuple(sp.global_shape)}), a DTensor over "
+        f"{sp.layout.num_shards} rank(s): {getattr(func, '__name__', func)} got mixed torch.Tensor and "
+        "DTensor (the step combines plain tensors with the parameter's shards, as an optimizer that reads "
+        f"whole tensors does). {owner_fix(sp)}. A custom optimizer declares itself whole-matrix with the "
+        f"class attribute {DECLARATION} = True (refused before its first step)")
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,8 @@ class Routing:
     by_id: dict  # id(sharded parameter) -> Entry
     loads: dict  # process group name -> per-rank Newton-Schulz cost (``OwnerPlan.loads``)
     #: the exchanges' send and receive buffers, kept from one step to the next (``perparam.comm.buffers``)
-    staging: BufferPool = field(default_factory=lambda: BufferPool(min_bytes=0, smallest_fit=True), compare=False)
+    staging: BufferPool = field(default_factory=lambda: BufferPool(min_bytes=0, smallest_fit=True),
+                                compare=False)
 
 
 def shard_group(sp):
@@ -229,7 +235,8 @@ def step_in(optimizer: torch.optim.Optimizer, route: Routing | None, step, stepp
     gather posted before this one's step), run the optimizer's own step function on them alone on their
     owners (inside ``stepping_whole()``: perparam's hooks leave a hooked step it calls alone), send the rows
     back; then leave the routed parameters out of ``param_groups`` for the step itself. Returns what
-    ``step_out`` puts back (``None``: nothing routed). ``step``: the step, which knows each gradient's kind."""
+    ``step_out`` puts back (``None``: nothing routed). ``step``: the step, which knows each gradient's
+    kind."""
     if route is None:
         return None
     grads = step.grads()
@@ -248,9 +255,10 @@ def step_in(optimizer: torch.optim.Optimizer, route: Routing | None, step, stepp
     if not live:
         return None
     if step.closure:
-        raise OwnerStepError(f"{type(optimizer).__name__}.step(closure) computes gradients inside the step, after "
-                             "perparam has brought the update='owner' parameters' gradients to their owners; call "
-                             "the closure (forward and backward) before step() and then step() without it")
+        raise OwnerStepError(f"{type(optimizer).__name__}.step(closure) computes gradients inside the step, "
+                             "after perparam has brought the update='owner' parameters' gradients to their "
+                             "owners; call the closure (forward and backward) before step() and then step() "
+                             "without it")
     stock = type(optimizer).step.__wrapped__  # the class's step without torch's hook wrapper
     groups = [(group, group["params"]) for group in optimizer.param_groups]
     routed = {id(e.sp.sharded) for _, es in live for e in es}
@@ -321,7 +329,8 @@ def _step_whole(optimizer, groups, wholes: dict, stock) -> None:
 def _raise_everywhere(optimizer, failed: list, mine: Exception | None) -> None:
     """Raise ``OwnerStepRaised`` on every rank of the axes of ``failed`` (``(bucket, owner rank)`` pairs,
     known alike on each axis' ranks from the flags): the owners share their exception's text (one object
-    all-gather per failed bucket, ``owner_exchange.raised_texts``); the owner raises it from its own exception."""
+    all-gather per failed bucket, ``owner_exchange.raised_texts``); the owner raises it from its own
+    exception."""
     lines = []
     for bucket in dict.fromkeys(b for b, _ in failed):
         owners = [o for b, o in failed if b is bucket]
@@ -333,7 +342,8 @@ def _raise_everywhere(optimizer, failed: list, mine: Exception | None) -> None:
                               if e.owner == owner and e.sp.sharded.grad is not None)
             lines.append(f"on rank {owner} of its shard axis, the owner of parameters {names}: {told[owner]}")
     raise OwnerStepRaised(
-        f"{type(optimizer).__name__}'s step on whole tensors raised " + "; ".join(lines) + ". Every rank of that "
+        f"{type(optimizer).__name__}'s step on whole tensors raised " + "; ".join(lines)
+        + ". Every rank of that "
         "axis raises this error; the raising owner's parameters keep their values from before the step (its "
         "optimizer state of them as the raising step left it), the step proper did not run") from mine
 

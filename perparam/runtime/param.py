@@ -8,6 +8,10 @@ storage, so tensors autograd saved in forward become valid again when the backwa
 
 The padded buffer is laid out as the gathered pieces arrive: ``(K * chunk, *other dims)`` with the shard
 dim first; the unsharded parameter is a view of it (``narrow`` then ``movedim`` back for ``Shard(d)``).
+
+Its gradients: the unsharded gradient moved into the reduce dtype and accumulated over micro-batches
+without sync, the zeros a rank without a gradient reduces, and the reduced pieces accumulated into the
+sharded (or, stage 1, whole) ``.grad``, the division fused where it is exact.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from ..sharding.errors import ShardingError
 from ..sharding.resolution import ParamResolution, shard_layout
 from . import registration, shard_view, writes
-from .param_grads import ParamGradients, _dtensor, _spec, contiguous_stride  # noqa: F401 (contiguous_stride: used by others)
+from .dtensors import dtensor_spec, local_dtensor, rows_digest
 from .tp import TensorParallel
+
+
+def _power_of_two(x: float) -> bool:
+    """``x`` is ``2**m`` for an integer ``m`` (dividing by it is exact, barring subnormal results)."""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
 
 
 class ReplacedAfterShardingError(ShardingError, RuntimeError):
@@ -36,7 +45,7 @@ class ReplacedAfterShardingError(ShardingError, RuntimeError):
     changed, e.g. parameters left on the meta device)."""
 
 
-class ShardedParam(ParamGradients):
+class ShardedParam:
     """A parameter managed by one group.
 
     ``slots``: every ``(module, attribute name)`` under which the parameter is registered (several for a
@@ -65,9 +74,11 @@ class ShardedParam(ParamGradients):
         dp_shape = tuple(original.to_local().shape) if tp else self.global_shape
         q = policy.quant
         self.stored_quantized = q is not None and q.store_quantized
-        if resolution.layout.global_shape != dp_shape or resolution.layout.num_shards != mesh.size(mesh.ndim - 1):
-            raise ValueError(f"parameter '{fqn}': its resolution is laid out as {resolution.layout.global_shape} over "
-                             f"{resolution.layout.num_shards} shards, not {dp_shape} over {mesh.size(mesh.ndim - 1)}")
+        if (resolution.layout.global_shape != dp_shape
+            or resolution.layout.num_shards != mesh.size(mesh.ndim - 1)):
+            raise ValueError(f"parameter '{fqn}': its resolution is laid out as "
+                             f"{resolution.layout.global_shape} over {resolution.layout.num_shards} shards, "
+                             f"not {dp_shape} over {mesh.size(mesh.ndim - 1)}")
         self.layout, self.pieces = resolution.layout, resolution.pieces
         self._scales: DTensor | None = None  # stored-quantized parameters: fp32 [rows, blocks per row]
         self.scales_name = f"{slots[0][1]}_qscale"
@@ -79,28 +90,33 @@ class ShardedParam(ParamGradients):
         #: shape for Shard(d > 0) and Replicate(); ``_padded_data`` is its ``.data`` (see ``_ensure_buffers``)
         self._padded: torch.Tensor | None = None
         self._padded_data: torch.Tensor | None = None
-        self._padded_write: torch.Tensor | None = None  # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        # uint8 [buffer_rows, bytes] alias: the Shard(0) copy target
+        self._padded_write: torch.Tensor | None = None
         self._padded_nbytes = 0  # bytes of ``_padded``'s storage when allocated
-        self._regions: tuple | None = None  # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
+        # (``_padded_data``, its per-rank regions, own region): ``rank_regions``
+        self._regions: tuple | None = None
         self.unsharded: nn.Parameter | None = None
         self.grad_acc: torch.Tensor | None = None  # unsharded gradient kept in the reduce dtype
         #: called with this parameter each time autograd accumulated a gradient into the unsharded parameter
         self.on_grad_ready: Callable[[ShardedParam], None] | None = None
         self._grad_spec: DTensorSpec | None = None
-        #: stage 1: the version counter of the sharded ``.grad`` (the rows of the whole gradient) when perparam
-        #: last wrote the whole gradient (``accumulate_whole_grad``)
+        #: stage 1: the version counter of the sharded ``.grad`` (the rows of the whole gradient) when
+        #: perparam last wrote the whole gradient (``accumulate_whole_grad``)
         self._whole_version = -1
-        #: stage 1 under ``update="owner"``: ``rows_digest`` of this rank's rows when perparam last wrote the whole
-        #: gradient (``runtime.owner_exchange``: the owner steps from its whole gradient while every rank's match)
+        #: stage 1 under ``update="owner"``: ``rows_digest`` of this rank's rows when perparam last wrote the
+        #: whole gradient (``runtime.owner_exchange``: the owner steps from its whole gradient while every
+        #: rank's match)
         self._whole_digest: torch.Tensor | None = None
-        #: ``update="owner"``: its owner's rank on the shard axis once an optimizer planned it (``owner_step.plan``)
+        #: ``update="owner"``: its owner's rank on the shard axis once an optimizer planned it
+        #: (``owner_step.plan``)
         self.owner_rank: int | None = None
         #: ``update="owner"``: the gradients perparam wrote for it (``owner_grads.OwnerGradRecords``), from
         #: its first reduction to its owner
         self.owner_grads = None
         #: stage 1/2 (``policy.keeps_unsharded``): the unsharded buffer is kept across steps
         self.kept = policy.keeps_unsharded
-        #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was gathered (``runtime.zero``)
+        #: (optimizer steps, load generation, trainable, writes, DTensor version) when the kept copy was
+        #: gathered (``runtime.zero``)
         self.kept_key: tuple | None = None
         #: steps taken by the ``torch.optim`` optimizers holding this parameter (``perparam.runtime.optim``):
         #: storage gathered before one is stale (``ParamGroup.stale``)
@@ -156,10 +172,12 @@ class ShardedParam(ParamGradients):
         device = torch.device("meta") if meta else self.mesh_device
         with torch.no_grad():
             if meta:
-                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.policy.stored_dtype, device=device)
+                local = torch.empty(self.layout.local_shape(self.shard_rank), dtype=self.policy.stored_dtype,
+                                    device=device)
             else:
                 # a copy of its own in the stored dtype (master weights: upcast once, here)
-                local = self._dp_piece((original.to_local() if self.tp else original).detach()).to(self.policy.stored_dtype)
+                local = self._dp_piece((original.to_local() if self.tp
+                                        else original).detach()).to(self.policy.stored_dtype)
         shape = self.global_shape
         if self.stored_quantized:  # codes (the parameter) and per-row block scales (a buffer), see quant.py
             q = self.policy.quant
@@ -172,8 +190,8 @@ class ShardedParam(ParamGradients):
                 codes, scales = q.quantizer.pack(rows, q.block_size)
             shape = q.quantizer.stored_shape(self.global_shape)
             local = codes.view(local.shape[0], *shape[1:])
-            self._scales = _dtensor(scales, self.mesh, self.placements, (shape[0], scales.shape[1]))
-        dtensor = _dtensor(local, self.mesh, self.placements, shape)
+            self._scales = local_dtensor(scales, self.mesh, self.placements, (shape[0], scales.shape[1]))
+        dtensor = local_dtensor(local, self.mesh, self.placements, shape)
         return nn.Parameter(dtensor, requires_grad=self.policy.requires_grad)
 
     @property
@@ -226,7 +244,7 @@ class ShardedParam(ParamGradients):
             self._regions = None
             view = lay.unpad(padded)
             if self.tp:  # the module computes with DTensors on the tp mesh
-                view = _dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
+                view = local_dtensor(view, self.tp.tp_mesh, self.tp.tp_placements, self.global_shape)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
             registration.bump()  # a new parameter object perparam holds
             if self.on_grad_ready is not None and self.unsharded.is_floating_point():
@@ -238,17 +256,19 @@ class ShardedParam(ParamGradients):
 
     def recast(self) -> bool:
         """Follow a cast of the sharded DTensor to another floating-point dtype (``module.to(dtype)``,
-        ``perparam.runtime.recast``): the stored dtype becomes the shard's, a ``param_dtype`` / ``reduce_dtype``
-        the policy did not give (``ResolvedPolicy.given``) and equal to the old stored / compute dtype follows
-        it (one the policy gave stays, as FSDP2's: a bf16 model with ``param_dtype=torch.bfloat16`` cast to fp32
-        computes and reduces in bf16), the layout and wire pieces are derived again and
-        the unsharded buffers dropped (made again in the new compute dtype at the next unshard; a stage-1/2
-        kept copy is gathered again). Returns whether anything changed."""
+        ``perparam.runtime.recast``): the stored dtype becomes the shard's, a ``param_dtype`` /
+        ``reduce_dtype`` the policy did not give (``ResolvedPolicy.given``) and equal to the old stored /
+        compute dtype follows it (one the policy gave stays, as FSDP2's: a bf16 model with
+        ``param_dtype=torch.bfloat16`` cast to fp32 computes and reduces in bf16), the layout and wire pieces
+        are derived again and the unsharded buffers dropped (made again in the new compute dtype at the next
+        unshard; a stage-1/2 kept copy is gathered again). Returns whether anything changed."""
         new, pol = self.local_shard().dtype, self.policy
         if new == pol.stored_dtype or self.stored_quantized:
             return False
-        param = new if pol.param_dtype == pol.stored_dtype and "param_dtype" not in pol.given else pol.param_dtype
-        reduce = param if pol.reduce_dtype == pol.param_dtype and "reduce_dtype" not in pol.given else pol.reduce_dtype
+        param = (new if pol.param_dtype == pol.stored_dtype and "param_dtype" not in pol.given
+                 else pol.param_dtype)
+        reduce = (param if pol.reduce_dtype == pol.param_dtype and "reduce_dtype" not in pol.given
+                  else pol.reduce_dtype)
         self.policy = dataclasses.replace(pol, stored_dtype=new, param_dtype=param, reduce_dtype=reduce)
         self.layout, self.pieces = shard_layout(self.layout.global_shape, self.policy, self.layout.num_shards)
         self.free()
@@ -302,7 +322,8 @@ class ShardedParam(ParamGradients):
                 out[:piece.numel()].copy_(piece)
             return
         lay, src = self.layout, self.local_shard()
-        if (src.dtype == torch.float32 and src.is_contiguous() and tuple(src.shape) == tuple(lay.padded_local_shape)
+        if (src.dtype == torch.float32 and src.is_contiguous()
+            and tuple(src.shape) == tuple(lay.padded_local_shape)
                 and src.numel()):  # the shard is its whole piece (send_view): quantized where it is, no copy
             q.quantizer.pack_into(src.view(1, -1), q.block_size, outs, overwrite=False)
             return
@@ -319,7 +340,8 @@ class ShardedParam(ParamGradients):
         target = self.alloc().view(self._padded.dtype)  # [K, padded_local_numel] for Shard(0)
         scattered = not self.layout.wire_is_layout  # Shard(d > 0): through a scratch tensor, then scattered
         if scattered:
-            target = torch.empty(k, self.layout.padded_local_numel, dtype=self._padded.dtype, device=target.device)
+            target = torch.empty(k, self.layout.padded_local_numel, dtype=self._padded.dtype,
+                                 device=target.device)
         rows = k * self.layout.chunk if self.stored_quantized else k  # the quantizer's rows (see quant.py)
         pieces = [g.view(piece.dtype) for g, piece in zip(gathered, self.pieces)]
         q.quantizer.unpack(pieces, q.block_size, out=target.reshape(rows, -1))
@@ -383,6 +405,149 @@ class ShardedParam(ParamGradients):
         sharded = self.sharded
         for module, name in self.slots:
             module._parameters[name] = sharded
+
+    # -- gradients --------------------------------------------------------------------------------------
+    def take_unsharded_grad(self, keep: bool) -> torch.Tensor | None:
+        """Move the unsharded gradient into the reduce dtype, summed with what earlier micro-batches left.
+
+        ``keep``: hold it for the next micro-batch (gradient sync off) and return ``None``; otherwise
+        return it (shard dim first, for packing) and hold nothing.
+        """
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is not None:
+            self.unsharded.grad = None
+            # cast first, reduce after: reduce_dtype governs every reduction the gradient goes through,
+            # the tp one included (a Partial gradient of a parameter replicated on the tp axis is summed
+            # over the tp ranks by the redistribute below)
+            if grad.dtype != self.policy.reduce_dtype:
+                grad = grad.to(self.policy.reduce_dtype)
+            if isinstance(grad, DTensor):  # tp: e.g. Partial -> the parameter's own tp placements
+                if tuple(grad.placements) != self.tp.tp_placements:
+                    grad = grad.redistribute(self.tp.tp_mesh, self.tp.tp_placements)
+                grad = grad.to_local()
+        if self.grad_acc is not None:
+            grad = self.grad_acc if grad is None else self.grad_acc.add_(grad)
+            self.grad_acc = None
+        if keep:
+            self.grad_acc = grad
+            return None
+        if grad is None or self.layout.wire_is_layout:  # wire order is the parameter's (to_wire: itself)
+            return grad
+        return self.layout.to_wire(grad)
+
+    def zero_grad_for_reduce(self) -> torch.Tensor:
+        """Zeros in the reduce dtype, shaped like ``take_unsharded_grad``'s result (shard dim first): what a
+        rank without a gradient for this parameter contributes to the group's reduction."""
+        shape = self.layout.rule.wire_shape(self.layout.global_shape)
+        return torch.zeros(shape, dtype=self.policy.reduce_dtype, device=self.local_shard().device)
+
+    def _whole_grad(self) -> torch.Tensor | None:
+        """Stage 1: the whole gradient (dp shape, stored dtype) whose rows the sharded ``.grad`` views, or
+        ``None`` when ``.grad`` is not such a view (``None``, or replaced by the user)."""
+        grad = self.sharded.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else None
+        base = local._base if local is not None else None
+        if base is None or base.dtype != local.dtype or tuple(base.shape) != self.layout.global_shape:
+            return None
+        rows = self.layout.local_piece(base, self.shard_rank)
+        same = (rows.data_ptr() == local.data_ptr() and rows.shape == local.shape
+                and rows.stride() == local.stride())
+        return base if same else None
+
+    def accumulate_whole_grad(self, whole: torch.Tensor) -> None:
+        """Stage 1: add the all-reduced whole gradient (wire order: shard dim first, e.g. a piece of the
+        all-reduce buffer) into the whole gradient kept on this rank, whose rows (this rank's shard, a view)
+        are the sharded ``.grad``. Per rank: the dp shape's elements in the stored dtype.
+
+        ``zero_grad(set_to_none=False)`` (the optimizer's or the module's) zeroes ``.grad``, i.e. this rank's
+        rows only: when ``.grad`` changed in place since perparam last wrote the whole gradient (the
+        DTensor's version counter; under ``update="owner"`` also the rows' digest, since a foreach zeroing
+        moves no counter: a local decision, no collective depends on it) and this rank's rows are
+        all zero (none, for an empty shard), the whole gradient is zeroed before the sum is added, so every
+        row holds this backward's gradient, not earlier steps'. (Not seen: a foreach zeroing on an owner whose
+        rows are empty or were zero already.) Rows changed in place to anything else
+        (scaled by the user) leave the other rows as perparam wrote them."""
+        whole = self.layout.from_wire(whole.view(self.layout.rule.wire_shape(self.layout.global_shape)))
+        kept = self._whole_grad()
+        if kept is not None:
+            grad = self.sharded.grad  # an in-place op on it bumps its own counter (not the local tensor's)
+            rows = grad._local_tensor
+            if grad._version != self._whole_version:
+                if not rows.any():
+                    kept.zero_()  # zeroed through .grad: the rows of the other ranks too
+                kept.add_(whole)
+            elif self._whole_digest is not None:  # update="owner": its whole may be stepped, so a foreach
+                # zeroing (``torch._foreach_zero_`` moves no DTensor's counter) is told by the rows' digest,
+                # on the device: all zero now and not what perparam wrote
+                zero = (rows.count_nonzero() == 0) & (rows_digest(rows) != self._whole_digest)
+                kept.add_(whole)
+                torch.where(zero, whole if whole.dtype == kept.dtype else whole.to(kept.dtype), kept,
+                            out=kept)
+            else:
+                kept.add_(whole)
+            self._whole_version = grad._version
+            self._note_whole(kept)
+            return
+        grad = self.sharded.grad
+        if grad is not None:  # a .grad of the user's: add this rank's rows to it
+            grad._local_tensor.add_(self.layout.local_piece(whole, self.shard_rank))
+            return
+        kept = torch.empty(self.layout.global_shape, dtype=self.sharded.dtype, device=whole.device)
+        kept.copy_(whole)  # its own storage: ``whole`` may view the reduction's buffer
+        if self._grad_spec is None:
+            self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape, self.sharded.dtype)
+        rows = self.layout.local_piece(kept, self.shard_rank)
+        self.sharded.grad = local_dtensor(rows, self.mesh, self.placements, self.global_shape,
+                                          self._grad_spec)
+        self._whole_version = self.sharded.grad._version
+        self._note_whole(kept)
+
+    def _note_whole(self, kept: torch.Tensor) -> None:
+        """Under ``update="owner"``: the digest of this rank's rows of the whole gradient just written."""
+        if self.policy.update == "owner":
+            self._whole_digest = rows_digest(self.layout.local_piece(kept, self.shard_rank))
+
+    def grad_is_own(self, grad) -> bool:
+        """``grad`` (the sharded ``.grad``) is one perparam built (``accumulate_sharded_grad`` or
+        ``accumulate_whole_grad``, then changed in place or not): a DTensor of this parameter's mesh,
+        placements and stored dtype whose local tensor has the local shard's shape. Told by its spec, the
+        object perparam gives every gradient of this parameter (a DTensor op's result gets a new one)."""
+        return self._grad_spec is not None and getattr(grad, "dtensor_spec", None) is self._grad_spec
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor, divisor: float | None = None) -> None:
+        """Add this rank's reduced gradient (shard dim first) into the sharded ``.grad``; ``divisor``: divide
+        it by that first (``None``: divided already), bit for bit as a division followed by a cast to the
+        stored dtype and an addition, in fewer passes: the cast in the division's pass (``out=``), and
+        for a power-of-two divisor added to an existing ``.grad`` of the reduce dtype as ``alpha=1/divisor``
+        (``x / 2**m == x * 2**-m`` exactly; fused with the addition it equals dividing first unless
+        ``x / 2**m`` is subnormal). ``local_grad`` may be overwritten (it is the reduction's buffer)."""
+        if not self.layout.wire_is_layout:  # (else from_wire is the tensor itself)
+            local_grad = self.layout.from_wire(local_grad, contiguous=True)
+        dtype = self.sharded.dtype
+        grad = self.sharded.grad
+        tier = self.offload
+        if grad is not None and tier is not None:
+            tier.grad_in()  # an evicted gradient shard read back before adding to it
+        if grad is not None and divisor is not None and local_grad.dtype == dtype and _power_of_two(divisor):
+            grad._local_tensor.add_(local_grad, alpha=1.0 / divisor)  # one pass: divide and add
+            divisor = local_grad = None
+        elif divisor is not None:  # one pass: divide and cast
+            out = local_grad if local_grad.dtype == dtype else torch.empty_like(local_grad, dtype=dtype)
+            local_grad = torch.div(local_grad, divisor, out=out)
+        elif local_grad.dtype != dtype:
+            local_grad = local_grad.to(dtype)
+        if grad is None:
+            if self._grad_spec is None:
+                self._grad_spec = dtensor_spec(self.mesh, self.placements, self.global_shape,
+                                               self.sharded.dtype)
+            if tier is not None:
+                local_grad = tier.grad_new(local_grad)  # in the gradient shard's file, when it has one
+            self.sharded.grad = local_dtensor(local_grad, self.mesh, self.placements, self.global_shape,
+                                              self._grad_spec)
+        elif local_grad is not None:
+            grad._local_tensor.add_(local_grad)
+        if tier is not None:
+            tier.grad_out()  # written out and dropped until the step's read-ahead
 
 
 def _grad_ready_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:

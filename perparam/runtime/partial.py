@@ -67,9 +67,9 @@ class _HeldSum:
 
 
 def _laid_out(held: _HeldSum, item: PendingReduce):
-    """``held``'s sum in ``item``'s layout: itself when the parameters are the same; else (a parameter unfrozen
-    between micro-batches joins the reduction; a held one never leaves it) each held piece and used flag
-    copied to its place among ``item``'s, zeros for the others."""
+    """``held``'s sum in ``item``'s layout: itself when the parameters are the same; else (a parameter
+    unfrozen between micro-batches joins the reduction; a held one never leaves it) each held piece and used
+    flag copied to its place among ``item``'s, zeros for the others."""
     if len(held.params) == len(item.params) and all(a is b for a, b in zip(held.params, item.params)):
         return held.tensor
     where = {id(p): j for j, p in enumerate(item.params)}

@@ -32,9 +32,9 @@ def check_targets(tree: list[ParamGroup]) -> None:
                 if id(t) not in members:
                     raise PrefetchError(
                         f"perparam: {g.path or g.name}.set_modules_to_{kind}_prefetch lists [{t.name}] "
-                        f"({', '.join(p.path for p in t.params)}), which is not sharded inside the model of root "
-                        f"[{tree[0].name}]; list only sharded modules of the same model (or call it with [] to "
-                        "restore the recorded order)")
+                        f"({', '.join(p.path for p in t.params)}), which is not sharded inside the model of "
+                        f"root [{tree[0].name}]; list only sharded modules of the same model (or call it "
+                        "with [] to restore the recorded order)")
 
 
 def forward_targets(group: ParamGroup, recorded_next: ParamGroup | None, lookahead: bool) -> list[ParamGroup]:

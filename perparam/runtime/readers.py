@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .registration import _lookup, class_name
+from .registration import class_name, lookup
 
 #: stock torch modules whose forward reads these children's parameters without calling the children
 READERS: dict[type, tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
@@ -31,9 +31,9 @@ if hasattr(nn, "LinearCrossEntropyLoss"):  # reads linear.weight / linear.bias (
 _MIXED = "got mixed torch.Tensor and DTensor"
 
 _FIX = ("Shard the module that uses it whole (fully_shard on it or on a module above it, with no separate "
-        "fully_shard call on the module holding the parameter), or call the module holding the parameter instead "
-        "of reading its parameters (self.head(x), not F.linear(x, self.head.weight)); for parameters tied across "
-        "modules, shard those modules in one call, fully_shard([module_a, module_b])")
+        "fully_shard call on the module holding the parameter), or call the module holding the parameter "
+        "instead of reading its parameters (self.head(x), not F.linear(x, self.head.weight)); for parameters "
+        "tied across modules, shard those modules in one call, fully_shard([module_a, module_b])")
 
 
 class UsedWhileShardedError(RuntimeError):
@@ -50,11 +50,12 @@ def check_readers(roots: list[nn.Module], group_of) -> str | None:
                 if isinstance(child, nn.Module) and group_of(child) is not None:
                     cls, where = type(module).__name__, path or type(module).__name__
                     child_path = f"{path}.{child_name}" if path else child_name
-                    return (f"'{child_path}' ({type(child).__name__}) was sharded by an earlier fully_shard call, "
-                            f"but its parent '{where}' is a {cls}, whose forward reads '{child_name}''s parameters "
-                            f"without calling it, so their all-gather would never run. Shard the {cls} whole: build "
-                            f"the model again and leave '{child_path}' out of the earlier calls (e.g. of a loop that "
-                            f"shards every nn.Linear); fully_shard on '{where}' or a module above it shards it too")
+                    return (f"'{child_path}' ({type(child).__name__}) was sharded by an earlier fully_shard "
+                            f"call, but its parent '{where}' is a {cls}, whose forward reads "
+                            f"'{child_name}''s parameters without calling it, so their all-gather would "
+                            f"never run. Shard the {cls} whole: build the model again and leave "
+                            f"'{child_path}' out of the earlier calls (e.g. of a loop that shards every "
+                            f"nn.Linear); fully_shard on '{where}' or a module above it shards it too")
     return None
 
 
@@ -92,7 +93,8 @@ def note(error: BaseException, group) -> None:
     """Attach to ``error`` (raised in the forward of ``group``'s module, seen by its post-forward hook before
     anything is resharded) the ``UsedWhileShardedError`` that explains it, when it is DTensor's mixing
     error on a parameter perparam sharded; ``ShardedModule.__call__`` raises that instead."""
-    if isinstance(error, UsedWhileShardedError) or hasattr(error, "_perparam_explained") or _MIXED not in str(error):
+    if (isinstance(error, UsedWhileShardedError) or hasattr(error, "_perparam_explained")
+        or _MIXED not in str(error)):
         return
     explained = explain(error, group.ctx.groups[0].modules)
     if explained is not None:
@@ -110,7 +112,7 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
     hits, user = [], None
     for i, frame in enumerate(frames):
         for value in frame.f_locals.values():
-            hit = _sharded_in(value, _lookup)
+            hit = _sharded_in(value, lookup)
             if hit is not None:
                 hits = [hit]
                 user = next((f.f_locals["self"] for f in frames[i:]
@@ -119,8 +121,9 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
         if hits:
             break
     if not hits:
-        user = next((f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), nn.Module)), None)
-        hits = _registered_sharded(user, _lookup) if user is not None else []
+        user = next((f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), nn.Module)),
+                    None)
+        hits = _registered_sharded(user, lookup) if user is not None else []
     if not hits:
         return None
     names = {id(m): (f"{i}." if len(roots) > 1 else "") + n for i, root in enumerate(roots)
@@ -136,12 +139,14 @@ def explain(error: BaseException, roots: list[nn.Module]) -> UsedWhileShardedErr
         f"without calling that forward, so it got the sharded DTensor. {_FIX}. (DTensor: {first})")
 
 
-def forward_called_directly(module: nn.Module, group, error: BaseException, caller) -> UsedWhileShardedError | None:
+def forward_called_directly(module: nn.Module, group, error: BaseException,
+                            caller) -> UsedWhileShardedError | None:
     """``UsedWhileShardedError`` for DTensor's mixing error raised by ``module.forward`` (``module`` given to
-    ``fully_shard``, ``group`` its group) when its group's parameters were not gathered: the forward was called
-    directly (``model.forward(x)``, a bound ``forward`` kept aside, or an unregistered method calling it), so
-    the pre-forward hook never ran. ``caller``: the frame that called ``forward``, to name the method. ``None``
-    when the parameters were gathered (the error is someone else's: ``note`` explains it) or for any other error.
+    ``fully_shard``, ``group`` its group) when its group's parameters were not gathered: the forward was
+    called directly (``model.forward(x)``, a bound ``forward`` kept aside, or an unregistered method calling
+    it), so the pre-forward hook never ran. ``caller``: the frame that called ``forward``, to name the method.
+    ``None`` when the parameters were gathered (the error is someone else's: ``note`` explains it) or for any
+    other error.
     """
     if group is None or group.registered_unsharded or _MIXED not in str(error):
         return None
@@ -153,7 +158,8 @@ def forward_called_directly(module: nn.Module, group, error: BaseException, call
     first = str(error).splitlines()[0]
     return UsedWhileShardedError(
         f"perparam: {class_name(module)}.forward was called directly{by} on a module given to fully_shard "
-        f"(group [{group.name}]): a call of .forward(...), of a bound forward kept aside, or of a method that "
-        "calls self.forward skips the module's hooks, so its parameters were never all-gathered and the forward "
-        "got the sharded DTensors. Call the module instead: model(x), not model.forward(x); for a method that "
-        f"calls forward, register it once: perparam.register_forward_method(model, '{method}'). (DTensor: {first})")
+        f"(group [{group.name}]): a call of .forward(...), of a bound forward kept aside, or of a method "
+        "that calls self.forward skips the module's hooks, so its parameters were never all-gathered and the "
+        "forward got the sharded DTensors. Call the module instead: model(x), not model.forward(x); for a "
+        f"method that calls forward, register it once: perparam.register_forward_method(model, '{method}'). "
+        f"(DTensor: {first})")

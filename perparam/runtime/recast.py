@@ -3,13 +3,13 @@ shards are cast and the parameters train on in the new dtype, as FSDP2's do and 
 way would.
 
 ``nn.Module._apply`` casts each sharded DTensor (and its ``.grad``) in place, keeping the parameter objects
-(torch swaps a wrapper subclass's contents). What ``fully_shard`` derived from the stored dtype is then derived
-again, per parameter (``ShardedParam.recast``) and per group (``ParamGroup.relayout``): the stored dtype is
-the new one; a ``param_dtype`` or ``reduce_dtype`` that was the stored dtype (the policy gave none, or gave that
-dtype) follows it, one the policy set to another dtype stays (FSDP2 drops a ``param_dtype`` equal to the
-parameter's dtype, and a ``reduce_dtype`` equal to the ``param_dtype``, in the same way); the all-gather
-layout, the unsharded buffers (stage-1/2 kept copies included: gathered again at the next unshard) and the
-plans built from them are made again.
+(torch swaps a wrapper subclass's contents). What ``fully_shard`` derived from the stored dtype is then
+derived again, per parameter (``ShardedParam.recast``) and per group (``ParamGroup.relayout``): the stored
+dtype is the new one; a ``param_dtype`` or ``reduce_dtype`` that was the stored dtype (the policy gave none,
+or gave that dtype) follows it, one the policy set to another dtype stays (FSDP2 drops a ``param_dtype`` equal
+to the parameter's dtype, and a ``reduce_dtype`` equal to the ``param_dtype``, in the same way); the
+all-gather layout, the unsharded buffers (stage-1/2 kept copies included: gathered again at the next unshard)
+and the plans built from them are made again.
 
 What cannot follow is refused before anything changes (``problem``): stored-quantized parameters (their codes
 and scales), offload tiers (their files and host copies are laid out in the stored dtype), a group with
@@ -70,15 +70,15 @@ def _local_problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | Non
     for sp, dtype in changes:
         what = f"'{sp.path}' ({sp.policy.stored_dtype} -> {dtype})"
         if not dtype.is_floating_point or dtype.itemsize == 1:
-            return (f"{what}: perparam trains floating-point parameters of 2 or more bytes; for an fp8 all-gather "
-                    "use ParamPolicy(quant=QuantPolicy('fp8'))")
+            return (f"{what}: perparam trains floating-point parameters of 2 or more bytes; for an fp8 "
+                    "all-gather use ParamPolicy(quant=QuantPolicy('fp8'))")
         if sp.stored_quantized:
-            return (f"{what} is stored quantized ({sp.policy.quant.quantizer.name} codes and fp32 scales), which a cast "
-                    "cannot change; cast the model before fully_shard, or give the other parameters their "
-                    "dtype with .to() on their own modules")
+            return (f"{what} is stored quantized ({sp.policy.quant.quantizer.name} codes and fp32 scales), "
+                    "which a cast cannot change; cast the model before fully_shard, or give the other "
+                    "parameters their dtype with .to() on their own modules")
         if sp.policy.offload.offloaded:
-            return (f"{what} is offloaded to {sp.policy.offload.tier!r}, whose storage is laid out in the stored "
-                    "dtype; cast the model before fully_shard")
+            return (f"{what} is offloaded to {sp.policy.offload.tier!r}, whose storage is laid out in the "
+                    "stored dtype; cast the model before fully_shard")
         group = registration.group_holding(sp)
         if group is None:
             continue
@@ -88,15 +88,17 @@ def _local_problem(changes: list[tuple[ShardedParam, torch.dtype]]) -> str | Non
         if group.state is not TrainingState.IDLE:
             return f"{what}: group [{group.name}] is in its {group.state.value}; cast between steps"
         if sp.grad_acc is not None or group.held_unsynced or any(part.partial_reduce for part in group.parts):
-            return (f"{what}: group [{group.name}] holds gradients accumulated without sync; finish the accumulation "
-                    "(a backward with set_requires_gradient_sync(True) and the optimizer step) before the cast")
+            return (f"{what}: group [{group.name}] holds gradients accumulated without sync; finish the "
+                    "accumulation (a backward with set_requires_gradient_sync(True) and the optimizer step) "
+                    "before the cast")
         state = [(opt, key, old) for opt, key, old in adopt.state_dtypes(sp) if old != dtype]
         if state:
             opt, key, old = state[0]
-            return (f"{what}: {opt} holds its state '{key}' for it in {old}, which the cast would leave as it is "
-                    "(torch's optimizers then fail at the next step, as in one process). Build the optimizer after "
-                    "the cast, or cast its state first: for s in opt.state.values(): s.update({k: v.to("
-                    f"{dtype}) for k, v in s.items() if v.is_floating_point() and v.dim()}})")
+            return (f"{what}: {opt} holds its state '{key}' for it in {old}, which the cast would leave as "
+                    "it is (torch's optimizers then fail at the next step, as in one process). Build the "
+                    "optimizer after the cast, or cast its state first: for s in opt.state.values(): "
+                    f"s.update({{k: v.to({dtype}) for k, v in s.items() if v.is_floating_point() and "
+                    f"v.dim()}})")
     return None
 
 

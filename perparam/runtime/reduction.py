@@ -1,6 +1,6 @@
 """A gradient reduction in flight (``PendingReduce``) and the reduce-scatter's packed input: the state
-``ParamGroup.reduce_grads`` hands the iteration context's queue (``perparam.runtime.context``), which advances it
-without ever waiting in backward."""
+``ParamGroup.reduce_grads`` hands the iteration context's queue (``perparam.runtime.context``), which advances
+it without ever waiting in backward."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class PendingReduce:
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
     replicated: bool = False
-    stage: int = 0  # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
+    # 0: reduce-scatter (or shard-axis all-reduce) in flight, 1: HSDP all-reduce in flight, 2: done
+    stage: int = 0
     discard: bool = False
     seq: int = 0  # issue number in the iteration context: orders the post-accumulate-grad hooks
     part: object = None  # the MeshPart of the mesh it runs on (set by ``MeshPart._reduce``)

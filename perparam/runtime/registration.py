@@ -46,7 +46,8 @@ from .untraced import graph_holder
 #: (weak, so a deep copy of a module does not copy the group)
 _TREE_ATTR = "_perparam_tree"
 
-#: ``module.__dict__`` key of the modules where a ``ShardedParam`` has a place (``module.guard_stored_dtypes``)
+#: ``module.__dict__`` key of the modules where a ``ShardedParam`` has a place
+#: (``module.guard_stored_dtypes``)
 OWNED_ATTR = "_perparam_owned"
 #: class attribute of the ``Sharded<Class>`` subclasses ``fully_shard`` swaps in: the class they derive from
 BASE_ATTR = "_perparam_base"
@@ -87,7 +88,8 @@ def tree_group(module: nn.Module):
 
 
 def bump() -> None:
-    """Perparam created sharded or unsharded parameter objects (a group, or ``ShardedParam._ensure_buffers``)."""
+    """Perparam created sharded or unsharded parameter objects (a group, or
+    ``ShardedParam._ensure_buffers``)."""
     GROUPS.bump()
 
 
@@ -97,14 +99,14 @@ def generation() -> int:
     return GROUPS.generation()
 
 
-def _lookup(tensor) -> tuple | None:
+def lookup(tensor) -> tuple | None:
     """``(group, ShardedParam)`` when ``tensor`` is a sharded or unsharded parameter perparam holds."""
     return GROUPS.lookup(tensor)
 
 
 def group_holding(sp):
     """The group (a ``fully_shard`` call's) that manages ``sp``, or ``None``."""
-    hit = _lookup(sp.sharded)
+    hit = lookup(sp.sharded)
     return hit[0] if hit is not None and hit[1] is sp else None
 
 
@@ -117,7 +119,8 @@ def _tree_ids(group) -> set[int]:
 
 
 def _path(group, module: nn.Module) -> str | None:
-    """``module``'s path in ``group``'s trees ("" for a module given to ``fully_shard`` alone), or ``None``."""
+    """``module``'s path in ``group``'s trees ("" for a module given to ``fully_shard`` alone), or
+    ``None``."""
     for i, root in enumerate(group.modules):
         for path, m in root.named_modules(remove_duplicate=False):
             if m is module:
@@ -152,8 +155,8 @@ def _utility(module: nn.Module, name: str) -> str:
         return "torch.nn.utils.prune or torch.nn.utils.spectral_norm"
     if name.endswith(("_g", "_v")):
         return "torch.nn.utils.weight_norm"
-    return ("a torch utility (parametrize, weight_norm, spectral_norm, prune, prune.remove, a quantization or "
-            "fusion module swap) or an assignment")
+    return ("a torch utility (parametrize, weight_norm, spectral_norm, prune, prune.remove, a quantization "
+            "or fusion module swap) or an assignment")
 
 
 def _owned(module: nn.Module) -> list:
@@ -167,7 +170,7 @@ def _restore_vacated(module: nn.Module) -> list[str]:
     order; returns their names."""
     back, order = [], []
     for sp in _owned(module):
-        hit = _lookup(sp.sharded)
+        hit = lookup(sp.sharded)
         for m, n in sp.slots:
             if m is not module:
                 continue
@@ -187,7 +190,7 @@ def _restore_vacated(module: nn.Module) -> list[str]:
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
     if not GROUPS:
         return None
-    hit = _lookup(param)
+    hit = lookup(param)
     if hit is not None and graph_holder(module) and tree_group(module) is None:  # torch.compile's references
         return None
     owner = tree_group(module)
@@ -199,17 +202,18 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
             return move(group, sp, module, name, param)
         back = _restore_vacated(module)
         raise ShardedTreeChangeError(
-            f"perparam: parameter '{sp.path}' of group [{group.name}] is sharded by fully_shard and cannot be "
-            f"registered again as {_where(module, name, owner)} after fully_shard (by {_utility(module, name)}): "
-            "a parameter has one place in a sharded model, which perparam all-gathers and reduces. "
-            f"{_FIX}; tie weights before fully_shard too.{_changed(back, name)}")
+            f"perparam: parameter '{sp.path}' of group [{group.name}] is sharded by fully_shard and cannot "
+            f"be registered again as {_where(module, name, owner)} after fully_shard (by "
+            f"{_utility(module, name)}): a parameter has one place in a sharded model, which perparam "
+            f"all-gathers and reduces. {_FIX}; tie weights before fully_shard too.{_changed(back, name)}")
     if owner is not None:
         if id(param) in GROUPS.watched.get(owner, ((), None))[0]:
             return None
         replaced = next((sp for sp in _owned(module) if _at_slot(sp, module, name)), None)
         if replaced is not None:
             if module._parameters.get(name) is replaced.sharded and not take.misfit(replaced, param):
-                take.take(replaced, param)  # a DTensor of its spec: the values taken (FSDP2's lazy-init reset)
+                # a DTensor of its spec: the values taken (FSDP2's lazy-init reset)
+                take.take(replaced, param)
                 return replaced.sharded
             raise ShardedTreeChangeError(replaced_message(replaced, module, name))
         back = _restore_vacated(module)
@@ -222,8 +226,8 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter):
     if mesh is not None and GROUPS.holds_mesh(mesh):
         raise ShardedTreeChangeError(
             f"perparam: new parameter '{name}' of {_cls(module)} holds a DTensor computed from "
-            f"parameters sharded by fully_shard (by {_utility(module, name)}); perparam would neither all-gather "
-            f"nor reduce it. {_FIX}")
+            f"parameters sharded by fully_shard (by {_utility(module, name)}); perparam would neither "
+            f"all-gather nor reduce it. {_FIX}")
     return None
 
 
@@ -231,8 +235,8 @@ def _changed(back: list[str], name: str) -> str:
     if not back:
         return ""
     if f"{name}_orig" in back:  # torch.nn.utils.prune.remove: the mask and the computed weight are gone too
-        return (f" (perparam put back {back}, but prune.remove had already deleted the pruning mask: build the "
-                "model again, and remove pruning before fully_shard or on an unsharded copy)")
+        return (f" (perparam put back {back}, but prune.remove had already deleted the pruning mask: build "
+                "the model again, and remove pruning before fully_shard or on an unsharded copy)")
     return f" (perparam put back {back}, which the utility had removed; nothing else changed)"
 
 
@@ -244,14 +248,15 @@ def _on_module(parent: nn.Module, name: str, child: nn.Module | None):
         return None
     ignored = GROUPS.watched.get(owner, ((), None))[0]
     where_attached = _where(parent, name, owner)
-    by = ("torch.nn.utils.parametrize.register_parametrization (also parametrizations.weight_norm, spectral_norm, "
-          "orthogonal)" if isinstance(child, parametrize.ParametrizationList) else "a module swap by "
+    by = ("torch.nn.utils.parametrize.register_parametrization (also parametrizations.weight_norm, "
+          "spectral_norm, orthogonal)" if isinstance(child, parametrize.ParametrizationList)
+          else "a module swap by "
           "torch.ao.quantization fuse_modules / prepare / convert, fuse_conv_bn_eval, or an assignment")
     for sub_path, sub in child.named_modules(remove_duplicate=False):
         for n, p in sub._parameters.items():
             if p is None or id(p) in ignored:
                 continue
-            hit = _lookup(p)
+            hit = lookup(p)
             if hit is not None and _at_slot(hit[1], sub, n):
                 continue
             where = f"{name}.{sub_path}".rstrip(".")
@@ -260,8 +265,8 @@ def _on_module(parent: nn.Module, name: str, child: nn.Module | None):
             undone = _undo_parametrization(owner, parent, name, child)
             raise ShardedTreeChangeError(
                 f"perparam: module {_cls(child)} attached as {where_attached} after fully_shard (by {by}) "
-                f"holds {what} at '{where}.{n}': it would be neither sharded nor reduced. {_FIX}. A module holding "
-                f"no parameters, or only the sharded ones where they are, may be attached.{undone}")
+                f"holds {what} at '{where}.{n}': it would be neither sharded nor reduced. {_FIX}. A module "
+                f"holding no parameters, or only the sharded ones where they are, may be attached.{undone}")
     ref = weakref.ref(owner)
     for sub in child.modules():
         sub.__dict__.setdefault(_TREE_ATTR, ref)
@@ -319,10 +324,12 @@ def move(group, sp, module: nn.Module, name: str, param: nn.Parameter) -> nn.Par
             grad = sp.sharded.grad
             torch.utils.swap_tensors(sp.sharded, fresh)
             sp.sharded.grad = grad
-    sp.kept_key = None  # the shard changed: a stage-1/2 kept copy is refreshed at the next all-gather (runtime.zero)
+    # the shard changed: a stage-1/2 kept copy is refreshed at the next all-gather (runtime.zero)
+    sp.kept_key = None
     if group.registered_unsharded or group.storage_alive:
         group.reshard()
-    sp._padded = sp._padded_data = sp._padded_write = sp.unsharded = None  # the old unsharded object now holds other storage
+    # the old unsharded object now holds other storage
+    sp._padded = sp._padded_data = sp._padded_write = sp.unsharded = None
     sp.slots = [(module, name)]
     path = _path(group, module)
     sp.fqn = sp.path = f"{path}.{name}" if path else name  # (``sp.path`` from the group's modules now)
@@ -346,20 +353,21 @@ def replaced_message(sp, module: nn.Module, name: str, removed: bool = False) ->
     what to do instead; a model still on the meta device is told how to materialise it."""
     what = f"parameter '{sp.path}' ({class_name(module)}.{name})"
     if sp.local_shard().is_meta:
-        return (f"{what} of a sharded model still on the meta device was {'removed' if removed else 'replaced'}: "
-                "a new tensor there would replace the sharded parameter fully_shard created. Load the values "
-                "instead: load_state_dict(sd, assign=True) or set_model_state_dict(..., StateDictOptions("
-                "full_state_dict=True)) take them into the sharded parameters, as does "
-                "perparam.full_state.load_full_state_dict(model, full_state_dict); or materialise the shards in "
-                "place, model.to_empty(device=...), and initialise them")
+        return (f"{what} of a sharded model still on the meta device was "
+                f"{'removed' if removed else 'replaced'}: a new tensor there would replace the sharded "
+                "parameter fully_shard created. Load the values instead: load_state_dict(sd, assign=True) or "
+                "set_model_state_dict(..., StateDictOptions(full_state_dict=True)) take them into the "
+                "sharded parameters, as does perparam.full_state.load_full_state_dict(model, "
+                "full_state_dict); or materialise the shards in place, model.to_empty(device=...), and "
+                "initialise them")
     if removed:
         return (f"{what} was removed after fully_shard (del module.{name}, or a torch utility such as "
-                "parametrize.register_parametrization, weight_norm, spectral_norm or prune run after fully_shard); "
-                "perparam all-gathers and reduces the parameter it sharded there. Apply such utilities before "
-                "fully_shard, or build the module again and shard it")
+                "parametrize.register_parametrization, weight_norm, spectral_norm or prune run after "
+                "fully_shard); perparam all-gathers and reduces the parameter it sharded there. Apply such "
+                "utilities before fully_shard, or build the module again and shard it")
     return (f"{what} was replaced after fully_shard (module.{name} = ..., load_state_dict(assign=True), or "
-            "torch.func.functional_call, which cannot pass its own tensors through a sharded module); perparam "
-            "manages the sharded parameter it created. Change values in place instead "
+            "torch.func.functional_call, which cannot pass its own tensors through a sharded module); "
+            "perparam manages the sharded parameter it created. Change values in place instead "
             f"(with torch.no_grad(): {name}.copy_(distribute_tensor(new, {name}.device_mesh, "
             f"{name}.placements)), load_state_dict without assign=True, or set_model_state_dict(..., "
             "StateDictOptions(full_state_dict=True))), or build the module again and shard it")

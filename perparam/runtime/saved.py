@@ -5,10 +5,11 @@ cannot see into (an instance of a plain class, a closure) carries none, and a gr
 parameters after forward would then run its backward on freed storage. Every backward computation that
 reads a tensor of the forward, a parameter included, reads it through autograd's saved tensors: while the
 forward of a group that frees after it runs with grad (not a root keeping its storage, nor
-``reshard_after_forward=False``: their backward reads live storage), ``push`` wraps each tensor saved for backward (a saved-tensor hook pair,
-``torch.autograd.graph.saved_tensors_hooks``), and unpacking it in backward first calls the group's
-``on_unpack`` (its pre-backward, which all-gathers in the fixed order every rank follows). The output
-hooks usually fire first; the saved tensors are the floor under them, whatever the output is.
+``reshard_after_forward=False``: their backward reads live storage), ``push`` wraps each tensor saved for
+backward (a saved-tensor hook pair, ``torch.autograd.graph.saved_tensors_hooks``), and unpacking it in
+backward first calls the group's ``on_unpack`` (its pre-backward, which all-gathers in the fixed order every
+rank follows). The output hooks usually fire first; the saved tensors are the floor under them, whatever the
+output is.
 
 Hooks already active when the forward starts (activation checkpointing around the module, offload of
 activations) keep doing their work: each tensor goes through them and the result is kept, and unpacking

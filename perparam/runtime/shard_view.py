@@ -69,7 +69,8 @@ def link(sp) -> bool:
     sp.sharded._local_tensor = view
     sp._view, sp._view_of, sp._lend = view, sp._padded, lend
     sp.kept_key = None
-    sp.aliases, sp.aliases_lost, sp.write_sig = [], False, None  # the old shard's aliases see another storage now
+    # the old shard's aliases see another storage now
+    sp.aliases, sp.aliases_lost, sp.write_sig = [], False, None
     return True
 
 

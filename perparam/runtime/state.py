@@ -9,7 +9,8 @@ A group moves through its states with asserted transitions (``ParamGroup.transit
     any --reset--> IDLE                                            (after an exception in flight)
 
 A forward run inside backward (activation checkpointing recomputing a region) changes no state. What lives
-for one iteration of a tree of groups is in ``perparam.runtime.context`` (``IterationContext``), above the group.
+for one iteration of a tree of groups is in ``perparam.runtime.context`` (``IterationContext``), above the
+group.
 """
 
 from __future__ import annotations

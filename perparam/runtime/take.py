@@ -22,8 +22,8 @@ def misfit(sp, value: torch.Tensor) -> str:
     if sp.stored_quantized and value.is_floating_point():
         return "a float value for a stored-quantized parameter (its codes are stored)"
     if not isinstance(value, DTensor):
-        return (f"a plain tensor of shape {tuple(value.shape)}, neither a DTensor nor the full tensor of shape "
-                f"{sp.global_shape}")
+        return (f"a plain tensor of shape {tuple(value.shape)}, neither a DTensor nor the full tensor of "
+                f"shape {sp.global_shape}")
     if value.device_mesh != sp.mesh or tuple(value.placements) != tuple(sp.placements):
         return f"a DTensor of {spec_text(value)}"
     if tuple(value.shape) != tuple(sp.sharded.shape):
@@ -49,6 +49,7 @@ def take(sp, value: DTensor) -> None:
         else:
             fresh = nn.Parameter(DTensor(local.contiguous(), sp.sharded._spec, requires_grad=False),
                                  requires_grad=sp.sharded.requires_grad)
-            fresh.__dict__.update(sp.sharded.__dict__)  # attributes the user set (swap_tensors swaps __dict__)
+            # attributes the user set (swap_tensors swaps __dict__)
+            fresh.__dict__.update(sp.sharded.__dict__)
             torch.utils.swap_tensors(sp.sharded, fresh)
     sp.kept_key = None  # a stage-1/2 kept copy is refreshed at the next all-gather

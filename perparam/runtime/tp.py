@@ -47,8 +47,8 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
     """Check that ``param`` (a DTensor on a tp mesh) can be sharded further over ``dp_mesh``.
 
     ``dp_placement``: the parameter's concrete dp placement (``perparam.sharding.placement.rule`` says what it
-    becomes on the combined mesh). Raises ``CompositionError`` when the meshes have no axis names, are not sub-meshes of one mesh, share
-    an axis, or for a tp placement other than ``Shard`` and ``Replicate``.
+    becomes on the combined mesh). Raises ``CompositionError`` when the meshes have no axis names, are not
+    sub-meshes of one mesh, share an axis, or for a tp placement other than ``Shard`` and ``Replicate``.
     """
     tp_mesh = param.device_mesh
     tp_placements = tuple(param.placements)
@@ -56,23 +56,24 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
     if tp_mesh == dp_mesh or shared:
         where = f"its axes {tuple(sorted(shared))}" if shared else "the same mesh"
         raise CompositionError(
-            f"parameter '{name}' is already a DTensor on the data-parallel mesh fully_shard shards it over ({where}, "
-            f"placements {tp_placements}; e.g. made by distribute_tensor, an earlier FSDP2 or a sharded checkpoint "
-            "load), not on a tensor-parallel mesh. fully_shard takes plain tensors, or DTensors of a tp mesh disjoint "
-            "from the dp mesh: before fully_shard, register the full tensor instead (on its module, "
-            f"{name.rsplit('.', 1)[-1]} = nn.Parameter(p.full_tensor())), or pass a dp mesh without these axes")
+            f"parameter '{name}' is already a DTensor on the data-parallel mesh fully_shard shards it over "
+            f"({where}, placements {tp_placements}; e.g. made by distribute_tensor, an earlier FSDP2 or a "
+            "sharded checkpoint load), not on a tensor-parallel mesh. fully_shard takes plain tensors, or "
+            "DTensors of a tp mesh disjoint from the dp mesh: before fully_shard, register the full tensor "
+            f"instead (on its module, {name.rsplit('.', 1)[-1]} = nn.Parameter(p.full_tensor())), or pass a "
+            "dp mesh without these axes")
     if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
-        raise CompositionError(f"parameter '{name}' is a DTensor on a tp mesh; to compose, both the dp mesh and "
-                               "the tp mesh need axis names: build one named mesh (mesh.ParallelDims) and pass "
-                               "its sub-meshes")
+        raise CompositionError(f"parameter '{name}' is a DTensor on a tp mesh; to compose, both the dp mesh "
+                               "and the tp mesh need axis names: build one named mesh (mesh.ParallelDims) "
+                               "and pass its sub-meshes")
     root = dp_mesh._get_root_mesh()
     # by value, not identity: torch may hand the parameter an equal tp slice of an earlier-built mesh
     tp_names = tuple(tp_mesh.mesh_dim_names)
     same = (root.mesh_dim_names is not None and set(tp_names) <= set(root.mesh_dim_names)
             and root[tp_names] == tp_mesh)
     if not same:
-        raise CompositionError(f"parameter '{name}' lives on tp mesh {tp_names}, which is not a sub-mesh of the "
-                               f"same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both from one "
+        raise CompositionError(f"parameter '{name}' lives on tp mesh {tp_names}, which is not a sub-mesh of "
+                               f"the same mesh as the dp mesh {dp_mesh.mesh_dim_names}: slice both from one "
                                "DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'])")
     names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
     order = [root.mesh_dim_names.index(n) for n in names]
@@ -81,7 +82,8 @@ def compose(name: str, param: DTensor, dp_mesh: DeviceMesh, dp_placement: Placem
                                f"{tp_mesh.mesh_dim_names} in the mesh {root.mesh_dim_names}")
     for placement in tp_placements:
         if not isinstance(placement, (Shard, Replicate)):
-            raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and Replicate "
-                                   "can be composed with data parallelism")
+            raise CompositionError(f"parameter '{name}' has tp placement {placement}; only Shard and "
+                                   "Replicate can be composed with data parallelism")
     tp_sizes = [tp_mesh.size(a) for a in range(len(tp_placements))]
-    return TensorParallel(tp_mesh, tp_placements, root[names], rule(dp_placement).under_tp(tp_placements, tp_sizes))
+    return TensorParallel(tp_mesh, tp_placements, root[names],
+                          rule(dp_placement).under_tp(tp_placements, tp_sizes))

@@ -12,10 +12,10 @@ alias move that counter.
 ``untraced(fn)`` makes ``fn`` a graph break that runs eagerly, as FSDP2's hooks do: every entry point of
 the runtime (forward hooks, gradient hooks, the final callback, ``ShardedModule`` methods that unshard,
 reshard or reset, the optimizer step hooks of ``perparam.runtime.optim``, so ``torch.compile(optimizer.step)``
-compiles the optimizer's arithmetic and never perparam's bookkeeping) carries it. Outside a traced region it costs one ``torch.compiler.is_compiling()`` call
-and imports nothing (``torch._dynamo`` is imported by ``torch.compile`` itself). Being every entry point, it
-is also where a collective that failed because a peer is gone becomes ``perparam.PeerLostError``
-(``perparam.comm.peers``), on the error path only.
+compiles the optimizer's arithmetic and never perparam's bookkeeping) carries it. Outside a traced region it
+costs one ``torch.compiler.is_compiling()`` call and imports nothing (``torch._dynamo`` is imported by
+``torch.compile`` itself). Being every entry point, it is also where a collective that failed because a peer
+is gone becomes ``perparam.PeerLostError`` (``perparam.comm.peers``), on the error path only.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ _PHASES = MappingProxyType({
 
 
 def untraced(fn: _F) -> _F:
-    """``fn`` run eagerly, never traced by ``torch.compile`` (a graph break where a traced region calls it)."""
+    """``fn`` run eagerly, never traced by ``torch.compile`` (a graph break where a traced region calls
+    it)."""
 
     where = _PHASES.get(fn.__name__, "the optimizer step" if "hook" in fn.__name__ else fn.__name__)
 
@@ -58,7 +59,8 @@ def untraced(fn: _F) -> _F:
     def wrapper(*args, **kwargs):
         if not torch.compiler.is_compiling():
             return eager(*args, **kwargs)
-        return torch._dynamo.disable(eager, recursive=True, reason="perparam runtime (eager)")(*args, **kwargs)
+        return torch._dynamo.disable(eager, recursive=True,
+                                     reason="perparam runtime (eager)")(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 

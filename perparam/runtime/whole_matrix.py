@@ -1,6 +1,7 @@
-"""The whole-matrix optimizers from outside torch that perparam recognises by name (``owner_step.is_whole_matrix``
-asks here): the classes users reach through transformers, matched along an optimizer's class hierarchy so no
-package is imported to recognise them, and which of their parameter groups they step whole. A leaf."""
+"""The whole-matrix optimizers from outside torch that perparam recognises by name
+(``owner_step.is_whole_matrix`` asks here): the classes users reach through transformers, matched along an
+optimizer's class hierarchy so no package is imported to recognise them, and which of their parameter groups
+they step whole. A leaf."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 __all__ = ["KNOWN", "known", "steps_whole"]
 
 #: the whole-matrix optimizers outside torch that users reach through transformers (``TrainingArguments(optim=
-#: "adafactor" | "galore_*" | "apollo_*" | "stable_adamw")`` and ``transformers.optimization``), by the module that
-#: defines the class and its name, matched along the optimizer's class hierarchy (nothing is imported to
-#: recognise them), each with the parameter-group key that marks the groups it steps whole (``None``: every group)
+#: "adafactor" | "galore_*" | "apollo_*" | "stable_adamw")`` and ``transformers.optimization``), by the module
+#: that defines the class and its name, matched along the optimizer's class hierarchy (nothing is imported to
+#: recognise them), each with the parameter-group key that marks the groups it steps whole (``None``: every
+#: group)
 KNOWN: dict[str, str | None] = {
     # factored second moment (row and column means of the squared gradient), the update's RMS clipped, the
     # step scaled by the parameter's RMS

@@ -56,8 +56,8 @@ _WINDOW_KEY = "_perparam_window_of"
 #: in-place methods that change no values
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "_fix_weakref", "pin_memory"})
 _INPLACE_OPERATORS = frozenset({
-    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
 #: ``Tensor`` methods that draw random values in place: drawn as the full tensor, this rank's rows kept
 _RANDOM = frozenset({"uniform_", "normal_", "bernoulli_", "cauchy_", "exponential_", "geometric_",
                      "log_normal_", "random_"})
@@ -68,8 +68,8 @@ _SCRATCH_FROM = frozenset({"empty_like", "new_empty", "new_empty_strided"})
 #: comparisons of a tracked tensor: their masks are scratch, so that a Python decision on them
 #: (``if not mask.any()``: ``trunc_normal_``'s rejection loop) is taken on the whole tensor, the same on
 #: every rank, not on this rank's partial result (DTensor's ``bool()`` of a ``Partial`` reads the local value)
-_MASKS = frozenset({"lt", "gt", "le", "ge", "eq", "ne", "__lt__", "__gt__", "__le__", "__ge__", "__eq__", "__ne__",
-                    "isnan", "isinf", "isfinite", "isposinf", "isneginf"})
+_MASKS = frozenset({"lt", "gt", "le", "ge", "eq", "ne", "__lt__", "__gt__", "__le__", "__ge__", "__eq__",
+                    "__ne__", "isnan", "isinf", "isfinite", "isposinf", "isneginf"})
 _DECISIONS = frozenset({"__bool__", "item", "tolist", "__float__", "__int__"})
 _DATA_SET = torch.Tensor.data.__set__
 _DATA_GET = torch.Tensor.data.__get__
@@ -139,7 +139,8 @@ class TrackedDTensor(DTensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name == "__get__" and func != _DATA_GET:  # attribute reads (requires_grad, grad, ...): the fast path
+        # attribute reads (requires_grad, grad, ...): the fast path
+        if name == "__get__" and func != _DATA_GET:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args)
         handler = _HANDLERS.get(name)
@@ -212,8 +213,8 @@ def _reads(func, name, args, kwargs):
 
 
 def _writes_first(func, name, args, kwargs):
-    """In-place methods and operators (``mul_``, ``p += x``), ``torch._foreach_*_`` and fused optimizer kernels
-    (their first argument, a list)."""
+    """In-place methods and operators (``mul_``, ``p += x``), ``torch._foreach_*_`` and fused optimizer
+    kernels (their first argument, a list)."""
     result = _call(func, args, kwargs)
     if args:
         _count(args[0])
@@ -221,8 +222,8 @@ def _writes_first(func, name, args, kwargs):
 
 
 def _initializes(func, name, args, kwargs):
-    """``torch.nn.init.*`` and ``Tensor``'s random in-place methods: drawn in full where ``_draw_full`` applies,
-    else a write of the first argument."""
+    """``torch.nn.init.*`` and ``Tensor``'s random in-place methods: drawn in full where ``_draw_full``
+    applies, else a write of the first argument."""
     nn_init = getattr(func, "__module__", None) == "torch.nn.init"
     if nn_init and kwargs and "tensor" in kwargs:
         args, kwargs = (kwargs["tensor"], *args), {k: v for k, v in kwargs.items() if k != "tensor"}
@@ -235,7 +236,8 @@ def _initializes(func, name, args, kwargs):
 
 
 def _sets_items(func, name, args, kwargs):
-    """``p[index] = x`` (one process's meaning, ``_set_items``); into a window or a scratch tensor: a write."""
+    """``p[index] = x`` (one process's meaning, ``_set_items``); into a window or a scratch tensor: a
+    write."""
     sp = owner_of(args[0])
     if sp is not None:
         return _set_items(sp, *args)
@@ -302,9 +304,9 @@ _HANDLERS = MappingProxyType({
 
 
 def _write_back(window, base, index) -> None:
-    """An in-place write to ``window`` (``base[index]``): put its values into ``base``'s shard, as one process's
-    view would have. Two all-gathers (``full_tensor``), issued on every rank alike (the write runs on every
-    rank); for initialization-time writes such as ``Embedding``'s zeroed ``padding_idx`` row."""
+    """An in-place write to ``window`` (``base[index]``): put its values into ``base``'s shard, as one
+    process's view would have. Two all-gathers (``full_tensor``), issued on every rank alike (the write runs
+    on every rank); for initialization-time writes such as ``Embedding``'s zeroed ``padding_idx`` row."""
     with torch.no_grad():
         full = base.full_tensor()
         full[index] = window.full_tensor()
@@ -345,7 +347,8 @@ def _draw_full(sp, tensor, func, args, kwargs):
     full = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
     with torch.no_grad():
         func(full, *args[1:], **kwargs)
-        if sp is not None and tuple(tensor.shape) == sp.global_shape:  # the parameter or an alias: its own split
+        # the parameter or an alias: its own split
+        if sp is not None and tuple(tensor.shape) == sp.global_shape:
             local.copy_(sp.shard_of(full))
             sp._writes += 1
         else:
@@ -355,14 +358,16 @@ def _draw_full(sp, tensor, func, args, kwargs):
 
 
 def _assign_data(sp, tensor, value):
-    """``tensor.data = value`` (``tensor``: the sharded parameter or an alias of it), one process's meaning."""
+    """``tensor.data = value`` (``tensor``: the sharded parameter or an alias of it), one process's
+    meaning."""
     shape, local = sp.global_shape, tensor._local_tensor
     where = f"'{sp.path}' (global shape {list(shape)}, this rank's shard {list(local.shape)})"
-    fix = ("Assign a tensor of the global shape (every rank the same), or write in place: with torch.no_grad(): "
-           "p.copy_(full) or p.copy_(distribute_tensor(full, p.device_mesh, p.placements))")
+    fix = ("Assign a tensor of the global shape (every rank the same), or write in place: with "
+           "torch.no_grad(): p.copy_(full) or p.copy_(distribute_tensor(full, p.device_mesh, p.placements))")
     if sp.stored_quantized:
-        raise ShardDataAssignmentError(f"perparam: .data = ... on the stored-quantized parameter {where}: its "
-                                       "shard holds quantized codes. Load the values with load_state_dict instead")
+        raise ShardDataAssignmentError(f"perparam: .data = ... on the stored-quantized parameter {where}: "
+                                       "its shard holds quantized codes. Load the values with "
+                                       "load_state_dict instead")
     if isinstance(value, DTensor):
         if tuple(value.shape) != shape or value.device_mesh != tensor.device_mesh:
             raise ShardDataAssignmentError(
@@ -381,7 +386,8 @@ def _assign_data(sp, tensor, value):
                 f"{what}; a sharded parameter keeps its global shape. {fix}")
         piece = sp.shard_of(value.detach())
     else:
-        raise ShardDataAssignmentError(f"perparam: .data = {type(value).__name__} for the sharded parameter {where}")
+        raise ShardDataAssignmentError(f"perparam: .data = {type(value).__name__} for the sharded parameter "
+                                       f"{where}")
     with torch.no_grad():
         local.copy_(piece)
     sp._writes += 1

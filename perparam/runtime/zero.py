@@ -7,9 +7,10 @@ prefetch or ``unshard()``), together with whatever stage-3 parameters that all-g
 change at:
 
 * an optimizer step: ``ShardedParam.optimizer_steps`` counts the steps of the ``torch.optim`` optimizers
-  holding the parameter (``perparam.runtime.optim``: its ``CountStep`` stage), a count every rank shares. A parameter
-  frozen when gathered and frozen now is not refreshed after a step (the optimizer skips it), unless it held a
-  ``.grad`` at that step (the optimizer steps it then: the ``CountStep`` stage, ``runtime/optim/stages.py``, marks its copy stale);
+  holding the parameter (``perparam.runtime.optim``: its ``CountStep`` stage), a count every rank shares. A
+  parameter frozen when gathered and frozen now is not refreshed after a step (the optimizer skips it), unless
+  it held a ``.grad`` at that step (the optimizer steps it then: the ``CountStep`` stage,
+  ``runtime/optim/stages.py``, marks its copy stale);
 * a load (``perparam.checkpoint.load``, ``load_full_state_dict``, ``load_state_dict``) or a device change
   (``to_empty``, ``.to(device)``): these call ``invalidate()``, which every rank calls alike;
 * a write to the sharded parameter: ``ShardedParam.writes`` counts every torch call that writes it
@@ -92,8 +93,8 @@ def invalidate() -> None:
 
 def needs_refresh(p: ShardedParam) -> bool:
     """``p`` (a stage-1/2 parameter) has no valid kept copy: never gathered, freed by a move, invalidated by
-    a load, written since it was gathered (``p.writes``, ``runtime/writes.py``; or the DTensor's version, which
-    its views share), or a step ran since it was gathered while it was trainable (then or now)."""
+    a load, written since it was gathered (``p.writes``, ``runtime/writes.py``; or the DTensor's version,
+    which its views share), or a step ran since it was gathered while it was trainable (then or now)."""
     key = p.kept_key
     if key is None or not p.storage_alive or key[1] != generation():
         return True
@@ -173,19 +174,21 @@ def check_unwritten(p: ShardedParam) -> None:
     if not shard_view.linked(p):  # (a linked shard is the copy's own rows: nothing to compare with)
         local = p.local_shard()
         own = p.shard_of(p.unsharded.detach())
-        if torch.equal(own.contiguous().view(torch.uint8), local.to(own.dtype).contiguous().view(torch.uint8)):
+        if torch.equal(own.contiguous().view(torch.uint8),
+                       local.to(own.dtype).contiguous().view(torch.uint8)):
             note_gathered([p], force=True)  # written, but with what it held
             return
     if p.kept:
         kept = f"ZeRO stage {p.policy.zero_stage}: its unsharded copy is kept across steps"
     else:
-        kept = "its unsharded storage is kept: reshard_after_forward=False or set_reshard_after_backward(False)"
+        kept = ("its unsharded storage is kept: reshard_after_forward=False or "
+                "set_reshard_after_backward(False)")
     raise UnseenShardWriteError(
         f"perparam: the shard of '{p.path}' ({kept}) was written in place since that copy was gathered, by a "
         "rank-local route perparam does not see (e.g. dcp.load(model.state_dict()) without "
         "model.load_state_dict(...) after it, or a write into p.to_local()); computing on would use the old "
-        "weights. After such a write call model.mark_shards_written() on every rank (model: the sharded root, "
-        "or any module fully_shard was called on), or load through model.load_state_dict / "
+        "weights. After such a write call model.mark_shards_written() on every rank (model: the sharded "
+        "root, or any module fully_shard was called on), or load through model.load_state_dict / "
         "set_model_state_dict / perparam.checkpoint.load, which refresh it")
 
 

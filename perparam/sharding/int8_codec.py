@@ -1,5 +1,5 @@
-"""The int8 absmax block codec's kernels, shared by ``Int8Quantizer`` (the int8 all-gather, stored int8 shards)
-and qgZ's int8 gradient reduce-scatter (``perparam.runtime.paths.reduce_qgz``).
+"""The int8 absmax block codec's kernels, shared by ``Int8Quantizer`` (the int8 all-gather, stored int8
+shards) and qgZ's int8 gradient reduce-scatter (``perparam.runtime.paths.reduce_qgz``).
 
 Codes are ``round(x / s)`` (half to even, ``torch.round``) with ``s = amax / 127`` per block of ``block_size``
 values; a block of zeros has ``s = 0`` and codes 0. Encoding is three vectorised passes after the absmax:

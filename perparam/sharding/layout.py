@@ -153,8 +153,9 @@ class ShardLayout:
 
     def copy_out_pairs(self, buffer: torch.Tensor, rows: torch.Tensor, first: int) -> list:
         """``(destination, source)`` views that put gathered pieces into ``buffer`` (``buffer_shape``):
-        ``rows`` ``[m, padded_local_numel]`` holds the pieces (``send_view``) of ranks ``first .. first + m - 1`` (replicated:
-        ``[1, numel]``, the local tensor). Padding and empty ranks' pieces are skipped. Views only."""
+        ``rows`` ``[m, padded_local_numel]`` holds the pieces (``send_view``) of ranks ``first .. first + m -
+        1`` (replicated: ``[1, numel]``, the local tensor). Padding and empty ranks' pieces are skipped. Views
+        only."""
         if self.gathered and self.wire_is_layout:
             rows_view = buffer.reshape(-1).view(self.buffer_rows, buffer.numel() // self.buffer_rows)
             return [(rows_view.narrow(0, first, rows.shape[0]), rows)]
@@ -227,10 +228,11 @@ def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quantizer=None, bl
     * plain: the padded local shard in ``wire_dtype`` (the compute dtype), ``padded_local_numel``
       elements.
     * quantized (``quantizer`` set: a ``perparam.quant.BlockQuantizer`` object, e.g.
-      ``perparam.quant.get("nf4")``): the quantizer's pieces (e.g. codes plus one fp32 scale per block of ``block_size``, the
-      quantizer's default when ``None``). Communication-only quantization tiles the flattened padded shard
-      as one row (as ZeRO++'s quantized weight all-gather); stored quantization (``row_blocks``) tiles
-      each dim-0 row separately, so the scales shard with the rows and do not depend on K.
+      ``perparam.quant.get("nf4")``): the quantizer's pieces (e.g. codes plus one fp32 scale per block of
+      ``block_size``, the quantizer's default when ``None``). Communication-only quantization tiles the
+      flattened padded shard as one row (as ZeRO++'s quantized weight all-gather); stored quantization
+      (``row_blocks``) tiles each dim-0 row separately, so the scales shard with the rows and do not depend on
+      K.
     * replicated (``not layout.gathered``): nothing; the parameter is not all-gathered.
     """
     if not layout.gathered:
@@ -238,8 +240,8 @@ def wire_pieces(layout: ShardLayout, wire_dtype: torch.dtype, quantizer=None, bl
     if quantizer is None:
         return (WirePiece(wire_dtype, layout.padded_local_numel),)
     if not callable(getattr(quantizer, "pieces", None)):
-        raise TypeError(f"wire_pieces takes a quantizer object, got {quantizer!r}; look a name or codes dtype up "
-                        "with perparam.quant.get(name) first")
+        raise TypeError(f"wire_pieces takes a quantizer object, got {quantizer!r}; look a name or codes "
+                        "dtype up with perparam.quant.get(name) first")
     block_size = block_size or quantizer.default_block_size
     if row_blocks:
         return quantizer.pieces(layout.chunk, math.prod(layout.global_shape[1:]), block_size)

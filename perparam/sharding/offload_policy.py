@@ -63,8 +63,8 @@ def as_offload(value, what: str) -> OffloadPolicy | None:
     if policy.tier not in TIERS:
         raise PolicyError(f"{what} has tier {policy.tier!r}; use one of {TIERS}")
     if policy.state not in STATES:
-        raise PolicyError(f"{what} has state {policy.state!r}; use 'optimizer' (optimizer state only) or 'all' "
-                          "(stored shard, gradient and optimizer state)")
+        raise PolicyError(f"{what} has state {policy.state!r}; use 'optimizer' (optimizer state only) or "
+                          "'all' (stored shard, gradient and optimizer state)")
     if not isinstance(policy.pin_memory, bool):
         raise PolicyError(f"{what} has pin_memory={policy.pin_memory!r}; pass True or False")
     if policy.tier == "disk" and not policy.path:

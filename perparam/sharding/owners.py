@@ -70,7 +70,8 @@ def owner_plan(costs: Sequence[int], num_ranks: int, fixed: Mapping[int, int] | 
     if kinds is not None and len(kinds) != len(costs):
         raise ValueError(f"kinds must have one entry per cost ({len(costs)}), got {len(kinds)}")
     first: dict = {}
-    kind_rank = [first.setdefault(kind, i) for i, kind in enumerate(kinds)] if kinds is not None else range(len(costs))
+    kind_rank = [first.setdefault(kind, i)
+                 for i, kind in enumerate(kinds)] if kinds is not None else range(len(costs))
     fixed = dict(fixed or {})
     if any(not 0 <= r < num_ranks for r in fixed.values()):
         raise ValueError(f"fixed owners must be ranks in [0, {num_ranks}), got {fixed}")
@@ -79,7 +80,8 @@ def owner_plan(costs: Sequence[int], num_ranks: int, fixed: Mapping[int, int] | 
     for i, r in fixed.items():
         owners[i] = r
         loads[r] += costs[i]
-    for i in sorted((i for i in range(len(costs)) if i not in fixed), key=lambda i: (-costs[i], kind_rank[i], i)):
+    for i in sorted((i for i in range(len(costs)) if i not in fixed),
+                    key=lambda i: (-costs[i], kind_rank[i], i)):
         r = min(range(num_ranks), key=lambda r: (loads[r], r))
         owners[i] = r
         loads[r] += costs[i]

@@ -6,9 +6,9 @@ A parameter's dp placement is a torch ``Placement`` object: ``Shard(d)`` (split 
 ``torch.chunk(t, K, dim=d)``: every rank but the last few holds ``ceil(S[d] / K)`` slices, the last ones may
 hold fewer or none) or ``Replicate()`` (every rank holds all of it; it is never all-gathered and its
 gradient is all-reduced). ``rule(placement)`` is the only place that branches on the placement's type:
-the layout (``perparam.sharding.layout.ShardLayout``), the runtime (``param.py``, ``group.py``), tensor-parallel
-composition (``tp.py``), the policy check (``normalize``) and ``perparam plan`` ask the rule. Adding a
-placement is one more rule class here (and, if ``auto`` may choose it, one more candidate below).
+the layout (``perparam.sharding.layout.ShardLayout``), the runtime (``param.py``, ``group.py``),
+tensor-parallel composition (``tp.py``), the policy check (``normalize``) and ``perparam plan`` ask the rule.
+Adding a placement is one more rule class here (and, if ``auto`` may choose it, one more candidate below).
 
 Shapes are the shape the dp axis splits (the parameter's, or under TP its tp-local one), in elements.
 A *wire* tensor has the split dim moved to the front, so the K gathered pieces stack along dim 0.
@@ -143,7 +143,8 @@ class ShardRule:
     def under_tp(self, tp_placements: Sequence[Placement], tp_sizes: Sequence[int]) -> Placement:
         """The dp placement on the combined (dp, tp) mesh when tp already split the tensor: a
         ``_StridedShard`` when a tp axis split the same dim first (so ``full_tensor()`` stays exact)."""
-        split = math.prod(n for p, n in zip(tp_placements, tp_sizes) if isinstance(p, Shard) and p.dim == self.dim)
+        split = math.prod(n for p, n in zip(tp_placements, tp_sizes)
+                          if isinstance(p, Shard) and p.dim == self.dim)
         return _StridedShard(self.dim, split_factor=split) if split > 1 else Shard(self.dim)
 
 
@@ -225,16 +226,17 @@ def normalize(placement: Placement | None, ndim: int) -> Placement:
     placement = Shard(0) if placement is None else placement
     if type(placement) is Shard:
         if ndim == 0:
-            raise ValueError("is 0-dim, so it cannot be sharded on any dim (FSDP2: fully_shard doesn't support scalar "
-                             "parameters); pass ParamPolicy(placement=Replicate()) for it (or placement='auto'), or "
-                             "change it to a 1D tensor with numel equal to 1")
+            raise ValueError("is 0-dim, so it cannot be sharded on any dim (FSDP2: fully_shard doesn't "
+                             "support scalar parameters); pass ParamPolicy(placement=Replicate()) for it (or "
+                             "placement='auto'), or change it to a 1D tensor with numel equal to 1")
         if not -ndim <= placement.dim < ndim:
-            raise ValueError(f"has {ndim} dims: placement Shard({placement.dim}) is out of range; use a dim in "
-                             f"[0, {ndim - 1}]")
+            raise ValueError(f"has {ndim} dims: placement Shard({placement.dim}) is out of range; use a dim "
+                             f"in [0, {ndim - 1}]")
         return Shard(placement.dim % ndim)
     if isinstance(placement, Replicate):
         return Replicate()
-    raise ValueError(f"has placement {placement!r}, which is not supported; use Shard(d), Replicate() or 'auto'")
+    raise ValueError(f"has placement {placement!r}, which is not supported; use Shard(d), Replicate() or "
+                     "'auto'")
 
 
 def placement_str(placement: Placement) -> str:

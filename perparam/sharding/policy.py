@@ -82,8 +82,9 @@ class QuantPolicy:
 class ParamPolicy:
     """Per-parameter overrides; ``None`` inherits from the call's ``MixedPrecisionPolicy`` and state.
 
-    ``placement``: ``Shard(d)``, ``Replicate()``, or ``"auto"`` (``perparam.sharding.placement.auto_placement``:
-    the dim with the least padding for the shard axis's K, ``Replicate()`` for tiny parameters).
+    ``placement``: ``Shard(d)``, ``Replicate()``, or ``"auto"``
+    (``perparam.sharding.placement.auto_placement``: the dim with the least padding for the shard axis's K,
+    ``Replicate()`` for tiny parameters).
 
     ``zero_stage``: what a sharded parameter keeps whole on every rank (Rajbhandari et al., 2020; the
     per-rank bytes are the P, G and O rows of Table 7-2, ``perparam.memory.formulas``); ``None`` means 3:
@@ -118,7 +119,8 @@ class ParamPolicy:
     placement: Placement | str | None = None
     master_dtype: torch.dtype | None = None
     zero_stage: int | None = None
-    #: where its persistent state lives: an ``OffloadPolicy`` or a tier name (``None``: the call's, else ``"device"``)
+    #: where its persistent state lives: an ``OffloadPolicy`` or a tier name (``None``: the call's, else
+    #: ``"device"``)
     offload: OffloadPolicy | str | None = None
     mesh: DeviceMesh | None = None
     #: ZeRO++'s qgZ (DeepSpeed's ``zero_quantized_gradients``) for this parameter: its gradient's
@@ -129,10 +131,10 @@ class ParamPolicy:
     grad_quant: str | torch.dtype | QuantPolicy | BlockQuantizer | None = None
     #: who steps the parameter: ``"shard"`` (``None``, the default: every rank's optimizer steps its own
     #: shard, right for elementwise optimizers: SGD, Adam, AdamW, ...) or ``"owner"`` (one rank of its shard
-    #: axis, planned by ``perparam.sharding.owners``, steps the whole tensor with the stock optimizer and sends
-    #: the updated rows back: what whole-matrix optimizers need, ``torch.optim.Muon``, ``torch.optim.Adafactor``;
-    #: ``docs/whole-matrix-optimizers.md``). ``"owner"`` is refused for a frozen, 0-dim, explicitly replicated
-    #: or offloaded parameter.
+    #: axis, planned by ``perparam.sharding.owners``, steps the whole tensor with the stock optimizer and
+    #: sends the updated rows back: what whole-matrix optimizers need, ``torch.optim.Muon``,
+    #: ``torch.optim.Adafactor``; ``docs/whole-matrix-optimizers.md``). ``"owner"`` is refused for a frozen,
+    #: 0-dim, explicitly replicated or offloaded parameter.
     update: str | None = None
 
 
@@ -198,7 +200,8 @@ def check_mp_policy(mp: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
     for a dtype field that is not a 2- or 4-byte floating-point ``torch.dtype`` or a ``cast_forward_inputs``
     that is not a bool."""
     if not isinstance(mp.cast_forward_inputs, bool):
-        raise PolicyError(f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got {mp.cast_forward_inputs!r}")
+        raise PolicyError("MixedPrecisionPolicy.cast_forward_inputs must be True or False, got "
+                          f"{mp.cast_forward_inputs!r}")
     for field in ("param_dtype", "reduce_dtype", "output_dtype", "master_dtype"):
         _float_dtype(getattr(mp, field), f"MixedPrecisionPolicy.{field}")
     return mp
@@ -214,8 +217,9 @@ def _resolve_quant(name: str, quant: QuantPolicy) -> QuantPolicy:
                           f"{registry.names()} or register yours with perparam.quant.register(name, "
                           "quantizer)") from None
     if quant.dtype is not None and quant.dtype != quantizer.codes_dtype:
-        raise PolicyError(f"QuantPolicy for '{name}' has dtype {quant.dtype} but quantizer {quantizer.name!r} "
-                          f"writes {quantizer.codes_dtype} codes; drop dtype or the quantizer")
+        raise PolicyError(f"QuantPolicy for '{name}' has dtype {quant.dtype} but quantizer "
+                          f"{quantizer.name!r} writes {quantizer.codes_dtype} codes; drop dtype or the "
+                          "quantizer")
     block_size = quantizer.default_block_size if quant.block_size is None else quant.block_size
     if not isinstance(block_size, int):
         raise PolicyError(f"QuantPolicy block_size for '{name}' must be an int, got {block_size!r}")
@@ -234,8 +238,8 @@ def resolve_grad_quant(name: str, value) -> GradQuant | None:
         return BF16
     quant = value if isinstance(value, QuantPolicy) else QuantPolicy(value)
     if quant.store_quantized:
-        raise PolicyError(f"grad_quant of '{name}' has store_quantized=True, which applies to stored weights, "
-                          "not gradients; pass QuantPolicy(name, block_size=...) without it")
+        raise PolicyError(f"grad_quant of '{name}' has store_quantized=True, which applies to stored "
+                          "weights, not gradients; pass QuantPolicy(name, block_size=...) without it")
     try:
         quant = _resolve_quant(name, quant)
     except PolicyError as e:
@@ -251,18 +255,19 @@ def _check_grad_quant(name: str, gq: GradQuant | None, requires_grad: bool, gath
     if gq is None:
         return
     if not requires_grad:
-        raise PolicyError(f"parameter '{name}' is frozen, so it has no gradient to reduce-scatter: drop grad_quant "
-                          "for it (e.g. narrow the pattern to the trainable parameters)")
+        raise PolicyError(f"parameter '{name}' is frozen, so it has no gradient to reduce-scatter: drop "
+                          "grad_quant for it (e.g. narrow the pattern to the trainable parameters)")
     if not gathered:
-        raise PolicyError(f"parameter '{name}' is replicated: its gradient is all-reduced, not reduce-scattered, "
-                          "and grad_quant quantizes reduce-scatters only; shard it (Shard(d)) or drop grad_quant")
+        raise PolicyError(f"parameter '{name}' is replicated: its gradient is all-reduced, not "
+                          "reduce-scattered, and grad_quant quantizes reduce-scatters only; shard it "
+                          "(Shard(d)) or drop grad_quant")
     if zero_stage == 1:
-        raise PolicyError(f"parameter '{name}' has zero_stage=1, whose gradient is all-reduced whole; grad_quant "
-                          "quantizes reduce-scatters only: use zero_stage=2 (same kept parameter, sharded "
-                          "gradient) or drop grad_quant")
+        raise PolicyError(f"parameter '{name}' has zero_stage=1, whose gradient is all-reduced whole; "
+                          "grad_quant quantizes reduce-scatters only: use zero_stage=2 (same kept parameter, "
+                          "sharded gradient) or drop grad_quant")
     if gq.quantizer is None and reduce_dtype.itemsize <= 2:
-        raise PolicyError(f"parameter '{name}' already reduces in {reduce_dtype}: grad_quant='bf16' would send the "
-                          "same bytes; drop it, or use grad_quant='int8'")
+        raise PolicyError(f"parameter '{name}' already reduces in {reduce_dtype}: grad_quant='bf16' would "
+                          "send the same bytes; drop it, or use grad_quant='int8'")
 
 
 def _replicated(placement) -> bool:
@@ -278,12 +283,12 @@ def check_zero_stage(name: str, pp: ParamPolicy) -> int:
     ``placement="auto"`` is made concrete: auto's ``Replicate()`` of a tiny parameter is allowed)."""
     stage = 3 if pp.zero_stage is None else pp.zero_stage
     if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise PolicyError(f"parameter '{name}' has zero_stage={pp.zero_stage!r}; use 1 (optimizer state sharded), "
-                          "2 (gradient too) or 3 (parameter too, the default)")
+        raise PolicyError(f"parameter '{name}' has zero_stage={pp.zero_stage!r}; use 1 (optimizer state "
+                          "sharded), 2 (gradient too) or 3 (parameter too, the default)")
     if stage != 3 and isinstance(pp.placement, Placement) and _replicated(pp.placement):
-        raise PolicyError(f"parameter '{name}' has placement Replicate() and zero_stage={stage}: a replicated "
-                          "parameter keeps everything whole (it has no shard to update); drop zero_stage for it "
-                          "or shard it (Shard(d) or 'auto')")
+        raise PolicyError(f"parameter '{name}' has placement Replicate() and zero_stage={stage}: a "
+                          "replicated parameter keeps everything whole (it has no shard to update); drop "
+                          "zero_stage for it or shard it (Shard(d) or 'auto')")
     return stage
 
 
@@ -291,25 +296,27 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, 
             offload: OffloadPolicy | None = None) -> ResolvedPolicy:
     """Combine the call's ``MixedPrecisionPolicy`` (and ``offload``, the call's ``offload_policy``) with
     ``param``'s ``ParamPolicy`` override ``pp``, already picked from the call's ``param_policy``
-    (``policy_pick._pick``, by ``resolution.resolve_param``: the one place a policy is picked); ``None``: none.
+    (``policy_pick.pick_policy``, by ``resolution.resolve_param``: the one place a policy is picked);
+    ``None``: none.
 
     Raises ``PolicyError`` naming ``name`` for a policy that cannot apply.
     """
     pp = pp or ParamPolicy()
     if not isinstance(pp, ParamPolicy):
-        raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+        raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or "
+                          "None")
     zero_stage = 3 if pp.zero_stage is None else pp.zero_stage  # checked by resolution.resolve_param
     _float_dtype(pp.param_dtype, f"param_dtype of '{name}'")
     _float_dtype(pp.reduce_dtype, f"reduce_dtype of '{name}'")
     _float_dtype(pp.master_dtype, f"master_dtype of '{name}'")
     is_float = param.dtype.is_floating_point
     if pp.master_dtype is not None and not is_float:
-        raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; master_dtype {pp.master_dtype} applies to "
-                          "floating-point parameters only: drop it for this parameter")
+        raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; master_dtype {pp.master_dtype} "
+                          "applies to floating-point parameters only: drop it for this parameter")
     stored_dtype = pp.master_dtype or (mp.master_dtype if is_float else None) or param.dtype
     if pp.param_dtype is not None and not is_float:
-        raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; param_dtype {pp.param_dtype} applies to "
-                          "floating-point parameters only: drop it for this parameter")
+        raise PolicyError(f"parameter '{name}' has dtype {param.dtype}; param_dtype {pp.param_dtype} applies "
+                          "to floating-point parameters only: drop it for this parameter")
     param_dtype = pp.param_dtype or (mp.param_dtype if is_float else None) or param.dtype
     reduce_dtype = pp.reduce_dtype or (mp.reduce_dtype if is_float else None) or param_dtype
     if pp.requires_grad is not None and not isinstance(pp.requires_grad, bool):
@@ -346,9 +353,9 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, 
             raise PolicyError(f"store_quantized needs a parameter of 2+ dims sharded on dim 0 (scales are "
                               f"kept per row); '{name}' has {ndim} dims and {placement_str(placement)}")
         if quant.store_quantized and zero_stage != 3:
-            raise PolicyError(f"parameter '{name}' has store_quantized=True and zero_stage={zero_stage}: stage "
-                              f"{zero_stage} keeps the unsharded parameter in {param_dtype} on every rank, which "
-                              "undoes what the stored codes save; use zero_stage=3 for it, or "
+            raise PolicyError(f"parameter '{name}' has store_quantized=True and zero_stage={zero_stage}: "
+                              f"stage {zero_stage} keeps the unsharded parameter in {param_dtype} on every "
+                              "rank, which undoes what the stored codes save; use zero_stage=3 for it, or "
                               "store_quantized=False (a quantized all-gather refreshes the kept copy)")
     grad_quant = resolve_grad_quant(name, pp.grad_quant)
     _check_grad_quant(name, grad_quant, requires_grad, gathered, zero_stage, reduce_dtype)
@@ -363,11 +370,13 @@ def resolve(name: str, param, mp: MixedPrecisionPolicy, pp: ParamPolicy | None, 
                           f"OffloadPolicy({tier.tier!r}, 'all', ...)")
     if pp.mesh is not None and not isinstance(pp.mesh, DeviceMesh):
         raise PolicyError(f"ParamPolicy.mesh of '{name}' must be a torch.distributed.device_mesh.DeviceMesh "
-                          f"(1D, or 2D (replicate, shard)) or None for the call's mesh, got {type(pp.mesh).__name__}")
+                          "(1D, or 2D (replicate, shard)) or None for the call's mesh, got "
+                          f"{type(pp.mesh).__name__}")
     update = _check_update(name, pp, ndim, requires_grad, gathered, tier)
-    given = frozenset(f for f in ("param_dtype", "reduce_dtype") if getattr(pp, f) or is_float and getattr(mp, f))
-    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype, zero_stage,
-                          tier, pp.mesh, grad_quant, update, given)
+    given = frozenset(f for f in ("param_dtype", "reduce_dtype")
+                      if getattr(pp, f) or is_float and getattr(mp, f))
+    return ResolvedPolicy(param_dtype, reduce_dtype, requires_grad, quant, placement, stored_dtype,
+                          zero_stage, tier, pp.mesh, grad_quant, update, given)
 
 
 def _check_update(name: str, pp: ParamPolicy, ndim: int, requires_grad: bool, gathered: bool,
@@ -376,25 +385,25 @@ def _check_update(name: str, pp: ParamPolicy, ndim: int, requires_grad: bool, ga
     value or a combination the owner path cannot run."""
     update = "shard" if pp.update is None else pp.update
     if update not in UPDATES:
-        raise PolicyError(f"parameter '{name}' has update={pp.update!r}; use 'shard' (each rank steps its shard, "
-                          "the default) or 'owner' (one rank steps the whole tensor: Muon, Adafactor)")
+        raise PolicyError(f"parameter '{name}' has update={pp.update!r}; use 'shard' (each rank steps its "
+                          "shard, the default) or 'owner' (one rank steps the whole tensor: Muon, Adafactor)")
     if update == "shard":
         return update
     if ndim == 0:
         raise PolicyError(f"parameter '{name}' is 0-dim, so it is replicated and whole on every rank: drop "
                           "update='owner' for it")
     if not requires_grad:
-        raise PolicyError(f"parameter '{name}' is frozen, so no optimizer steps it: drop update='owner' for it "
-                          "(e.g. narrow the pattern to the trainable matrices)")
+        raise PolicyError(f"parameter '{name}' is frozen, so no optimizer steps it: drop update='owner' for "
+                          "it (e.g. narrow the pattern to the trainable matrices)")
     if not gathered:
         if isinstance(pp.placement, Placement):
-            raise PolicyError(f"parameter '{name}' has placement Replicate() and update='owner': a replicated "
-                              "parameter is whole on every rank, so every rank steps it exactly; drop "
-                              "update='owner' for it, or shard it (Shard(d) or 'auto')")
+            raise PolicyError(f"parameter '{name}' has placement Replicate() and update='owner': a "
+                              "replicated parameter is whole on every rank, so every rank steps it exactly; "
+                              "drop update='owner' for it, or shard it (Shard(d) or 'auto')")
         return "shard"  # "auto" replicated a tiny parameter: whole everywhere, nothing to route
     if tier.offloaded:
-        raise PolicyError(f"parameter '{name}' has update='owner' and offload tier {tier.tier!r}: the owner keeps "
-                          "the whole parameter's optimizer state, which the offload tiers (per-shard files and "
-                          "host copies) do not move; drop offload for it (ParamPolicy(offload='device')) or "
-                          "drop update='owner'")
+        raise PolicyError(f"parameter '{name}' has update='owner' and offload tier {tier.tier!r}: the owner "
+                          "keeps the whole parameter's optimizer state, which the offload tiers (per-shard "
+                          "files and host copies) do not move; drop offload for it "
+                          "(ParamPolicy(offload='device')) or drop update='owner'")
     return update

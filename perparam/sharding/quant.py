@@ -1,8 +1,9 @@
 """The quantizer protocol: how one parameter's shard is block-quantized on the all-gather wire and, for a
 frozen parameter, in storage; a registry by name; and the int8 and fp8 quantizers.
 
-A quantizer (a ``BlockQuantizer``) works on a matrix ``x`` of ``[rows, n]`` values whose rows are tiled, each on its own, in
-blocks of ``block_size`` elements with one fp32 scale per block (the last block of a row may be short):
+A quantizer (a ``BlockQuantizer``) works on a matrix ``x`` of ``[rows, n]`` values whose rows are tiled, each
+on its own, in blocks of ``block_size`` elements with one fp32 scale per block (the last block of a row may be
+short):
 
 * communication-only quantization quantizes each rank's flattened padded shard as one row
   (``rows = 1``, ``n = padded_local_numel``, as ZeRO++'s quantized weight all-gather, Wang et al., 2023),
@@ -28,8 +29,8 @@ To add a quantizer: subclass ``BlockQuantizer``: set ``codes_dtype`` and ``defau
 implement ``encode`` (a ``[rows, blocks, block_size]`` tensor to one code per value and the scales),
 ``decode`` (codes to unscaled values) and ``error_bound``; override ``codes_per_row`` and ``pack_codes``
 if several codes share an element. Then ``perparam.quant.register("name", instance)`` and
-``QuantPolicy("name")`` uses it (``perparam/sharding/quant_nf4.py`` is a complete example). A block of zeros (e.g. the padding of an empty shard) has scale 0 and
-unpacks to zeros in every quantizer here.
+``QuantPolicy("name")`` uses it (``perparam/sharding/quant_nf4.py`` is a complete example). A block of zeros
+(e.g. the padding of an empty shard) has scale 0 and unpacks to zeros in every quantizer here.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def register(name: str, quantizer: BlockQuantizer) -> BlockQuantizer:
     """Make ``quantizer`` available as ``QuantPolicy(name)``; returns it. Raises ``ValueError`` when
     ``name`` is taken by another quantizer."""
     if _REGISTRY.get(name, quantizer) is not quantizer:
-        raise ValueError(f"quantizer name {name!r} is already registered to {_REGISTRY[name]!r}; pick another")
+        raise ValueError(f"quantizer name {name!r} is already registered to {_REGISTRY[name]!r}; pick "
+                         "another")
     _REGISTRY[name] = quantizer
     return quantizer
 
@@ -252,7 +254,8 @@ register("fp8", Fp8Quantizer())
 
 
 # -- the functions of earlier versions, through the protocol ----------------------------------------------
-def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, dtype: torch.dtype,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (``[rows, n]``) in blocks of ``block_size`` along each row with the quantizer of
     ``dtype`` (``torch.int8`` or ``torch.float8_e4m3fn``): codes ``[rows, n]`` of ``dtype`` and fp32
     scales ``[rows, ceil(n / block_size)]``. Raises ``ValueError`` for another dtype."""

@@ -4,8 +4,8 @@ reports.
 ``resolve_params`` takes names and tensors (real, meta or tensor-parallel DTensors), the call's
 ``MixedPrecisionPolicy`` and ``param_policy``, and K (the size of the mesh's shard axis; the replicate axis
 of an HSDP mesh does not change what a rank holds). Per parameter it checks what ``fully_shard`` refuses
-(integer parameters that require grad, complex; a 0-dim one needs ``Replicate()``), resolves the policy (``policy.resolve``; a
-``placement="auto"`` becomes a concrete ``Shard(d)`` or ``Replicate()`` through
+(integer parameters that require grad, complex; a 0-dim one needs ``Replicate()``), resolves the policy
+(``policy.resolve``; a ``placement="auto"`` becomes a concrete ``Shard(d)`` or ``Replicate()`` through
 ``placement.auto_placement``), and derives the layout and the all-gather pieces (``shard_layout``). The
 runtime (``api.fully_shard``, ``param.ShardedParam``) and ``perparam.memory.plan`` call these functions, so
 their figures cannot drift apart.
@@ -35,7 +35,7 @@ from .policy import (
     check_zero_stage,
     resolve,
 )
-from .policy_pick import _pick, check_patterns
+from .policy_pick import check_patterns, pick_policy
 
 #: The ``ParamPolicy.placement`` value that asks for ``auto_placement``.
 AUTO = "auto"
@@ -49,8 +49,8 @@ def check_param(fqn: str, p: torch.Tensor, owner: str) -> None:
     """Raise ``ParamError`` for a non-floating-point parameter that requires grad, or a complex one. (A 0-dim
     parameter is refused by ``policy.resolve`` unless its placement is ``Replicate()`` or ``"auto"``.)"""
     if isinstance(p, torch.nn.parameter.UninitializedParameter):
-        raise ParamError(f"parameter '{fqn}' of {owner} is not initialised yet (a Lazy module); run one forward "
-                         "with a sample batch before fully_shard, which gives it its shape")
+        raise ParamError(f"parameter '{fqn}' of {owner} is not initialised yet (a Lazy module); run one "
+                         "forward with a sample batch before fully_shard, which gives it its shape")
     if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
         raise ParamError(f"parameter '{fqn}' of {owner} has dtype {p.dtype} and requires grad; only "
                          "floating-point parameters can be trained: set requires_grad=False")
@@ -60,7 +60,8 @@ def check_param(fqn: str, p: torch.Tensor, owner: str) -> None:
 
 
 def dp_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """The shape the data-parallel shard axis splits: the tensor's, or a tensor-parallel DTensor's local one."""
+    """The shape the data-parallel shard axis splits: the tensor's, or a tensor-parallel DTensor's local
+    one."""
     return tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
 
 
@@ -94,9 +95,10 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
     ``PolicyError`` (naming ``name``) for a policy that cannot apply, including a string placement other
     than ``"auto"``. ``offload``: the call's ``offload_policy`` (a ``ParamPolicy.offload`` overrides it).
     """
-    pp = _pick(name, p, param_policy, names)
+    pp = pick_policy(name, p, param_policy, names)
     if pp is not None and not isinstance(pp, ParamPolicy):
-        raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or None")
+        raise PolicyError(f"param_policy gave {type(pp).__name__} for '{name}'; expected a ParamPolicy or "
+                          "None")
     if pp is not None and isinstance(pp.mesh, DeviceMesh):  # "auto" picks for its own shard axis (another
         # type is refused by ``policy.resolve``)
         num_shards = shard_count(pp.mesh, num_shards)
@@ -104,9 +106,10 @@ def resolve_param(name: str, p: torch.Tensor, mp: MixedPrecisionPolicy, param_po
         pp = pp or ParamPolicy()
         if pp.param_dtype is not None and pp.param_dtype != compute_dtype:
             raise PolicyError(f"parameter '{name}' computes with its module's running statistics, which are "
-                              f"{compute_dtype} buffers, so it cannot compute in param_dtype {pp.param_dtype}: drop "
-                              f"its param_dtype (perparam computes the module in {compute_dtype}) or convert the "
-                              f"module, buffers included, with .to({pp.param_dtype}) before fully_shard")
+                              f"{compute_dtype} buffers, so it cannot compute in param_dtype "
+                              f"{pp.param_dtype}: drop its param_dtype (perparam computes the module in "
+                              f"{compute_dtype}) or convert the module, buffers included, with "
+                              f".to({pp.param_dtype}) before fully_shard")
         pp = dataclasses.replace(pp, param_dtype=compute_dtype)
     if pp is None:
         return resolve(name, p, mp, None, p.dim(), offload)
@@ -127,8 +130,8 @@ def shard_count(mesh, default: int) -> int:
 
 def shard_layout(shape: Sequence[int], policy: ResolvedPolicy,
                  num_shards: int) -> tuple[ShardLayout, tuple[WirePiece, ...]]:
-    """The layout of a parameter of ``shape`` (what the dp axis splits) stored as ``policy.stored_dtype``, and the pieces
-    one rank sends for it in its group's all-gather (``layout.wire_pieces``).
+    """The layout of a parameter of ``shape`` (what the dp axis splits) stored as ``policy.stored_dtype``, and
+    the pieces one rank sends for it in its group's all-gather (``layout.wire_pieces``).
 
     A stored-quantized parameter is stored in its quantization dtype (1 byte per element), its scales
     apart (``ParamResolution.scale_bytes``); the plain wire dtype is the ``param_dtype``.
@@ -147,7 +150,8 @@ def shard_in_kept(policy: ResolvedPolicy, split_by_tp: bool = False) -> bool:
     the compute dtype, no quantization (stored or on the wire), no offload tier, stepped per shard, not split
     by tensor parallelism. Its shard is then a view of the copy's own rows (``perparam.runtime.shard_view``):
     the parameter costs P per rank, not P + P/K (``perparam.memory`` counts it so)."""
-    return (policy.keeps_unsharded and policy.placement == Shard(0) and policy.stored_dtype == policy.param_dtype
+    return (policy.keeps_unsharded and policy.placement == Shard(0)
+            and policy.stored_dtype == policy.param_dtype
             and policy.quant is None and not policy.offload.offloaded and policy.update == "shard"
             and not split_by_tp)
 
@@ -203,8 +207,8 @@ def aliases_of(module: torch.nn.Module) -> dict[str, tuple[str, ...]]:
 
 def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecisionPolicy | None, param_policy,
                    num_shards: int, owner: str = "the module", *,
-                   replicate_below: int = AUTO_REPLICATE_BYTES, aliases: Mapping[str, Sequence[str]] | None = None,
-                   tensor_parallel: Collection[str] = (),
+                   replicate_below: int = AUTO_REPLICATE_BYTES,
+                   aliases: Mapping[str, Sequence[str]] | None = None, tensor_parallel: Collection[str] = (),
                    compute_dtypes: Mapping[str, torch.dtype] | None = None,
                    offload: OffloadPolicy | None = None) -> list[ParamResolution]:
     """Check, resolve and lay out every parameter of one ``fully_shard`` call over a shard axis of K ranks
@@ -236,9 +240,9 @@ def resolve_params(named: Sequence[tuple[str, torch.Tensor]], mp: MixedPrecision
             raise PolicyError(f"parameter '{name}' is tensor-parallel; store_quantized is not supported for "
                               "tensor-parallel parameters: quantize its communication only")
         if on_tp and policy.update == "owner":  # fully_shard and perparam plan alike (this one check)
-            raise PolicyError(f"parameter '{name}' is tensor-parallel and has update='owner': the owner path brings "
-                              "whole data-parallel shards to one rank, not tensor-parallel ones; drop update='owner' "
-                              "for it (or do not tensor-parallelize it)")
+            raise PolicyError(f"parameter '{name}' is tensor-parallel and has update='owner': the owner path "
+                              "brings whole data-parallel shards to one rank, not tensor-parallel ones; drop "
+                              "update='owner' for it (or do not tensor-parallelize it)")
         layout, pieces = shard_layout(dp_shape(p), policy, shard_count(policy.mesh, num_shards))
         out.append(ParamResolution(name, policy, layout, pieces))
     return out

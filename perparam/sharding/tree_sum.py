@@ -33,7 +33,8 @@ class TreeStack:
 
     def take_leaf(self):
         """The last leaf pushed, removed, when it waits for its right sibling (the top partial sum is a leaf);
-        ``None`` otherwise. ``add(leaf, next leaf)`` pushed at level 1 is the same as pushing the two leaves."""
+        ``None`` otherwise. ``add(leaf, next leaf)`` pushed at level 1 is the same as pushing the two
+        leaves."""
         if self._stack and self._stack[-1][0] == 0:
             return self._stack.pop()[1]
         return None
@@ -47,7 +48,8 @@ class TreeStack:
         """The sum of every leaf pushed (exactly one partial sum left; ``ValueError`` otherwise: the leaf
         count was not a power of two, or none was pushed)."""
         if len(self._stack) != 1:
-            raise ValueError(f"tree sum: {len(self._stack)} partial sums left; push a power-of-two number of leaves")
+            raise ValueError(f"tree sum: {len(self._stack)} partial sums left; push a power-of-two number of "
+                             "leaves")
         return self._stack.pop()[1]
 
 

@@ -1,4 +1,5 @@
-"""One optimizer as perparam sees it: a ``Binding``, the value of ``REGISTRY.bindings`` keyed by the optimizer.
+"""One optimizer as perparam sees it: a ``Binding``, the value of ``REGISTRY.bindings`` keyed by the
+optimizer.
 
 It holds everything perparam keeps about that optimizer: the ``ShardedParam``s whose sharded parameters it
 holds (``held``), its owner plan with the plan's staging pool (``route``), the stages of its step
@@ -159,6 +160,8 @@ def _global_pre_hook(optimizer, args, kwargs) -> None:
 
 
 def install_global_hook() -> None:
-    """torch's global optimizer step pre-hook, registered once, by the first ``fully_shard`` (not at import)."""
+    """torch's global optimizer step pre-hook, registered once, by the first ``fully_shard`` (not at
+    import)."""
     if REGISTRY.hook is None:
-        REGISTRY.hook = register_optimizer_step_pre_hook(untraced(_global_pre_hook))  # eager in a compiled step too
+        # eager in a compiled step too
+        REGISTRY.hook = register_optimizer_step_pre_hook(untraced(_global_pre_hook))

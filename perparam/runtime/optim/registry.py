@@ -60,6 +60,7 @@ def binding_of(optimizer):
 
 
 def routing(optimizer):
-    """``optimizer``'s owner plan (``owner_step.Routing``; ``None``: it holds no ``update="owner"`` parameter)."""
+    """``optimizer``'s owner plan (``owner_step.Routing``; ``None``: it holds no ``update="owner"``
+    parameter)."""
     binding = REGISTRY.bindings.get(optimizer)
     return None if binding is None else binding.route

@@ -61,12 +61,13 @@ class Retarget:
                     continue
                 if optimizer.state.get(p):
                     raise ReplacedParameterError(
-                        f"{type(optimizer).__name__} holds state for a parameter of shape {tuple(p.shape)} that "
-                        "fully_shard has since replaced by a sharded DTensor; build the optimizer after fully_shard. "
-                        "To keep the state it has, take it before fully_shard with torch.distributed.checkpoint."
-                        "state_dict.get_optimizer_state_dict(model, optimizer, options=StateDictOptions("
-                        "full_state_dict=True)) and load it into the new optimizer with set_optimizer_state_dict("
-                        "model, new_optimizer, state, options=StateDictOptions(full_state_dict=True))")
+                        f"{type(optimizer).__name__} holds state for a parameter of shape {tuple(p.shape)} "
+                        "that fully_shard has since replaced by a sharded DTensor; build the optimizer after "
+                        "fully_shard. To keep the state it has, take it before fully_shard with "
+                        "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer, "
+                        "options=StateDictOptions(full_state_dict=True)) and load it into the new optimizer "
+                        "with set_optimizer_state_dict(model, new_optimizer, state, "
+                        "options=StateDictOptions(full_state_dict=True))")
                 params[i] = replaced.sharded
         found = (GROUPS.sharded_param(p) for g in optimizer.param_groups for p in g["params"])
         mine = weakref.WeakSet(sp for sp in found if sp is not None)
@@ -75,7 +76,8 @@ class Retarget:
             _check_flattenable(optimizer, mine)
         owner_step.check(optimizer, mine)  # a whole-matrix optimizer on shards: refused, never silently wrong
         mixed_step.watch(optimizer, mine, binding)  # another's DTensor mix error, named
-        binding.route = owner_step.plan(optimizer, mine, binding.route)  # the owners of its update="owner" ones
+        # the owners of its update="owner" parameters
+        binding.route = owner_step.plan(optimizer, mine, binding.route)
         binding.held = mine
         binding.install(optimizer)
         self.key = key
@@ -94,10 +96,11 @@ def _check_materialized(optimizer: torch.optim.Optimizer, held) -> None:
         sp = by_id.get(id(p))
         if sp is not None and p.device.type == "meta":
             raise MetaParameterError(
-                f"{type(optimizer).__name__}.step(): parameter '{sp.path}' is still on the meta device (a model built "
-                "under torch.device('meta') has no values yet), so the step would change nothing. Before the first "
-                "step call model.to_empty(device=...) and initialise it (e.g. reset_parameters() on each module), or "
-                "load weights with perparam.checkpoint.load_full_state_dict(model, state_dict)")
+                f"{type(optimizer).__name__}.step(): parameter '{sp.path}' is still on the meta device (a "
+                "model built under torch.device('meta') has no values yet), so the step would change "
+                "nothing. Before the first step call model.to_empty(device=...) and initialise it (e.g. "
+                "reset_parameters() on each module), or load weights with "
+                "perparam.checkpoint.load_full_state_dict(model, state_dict)")
 
 
 def _check_flattenable(optimizer: torch.optim.Optimizer, held) -> None:
@@ -115,9 +118,10 @@ def _check_flattenable(optimizer: torch.optim.Optimizer, held) -> None:
             reason = str(e).split("\n")[0].rstrip(".")
             placements = ", ".join(placement_str(p) for p in sharded.placements)
             raise UnflattenableShardError(
-                f"{type(optimizer).__name__} flattens every gradient (p.grad.view(-1)), and parameter '{sp.path}' "
-                f"(shape {tuple(sharded.shape)}, placements ({placements}) over {sharded.device_mesh.size()} "
-                f"ranks) cannot be flattened: {reason}. Shard it evenly or replicate it: fully_shard(..., "
-                f"param_policy={{'{sp.fqn}': ParamPolicy(placement='auto')}}) (the dim with the least padding; "
-                "Replicate() for a tiny parameter) or ParamPolicy(placement=Replicate()), or use an optimizer "
-                "that updates each parameter on its own (SGD, Adam, AdamW)") from None
+                f"{type(optimizer).__name__} flattens every gradient (p.grad.view(-1)), and parameter "
+                f"'{sp.path}' (shape {tuple(sharded.shape)}, placements ({placements}) over "
+                f"{sharded.device_mesh.size()} ranks) cannot be flattened: {reason}. Shard it evenly or "
+                f"replicate it: fully_shard(..., param_policy={{'{sp.fqn}': ParamPolicy(placement='auto')}}) "
+                "(the dim with the least padding; Replicate() for a tiny parameter) or "
+                "ParamPolicy(placement=Replicate()), or use an optimizer that updates each parameter on its "
+                "own (SGD, Adam, AdamW)") from None

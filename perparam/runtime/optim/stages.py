@@ -65,7 +65,8 @@ class LocalSwap:
 
     def before(self, step, binding) -> None:
         optimizer = step.optimizer
-        if type(optimizer) in local_step.ELEMENTWISE and not step.closure and binding.last_pre_hook(optimizer):
+        if (type(optimizer) in local_step.ELEMENTWISE and not step.closure
+            and binding.last_pre_hook(optimizer)):
             self.records = local_step.swap_in(optimizer, binding.held, step)
 
     def after(self, step, binding) -> None:

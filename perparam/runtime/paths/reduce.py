@@ -21,7 +21,7 @@ class ReducePath(Protocol):
     the same for every path. A path whose output means something else says so in its ``PendingReduce``'s
     ``tail`` (``reduction.ReduceTail``: its flag rows, pieces and accumulation; ``reduce_owner.OwnerTail``),
     and one that takes parameters into a reduction of their own, through ``choose.apart``: the common tail
-    (``part_reduce``, ``partial``, ``reduction``) never asks which path ran."""
+    (``part``, ``partial``, ``reduction``) never asks which path ran."""
 
     name: str
 

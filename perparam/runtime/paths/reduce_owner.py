@@ -11,7 +11,7 @@ the tail of the reduction (the HSDP all-reduce over the replicate axis, whose ra
 is the same as for any path; what differs after it is this path's ``OwnerTail`` (``reduction.ReduceTail``):
 two rows of flags, each owned whole gradient's piece (``partial``'s held sums), and the accumulation
 (``owner_grads.accumulate``). Which parameters go this way is ``owner_apart`` (``choose.apart``): the common
-tail (``part_reduce``, ``partial``, ``reduction``) names no owner. On the wire, summed over the ranks:
+tail (``part``, ``partial``, ``reduction``) names no owner. On the wire, summed over the ranks:
 ``(K-1) m n`` elements per ``m x n`` matrix (each other rank's whole gradient), the reduce-scatter's bytes,
 and the rows never travel at the step (``owner_exchange``): ``2 (K-1)/K m n`` there instead of
 ``3 (K-1)/K m n``."""
