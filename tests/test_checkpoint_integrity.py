@@ -103,7 +103,7 @@ def test_every_damage_is_one_line_naming_the_file_on_every_rank_and_nothing_is_l
     assert all(out == got[0] for out in got[1:])  # every rank alike
 
 
-def test_survey_names_the_damaged_newest_and_latest_skips_it(tmp_path):
+def test_survey_names_the_damaged_newest_and_latest_passes_over_it_with_a_warning_naming_it(tmp_path):
     model, opt = build(0, 0, "adamw")
     for step in (2, 4):
         checkpoint.save(tmp_path / f"step-{step}", model, opt, extra={"step": step}, keep=None)
@@ -111,7 +111,8 @@ def test_survey_names_the_damaged_newest_and_latest_skips_it(tmp_path):
     found = checkpoint.survey(tmp_path)
     assert [p.name for p, _ in found] == ["step-4", "step-2"]
     assert "perparam_checkpoint.json cannot be read (truncated" in found[0][1] and found[1][1] is None
-    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+    with pytest.warns(UserWarning, match=r"passed over .*step-4: its perparam_checkpoint.json cannot be read"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
     # a checkpoint named itself
     assert checkpoint.survey(tmp_path / "step-2") == [(tmp_path / "step-2", None)]
     (f := _largest_shard(tmp_path / "step-2")).write_bytes(f.read_bytes()[:10])

@@ -11,6 +11,7 @@ import pickle
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,15 +105,17 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def complete(folder: Path) -> list[Path]:
-    """The complete checkpoints in ``folder``, oldest first."""
+def complete(folder: Path, unreadable: list | None = None) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first; those whose manifest cannot be read are left
+    out (appended to ``unreadable`` as ``(folder, the OS's or the parser's words)`` when it is given)."""
     found = []
     for d in folder.iterdir() if folder.is_dir() else []:
         if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file():
             try:
                 found.append((json.loads((d / MANIFEST).read_text()).get("saved_ns", 0), d))
-            except (OSError, ValueError):
-                continue
+            except (OSError, ValueError) as e:
+                if unreadable is not None:
+                    unreadable.append((d, str(e)))
     return [d for _, d in sorted(found)]
 
 
@@ -207,13 +210,23 @@ def survey(folder: str | os.PathLike) -> list[tuple[Path, str | None]]:
 
 def latest(folder: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in ``folder`` (or ``folder`` itself if it is one), else ``None``; this
-    process's ``async_save`` still in flight is waited for first."""
+    process's ``async_save`` still in flight is waited for first. A newer folder whose manifest cannot be read
+    (a truncated or damaged ``perparam_checkpoint.json``) is passed over with a ``UserWarning`` naming it,
+    never in silence (:func:`survey` lists every checkpoint with what is wrong with it)."""
     background.wait_pending()
     folder = Path(folder)
     if (folder / MANIFEST).is_file():
         return folder
-    found = complete(folder)
-    return found[-1] if found else None
+    unreadable: list = []
+    found = complete(folder, unreadable)
+    newest = found[-1] if found else None
+    since = json.loads((newest / MANIFEST).read_text()).get("saved_ns", 0) if newest is not None else -1
+    for d, why in sorted(unreadable):
+        if d.stat().st_mtime_ns > since:
+            warnings.warn(f"perparam.checkpoint.latest: passed over {d}: its {MANIFEST} cannot be read "
+                          f"({why}); " + (f"the newest readable checkpoint is {newest}" if newest is not None
+                             else "no other checkpoint is complete"), stacklevel=2)
+    return newest
 
 
 def read_manifest(path: Path) -> dict:
