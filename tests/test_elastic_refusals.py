@@ -1,6 +1,7 @@
 """What cannot compose with in-memory snapshots is refused by ``perparam.elastic.State`` at start, on every
 rank alike, in one line naming the fix: parameters on the disk offload tier, experts on their own
-``ParamPolicy(mesh=...)`` mesh, pipeline stages (each stage's model sharded over its own ranks)."""
+``ParamPolicy(mesh=...)`` mesh, pipeline stages (each stage's model sharded over its own ranks), a model not
+sharded at all (each rank's own copy)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def refusals(rank: int, world_size: int, root: str) -> dict:
         "disk": lambda m: fully_shard(m, mesh=whole, offload_policy=OffloadPolicy("disk", "all", path=root)),
         "experts": lambda m: fully_shard(m, mesh=whole, param_policy={"*": ParamPolicy(mesh=own)}),
         "stages": lambda m: fully_shard(m, mesh=own),  # a pipeline stage: its own model over its own ranks
+        "unsharded": lambda m: None,  # each rank its own copy: a restore would give each rank one rank's
     }
     out = {}
     for name, shard in cases.items():
@@ -45,6 +47,8 @@ def said(tmp_path_factory) -> list[dict]:
     ("disk", "is offloaded to the disk tier", "use OffloadPolicy('cpu') or no offload"),
     ("experts", "is a different tensor on each rank (experts on their own", "shard the experts on the"),
     ("stages", "is sharded over 1 of the job's 2 ranks (pipeline stages", "save each stage to disk"),
+    ("unsharded", "Sequential has no parameter sharded by perparam.fully_shard: on 2 ranks each holds",
+     "fully_shard the model (each block, then the root) before State"),
 ])
 def test_what_cannot_compose_with_snapshots_is_refused_on_every_rank_in_one_line(said, case, expect, fix):
     lines = [r[case] for r in said]

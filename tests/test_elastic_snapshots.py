@@ -143,6 +143,16 @@ def test_a_shard_lost_with_its_replica_stops_with_one_line_on_every_rank(tmp_pat
     assert "resume from your last disk checkpoint" in lines[0]
 
 
+def test_every_copy_of_a_rank_refused_by_its_checksum_names_that_rank(tmp_path):
+    job = uuid.uuid4().hex
+    run_distributed(run, 2, str(tmp_path), job, 3)
+    for name in ("r1-own-s0", "r1-own-s1", "r1-by0-s0", "r1-by0-s1"):  # headers whole, payloads damaged
+        flip(tmp_path / job / name, 4096 + 8000)
+    lines = run_distributed(lose_and_restore, 2, str(tmp_path), job)
+    assert lines[0] == lines[1]
+    assert lines[0].startswith("no complete in-memory snapshot: rank(s) [1] of the newest (step 3, 2 ranks)")
+
+
 def flip(path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x10

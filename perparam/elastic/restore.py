@@ -60,10 +60,12 @@ def _choose(seen, refused: set) -> tuple[int, int, dict[int, list[tuple[int, Cop
     return gen, world, by_gen[(gen, world)]
 
 
-def _missing(seen, folder: Path) -> SnapshotError:
+def _missing(seen, folder: Path, refused: set) -> SnapshotError:
+    """The error naming the ranks of the newest generation with no copy left that passed its checksum
+    (``refused``: the keys of the copies that failed it)."""
     newest = max((c.header.generation, c.header.world_size) for copies in seen for c in copies)
     have = {c.header.origin for copies in seen for c in copies
-            if (c.header.generation, c.header.world_size) == newest}
+            if (c.header.generation, c.header.world_size) == newest and c.key not in refused}
     lost = sorted(set(range(newest[1])) - have)
     reason = (f"no complete in-memory snapshot: rank(s) {lost} of the newest (step {newest[0]}, {newest[1]} "
               "ranks) have neither their own copy nor a replica that passes its checksum")
@@ -92,7 +94,7 @@ def find(folder: Path) -> tuple[int, int, list[tuple[Description, torch.Tensor]]
     while True:
         chosen = _choose(seen, refused)
         if chosen is None:
-            raise _missing(seen, folder)
+            raise _missing(seen, folder, refused)
         gen, world, origins = chosen
         # one copy per origin, preferring the origin's own slot; checked by the origin's rank where it sees it
         # (the checks spread over the ranks: on one host every rank sees every slot), else the first that does

@@ -27,6 +27,7 @@ state's bytes plus a page of header and a small description (``bytes_mapped()``)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import pickle
@@ -49,15 +50,21 @@ from .reader import SnapshotReader
 from .replica import REPLICA_MODES, ReplicaLink, replica_wanted
 from .restore import find
 from .slots import PAYLOAD_AT, Header, align
-from .store import Store, job_folder, node_folder, remove
+from .store import Store, clear, job_folder, node_folder, remove, scan
 
 _live: weakref.WeakSet = weakref.WeakSet()
+#: the attributes ``State`` sets on itself (a user value of one of these names is refused: it would hide it)
+_OWN_NAMES = frozenset({"model", "optimizers", "scheduler", "every", "step", "rank", "world", "job_folder",
+                        "folder", "store", "replica", "group", "link", "copier", "last_commit_s",
+                        "last_wait_s", "restored", "wrote", "superseded", "closed"})
 
 
 @atexit.register
 def _finish_at_exit() -> None:  # no c10d work left in flight at interpreter exit
     for state in list(_live):
-        state.finish()
+        # a process group already gone (a peer lost, destroy_process_group): nothing left to wait for
+        with contextlib.suppress(Exception):
+            state.finish()
 
 
 def _rank_world() -> tuple[int, int]:
@@ -119,8 +126,12 @@ class State:
 
     def __init__(self, model: torch.nn.Module, optimizers, scheduler=None, *, every: int = 1,
                  job: str | None = None, root=None, replica: str = "auto", **user_state) -> None:
-        if every < 1:
-            raise SnapshotError(f"State(every={every}): commit every 1 or more steps")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise SnapshotError(f"State(every={every!r}): commit every 1 or more steps (an int)")
+        taken = sorted(n for n in user_state if n.startswith("_") or n in _OWN_NAMES or hasattr(State, n))
+        if taken:
+            raise SnapshotError(f"State({taken[0]}=...): '{taken[0]}' is State's own (State.{taken[0]}); "
+                                f"name the value otherwise, e.g. State(..., my_{taken[0].lstrip('_')}=...)")
         if replica not in REPLICA_MODES:
             raise SnapshotError(f"State(replica={replica!r}): pass 'auto' (a replica on the next node when "
                                 "the job spans nodes), 'always' or 'off'")
@@ -130,6 +141,8 @@ class State:
         self.rank, self.world = _rank_world()
         self.job_folder = job_folder(job, root)
         self.folder = node_folder(self.job_folder)  # this node's own namespace (store.py)
+        _refuse_unsharded(model, self.world)
+        _refuse_missing_optimizers(model, _optimizer_list(optimizers))
         tensors, _ = checkpoint.capture(model, optimizers)
         _refuse_what_cannot_compose(model, tensors)
         self._layout = Layout()
@@ -145,6 +158,10 @@ class State:
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in _optimizer_list(optimizers)]
         self.last_commit_s = 0.0
         self.last_wait_s = 0.0  # what the last optimizer step waited for the copy
+        self.restored = False  # restore() (or discard()) ran: a commit may write over what this job has
+        self.wrote = False  # a snapshot was written: no other live State of this process writes this folder
+        self.superseded = False  # a later State of this process restored from this folder: no more commits
+        self.closed = False
         _live.add(self)
 
     # user state as attributes
@@ -161,7 +178,15 @@ class State:
             object.__setattr__(self, name, value)
 
     def commit(self) -> None:
-        """After an optimizer step: count it, and snapshot every ``every``-th. Every rank calls it."""
+        """After an optimizer step: count it, and snapshot every ``every``-th. Every rank calls it. Raises
+        ``SnapshotError`` after ``close()``, and (on every rank) at the first commit of a job that holds
+        snapshots from an earlier start when ``restore()`` was not called: the commit would overwrite the
+        newest of them."""
+        if self.closed:
+            raise SnapshotError("State.commit() after close(): build a new State to snapshot again")
+        if self.superseded:
+            raise SnapshotError("State.commit() after a later State of this process restored this job's "
+                                "snapshots: commit through that one (a restarted loop's State)")
         self.step += 1
         if self.step % self.every == 0:
             self.snapshot()
@@ -170,12 +195,19 @@ class State:
         """Snapshot now, as generation ``self.step``: the small values pickled into the own slot here; the
         tensors' copy, its checksum and the header in the background (``copier.py``); the replica's transfer
         announced."""
+        twin = next((s for s in self._twins() if s.wrote and not s.superseded), None)
+        if twin is not None:  # the same on every rank: each builds its States in the same order
+            raise SnapshotError(f"another State of this process snapshots into {self.folder} (each would "
+                                "overwrite the other's slots): give each model its own State(..., job='a "
+                                "name'), or close() the other first")
+        if not self.restored:
+            self._refuse_overwriting_an_earlier_start()
+        self.wrote = True
         start = time.perf_counter()
         tensors, manifest = checkpoint.capture(self.model, self.optimizers, {"step": self.step})
         entries, tensor_bytes = self._layout.entries(tensors)
         extra = pickle.dumps({"step": self.step, "user": self._user, "rng": _rng_state(),
-                              "scheduler": self.scheduler.state_dict() if self.scheduler is not None
-                              else None})
+                              "scheduler": [s.state_dict() for s in _scheduler_list(self.scheduler)]})
         raw = Description(self.rank, self.world, manifest, extra, entries).dumps()
         base = align(len(raw))
         payload_bytes = base + tensor_bytes
@@ -199,6 +231,23 @@ class State:
             self.link.send(sizes, slot, self._copy.result)
         self.last_commit_s = time.perf_counter() - start
 
+    def _twins(self) -> list[State]:
+        """The other live States of this process on this rank's slots."""
+        return [s for s in _live if s is not self and s.folder == self.folder and s.rank == self.rank]
+
+    def _refuse_overwriting_an_earlier_start(self) -> None:
+        """At the first snapshot without ``restore()``: snapshots of an earlier start in this node's folder
+        on any rank make every rank refuse (a collective; once)."""
+        held = torch.tensor([max((h.generation for _, h in scan(self.folder)[0]), default=0)])
+        if self.group is not None:
+            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.group)
+        if held.item():
+            raise SnapshotError(f"State.commit() before restore(): this job already holds snapshots (the "
+                                f"newest of step {held.item()}, in {self.folder}) that this commit would "
+                                "overwrite; call step = state.restore() before training (it returns the step "
+                                "to continue from), or use another State(job=...) for a new run")
+        self.restored = True
+
     def _before_step(self, *_) -> None:
         """Before an optimizer step changes the tensors: the copy in flight done (on CUDA: the compute stream
         waits for it), and the replica's send started from the copied slot."""
@@ -218,6 +267,9 @@ class State:
         ``SnapshotError`` on every rank when snapshots exist but none is complete (a shard and its replica
         lost), naming the lost ranks; nothing is loaded then."""
         self.finish()
+        self.restored = True
+        for twin in self._twins():  # this one now writes the job's folder (a loop restarted in-process)
+            twin.superseded = True
         collecting = gc.isenabled()
         gc.disable()  # its allocations (plans, read items, descriptions) start collections of the whole heap
         try:
@@ -231,8 +283,9 @@ class State:
             if collecting:
                 gc.enable()
         mine = pickle.loads(snapshots[self.rank if self.rank < world else 0][0].extra)
-        if self.scheduler is not None and mine["scheduler"] is not None:
-            self.scheduler.load_state_dict(mine["scheduler"])
+        if mine["scheduler"] is not None:
+            for scheduler, saved in zip(_scheduler_list(self.scheduler), mine["scheduler"]):
+                scheduler.load_state_dict(saved)
         self._user.update(mine["user"])
         if world == self.world:  # another number of ranks: each rank's stream cannot be mapped to a new rank
             _set_rng_state(mine["rng"])
@@ -265,6 +318,7 @@ class State:
             dist.barrier(group=self.group)
         if remove_snapshots and self.rank == 0 or remove_snapshots and self.world > 1 and _first_on_node():
             remove(self.job_folder)  # every node folder of the job on this host, a killed agent's included
+        self.closed = True
         _live.discard(self)
 
     def discard(self) -> None:
@@ -277,10 +331,37 @@ class State:
         if self.group is not None:
             dist.barrier(group=self.group)
         if self.rank == 0 or self.world > 1 and _first_on_node():
-            for path in self.folder.iterdir() if self.folder.is_dir() else ():
-                path.unlink(missing_ok=True)
+            clear(self.folder)
         if self.group is not None:
             dist.barrier(group=self.group)
+        self.restored = True
+
+
+def _scheduler_list(scheduler) -> list:
+    if scheduler is None:
+        return []
+    return list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+
+
+def _refuse_unsharded(model: torch.nn.Module, world: int) -> None:
+    """A model with no parameter sharded by ``fully_shard`` on more than one rank: each rank trains its own
+    copy, which a restore (one model, resharded) cannot give back."""
+    params = list(model.parameters())
+    if world > 1 and params and not any(isinstance(p, DTensor) for p in params):
+        raise SnapshotError(f"{type(model).__name__} has no parameter sharded by perparam.fully_shard: on "
+                            f"{world} ranks each holds its own copy, and a restore would give every rank one "
+                            "rank's; fully_shard the model (each block, then the root) before State(...)")
+
+
+def _refuse_missing_optimizers(model: torch.nn.Module, optimizers: list) -> None:
+    """A trainable parameter that none of ``optimizers`` holds: the optimizer that steps it (a second one,
+    Muon beside AdamW) would lose its state at a restore."""
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    missing = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held), None)
+    if missing is not None:
+        raise SnapshotError(f"parameter '{missing}' requires grad but is in none of the optimizers given to "
+                            "State: pass every optimizer that steps the model (State(model, [muon, adamw])), "
+                            "or freeze it (requires_grad_(False)) if none does")
 
 
 def _optimizer_list(optimizers) -> list[torch.optim.Optimizer]:

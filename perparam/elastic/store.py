@@ -17,18 +17,23 @@ job's at the job's end. Outside an agent (no ``$TORCHELASTIC_RUN_ID``) there is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 import socket
 from pathlib import Path
 
+from .errors import SnapshotError
 from .slots import HEADER_BYTES, Header, SlotFile, read_header
 
 ROOT_ENV = "PERPARAM_SNAPSHOT_DIR"
 NODE_ENV = "PERPARAM_SNAPSHOT_NODE"
 DEFAULT_ROOT = "/dev/shm/perparam-snapshots"
 NAME = re.compile(r"r(\d+)-(own|by\d+)-s([01])")
+#: the other files a job keeps beside its slots, ``perparam finetune``'s: why its workers stopped (one line)
+#: and when each learnt its group stops; with the slot files, the only files :func:`remove` deletes
+STOPPED_FILE, STOPS_FILE = "stopped", "stops"
+JOB_FILES = (STOPPED_FILE, STOPS_FILE)
 
 
 def default_job() -> str:
@@ -39,15 +44,28 @@ def default_job() -> str:
 
 
 def job_folder(job: str | None = None, root: str | os.PathLike | None = None) -> Path:
-    """``<root>/<job>``: every node's folder of the job on this host (what the job's end removes)."""
-    return Path(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT) / (job or default_job())
+    """``<root>/<job>``: every node's folder of the job on this host (what the job's end removes). Raises
+    ``SnapshotError`` for a ``job`` that is not one folder name (empty, ``.``, ``..``, a path separator)."""
+    name = folder_name(default_job() if job is None else job, "job")
+    return Path(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT) / name
+
+
+def folder_name(name: str, what: str) -> str:
+    """``name`` when it names one folder inside another; else ``ValueError`` naming ``what`` (a job name
+    such as ``..`` would put the snapshots, and the removal at the job's end, outside the job's folder):
+    ``SnapshotError``."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or (os.altsep and os.altsep in name) or "\0" in name):
+        raise SnapshotError(f"{what}={name!r}: a snapshot {what} is one folder name (no '/', not '.' or "
+                            "'..', not empty); its folder is removed at the job's end")
+    return name
 
 
 def node_name() -> str | None:
     """This node's namespace in a job's folder (module docstring), or None outside torch's elastic agent."""
     named = os.environ.get(NODE_ENV)
     if named:
-        return named
+        return folder_name(named, NODE_ENV)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or run_id == "none":
         return None
@@ -133,5 +151,22 @@ def zeroed_or_short(path: Path) -> list[bool]:
 
 
 def remove(folder: Path) -> None:
-    """Remove a job's snapshots (at the job's successful end)."""
-    shutil.rmtree(folder, ignore_errors=True)
+    """Remove a job's snapshots (at the job's successful end): the slot files and :data:`JOB_FILES` in
+    ``folder`` and in its node folders, then each folder left empty. Nothing else is deleted: a file of
+    another kind (a folder the user chose as ``root``/``job`` that held files of their own) stays, and so
+    does the folder holding it."""
+    subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()) if folder.is_dir() else []
+    for sub in subs:
+        clear(sub)
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+    clear(folder)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def clear(folder: Path) -> None:
+    """Delete the slot files and :data:`JOB_FILES` directly in ``folder`` (nothing else)."""
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if (NAME.fullmatch(path.name) or path.name in JOB_FILES) and (path.is_symlink() or path.is_file()):
+            path.unlink(missing_ok=True)

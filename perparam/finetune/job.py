@@ -135,7 +135,9 @@ def setup(cfg: JobConfig, data: PreparedData) -> Run:
     run.loss_before = snaps.state.loss_before if from_snapshot else evaluate(cfg, run)
     first_step = run.first_step
     if rank == 0:
-        at = f" (step {first_step}, resumed)" if first_step else ""
+        # after a restart the value is the job's start's (kept in the snapshot), not this step's
+        at = " (the job's start, kept in the snapshot)" if from_snapshot else (
+            f" (step {first_step}, resumed)" if first_step else "")
         print(f"held-out loss before{at}: {run.loss_before:.4f}", flush=True)
     clock.ready()
     return run

@@ -21,8 +21,9 @@ import os
 import time
 from pathlib import Path
 
+from perparam.elastic.store import STOPS_FILE
+
 #: the file, in the job's snapshot folder, where the workers of a failing group note when they stopped
-STOPS_FILE = "stops"
 _IMPORTED = time.time()
 
 

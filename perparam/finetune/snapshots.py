@@ -37,6 +37,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from perparam.elastic.store import STOPPED_FILE
 from perparam.finetune import lifecycle, restart_times
 from perparam.finetune.errors import FinetuneInputError
 
@@ -129,7 +130,7 @@ class JobSnapshots:
         from perparam import checkpoint
         from perparam.finetune.checkpointing import resume_from
 
-        stopped = self.state.folder / "stopped"
+        stopped = self.state.folder / STOPPED_FILE
         if stopped.exists():  # an earlier attempt of this agent said why already
             raise SystemExit(2)
         intact = cfg.save and any(problem is None for _, problem in checkpoint.survey(cfg.save))
