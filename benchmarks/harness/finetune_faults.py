@@ -315,21 +315,29 @@ def _end(run: Launch, hit: dict, timeout: float) -> int:
     return code
 
 
-def from_snapshot(case: Case, job: Job, text: Path, out: Path, want: dict, timeout: float = 600.0) -> dict:
-    """The fault recovered by torch's agent from the in-memory snapshots (module docstring)."""
-    name = f"{case.name}-snap"
+def _faulted(case: Case, job: Job, text: Path, out: Path, name: str, restarts: int,
+             timeout: float) -> tuple[Launch, dict, int | None, int]:
+    """The job run with ``--max-restarts restarts`` and the case's fault: the launch, what the signal hit,
+    the step every rank had committed at it (snapshots only: ``restarts > 0``) and the exit status."""
     ready = out / f"{name}.ready"
     run = Launch(
-        ["--max-restarts", "1", *job.argv(text, out, name)],
+        ["--max-restarts", str(restarts), *job.argv(text, out, name)],
         environment(out, name, f"{case.victim},{case.phase},{case.step},{ready}"),
     )
     try:
         hit = _fault(run, case, ready, timeout)
-        comm = committed(out / f"shm-{name}")
+        comm = committed(out / f"shm-{name}") if restarts else None
         code = _end(run, hit, timeout)
     finally:
         if run.proc.poll() is None:
             run.kill()
+    return run, hit, comm, code
+
+
+def from_snapshot(case: Case, job: Job, text: Path, out: Path, want: dict, timeout: float = 600.0) -> dict:
+    """The fault recovered by torch's agent from the in-memory snapshots (module docstring)."""
+    name = f"{case.name}-snap"
+    run, hit, comm, code = _faulted(case, job, text, out, name, 1, timeout)
     result = {"exit": code, "done_at_signal": hit["done_at_signal"], "committed_at_signal": comm}
     if code != 0:
         return {**result, "error": run.tail()}
@@ -358,17 +366,7 @@ def from_snapshot(case: Case, job: Job, text: Path, out: Path, want: dict, timeo
 def from_disk(case: Case, job: Job, text: Path, out: Path, want: dict, timeout: float = 600.0) -> dict:
     """The same fault without restarts: the command fails and is run again with ``--resume`` at once."""
     name = f"{case.name}-disk"
-    ready = out / f"{name}.ready"
-    run = Launch(
-        ["--max-restarts", "0", *job.argv(text, out, name)],
-        environment(out, name, f"{case.victim},{case.phase},{case.step},{ready}"),
-    )
-    try:
-        hit = _fault(run, case, ready, timeout)
-        code = _end(run, hit, timeout)
-    finally:
-        if run.proc.poll() is None:
-            run.kill()
+    run, hit, _, code = _faulted(case, job, text, out, name, 0, timeout)
     failed_at = run.ended
     resumed = f"{name}-resumed"
     again = Launch(
