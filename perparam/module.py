@@ -347,7 +347,7 @@ class ShardedModule:
         Raises ``TypeError`` for an object without ``allocate`` or not callable, ``ShardingError`` when the
         group has ``grad_quant`` parameters (their reduce-scatter is perparam's encoded all-to-all)."""
         group = group_of(self)
-        quantized = [p.fqn for p in group.params if p.policy.grad_quant is not None]
+        quantized = [p.path for p in group.params if p.policy.grad_quant is not None]
         if comm is not None and quantized:
             raise ShardingError(f"{class_name(self)}.set_custom_reduce_scatter: parameters {quantized} have "
                                 "grad_quant, whose reduce-scatter is perparam's own; drop grad_quant for "

@@ -46,14 +46,16 @@ def _parts(rank: int, world_size: int) -> dict:
            "leaked": sorted({name for part in group.parts for name in CALL_ONLY if hasattr(part, name)})}
     # grad_quant on the expert mesh (K = 2 there; the call's mesh holds nothing), a custom reduce-scatter
     # set past the setter's check
-    quantized = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
-    perparam.fully_shard(quantized, mesh=dp, param_policy={"*": ParamPolicy(mesh=edp, grad_quant="int8")})
+    # (a block of a model sharded at its root too: the runtime's refusal names the model path, 0.1.weight)
+    quantized = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+    perparam.fully_shard(quantized[0], mesh=dp, param_policy={"*": ParamPolicy(mesh=edp, grad_quant="int8")})
+    perparam.fully_shard(quantized, mesh=dp)
     try:
-        quantized.set_custom_reduce_scatter(_Comm())
+        quantized[0].set_custom_reduce_scatter(_Comm())
         out["setter"] = "no error"
     except perparam.ShardingError as e:
         out["setter"] = str(e)
-    group_of(quantized).reduce_scatter_comm = _Comm()
+    group_of(quantized[0]).reduce_scatter_comm = _Comm()
     try:
         quantized(torch.ones(2, 4)).sum().backward()
         out["runtime"] = "no error"
@@ -66,5 +68,6 @@ def test_a_mesh_part_reads_the_calls_settings_and_has_none_of_its_own():
     for out in run_distributed(_parts, 4):
         assert out["sizes"] == [0, 4] and out["leaked"] == []
         assert out["hook_calls"] == 1  # the expert part's all-gather ran the call's offload hook
-        assert "1.weight" in out["setter"] and "grad_quant" in out["setter"]
-        assert "custom reduce-scatter and grad_quant" in out["runtime"] and "1.weight" in out["runtime"]
+        assert "'0.1.weight'" in out["setter"] and "grad_quant" in out["setter"]
+        assert "custom reduce-scatter and grad_quant" in out["runtime"]
+        assert "(0.0.weight, 0.0.bias, 0.1.weight, 0.1.bias)" in out["runtime"]  # by model path

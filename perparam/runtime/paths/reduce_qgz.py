@@ -211,7 +211,7 @@ class QgzAllToAll:
         piece, filled at ``wait()``. Raises ``RuntimeError`` when the call has a custom reduce-scatter."""
         if part.call.reduce_scatter_comm is not None:  # set_custom_reduce_scatter checks it too
             raise RuntimeError(f"perparam: {part._what} has a custom reduce-scatter and grad_quant "
-                               f"parameters ({', '.join(p.fqn for p in params)}); drop one of the two")
+                               f"parameters ({', '.join(p.path for p in params)}); drop one of the two")
         gq = plan.wire
         k, pool = part.num_shards, part.pool
         layouts = [p.layout for p in params]
